@@ -1,0 +1,147 @@
+// Flux-style entry points (initialize, get_distributed_backend, rank, total_workers) and the
+// TorchOpt-style world vocabulary (world_info, rank_zero_only, on_rank, AutoInit).
+#pragma once
+
+#include <algorithm>
+#include <functional>
+#include <initializer_list>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "lockstep/backend.hpp"
+
+namespace lockstep {
+
+/// Initialises backend B (for MPIBackend: MPI_Init_thread with MPI_THREAD_MULTIPLE if MPI is not
+/// yet initialised). Idempotent.
+template <class B>
+void initialize() {
+  B::initialize_global();
+}
+/// True once initialize<B>() has run (and finalize<B>() has not).
+template <class B>
+bool initialized() noexcept {
+  return B::initialized_global();
+}
+/// The process-wide backend of type B; throws lockstep::Error if B is not initialised.
+template <class B>
+B& get_distributed_backend() {
+  return B::global();
+}
+/// Tears down the global backend B (and MPI, if Lockstep initialised it). Also happens at exit.
+template <class B>
+void finalize() {
+  B::finalize_global();
+}
+
+/// This process's rank in the backend's group.
+inline int rank(const Backend& b) { return b.rank(); }
+/// Number of ranks in the backend's group.
+inline int total_workers(const Backend& b) { return b.size(); }
+/// Rank among the processes on this node.
+inline int local_rank(const Backend& b) { return b.local_rank(); }
+/// Number of processes on this node.
+inline int local_workers(const Backend& b) { return b.local_size(); }
+
+/// Free-function forms of the collectives (backend first, as in Flux).
+inline void broadcast(Backend& b, TensorView buf, int root = 0) { b.broadcast(buf, root); }
+inline void allreduce(Backend& b, TensorView buf, ReduceOp op) { b.allreduce(buf, op); }
+inline void allreduce(Backend& b, TensorView send, TensorView recv, ReduceOp op) {
+  b.allreduce(send, recv, op);
+}
+inline void reduce(Backend& b, TensorView buf, ReduceOp op, int root = 0) { b.reduce(buf, op, root); }
+inline void reduce(Backend& b, TensorView send, TensorView recv, ReduceOp op, int root = 0) {
+  b.reduce(send, recv, op, root);
+}
+inline void allgather(Backend& b, TensorView send, TensorView recv) { b.allgather(send, recv); }
+inline void reduce_scatter(Backend& b, TensorView send, TensorView recv, ReduceOp op) {
+  b.reduce_scatter(send, recv, op);
+}
+inline void barrier(Backend& b) { b.barrier(); }
+
+/// True when MPI is initialised, so that a distributed backend can be used.
+bool is_available() noexcept;
+
+/// Where this process sits in the job.
+struct WorldInfo {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+};
+/// World info of MPI_COMM_WORLD; a single-process world {0, 1, 0, 1} when MPI is not initialised.
+WorldInfo world_info();
+
+/// What on_rank & co. return for a void function on a rank that ran it.
+using Done = std::monostate;
+
+namespace detail {
+template <class F>
+using rank_result_t =
+    std::conditional_t<std::is_void_v<std::invoke_result_t<F>>, Done, std::invoke_result_t<F>>;
+
+template <class F>
+std::optional<rank_result_t<F>> run_if(bool run, F&& f) {
+  if (!run) return std::nullopt;
+  if constexpr (std::is_void_v<std::invoke_result_t<F>>) {
+    std::invoke(std::forward<F>(f));
+    return Done{};
+  } else {
+    return std::invoke(std::forward<F>(f));
+  }
+}
+inline bool contains(const std::vector<int>& ranks, int r) {
+  return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
+}
+}  // namespace detail
+
+/// Runs f on the ranks listed (world ranks); others get an empty optional. Not a collective.
+template <class F>
+auto on_rank(const std::vector<int>& ranks, F&& f) {
+  return detail::run_if(detail::contains(ranks, world_info().rank), std::forward<F>(f));
+}
+template <class F>
+auto on_rank(std::initializer_list<int> ranks, F&& f) {
+  return on_rank(std::vector<int>(ranks), std::forward<F>(f));
+}
+template <class F>
+auto on_rank(int r, F&& f) {
+  return on_rank(std::vector<int>{r}, std::forward<F>(f));
+}
+/// Runs f on every rank except those listed.
+template <class F>
+auto not_on_rank(const std::vector<int>& ranks, F&& f) {
+  return detail::run_if(!detail::contains(ranks, world_info().rank), std::forward<F>(f));
+}
+template <class F>
+auto not_on_rank(std::initializer_list<int> ranks, F&& f) {
+  return not_on_rank(std::vector<int>(ranks), std::forward<F>(f));
+}
+/// Runs f on rank 0 only.
+template <class F>
+auto rank_zero_only(F&& f) {
+  return on_rank(std::vector<int>{0}, std::forward<F>(f));
+}
+/// Runs f on every rank but 0.
+template <class F>
+auto rank_non_zero_only(F&& f) {
+  return not_on_rank(std::vector<int>{0}, std::forward<F>(f));
+}
+
+/// RAII guard after TorchOpt's auto_init_rpc: initialises MPIBackend, runs worker_init (if any),
+/// waits at a barrier, and on scope exit barriers again and finalises what it initialised.
+class AutoInit {
+ public:
+  explicit AutoInit(std::function<void()> worker_init = {});
+  ~AutoInit();
+  AutoInit(const AutoInit&) = delete;
+  AutoInit& operator=(const AutoInit&) = delete;
+
+ private:
+  bool owns_ = false;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,679 @@
+// MPIBackend: every collective of the Backend interface over one duplicated MPI communicator.
+#include "lockstep/mpi_backend.hpp"
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <vector>
+
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include "lockstep/device_runtime.hpp"
+
+namespace lockstep {
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+void check_mpi(int code, const char* call, const std::source_location& loc) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  int cls = code;
+  MPI_Error_class(code, &cls);
+  char cls_text[MPI_MAX_ERROR_STRING] = {};
+  MPI_Error_string(cls, cls_text, &len);
+  throw MpiError(concat(where(loc), ": ", call, " failed: ", cls_text, ": ", text, rank_suffix()),
+                 code);
+}
+}  // namespace detail
+
+const char* name(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::prod: return "prod";
+    case ReduceOp::min: return "min";
+    case ReduceOp::max: return "max";
+    case ReduceOp::avg: return "avg";
+  }
+  return "?";
+}
+
+void check_op_for_dtype(ReduceOp op, DType dtype) {
+  LOCKSTEP_CHECK_ARG(static_cast<int>(op) <= static_cast<int>(ReduceOp::avg), "invalid ReduceOp value ",
+                     static_cast<int>(op));
+  LOCKSTEP_CHECK_ARG(op != ReduceOp::avg || is_floating(dtype), "ReduceOp::avg needs a floating dtype, got ",
+                     name(dtype), " (use sum and divide yourself for integers)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request
+// ---------------------------------------------------------------------------------------------
+Request& Request::operator=(Request&& other) noexcept {
+  if (this != &other) {
+    if (impl_) {
+      try {
+        impl_->wait();
+      } catch (const std::exception& e) {
+        std::cerr << "lockstep: pending request failed while being replaced: " << e.what() << "\n";
+      }
+    }
+    impl_ = std::move(other.impl_);
+  }
+  return *this;
+}
+
+Request::~Request() {
+  if (!impl_) return;
+  try {
+    impl_->wait();
+  } catch (const std::exception& e) {
+    std::cerr << "lockstep: request destroyed while pending and its wait failed: " << e.what() << "\n";
+  }
+}
+
+void Request::wait() {
+  if (!impl_) return;
+  auto impl = std::move(impl_);
+  impl->wait();
+}
+
+bool Request::test() {
+  if (!impl_) return true;
+  if (!impl_->test()) return false;
+  impl_.reset();
+  return true;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Datatypes and reduction operators, f16/bf16 through user-defined operators
+// ---------------------------------------------------------------------------------------------
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f16:
+    case DType::bf16: return MPI_UINT16_T;
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+    case DType::u8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+template <class Storage, ReduceOp Op>
+void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<const Storage*>(in);
+  auto* b = static_cast<Storage*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = to_float(a[i]), y = to_float(b[i]), r;
+    if constexpr (Op == ReduceOp::sum) r = x + y;
+    else if constexpr (Op == ReduceOp::prod) r = x * y;
+    else if constexpr (Op == ReduceOp::min) r = std::min(x, y);
+    else r = std::max(x, y);
+    if constexpr (std::is_same_v<Storage, half>) b[i] = to_half(r);
+    else b[i] = to_bfloat16(r);
+  }
+}
+
+// The user-defined operators live as long as MPI does; created on first use.
+struct HalfOps {
+  std::array<MPI_Op, 4> f16{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  std::array<MPI_Op, 4> bf16{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  std::once_flag once;
+
+  void create() {
+    std::call_once(once, [this] {
+      MPI_User_function* fns16[4] = {half_op<half, ReduceOp::sum>, half_op<half, ReduceOp::prod>,
+                                     half_op<half, ReduceOp::min>, half_op<half, ReduceOp::max>};
+      MPI_User_function* fnsbf[4] = {half_op<bfloat16, ReduceOp::sum>, half_op<bfloat16, ReduceOp::prod>,
+                                     half_op<bfloat16, ReduceOp::min>, half_op<bfloat16, ReduceOp::max>};
+      for (int i = 0; i < 4; ++i) {
+        LOCKSTEP_MPI_CHECK(MPI_Op_create(fns16[i], 1, &f16[i]));
+        LOCKSTEP_MPI_CHECK(MPI_Op_create(fnsbf[i], 1, &bf16[i]));
+      }
+    });
+  }
+  void free_all() noexcept {
+    for (auto* ops : {&f16, &bf16})
+      for (auto& op : *ops)
+        if (op != MPI_OP_NULL) MPI_Op_free(&op);
+  }
+};
+HalfOps g_half_ops;
+
+MPI_Op mpi_op(ReduceOp op, DType t) {
+  int idx = op == ReduceOp::avg ? 0 : static_cast<int>(op);
+  if (t == DType::f16 || t == DType::bf16) {
+    g_half_ops.create();
+    return t == DType::f16 ? g_half_ops.f16[idx] : g_half_ops.bf16[idx];
+  }
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return MPI_SUM;
+    case ReduceOp::prod: return MPI_PROD;
+    case ReduceOp::min: return MPI_MIN;
+    case ReduceOp::max: return MPI_MAX;
+  }
+  return MPI_OP_NULL;
+}
+
+// Divides every element by n (host memory), for avg.
+void scale_host(TensorView v, int n) {
+  switch (v.dtype) {
+    case DType::f32: {
+      // Division, not multiplication by the inverse, so avg equals sum / n exactly.
+      float* p = static_cast<float*>(v.data);
+      for (std::int64_t i = 0; i < v.numel; ++i) p[i] /= static_cast<float>(n);
+      break;
+    }
+    case DType::f64: {
+      double* p = static_cast<double*>(v.data);
+      for (std::int64_t i = 0; i < v.numel; ++i) p[i] /= static_cast<double>(n);
+      break;
+    }
+    case DType::f16: {
+      half* p = static_cast<half*>(v.data);
+      for (std::int64_t i = 0; i < v.numel; ++i) p[i] = to_half(to_float(p[i]) / static_cast<float>(n));
+      break;
+    }
+    case DType::bf16: {
+      bfloat16* p = static_cast<bfloat16*>(v.data);
+      for (std::int64_t i = 0; i < v.numel; ++i)
+        p[i] = to_bfloat16(to_float(p[i]) / static_cast<float>(n));
+      break;
+    }
+    default: break;  // rejected earlier by check_op_for_dtype
+  }
+}
+
+// Largest element count handed to one MPI call (MPI counts are int).
+constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
+
+void check_view(const TensorView& v, const char* what) {
+  LOCKSTEP_CHECK_ARG(v.numel >= 0, what, ": negative element count ", v.numel);
+  LOCKSTEP_CHECK_ARG(v.data != nullptr || v.numel == 0, what, ": null data pointer for ", v.numel,
+                     " elements");
+  LOCKSTEP_CHECK_ARG(static_cast<int>(v.dtype) <= static_cast<int>(DType::u8), what, ": invalid dtype value");
+}
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  auto a0 = reinterpret_cast<std::uintptr_t>(a.data), b0 = reinterpret_cast<std::uintptr_t>(b.data);
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+void check_pair(const TensorView& send, const TensorView& recv, const char* what) {
+  check_view(send, what);
+  check_view(recv, what);
+  LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, what, ": send dtype ", name(send.dtype),
+                     " differs from recv dtype ", name(recv.dtype));
+  LOCKSTEP_CHECK_ARG(send.device == recv.device, what, ": send is on ", to_string(send.device),
+                     " but recv is on ", to_string(recv.device));
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), what,
+                     ": send and recv overlap in memory; use the in-place form instead");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device memory: handed to MPI directly when MPI is CUDA-aware, else staged through a reusable
+// pinned host buffer. The producing stream is synchronised first either way.
+// ---------------------------------------------------------------------------------------------
+bool detect_cuda_aware() {
+  if (const char* env = std::getenv("LOCKSTEP_CUDA_AWARE_MPI")) {
+    std::string v = env;
+    if (v == "1" || v == "true" || v == "on") return true;
+    if (v == "0" || v == "false" || v == "off") return false;
+  }
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+struct MPIBackend::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+  bool cuda_aware = false;
+
+  // Reusable pinned staging buffer for device tensors when MPI is not CUDA-aware.
+  void* pinned = nullptr;
+  std::size_t pinned_bytes = 0;
+  std::mutex pinned_mutex;
+
+  ~Impl() {
+    if (pinned != nullptr)
+      if (auto* rt = find_device_runtime()) rt->deallocate_pinned(pinned);
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (comm != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm);
+  }
+
+  void check_root(int root, const char* what) const {
+    LOCKSTEP_CHECK_ARG(root >= 0 && root < size, what, ": root ", root, " is out of range [0, ", size, ")");
+  }
+
+  void* staging(std::size_t bytes) {
+    if (bytes > pinned_bytes) {
+      DeviceRuntime& rt = device_runtime("MPIBackend staging");
+      if (pinned != nullptr) rt.deallocate_pinned(pinned);
+      pinned = nullptr;
+      pinned_bytes = 0;
+      pinned = rt.allocate_pinned(bytes);
+      pinned_bytes = bytes;
+    }
+    return pinned;
+  }
+};
+
+namespace {
+
+// A host-side stand-in for one or two views during one blocking collective. For host views
+// it is the view itself; for device views it is either the device pointer (CUDA-aware MPI)
+// or a region of the pinned staging buffer, copied in before and out after.
+class Staged {
+ public:
+  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, std::size_t offset_bytes = 0)
+      : orig_(v), host_(v) {
+    if (v.device.is_cpu()) return;
+    DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
+    rt.synchronize(v.device.index);  // the producer's writes must be complete before MPI reads
+    if (impl.cuda_aware) return;
+    staged_ = true;
+    host_.data = static_cast<char*>(impl.staging(offset_bytes + v.nbytes())) + offset_bytes;
+    host_.device = Device::cpu();
+    if (copy_in) rt.copy(host_.data, Device::cpu(), v.data, v.device, v.nbytes());
+  }
+  TensorView host() const { return host_; }
+  void copy_out() {
+    if (staged_)
+      device_runtime("MPIBackend with a cuda tensor")
+          .copy(orig_.data, orig_.device, host_.data, Device::cpu(), orig_.nbytes());
+  }
+
+ private:
+  TensorView orig_, host_;
+  bool staged_ = false;
+};
+
+std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+void do_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+  MPI_Datatype dt = mpi_type(t);
+  MPI_Op mop = mpi_op(op, t);
+  const std::size_t es = size_of(t);
+  for (std::int64_t off = 0; off < n; off += kMaxChunk) {
+    int c = static_cast<int>(std::min(kMaxChunk, n - off));
+    void* r = static_cast<char*>(recv) + off * es;
+    const void* s = send == MPI_IN_PLACE ? MPI_IN_PLACE : static_cast<const char*>(send) + off * es;
+    LOCKSTEP_MPI_CHECK(MPI_Allreduce(s, r, c, dt, mop, comm));
+  }
+}
+
+void do_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root) {
+  const std::size_t es = size_of(t);
+  for (std::int64_t off = 0; off < n; off += kMaxChunk) {
+    int c = static_cast<int>(std::min(kMaxChunk, n - off));
+    LOCKSTEP_MPI_CHECK(MPI_Bcast(static_cast<char*>(buf) + off * es, c, mpi_type(t), root, comm));
+  }
+}
+
+void do_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op,
+               int root, int rank) {
+  MPI_Datatype dt = mpi_type(t);
+  MPI_Op mop = mpi_op(op, t);
+  const std::size_t es = size_of(t);
+  for (std::int64_t off = 0; off < n; off += kMaxChunk) {
+    int c = static_cast<int>(std::min(kMaxChunk, n - off));
+    const void* s;
+    if (send == MPI_IN_PLACE) {
+      // In place: root passes MPI_IN_PLACE, the others their buffer as send.
+      s = rank == root ? MPI_IN_PLACE : static_cast<const char*>(recv) + off * es;
+    } else {
+      s = static_cast<const char*>(send) + off * es;
+    }
+    void* r = recv == nullptr ? nullptr : static_cast<char*>(recv) + off * es;
+    LOCKSTEP_MPI_CHECK(MPI_Reduce(s, r, c, dt, mop, root, comm));
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// MPIBackend
+// ---------------------------------------------------------------------------------------------
+MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin)
+    throw Error("MPIBackend: MPI is not initialised; call lockstep::initialize<lockstep::MPIBackend>() first");
+  LOCKSTEP_CHECK_ARG(comm != MPI_COMM_NULL, "MPIBackend: communicator is MPI_COMM_NULL");
+  LOCKSTEP_MPI_CHECK(MPI_Comm_dup(comm, &impl_->comm));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(impl_->comm, &impl_->rank));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(impl_->comm, &impl_->size));
+  MPI_Comm node = MPI_COMM_NULL;
+  LOCKSTEP_MPI_CHECK(
+      MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->rank, MPI_INFO_NULL, &node));
+  MPI_Comm_rank(node, &impl_->local_rank);
+  MPI_Comm_size(node, &impl_->local_size);
+  MPI_Comm_free(&node);
+  impl_->cuda_aware = detect_cuda_aware();
+}
+
+MPIBackend::~MPIBackend() = default;
+MPIBackend::MPIBackend(MPIBackend&&) noexcept = default;
+MPIBackend& MPIBackend::operator=(MPIBackend&&) noexcept = default;
+
+MPI_Comm MPIBackend::comm() const noexcept { return impl_ ? impl_->comm : MPI_COMM_NULL; }
+int MPIBackend::rank() const { return impl_->rank; }
+int MPIBackend::size() const { return impl_->size; }
+int MPIBackend::local_rank() const { return impl_->local_rank; }
+int MPIBackend::local_size() const { return impl_->local_size; }
+bool MPIBackend::cuda_aware() const noexcept { return impl_->cuda_aware; }
+void MPIBackend::set_cuda_aware(bool on) noexcept { impl_->cuda_aware = on; }
+
+void MPIBackend::broadcast(TensorView buf, int root) {
+  check_view(buf, "broadcast");
+  impl_->check_root(root, "broadcast");
+  Staged s(*impl_, buf, impl_->rank == root);
+  do_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
+  s.copy_out();
+}
+
+void MPIBackend::allreduce(TensorView buf, ReduceOp op) {
+  check_view(buf, "allreduce");
+  check_op_for_dtype(op, buf.dtype);
+  Staged s(*impl_, buf, true);
+  do_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
+  if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
+  s.copy_out();
+}
+
+void MPIBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
+  if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype &&
+      send.device == recv.device)
+    return allreduce(recv, op);
+  check_pair(send, recv, "allreduce");
+  LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "allreduce: send has ", send.numel,
+                     " elements but recv has ", recv.numel);
+  check_op_for_dtype(op, send.dtype);
+  Staged ss(*impl_, send, true);
+  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
+  do_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
+  if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
+  rs.copy_out();
+}
+
+void MPIBackend::reduce(TensorView buf, ReduceOp op, int root) {
+  check_view(buf, "reduce");
+  check_op_for_dtype(op, buf.dtype);
+  impl_->check_root(root, "reduce");
+  Staged s(*impl_, buf, true);
+  do_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
+  if (impl_->rank == root) {
+    if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
+    s.copy_out();
+  }
+}
+
+void MPIBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
+  impl_->check_root(root, "reduce");
+  check_view(send, "reduce");
+  check_op_for_dtype(op, send.dtype);
+  const bool is_root = impl_->rank == root;
+  if (is_root) {
+    if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype)
+      return reduce(recv, op, root);
+    check_pair(send, recv, "reduce");
+    LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "reduce: send has ", send.numel,
+                       " elements but recv on the root has ", recv.numel);
+  }
+  Staged ss(*impl_, send, true);
+  if (!is_root) {
+    do_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
+    return;
+  }
+  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
+  do_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
+  if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
+  rs.copy_out();
+}
+
+void MPIBackend::allgather(TensorView send, TensorView recv) {
+  check_pair(send, recv, "allgather");
+  LOCKSTEP_CHECK_ARG(recv.numel == send.numel * impl_->size, "allgather: recv must hold size() x send = ",
+                     impl_->size, " x ", send.numel, " = ", send.numel * impl_->size,
+                     " elements, but holds ", recv.numel);
+  Staged ss(*impl_, send, true);
+  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
+  const std::int64_t n = send.numel;
+  const std::size_t es = size_of(send.dtype);
+  if (n <= kMaxChunk) {
+    LOCKSTEP_MPI_CHECK(MPI_Allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
+                                     rs.host().data, static_cast<int>(n), mpi_type(send.dtype),
+                                     impl_->comm));
+  } else {
+    // Above the int count limit: each rank's block is broadcast from its owner, in chunks.
+    std::memcpy(static_cast<char*>(rs.host().data) + impl_->rank * n * es, ss.host().data, n * es);
+    for (int r = 0; r < impl_->size; ++r)
+      do_bcast(impl_->comm, static_cast<char*>(rs.host().data) + r * n * es, n, send.dtype, r);
+  }
+  rs.copy_out();
+}
+
+void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
+  check_pair(send, recv, "reduce_scatter");
+  check_op_for_dtype(op, send.dtype);
+  LOCKSTEP_CHECK_ARG(send.numel == recv.numel * impl_->size,
+                     "reduce_scatter: send must hold size() x recv = ", impl_->size, " x ", recv.numel,
+                     " = ", recv.numel * impl_->size, " elements, but holds ", send.numel);
+  Staged ss(*impl_, send, true);
+  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
+  const std::int64_t n = recv.numel;
+  const std::size_t es = size_of(send.dtype);
+  if (n <= kMaxChunk) {
+    LOCKSTEP_MPI_CHECK(MPI_Reduce_scatter_block(ss.host().data, rs.host().data, static_cast<int>(n),
+                                                mpi_type(send.dtype), mpi_op(op, send.dtype), impl_->comm));
+  } else {
+    // Above the int count limit: block r is reduced onto rank r, in chunks.
+    for (int r = 0; r < impl_->size; ++r)
+      do_reduce(impl_->comm, static_cast<const char*>(ss.host().data) + r * n * es,
+                r == impl_->rank ? rs.host().data : nullptr, n, send.dtype, op, r, impl_->rank);
+  }
+  if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
+  rs.copy_out();
+}
+
+void MPIBackend::barrier() { LOCKSTEP_MPI_CHECK(MPI_Barrier(impl_->comm)); }
+
+namespace {
+// Host memory that a nonblocking device operation stages through; owned by the request, since
+// the backend's shared staging buffer may be reused before the request completes.
+class OwnedPinned {
+ public:
+  explicit OwnedPinned(std::size_t bytes) : rt_(&device_runtime("MPIBackend with a cuda tensor")) {
+    p_ = rt_->allocate_pinned(bytes);
+  }
+  ~OwnedPinned() { rt_->deallocate_pinned(p_); }
+  void* get() const { return p_; }
+
+ private:
+  DeviceRuntime* rt_;
+  void* p_;
+};
+
+// One nonblocking operation: its MPI requests (several above the int count limit) and what to
+// do once they complete (avg scaling, copying a staged buffer back to the device).
+class MpiRequest final : public detail::RequestImpl {
+ public:
+  MpiRequest(std::vector<MPI_Request> reqs, TensorView host, TensorView device, int avg_divisor,
+             std::unique_ptr<OwnedPinned> staging)
+      : reqs_(std::move(reqs)), host_(host), device_(device), avg_divisor_(avg_divisor),
+        staging_(std::move(staging)) {}
+  ~MpiRequest() override = default;
+
+  void wait() override {
+    if (done_) return;
+    LOCKSTEP_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+    finish();
+  }
+  bool test() override {
+    if (done_) return true;
+    int flag = 0;
+    LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE));
+    if (flag) finish();
+    return flag != 0;
+  }
+
+ private:
+  void finish() {
+    done_ = true;
+    if (avg_divisor_ > 0) scale_host(host_, avg_divisor_);
+    if (device_.data != nullptr && host_.data != device_.data)
+      device_runtime("MPIBackend with a cuda tensor")
+          .copy(device_.data, device_.device, host_.data, Device::cpu(), device_.nbytes());
+  }
+  std::vector<MPI_Request> reqs_;
+  TensorView host_, device_;
+  int avg_divisor_;
+  std::unique_ptr<OwnedPinned> staging_;
+  bool done_ = false;
+};
+
+// Issues nonblocking MPI calls over `host` in chunks of at most kMaxChunk elements (one call
+// for an empty buffer, so that every rank issues the same number of calls).
+template <class Issue>
+std::vector<MPI_Request> issue_chunks(TensorView host, Issue&& issue) {
+  std::vector<MPI_Request> reqs;
+  const std::size_t es = size_of(host.dtype);
+  std::int64_t off = 0;
+  do {
+    int c = static_cast<int>(std::min(kMaxChunk, host.numel - off));
+    MPI_Request r;
+    issue(static_cast<char*>(host.data) + off * es, c, &r);
+    reqs.push_back(r);
+    off += kMaxChunk;
+  } while (off < host.numel);
+  return reqs;
+}
+
+// For a device buffer: synchronises its device, and unless MPI is CUDA-aware returns a pinned
+// copy of it (with its contents when copy_in) that the request owns.
+std::unique_ptr<OwnedPinned> stage_nonblocking(TensorView buf, bool cuda_aware, bool copy_in,
+                                               TensorView& host) {
+  host = buf;
+  if (buf.device.is_cpu()) return nullptr;
+  DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
+  rt.synchronize(buf.device.index);
+  if (cuda_aware) return nullptr;
+  auto pinned = std::make_unique<OwnedPinned>(std::max<std::size_t>(buf.nbytes(), 1));
+  host.data = pinned->get();
+  host.device = Device::cpu();
+  if (copy_in) rt.copy(host.data, Device::cpu(), buf.data, buf.device, buf.nbytes());
+  return pinned;
+}
+
+}  // namespace
+
+Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
+  check_view(buf, "iallreduce");
+  check_op_for_dtype(op, buf.dtype);
+  TensorView host;
+  auto staging = stage_nonblocking(buf, impl_->cuda_aware, true, host);
+  MPI_Datatype dt = mpi_type(buf.dtype);
+  MPI_Op mop = mpi_op(op, buf.dtype);
+  MPI_Comm comm = impl_->comm;
+  auto reqs = issue_chunks(host, [&](void* p, int c, MPI_Request* r) {
+    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, p, c, dt, mop, comm, r));
+  });
+  return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{},
+                                              op == ReduceOp::avg ? impl_->size : 0, std::move(staging)));
+}
+
+Request MPIBackend::ibroadcast(TensorView buf, int root) {
+  check_view(buf, "ibroadcast");
+  impl_->check_root(root, "ibroadcast");
+  TensorView host;
+  auto staging = stage_nonblocking(buf, impl_->cuda_aware, impl_->rank == root, host);
+  MPI_Datatype dt = mpi_type(buf.dtype);
+  MPI_Comm comm = impl_->comm;
+  auto reqs = issue_chunks(host, [&](void* p, int c, MPI_Request* r) {
+    LOCKSTEP_MPI_CHECK(MPI_Ibcast(p, c, dt, root, comm, r));
+  });
+  return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{}, 0,
+                                              std::move(staging)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The global backend behind initialize<MPIBackend>()
+// ---------------------------------------------------------------------------------------------
+namespace {
+std::mutex g_mutex;
+std::unique_ptr<MPIBackend> g_backend;
+bool g_we_initialised_mpi = false;
+bool g_atexit_registered = false;
+
+void finalize_at_exit() { MPIBackend::finalize_global(); }
+}  // namespace
+
+void MPIBackend::initialize_global() {
+  std::lock_guard lock(g_mutex);
+  if (g_backend) return;
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (fin) throw Error("initialize<MPIBackend>: MPI was already finalised; it cannot be initialised again");
+  if (!init) {
+    int provided = 0;
+    int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);
+    g_we_initialised_mpi = true;
+  }
+  g_backend = std::make_unique<MPIBackend>(MPI_COMM_WORLD);
+  if (!g_atexit_registered) {
+    std::atexit(finalize_at_exit);
+    g_atexit_registered = true;
+  }
+}
+
+bool MPIBackend::initialized_global() noexcept {
+  std::lock_guard lock(g_mutex);
+  return static_cast<bool>(g_backend);
+}
+
+MPIBackend& MPIBackend::global() {
+  std::lock_guard lock(g_mutex);
+  if (!g_backend)
+    throw Error(
+        "get_distributed_backend<MPIBackend>: the MPI backend is not initialised; call "
+        "lockstep::initialize<lockstep::MPIBackend>() first");
+  return *g_backend;
+}
+
+void MPIBackend::finalize_global() {
+  std::lock_guard lock(g_mutex);
+  g_backend.reset();
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) {
+    g_half_ops.free_all();
+    if (g_we_initialised_mpi) MPI_Finalize();
+  }
+}
+
+}  // namespace lockstep

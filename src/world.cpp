@@ -1,0 +1,53 @@
+#include "lockstep/world.hpp"
+
+#include <mpi.h>
+
+#include <iostream>
+
+#include "lockstep/mpi_backend.hpp"
+
+namespace lockstep {
+
+bool is_available() noexcept {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+}
+
+WorldInfo world_info() {
+  if (!is_available()) return {};
+  if (MPIBackend::initialized_global()) {
+    const MPIBackend& b = MPIBackend::global();
+    return {b.rank(), b.size(), b.local_rank(), b.local_size()};
+  }
+  WorldInfo w;
+  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
+  MPI_Comm node;
+  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank, MPI_INFO_NULL, &node) ==
+      MPI_SUCCESS) {
+    MPI_Comm_rank(node, &w.local_rank);
+    MPI_Comm_size(node, &w.local_size);
+    MPI_Comm_free(&node);
+  }
+  return w;
+}
+
+AutoInit::AutoInit(std::function<void()> worker_init) {
+  owns_ = !MPIBackend::initialized_global();
+  initialize<MPIBackend>();
+  if (worker_init) worker_init();
+  MPIBackend::global().barrier();
+}
+
+AutoInit::~AutoInit() {
+  try {
+    if (MPIBackend::initialized_global()) MPIBackend::global().barrier();
+    if (owns_) finalize<MPIBackend>();
+  } catch (const std::exception& e) {
+    std::cerr << "lockstep: AutoInit teardown failed: " << e.what() << "\n";
+  }
+}
+
+}  // namespace lockstep
