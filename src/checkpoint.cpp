@@ -1,0 +1,728 @@
+// Checkpoint files in the safetensors format: writer, strict reader, CRC-32C, atomic writes.
+#include "lockstep/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+
+namespace lockstep {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// CRC-32C, slice-by-8. Castagnoli rather than zlib's polynomial because it detects more error
+// patterns at these lengths and is what storage systems (iSCSI, ext4, leveldb) use.
+
+constexpr std::uint32_t kCrcPoly = 0x82F63B78u;  // reflected 0x1EDC6F41
+
+struct CrcTables {
+  std::array<std::array<std::uint32_t, 256>, 8> t{};
+  constexpr CrcTables() {
+    for (std::uint32_t i = 0; i < 256; ++i) {
+      std::uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kCrcPoly : (c >> 1);
+      t[0][i] = c;
+    }
+    for (std::uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
+  }
+};
+constexpr CrcTables kCrc{};
+
+// ---------------------------------------------------------------------------------------------
+// A small strict JSON parser (RFC 8259): no comments, no trailing commas, no duplicate keys, no
+// lone surrogates, valid UTF-8 only, bounded nesting. Enough for a safetensors header and safe
+// on any input: every read is bounds-checked.
+
+struct Json {
+  enum class Kind { null, boolean, number, string, array, object } kind = Kind::null;
+  bool boolean = false;
+  std::string text;  // string contents, or the number's literal text
+  std::vector<Json> items;            // array elements, or object values
+  std::vector<std::string> keys;      // object keys, parallel to items
+};
+
+const char* kind_name(Json::Kind k) {
+  switch (k) {
+    case Json::Kind::null: return "null";
+    case Json::Kind::boolean: return "a boolean";
+    case Json::Kind::number: return "a number";
+    case Json::Kind::string: return "a string";
+    case Json::Kind::array: return "an array";
+    case Json::Kind::object: return "an object";
+  }
+  return "?";
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw CheckpointError("checkpoint: " + msg); }
+
+/// Length of the valid UTF-8 sequence starting at s[i], or 0 if it is not valid.
+std::size_t utf8_length(std::string_view s, std::size_t i) {
+  const auto b0 = static_cast<unsigned char>(s[i]);
+  if (b0 < 0x80) return 1;
+  std::size_t len;
+  std::uint32_t cp;
+  if (b0 >= 0xC2 && b0 <= 0xDF) { len = 2; cp = b0 & 0x1Fu; }
+  else if (b0 >= 0xE0 && b0 <= 0xEF) { len = 3; cp = b0 & 0x0Fu; }
+  else if (b0 >= 0xF0 && b0 <= 0xF4) { len = 4; cp = b0 & 0x07u; }
+  else return 0;
+  if (s.size() - i < len) return 0;
+  for (std::size_t k = 1; k < len; ++k) {
+    const auto b = static_cast<unsigned char>(s[i + k]);
+    if ((b & 0xC0u) != 0x80u) return 0;
+    cp = (cp << 6) | (b & 0x3Fu);
+  }
+  // Overlong forms, UTF-16 surrogates and code points past U+10FFFF are not valid UTF-8.
+  if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+      (cp >= 0xD800 && cp <= 0xDFFF))
+    return 0;
+  return len;
+}
+
+bool valid_utf8(std::string_view s) {
+  for (std::size_t i = 0; i < s.size();) {
+    const std::size_t n = utf8_length(s, i);
+    if (n == 0) return false;
+    i += n;
+  }
+  return true;
+}
+
+void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+class JsonParser {
+ public:
+  explicit JsonParser(std::string_view s) : s_(s) {}
+
+  Json parse_document() {
+    skip_ws();
+    Json v = parse_value(0);
+    skip_ws();
+    if (pos_ != s_.size()) error("unexpected data after the JSON value");
+    return v;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 64;
+
+  [[noreturn]] void error(const std::string& what) const {
+    fail("malformed JSON header at byte " + std::to_string(pos_) + ": " + what);
+  }
+  bool at_end() const { return pos_ >= s_.size(); }
+  char peek() const { return at_end() ? '\0' : s_[pos_]; }
+  void skip_ws() {
+    while (!at_end() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
+      ++pos_;
+  }
+  void expect_literal(std::string_view lit) {
+    if (s_.substr(pos_, lit.size()) != lit) error("invalid literal");
+    pos_ += lit.size();
+  }
+
+  Json parse_value(int depth) {
+    if (depth > kMaxDepth) error("nested deeper than 64 levels");
+    if (at_end()) error("unexpected end of header");
+    Json v;
+    switch (peek()) {
+      case '{': parse_object(v, depth); break;
+      case '[': parse_array(v, depth); break;
+      case '"': v.kind = Json::Kind::string; v.text = parse_string(); break;
+      case 't': expect_literal("true"); v.kind = Json::Kind::boolean; v.boolean = true; break;
+      case 'f': expect_literal("false"); v.kind = Json::Kind::boolean; break;
+      case 'n': expect_literal("null"); break;
+      default:
+        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
+          v.kind = Json::Kind::number;
+          v.text = parse_number();
+        } else {
+          error("unexpected character");
+        }
+    }
+    return v;
+  }
+
+  void parse_object(Json& v, int depth) {
+    v.kind = Json::Kind::object;
+    ++pos_;  // '{'
+    skip_ws();
+    if (peek() == '}') { ++pos_; return; }
+    for (;;) {
+      skip_ws();
+      if (peek() != '"') error("expected a string key");
+      std::string key = parse_string();
+      if (std::find(v.keys.begin(), v.keys.end(), key) != v.keys.end())
+        error("duplicate key \"" + key + "\"");
+      skip_ws();
+      if (peek() != ':') error("expected ':'");
+      ++pos_;
+      skip_ws();
+      v.items.push_back(parse_value(depth + 1));
+      v.keys.push_back(std::move(key));
+      skip_ws();
+      if (peek() == ',') { ++pos_; continue; }
+      if (peek() == '}') { ++pos_; return; }
+      error("expected ',' or '}'");
+    }
+  }
+
+  void parse_array(Json& v, int depth) {
+    v.kind = Json::Kind::array;
+    ++pos_;  // '['
+    skip_ws();
+    if (peek() == ']') { ++pos_; return; }
+    for (;;) {
+      skip_ws();
+      v.items.push_back(parse_value(depth + 1));
+      skip_ws();
+      if (peek() == ',') { ++pos_; continue; }
+      if (peek() == ']') { ++pos_; return; }
+      error("expected ',' or ']'");
+    }
+  }
+
+  std::uint32_t parse_hex4() {
+    if (s_.size() - pos_ < 4) error("truncated \\u escape");
+    std::uint32_t cp = 0;
+    for (int k = 0; k < 4; ++k) {
+      const char c = s_[pos_++];
+      cp <<= 4;
+      if (c >= '0' && c <= '9') cp |= static_cast<std::uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f') cp |= static_cast<std::uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F') cp |= static_cast<std::uint32_t>(c - 'A' + 10);
+      else error("invalid hex digit in \\u escape");
+    }
+    return cp;
+  }
+
+  std::string parse_string() {
+    ++pos_;  // opening quote
+    std::string out;
+    for (;;) {
+      if (at_end()) error("unterminated string");
+      const auto c = static_cast<unsigned char>(s_[pos_]);
+      if (c == '"') { ++pos_; return out; }
+      if (c < 0x20) error("control character in string");
+      if (c == '\\') {
+        ++pos_;
+        if (at_end()) error("unterminated escape");
+        const char e = s_[pos_++];
+        switch (e) {
+          case '"': out += '"'; break;
+          case '\\': out += '\\'; break;
+          case '/': out += '/'; break;
+          case 'b': out += '\b'; break;
+          case 'f': out += '\f'; break;
+          case 'n': out += '\n'; break;
+          case 'r': out += '\r'; break;
+          case 't': out += '\t'; break;
+          case 'u': {
+            std::uint32_t cp = parse_hex4();
+            if (cp >= 0xDC00 && cp <= 0xDFFF) error("lone low surrogate in \\u escape");
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+              if (s_.substr(pos_, 2) != "\\u") error("high surrogate without its low surrogate");
+              pos_ += 2;
+              const std::uint32_t lo = parse_hex4();
+              if (lo < 0xDC00 || lo > 0xDFFF) error("high surrogate without its low surrogate");
+              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            }
+            append_utf8(out, cp);
+            break;
+          }
+          default: --pos_; error("invalid escape");
+        }
+        continue;
+      }
+      const std::size_t n = utf8_length(s_, pos_);
+      if (n == 0) error("invalid UTF-8 in string");
+      out.append(s_.substr(pos_, n));
+      pos_ += n;
+    }
+  }
+
+  std::string parse_number() {
+    const std::size_t start = pos_;
+    auto digit = [&] { return !at_end() && s_[pos_] >= '0' && s_[pos_] <= '9'; };
+    if (peek() == '-') ++pos_;
+    if (peek() == '0') {
+      ++pos_;
+    } else if (digit()) {
+      while (digit()) ++pos_;
+    } else {
+      error("invalid number");
+    }
+    if (peek() == '.') {
+      ++pos_;
+      if (!digit()) error("invalid number: no digit after '.'");
+      while (digit()) ++pos_;
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      ++pos_;
+      if (peek() == '+' || peek() == '-') ++pos_;
+      if (!digit()) error("invalid number: no digit in exponent");
+      while (digit()) ++pos_;
+    }
+    return std::string(s_.substr(start, pos_ - start));
+  }
+
+  std::string_view s_;
+  std::size_t pos_ = 0;
+};
+
+/// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets).
+std::uint64_t as_index(const Json& v, const std::string& what) {
+  if (v.kind != Json::Kind::number) fail(what + " must be a number, not " + kind_name(v.kind));
+  const std::string& t = v.text;
+  if (t.empty() || t.find_first_not_of("0123456789") != std::string::npos)
+    fail(what + " must be a non-negative integer, got " + t);
+  std::uint64_t x = 0;
+  for (char c : t) {
+    const auto d = static_cast<std::uint64_t>(c - '0');
+    if (x > (static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) - d) / 10)
+      fail(what + " is too large: " + t);
+    x = x * 10 + d;
+  }
+  return x;
+}
+
+void append_json_string(std::string& out, std::string_view s) {
+  out += '"';
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  out += '"';
+}
+
+/// Copies `n` bytes of element size `elem` converting between native and little-endian order
+/// (a plain copy on little-endian machines).
+void copy_le(std::byte* dst, const std::byte* src, std::size_t n, std::size_t elem) {
+  if (n == 0) return;
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(dst, src, n);
+  } else {
+    for (std::size_t i = 0; i < n; i += elem)
+      for (std::size_t k = 0; k < elem; ++k) dst[i + k] = src[i + elem - 1 - k];
+  }
+}
+
+std::string crc_text(std::uint32_t crc) {
+  char buf[20];
+  std::snprintf(buf, sizeof buf, "crc32c:%08x", crc);
+  return buf;
+}
+
+/// The checksum covers the data and, through this canonical text, every meaningful part of the
+/// header (names, dtypes, shapes, offsets, metadata other than the checksum itself), so a
+/// corrupted epoch counter in the metadata is caught as surely as a flipped bit in a weight.
+struct HeaderItem {
+  std::string_view name;
+  DType dtype;
+  const Shape* shape;
+  std::uint64_t begin, end;
+};
+std::uint32_t full_checksum(std::span<const std::byte> data, const std::vector<HeaderItem>& items,
+                            const std::map<std::string, std::string>& meta) {
+  std::string canon;
+  for (const auto& it : items) {
+    canon.append(it.name);
+    canon += '\0';
+    canon += safetensors_dtype_name(it.dtype);
+    canon += '\0';
+    for (auto d : *it.shape) canon += std::to_string(d) + ',';
+    canon += '\0';
+    canon += std::to_string(it.begin) + ',' + std::to_string(it.end) + '\n';
+  }
+  for (const auto& [k, v] : meta) {
+    if (k == kChecksumKey) continue;
+    canon += k;
+    canon += '\0';
+    canon += v;
+    canon += '\n';
+  }
+  return crc32c(std::as_bytes(std::span<const char>(canon)), crc32c(data));
+}
+
+std::string os_error(const std::string& what, const std::filesystem::path& p) {
+  return "checkpoint: " + what + " " + p.string() + ": " + std::strerror(errno);
+}
+
+/// Closes a file descriptor on scope exit (errors at close are checked explicitly where they
+/// matter, before this runs).
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  std::size_t n = bytes.size();
+  crc = ~crc;
+  while (n >= 8) {
+    // Byte-wise loads keep this independent of alignment and host byte order.
+    const std::uint32_t lo = crc ^ (std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8 |
+                                    std::uint32_t{p[2]} << 16 | std::uint32_t{p[3]} << 24);
+    crc = kCrc.t[7][lo & 0xFF] ^ kCrc.t[6][(lo >> 8) & 0xFF] ^ kCrc.t[5][(lo >> 16) & 0xFF] ^
+          kCrc.t[4][lo >> 24] ^ kCrc.t[3][p[4]] ^ kCrc.t[2][p[5]] ^ kCrc.t[1][p[6]] ^
+          kCrc.t[0][p[7]];
+    p += 8;
+    n -= 8;
+  }
+  while (n-- > 0) crc = (crc >> 8) ^ kCrc.t[0][(crc ^ *p++) & 0xFF];
+  return ~crc;
+}
+
+const char* safetensors_dtype_name(DType t) noexcept {
+  switch (t) {
+    case DType::f16: return "F16";
+    case DType::bf16: return "BF16";
+    case DType::f32: return "F32";
+    case DType::f64: return "F64";
+    case DType::i32: return "I32";
+    case DType::i64: return "I64";
+    case DType::u8: return "U8";
+  }
+  return "?";
+}
+
+std::optional<DType> dtype_from_safetensors_name(std::string_view n) noexcept {
+  for (DType t : {DType::f16, DType::bf16, DType::f32, DType::f64, DType::i32, DType::i64, DType::u8})
+    if (n == safetensors_dtype_name(t)) return t;
+  return std::nullopt;
+}
+
+void Checkpoint::add(std::string name, Tensor t) {
+  LOCKSTEP_CHECK_ARG(!name.empty(), "Checkpoint::add: a tensor name must not be empty");
+  LOCKSTEP_CHECK_ARG(!name.starts_with("__"), "Checkpoint::add: name \"", name,
+                     "\" starts with \"__\", which safetensors reserves");
+  LOCKSTEP_CHECK_ARG(valid_utf8(name), "Checkpoint::add: name is not valid UTF-8");
+  LOCKSTEP_CHECK_ARG(find(name) == nullptr, "Checkpoint::add: duplicate tensor name \"", name, "\"");
+  tensors.emplace_back(std::move(name), std::move(t));
+}
+
+const Tensor* Checkpoint::find(std::string_view name) const noexcept {
+  for (const auto& [n, t] : tensors)
+    if (n == name) return &t;
+  return nullptr;
+}
+Tensor* Checkpoint::find(std::string_view name) noexcept {
+  for (auto& [n, t] : tensors)
+    if (n == name) return &t;
+  return nullptr;
+}
+const Tensor& Checkpoint::at(std::string_view name) const {
+  const Tensor* t = find(name);
+  if (t == nullptr) fail("no tensor named \"" + std::string(name) + "\"");
+  return *t;
+}
+Tensor& Checkpoint::at(std::string_view name) {
+  Tensor* t = find(name);
+  if (t == nullptr) fail("no tensor named \"" + std::string(name) + "\"");
+  return *t;
+}
+
+std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
+  // Names are checked here too: a Checkpoint's fields are public, so add() may have been bypassed.
+  std::vector<std::string_view> seen;
+  std::size_t data_bytes = 0;
+  for (const auto& [name, t] : ck.tensors) {
+    LOCKSTEP_CHECK_ARG(!name.empty() && !name.starts_with("__") && valid_utf8(name),
+                       "serialize_checkpoint: invalid tensor name \"", name, "\"");
+    LOCKSTEP_CHECK_ARG(std::find(seen.begin(), seen.end(), name) == seen.end(),
+                       "serialize_checkpoint: duplicate tensor name \"", name, "\"");
+    seen.push_back(name);
+    if (t.device().is_cuda())
+      throw InvalidArgument("serialize_checkpoint: tensor \"" + name + "\" is on " +
+                            to_string(t.device()) + "; copy it to the CPU first");
+    data_bytes += t.nbytes();
+  }
+  for (const auto& [k, v] : ck.metadata)
+    LOCKSTEP_CHECK_ARG(valid_utf8(k) && valid_utf8(v), "serialize_checkpoint: metadata \"", k,
+                       "\" is not valid UTF-8");
+
+  std::vector<std::byte> data(data_bytes);
+  std::size_t off = 0;
+  for (const auto& [name, t] : ck.tensors) {
+    copy_le(data.data() + off, static_cast<const std::byte*>(t.raw_data()), t.nbytes(),
+            size_of(t.dtype()));
+    off += t.nbytes();
+  }
+
+  std::map<std::string, std::string> meta = ck.metadata;
+  meta.erase(std::string(kChecksumKey));
+  meta[std::string(kFormatKey)] = "1";
+  std::vector<HeaderItem> items;
+  off = 0;
+  for (const auto& [name, t] : ck.tensors) {
+    items.push_back({name, t.dtype(), &t.shape(), off, off + t.nbytes()});
+    off += t.nbytes();
+  }
+  meta[std::string(kChecksumKey)] = crc_text(full_checksum(data, items, meta));
+
+  std::string h = "{\"__metadata__\":{";
+  bool first = true;
+  for (const auto& [k, v] : meta) {
+    if (!first) h += ',';
+    first = false;
+    append_json_string(h, k);
+    h += ':';
+    append_json_string(h, v);
+  }
+  h += '}';
+  off = 0;
+  for (const auto& [name, t] : ck.tensors) {
+    h += ',';
+    append_json_string(h, name);
+    h += ":{\"dtype\":\"";
+    h += safetensors_dtype_name(t.dtype());
+    h += "\",\"shape\":[";
+    for (std::size_t i = 0; i < t.shape().size(); ++i) {
+      if (i) h += ',';
+      h += std::to_string(t.shape()[i]);
+    }
+    h += "],\"data_offsets\":[" + std::to_string(off) + ',' + std::to_string(off + t.nbytes()) + "]}";
+    off += t.nbytes();
+  }
+  h += '}';
+  // Pad with spaces so the data starts 8-byte aligned, as the safetensors writer does.
+  while (h.size() % 8 != 0) h += ' ';
+
+  std::vector<std::byte> out(8 + h.size() + data.size());
+  const std::uint64_t n = h.size();
+  for (int k = 0; k < 8; ++k) out[k] = static_cast<std::byte>((n >> (8 * k)) & 0xFF);
+  std::memcpy(out.data() + 8, h.data(), h.size());
+  if (!data.empty()) std::memcpy(out.data() + 8 + h.size(), data.data(), data.size());
+  return out;
+}
+
+Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts) {
+  constexpr std::uint64_t kMaxHeader = 100u << 20;  // as safetensors: a header is never this big
+  if (bytes.size() < 8)
+    fail("file is truncated: " + std::to_string(bytes.size()) +
+         " bytes, shorter than the 8-byte header length");
+  std::uint64_t n = 0;
+  for (int k = 0; k < 8; ++k) n |= std::uint64_t(std::to_integer<unsigned char>(bytes[k])) << (8 * k);
+  if (n > bytes.size() - 8)
+    fail("file is truncated or not a checkpoint: header length " + std::to_string(n) +
+         " exceeds the " + std::to_string(bytes.size() - 8) + " bytes after it");
+  if (n > kMaxHeader) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  if (n < 2) fail("header length " + std::to_string(n) + " is too small for a JSON object");
+  const std::string_view header(reinterpret_cast<const char*>(bytes.data() + 8), n);
+  if (header.front() != '{') fail("header does not start with '{': not a safetensors file");
+
+  const Json root = JsonParser(header).parse_document();
+  if (root.kind != Json::Kind::object) fail("header is not a JSON object");
+  const std::span<const std::byte> data = bytes.subspan(8 + n);
+
+  struct Entry {
+    const std::string* name;
+    DType dtype;
+    Shape shape;
+    std::uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
+  Checkpoint ck;
+  for (std::size_t i = 0; i < root.keys.size(); ++i) {
+    const std::string& key = root.keys[i];
+    const Json& v = root.items[i];
+    if (key == "__metadata__") {
+      if (v.kind != Json::Kind::object) fail("__metadata__ must be an object, not " + std::string(kind_name(v.kind)));
+      for (std::size_t j = 0; j < v.keys.size(); ++j) {
+        if (v.items[j].kind != Json::Kind::string)
+          fail("__metadata__ value of \"" + v.keys[j] + "\" must be a string, not " + kind_name(v.items[j].kind));
+        ck.metadata[v.keys[j]] = v.items[j].text;
+      }
+      continue;
+    }
+    const std::string what = "tensor \"" + key + "\"";
+    if (key.empty()) fail("a tensor has an empty name");
+    if (v.kind != Json::Kind::object) fail(what + " must be an object, not " + kind_name(v.kind));
+    const Json* dtype = nullptr;
+    const Json* shape = nullptr;
+    const Json* offsets = nullptr;
+    for (std::size_t j = 0; j < v.keys.size(); ++j) {
+      if (v.keys[j] == "dtype") dtype = &v.items[j];
+      else if (v.keys[j] == "shape") shape = &v.items[j];
+      else if (v.keys[j] == "data_offsets") offsets = &v.items[j];
+      else fail(what + " has an unknown field \"" + v.keys[j] + "\"");
+    }
+    if (!dtype || !shape || !offsets) fail(what + " needs dtype, shape and data_offsets");
+    if (dtype->kind != Json::Kind::string) fail(what + ": dtype must be a string");
+    const auto dt = dtype_from_safetensors_name(dtype->text);
+    if (!dt) fail(what + " has unsupported dtype \"" + dtype->text + "\" (supported: F16, BF16, F32, F64, I32, I64, U8)");
+    if (shape->kind != Json::Kind::array) fail(what + ": shape must be an array");
+    if (offsets->kind != Json::Kind::array || offsets->items.size() != 2)
+      fail(what + ": data_offsets must be an array [begin, end]");
+    Entry e{&key, *dt, {}, 0, 0};
+    std::uint64_t numel = 1;
+    for (const Json& d : shape->items) {
+      const std::uint64_t x = as_index(d, what + " shape extent");
+      if (x != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / x)
+        fail(what + " has a shape with too many elements");
+      numel *= x;
+      e.shape.push_back(static_cast<std::int64_t>(x));
+    }
+    e.begin = as_index(offsets->items[0], what + " data_offsets begin");
+    e.end = as_index(offsets->items[1], what + " data_offsets end");
+    if (e.end < e.begin) fail(what + " has data_offsets end < begin");
+    if (e.end > data.size())
+      fail(what + " ends at byte " + std::to_string(e.end) + " but the data holds only " +
+           std::to_string(data.size()) + " bytes (file truncated?)");
+    const std::uint64_t elem = size_of(*dt);
+    if (numel > std::numeric_limits<std::uint64_t>::max() / elem || e.end - e.begin != numel * elem)
+      fail(what + ": shape " + to_string(e.shape) + " of " + dtype->text + " needs " +
+           std::to_string(numel * elem) + " bytes but data_offsets span " +
+           std::to_string(e.end - e.begin));
+    entries.push_back(std::move(e));
+  }
+
+  // safetensors requires the tensors to tile the data exactly: sorted, no gap, no overlap.
+  std::vector<const Entry*> order;
+  for (const auto& e : entries) order.push_back(&e);
+  std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  std::uint64_t expected = 0;
+  for (const Entry* e : order) {
+    if (e->begin < expected) fail("tensor \"" + *e->name + "\" overlaps the previous tensor's data");
+    if (e->begin > expected)
+      fail("gap in the data before tensor \"" + *e->name + "\" (bytes " + std::to_string(expected) +
+           " to " + std::to_string(e->begin) + " belong to no tensor)");
+    expected = e->end;
+  }
+  if (expected != data.size())
+    fail("the data holds " + std::to_string(data.size()) + " bytes but the tensors cover " +
+         std::to_string(expected) + " (trailing garbage or wrong header)");
+
+  const auto fmt = ck.metadata.find(std::string(kFormatKey));
+  if (fmt != ck.metadata.end() && fmt->second != "1")
+    fail("unsupported lockstep.format \"" + fmt->second + "\" (this build reads format 1)");
+  const auto sum = ck.metadata.find(std::string(kChecksumKey));
+  if (sum == ck.metadata.end()) {
+    if (opts.require_checksum) fail("no lockstep.checksum in the metadata (not written by Lockstep?)");
+  } else {
+    std::vector<HeaderItem> items;
+    for (const Entry* e : order) items.push_back({*e->name, e->dtype, &e->shape, e->begin, e->end});
+    const std::string actual = crc_text(full_checksum(data, items, ck.metadata));
+    if (sum->second != actual)
+      fail("checksum mismatch: the header says " + sum->second + " but the contents give " +
+           actual + " (the file is corrupted)");
+  }
+
+  for (const Entry& e : entries) {
+    Tensor t(e.shape, e.dtype);
+    copy_le(static_cast<std::byte*>(t.raw_data()), data.data() + e.begin, e.end - e.begin,
+            size_of(e.dtype));
+    ck.tensors.emplace_back(*e.name, std::move(t));
+  }
+  // File order: the order of the data, which is the order the writer added them in.
+  std::vector<std::pair<std::string, Tensor>> sorted;
+  sorted.reserve(ck.tensors.size());
+  for (const Entry* e : order) {
+    const auto idx = static_cast<std::size_t>(e - entries.data());
+    sorted.push_back(std::move(ck.tensors[idx]));
+  }
+  ck.tensors = std::move(sorted);
+  return ck;
+}
+
+void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes) {
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+  std::string tmpl = (dir / ("." + path.filename().string() + ".tmp.XXXXXX")).string();
+  Fd f;
+  f.fd = ::mkstemp(tmpl.data());
+  if (f.fd < 0) throw CheckpointError(os_error("cannot create a temporary file in", dir));
+  // From here on, any failure removes the temporary file so no debris is left behind.
+  auto fail_with = [&](const std::string& msg) {
+    ::unlink(tmpl.c_str());
+    throw CheckpointError(msg);
+  };
+  const auto* p = reinterpret_cast<const char*>(bytes.data());
+  std::size_t left = bytes.size();
+  while (left > 0) {
+    const ssize_t w = ::write(f.fd, p, left);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail_with(os_error("cannot write", tmpl));
+    }
+    p += w;
+    left -= static_cast<std::size_t>(w);
+  }
+  if (::fchmod(f.fd, 0644) != 0) fail_with(os_error("cannot chmod", tmpl));
+  if (::fsync(f.fd) != 0) fail_with(os_error("cannot fsync", tmpl));
+  const int fd = std::exchange(f.fd, -1);
+  if (::close(fd) != 0) fail_with(os_error("cannot close", tmpl));
+  if (::rename(tmpl.c_str(), path.c_str()) != 0) fail_with(os_error("cannot rename the temporary file to", path));
+  // The rename is durable only once the directory entry is on disk.
+  Fd d;
+  d.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (d.fd < 0 || ::fsync(d.fd) != 0) throw CheckpointError(os_error("cannot fsync directory", dir));
+}
+
+void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck) {
+  write_file_atomically(path, serialize_checkpoint(ck));
+}
+
+Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointReadOptions& opts) {
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY);
+  if (f.fd < 0) throw CheckpointError(os_error("cannot open", path));
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) throw CheckpointError(os_error("cannot stat", path));
+  if (!S_ISREG(st.st_mode)) throw CheckpointError("checkpoint: " + path.string() + " is not a regular file");
+  std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
+  std::size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t r = ::read(f.fd, bytes.data() + got, bytes.size() - got);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw CheckpointError(os_error("cannot read", path));
+    }
+    if (r == 0) break;  // the file shrank while we read it; the parser reports the truncation
+    got += static_cast<std::size_t>(r);
+  }
+  bytes.resize(got);
+  try {
+    return parse_checkpoint(bytes, opts);
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(std::string(e.what()) + " [" + path.string() + "]");
+  }
+}
+
+}  // namespace lockstep

@@ -1,0 +1,282 @@
+// Checkpoint reader and writer: round trips of every dtype, and every kind of corruption the
+// reader must refuse (truncation at every length, every byte flipped, hand-made bad headers).
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "lockstep/checkpoint.hpp"
+
+namespace ls = lockstep;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::span<const std::byte> as_span(const std::string& s) {
+  return std::as_bytes(std::span<const char>(s));
+}
+
+/// A file with an explicit header (length prefix added) and data, for hand-made corruptions.
+std::string make_file(const std::string& header, const std::string& data = "") {
+  std::string out(8, '\0');
+  const std::uint64_t n = header.size();
+  for (int k = 0; k < 8; ++k) out[k] = static_cast<char>((n >> (8 * k)) & 0xFF);
+  return out + header + data;
+}
+
+/// The message of the CheckpointError that parsing `bytes` throws ("" if it parses).
+std::string parse_error(std::span<const std::byte> bytes, bool require_checksum = false) {
+  try {
+    (void)ls::parse_checkpoint(bytes, {.require_checksum = require_checksum});
+  } catch (const ls::CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+ls::Checkpoint sample_checkpoint() {
+  ls::Checkpoint ck;
+  ck.add("w", ls::Tensor::from(std::vector<float>{1.5f, -2.f, 3.25f, 0.f, 1e-30f, -0.f}, {2, 3}));
+  ck.add("d", ls::Tensor::from(std::vector<double>{3.141592653589793, -1e300}, {2}));
+  ck.add("i", ls::Tensor::from(std::vector<std::int32_t>{-7, 2147483647}, {2, 1}));
+  ck.add("l", ls::Tensor::from(std::vector<std::int64_t>{-(1ll << 62), 42}, {1, 2}));
+  ck.add("u", ls::Tensor::from(std::vector<std::uint8_t>{0, 255, 7}, {3}));
+  ck.add("h", ls::Tensor::from(std::vector<ls::half>{ls::to_half(1.5f), ls::to_half(-2.f)}, {2}));
+  ck.add("b", ls::Tensor::from(std::vector<ls::bfloat16>{ls::to_bfloat16(0.5f)}, {1}));
+  ck.add("scalar", ls::Tensor::from(std::vector<std::int64_t>{12}, ls::Shape{}));
+  ck.add("empty", ls::Tensor::zeros({0, 4}));
+  ck.add("layer.0/weight \"q\" \xc3\xa9", ls::Tensor::from(std::vector<float>{9.f}, {1}));
+  ck.metadata["epoch"] = "12";
+  ck.metadata["note"] = "tab\there \"quoted\" \\ newline\n \xe2\x82\xac";
+  return ck;
+}
+
+bool same(const ls::Checkpoint& a, const ls::Checkpoint& b) {
+  if (a.tensors.size() != b.tensors.size()) return false;
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    if (a.tensors[i].first != b.tensors[i].first) return false;
+    if (a.tensors[i].second.shape() != b.tensors[i].second.shape()) return false;
+    if (!ls::bitwise_equal(a.tensors[i].second, b.tensors[i].second)) return false;
+  }
+  return a.metadata == b.metadata;
+}
+
+}  // namespace
+
+TEST_CASE("crc32c matches the standard check value", "[checkpoint]") {
+  const std::string s = "123456789";
+  CHECK(ls::crc32c(as_span(s)) == 0xE3069283u);
+  // Incremental use gives the same as one pass, over the slice-by-8 boundary.
+  const std::string long_s(1000, 'x');
+  const auto all = ls::crc32c(as_span(long_s));
+  CHECK(ls::crc32c(as_span(long_s).subspan(13), ls::crc32c(as_span(long_s).first(13))) == all);
+}
+
+TEST_CASE("round trip of every dtype, scalars, empty tensors, odd names", "[checkpoint]") {
+  const ls::Checkpoint ck = sample_checkpoint();
+  const auto bytes = ls::serialize_checkpoint(ck);
+  // The data starts 8-byte aligned, as safetensors writes it.
+  std::uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  CHECK(n % 8 == 0);
+  ls::Checkpoint back = ls::parse_checkpoint(bytes);
+  CHECK(back.metadata.count(std::string(ls::kChecksumKey)) == 1);
+  CHECK(back.metadata.at(std::string(ls::kFormatKey)) == "1");
+  back.metadata.erase(std::string(ls::kChecksumKey));
+  back.metadata.erase(std::string(ls::kFormatKey));
+  CHECK(same(ck, back));
+  CHECK(back.at("scalar").ndim() == 0);
+  CHECK(back.at("empty").shape() == ls::Shape{0, 4});
+  // Writing what was read gives the same bytes: the format is canonical.
+  CHECK(ls::serialize_checkpoint(ls::parse_checkpoint(bytes)) == bytes);
+}
+
+TEST_CASE("an empty checkpoint round trips", "[checkpoint]") {
+  ls::Checkpoint ck;
+  const auto back = ls::parse_checkpoint(ls::serialize_checkpoint(ck));
+  CHECK(back.tensors.empty());
+}
+
+TEST_CASE("save and load through a file, atomically", "[checkpoint]") {
+  const fs::path dir = fs::temp_directory_path() / ("lockstep-ck-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path p = dir / "ck.safetensors";
+  ls::save_checkpoint(p, sample_checkpoint());
+  ls::Checkpoint a = ls::load_checkpoint(p);
+  CHECK(a.metadata.at("epoch") == "12");
+  // Overwriting replaces the file; no temporary file is left behind.
+  ls::Checkpoint ck2 = sample_checkpoint();
+  ck2.metadata["epoch"] = "13";
+  ls::save_checkpoint(p, ck2);
+  CHECK(ls::load_checkpoint(p).metadata.at("epoch") == "13");
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file() ? 1 : 0;
+  CHECK(files == 1);
+  // A directory that does not exist: a clear error, and the old file is untouched.
+  CHECK_THROWS_WITH(ls::save_checkpoint(dir / "nope" / "ck.safetensors", ck2),
+                    Catch::Contains("cannot create a temporary file"));
+  CHECK_THROWS_WITH(ls::load_checkpoint(dir / "missing"), Catch::Contains("cannot open"));
+  CHECK_THROWS_WITH(ls::load_checkpoint(dir), Catch::Contains("not a regular file"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the API refuses bad names", "[checkpoint]") {
+  ls::Checkpoint ck;
+  ck.add("a", ls::Tensor::zeros({1}));
+  CHECK_THROWS_AS(ck.add("a", ls::Tensor::zeros({1})), ls::InvalidArgument);
+  CHECK_THROWS_AS(ck.add("", ls::Tensor::zeros({1})), ls::InvalidArgument);
+  CHECK_THROWS_AS(ck.add("__metadata__", ls::Tensor::zeros({1})), ls::InvalidArgument);
+  CHECK_THROWS_AS(ck.add("\xff", ls::Tensor::zeros({1})), ls::InvalidArgument);
+  CHECK_THROWS_AS(ck.at("b"), ls::CheckpointError);
+}
+
+TEST_CASE("every truncation is refused", "[checkpoint]") {
+  const auto bytes = ls::serialize_checkpoint(sample_checkpoint());
+  int refused = 0;
+  for (std::size_t len = 0; len < bytes.size(); ++len) {
+    try {
+      (void)ls::parse_checkpoint(std::span(bytes).first(len));
+    } catch (const ls::CheckpointError&) {
+      ++refused;
+    }
+  }
+  CHECK(refused == static_cast<int>(bytes.size()));
+  CHECK_THAT(parse_error(std::span(bytes).first(bytes.size() - 1)), Catch::Contains("truncated"));
+  CHECK_THAT(parse_error(std::span(bytes).first(5)), Catch::Contains("truncated"));
+}
+
+TEST_CASE("every flipped byte is refused or harmless", "[checkpoint]") {
+  const ls::Checkpoint ck = sample_checkpoint();
+  const auto bytes = ls::serialize_checkpoint(ck);
+  const ls::Checkpoint ref = ls::parse_checkpoint(bytes);
+  int refused = 0, harmless = 0, silent = 0;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    for (unsigned char mask : {0x01, 0x80, 0xFF}) {
+      auto b = bytes;
+      b[i] ^= static_cast<std::byte>(mask);
+      try {
+        const ls::Checkpoint got = ls::parse_checkpoint(b);
+        // Only changes that do not alter the contents may pass (say, padding space to tab).
+        if (same(got, ref)) ++harmless; else ++silent;
+      } catch (const ls::CheckpointError&) {
+        ++refused;
+      }
+    }
+  }
+  CHECK(silent == 0);
+  CHECK(refused > 0);
+  INFO("refused " << refused << ", harmless " << harmless);
+  // A flip in the data region is a checksum mismatch, named as such.
+  auto b = bytes;
+  b[b.size() - 3] ^= std::byte{0x10};
+  CHECK_THAT(parse_error(b, true), Catch::Contains("checksum mismatch"));
+}
+
+TEST_CASE("random garbage never crashes the reader", "[checkpoint]") {
+  std::mt19937_64 rng(1234);
+  const auto good = ls::serialize_checkpoint(sample_checkpoint());
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::vector<std::byte> b;
+    if (iter % 2 == 0) {
+      b.resize(rng() % 200);
+      for (auto& x : b) x = static_cast<std::byte>(rng());
+      if (b.size() >= 8 && iter % 4 == 0) {  // plausible length prefix
+        const std::uint64_t n = rng() % (b.size() - 7);
+        for (int k = 0; k < 8; ++k) b[k] = static_cast<std::byte>((n >> (8 * k)) & 0xFF);
+      }
+    } else {  // the good file with a few random bytes overwritten
+      b = good;
+      for (int k = 0; k < 1 + static_cast<int>(rng() % 4); ++k)
+        b[rng() % b.size()] = static_cast<std::byte>(rng());
+    }
+    try {
+      (void)ls::parse_checkpoint(b, {.require_checksum = (iter % 3 != 0)});
+    } catch (const ls::CheckpointError&) {
+    }
+  }
+  SUCCEED("no crash, only CheckpointError");
+}
+
+TEST_CASE("hand-made bad headers get a message naming the problem", "[checkpoint]") {
+  const std::string f4(4, '\0');  // four data bytes: one f32
+  auto err = [&](const std::string& header, const std::string& data = std::string(4, '\0')) {
+    return parse_error(as_span(make_file(header, data)));
+  };
+  // A good minimal file, written by hand the way Python's safetensors would (no checksum).
+  CHECK(err(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})") == "");
+  CHECK(parse_error(as_span(make_file(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", f4)),
+                    true)
+            .find("no lockstep.checksum") != std::string::npos);
+
+  struct Case {
+    std::string header, expect;
+  };
+  const std::vector<Case> cases = {
+      {R"({"x":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}})", "unsupported dtype"},
+      {R"({"x":{"dtype":"BOOL","shape":[4],"data_offsets":[0,4]}})", "unsupported dtype"},
+      {R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "needs 8 bytes"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", "end < begin"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}})", "truncated"},
+      {R"({"x":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"y":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})",
+       "overlaps"},
+      {R"({"y":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}})", "gap"},
+      {R"({"y":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "trailing"},
+      {R"({"x":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", "non-negative integer"},
+      {R"({"x":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", "non-negative integer"},
+      {R"({"x":{"dtype":"F32","shape":[1e0],"data_offsets":[0,4]}})", "non-negative integer"},
+      {R"({"x":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,4]}})", "too large"},
+      {R"({"x":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", "too many elements"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", "data_offsets"},
+      {R"({"x":{"dtype":"F32","shape":[1]}})", "needs dtype, shape and data_offsets"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"extra":1}})", "unknown field"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       "duplicate key"},
+      {R"({"x":[1]})", "must be an object"},
+      {R"({"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "empty name"},
+      {R"({"__metadata__":{"a":1},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "must be a string"},
+      {R"({"__metadata__":[],"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "must be an object"},
+      {R"({"__metadata__":{"lockstep.format":"2"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       "unsupported lockstep.format"},
+      {R"({"__metadata__":{"lockstep.checksum":"crc32c:00000000"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       "checksum mismatch"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},})", "expected a string key"},
+      {R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}} x)", "after the JSON value"},
+      {R"({"x":{"dtype":"F32" "shape":[1]}})", "expected ','"},
+      {R"({"x\u00":1})", "invalid hex digit"},
+      {R"({"x\ud800":1})", "surrogate"},
+      {R"({"x\udc00":1})", "lone low surrogate"},
+      {R"({"x\q":1})", "invalid escape"},
+      {"{\"x\x01\":1}", "control character"},
+      {"{\"x\xc0\xaf\":1}", "invalid UTF-8"},
+      {"{\"x\xed\xa0\x80\":1}", "invalid UTF-8"},
+      {R"({"x":tru})", "invalid literal"},
+      {R"({"x":01})", "expected ','"},
+      {R"({"x":-})", "invalid number"},
+      {R"({"x":1.})", "no digit after '.'"},
+      {R"({"x":1e})", "no digit in exponent"},
+      {R"({"x":"abc)", "unterminated"},
+      {"[1]", "does not start with '{'"},
+      {R"({"x":)", "unexpected end"},
+      {[] {
+         std::string s;
+         for (int i = 0; i < 100; ++i) s += R"({"a":)";
+         return s;
+       }(),
+       "nested deeper"},
+      {R"({"x":{"a":[[[[{"b":null,"c":true,"d":false}]]]]}})", "unknown field"},
+  };
+  for (const auto& c : cases) {
+    INFO("header: " << c.header);
+    CHECK_THAT(err(c.header), Catch::Contains(c.expect));
+  }
+  // Header length beyond the file, and absurd lengths.
+  std::string bad = make_file(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", f4);
+  bad[0] = static_cast<char>(0xFF);
+  CHECK_THAT(parse_error(as_span(bad)), Catch::Contains("exceeds"));
+  bad[7] = static_cast<char>(0xFF);
+  CHECK_THAT(parse_error(as_span(bad)), Catch::Contains("exceeds"));
+  CHECK_THAT(parse_error(as_span(make_file("{"))), Catch::Contains("too small"));
+}
