@@ -1,0 +1,567 @@
+// NCCLBackend: the Backend interface over one NCCL communicator per rank, bootstrapped over MPI.
+#include "lockstep/nccl.hpp"
+
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace lockstep {
+namespace {
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f16: return ncclFloat16;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::u8: return ncclUint8;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::prod: return ncclProd;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::avg: return ncclAvg;  // NCCL >= 2.10; the FindNCCL version is 2.28 here
+  }
+  return ncclSum;
+}
+
+void check_view(const TensorView& v, const char* what) {
+  LOCKSTEP_CHECK_ARG(v.numel >= 0, what, ": negative element count ", v.numel);
+  LOCKSTEP_CHECK_ARG(v.data != nullptr || v.numel == 0, what, ": null data pointer for ", v.numel,
+                     " elements");
+  LOCKSTEP_CHECK_ARG(static_cast<int>(v.dtype) <= static_cast<int>(DType::u8), what, ": invalid dtype value");
+}
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  auto a0 = reinterpret_cast<std::uintptr_t>(a.data), b0 = reinterpret_cast<std::uintptr_t>(b.data);
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+bool same_buffer(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.numel == b.numel && a.dtype == b.dtype && a.device == b.device;
+}
+
+// The device this rank drives: an explicit choice, else LOCKSTEP_CUDA_DEVICE, else
+// local_rank % device_count. Returns -1 with a reason when none is usable.
+int choose_device(int requested, int local_rank, int count, std::string& why) {
+  if (count <= 0) {
+    why = "no CUDA device is visible to this process";
+    return -1;
+  }
+  int d = requested;
+  if (d < 0) {
+    if (const char* env = std::getenv("LOCKSTEP_CUDA_DEVICE"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      long v = std::strtol(env, &end, 10);
+      if (end == env || *end != '\0' || v < 0) {
+        why = detail::concat("LOCKSTEP_CUDA_DEVICE=\"", env, "\" is not a device index");
+        return -1;
+      }
+      d = static_cast<int>(v);
+    } else {
+      d = local_rank % count;
+    }
+  }
+  if (d >= count) {
+    why = detail::concat("device ", d, " requested but only ", count, " visible");
+    return -1;
+  }
+  return d;
+}
+
+}  // namespace
+
+struct NCCLBackend::Impl {
+  MPIBackend host;
+  int device = 0;
+  cuda::Stream stream;
+  cuda::Event ready;  // marks the producer's work on the current stream
+  ncclComm_t comm = nullptr;
+  bool aborted = false;
+
+  explicit Impl(MPI_Comm c) : host(c) {}
+
+  ~Impl() {
+    if (comm == nullptr) return;
+    int prev = -1;
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    cudaSetDevice(device);
+    // Destroy waits for the communicator's work; after a failure only abort is safe (horovod).
+    ncclResult_t r = aborted ? ncclSuccess : ncclCommDestroy(comm);
+    if (r != ncclSuccess) {
+      std::cerr << "lockstep: ncclCommDestroy failed: " << ncclGetErrorString(r) << "; aborting\n";
+      ncclCommAbort(comm);
+    }
+    comm = nullptr;
+    if (prev >= 0 && prev != device) cudaSetDevice(prev);
+  }
+
+  void do_abort() noexcept {
+    if (comm != nullptr && !aborted) {
+      aborted = true;
+      ncclCommAbort(comm);
+      comm = nullptr;
+    }
+    aborted = true;
+  }
+
+  /// Throws NcclError (after aborting the communicator) if `r` is not ncclSuccess.
+  void check(ncclResult_t r, const char* call,
+             const std::source_location& loc = std::source_location::current()) {
+    if (r == ncclSuccess) return;
+    std::string last = ncclGetLastError(comm);
+    do_abort();
+    throw NcclError(detail::concat(detail::where(loc), ": ", call, " failed: ", ncclGetErrorString(r),
+                                   last.empty() ? "" : ": ", last, "; the communicator was aborted",
+                                   detail::rank_suffix()),
+                    static_cast<int>(r));
+  }
+
+  void check_usable(const char* what) const {
+    if (aborted)
+      throw Error(detail::concat(what, ": the NCCL communicator was aborted after an earlier failure",
+                                 detail::rank_suffix()));
+  }
+
+  void check_device(const TensorView& v, const char* what) const {
+    LOCKSTEP_CHECK_ARG(v.device.index == device, what, ": tensor on ", to_string(v.device),
+                       " but this rank's NCCL communicator drives cuda:", device);
+  }
+
+  // Orders NCCL's stream after the work queued so far on the current stream of the device, so
+  // that NCCL never reads a buffer a kernel is still writing.
+  void begin(const char* what) {
+    check_usable(what);
+    ready.record(cuda::current_stream(device));
+    ready.wait_on(stream.get());
+  }
+
+  // Waits for `query` (a stream or an event) while polling NCCL for asynchronous errors, so a
+  // peer's failure surfaces as NcclError rather than a hang.
+  template <class Query>
+  void wait_polling(Query&& query) {
+    for (;;) {
+      check_usable("waiting for an NCCL operation");
+      cudaError_t e = query();
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) cuda::detail::check_cuda(e, "waiting for an NCCL operation");
+      ncclResult_t async = ncclSuccess;
+      check(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError");
+      check(async, "an NCCL operation (asynchronous error)");
+      std::this_thread::yield();
+    }
+  }
+
+  void finish_blocking() {
+    cudaStream_t s = stream.get();
+    wait_polling([s] { return cudaStreamQuery(s); });
+  }
+};
+
+#define LOCKSTEP_NCCL_CHECK(impl, call) (impl).check((call), #call)
+
+namespace {
+
+class NcclRequest final : public detail::RequestImpl {
+ public:
+  NcclRequest(std::shared_ptr<NCCLBackend::Impl> impl, cuda::Event done)
+      : impl_(std::move(impl)), done_(std::move(done)) {}
+  void wait() override {
+    if (finished_) return;
+    cudaEvent_t e = done_.get();
+    impl_->wait_polling([e] { return cudaEventQuery(e); });
+    finished_ = true;
+  }
+  bool test() override {
+    if (finished_) return true;
+    cudaError_t e = cudaEventQuery(done_.get());
+    if (e == cudaErrorNotReady) {
+      ncclResult_t async = ncclSuccess;
+      impl_->check(ncclCommGetAsyncError(impl_->comm, &async), "ncclCommGetAsyncError");
+      impl_->check(async, "an NCCL operation (asynchronous error)");
+      return false;
+    }
+    cuda::detail::check_cuda(e, "cudaEventQuery");
+    finished_ = true;
+    return true;
+  }
+
+ private:
+  std::shared_ptr<NCCLBackend::Impl> impl_;
+  cuda::Event done_;
+  bool finished_ = false;
+};
+
+// Records completion of the work queued on NCCL's stream in a fresh event owned by the request.
+Request make_request(const std::shared_ptr<NCCLBackend::Impl>& impl) {
+  cuda::Event done = cuda::Event::create(impl->device);
+  done.record(impl->stream.get());
+  return Request(std::make_unique<NcclRequest>(impl, std::move(done)));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Construction: the unique id travels over MPI
+// ---------------------------------------------------------------------------------------------
+NCCLBackend::NCCLBackend(MPI_Comm comm, Options options) : impl_(std::make_shared<Impl>(comm)) {
+  cuda::init();
+  Impl& im = *impl_;
+  MPI_Comm mc = im.host.comm();
+  std::string why;
+  const int count = cuda::device_count();
+  im.device = choose_device(options.device, im.host.local_rank(), count, why);
+
+  // Every rank learns whether every rank has a device before anyone enters NCCL, so that a
+  // rank without one does not leave the others waiting in ncclCommInitRank.
+  int ok = im.device >= 0 ? 1 : 0, all_ok = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, mc));
+  if (!all_ok)
+    throw Error(detail::concat("NCCLBackend: ",
+                               ok ? "another rank has no usable CUDA device" : why.c_str(),
+                               detail::rank_suffix()));
+
+  cuda::DeviceGuard guard(im.device);
+  im.stream = cuda::Stream::create(im.device, /*non_blocking=*/true);
+  im.ready = cuda::Event::create(im.device);
+
+  struct {
+    int ok;
+    ncclUniqueId id;
+  } boot{};
+  if (im.host.rank() == 0) {
+    ncclResult_t r = ncclGetUniqueId(&boot.id);
+    boot.ok = r == ncclSuccess ? 1 : 0;
+    if (r != ncclSuccess) why = detail::concat("ncclGetUniqueId failed: ", ncclGetErrorString(r));
+  }
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(&boot, static_cast<int>(sizeof boot), MPI_BYTE, 0, mc));
+  if (!boot.ok)
+    throw NcclError(detail::concat("NCCLBackend: ", im.host.rank() == 0 ? why : "rank 0 could not create the NCCL id",
+                                   detail::rank_suffix()),
+                    static_cast<int>(ncclSystemError));
+
+  ncclResult_t r = ncclCommInitRank(&im.comm, im.host.size(), boot.id, im.host.rank());
+  std::string init_error;
+  if (r != ncclSuccess) {
+    init_error = detail::concat("ncclCommInitRank failed: ", ncclGetErrorString(r), ": ",
+                                ncclGetLastError(nullptr));
+    im.comm = nullptr;
+  }
+  ok = r == ncclSuccess ? 1 : 0;
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, mc));
+  if (!all_ok) {
+    im.do_abort();
+    throw NcclError(detail::concat("NCCLBackend: ", ok ? "another rank failed to join the communicator" : init_error,
+                                   detail::rank_suffix()),
+                    static_cast<int>(r == ncclSuccess ? ncclSystemError : r));
+  }
+}
+
+NCCLBackend::~NCCLBackend() = default;
+NCCLBackend::NCCLBackend(NCCLBackend&&) noexcept = default;
+NCCLBackend& NCCLBackend::operator=(NCCLBackend&&) noexcept = default;
+
+int NCCLBackend::rank() const { return impl_->host.rank(); }
+int NCCLBackend::size() const { return impl_->host.size(); }
+int NCCLBackend::local_rank() const { return impl_->host.local_rank(); }
+int NCCLBackend::local_size() const { return impl_->host.local_size(); }
+int NCCLBackend::device() const noexcept { return impl_->device; }
+cudaStream_t NCCLBackend::stream() const noexcept { return impl_->stream.get(); }
+MPIBackend& NCCLBackend::host_backend() noexcept { return impl_->host; }
+bool NCCLBackend::aborted() const noexcept { return impl_->aborted; }
+void NCCLBackend::abort() noexcept { impl_->do_abort(); }
+
+// ---------------------------------------------------------------------------------------------
+// Collectives: cpu tensors go to the host backend, cuda tensors to NCCL
+// ---------------------------------------------------------------------------------------------
+void NCCLBackend::broadcast(TensorView buf, int root) {
+  if (buf.device.is_cpu()) return impl_->host.broadcast(buf, root);
+  Impl& im = *impl_;
+  check_view(buf, "broadcast");
+  im.check_device(buf, "broadcast");
+  LOCKSTEP_CHECK_ARG(root >= 0 && root < size(), "broadcast: root ", root, " is out of range [0, ", size(), ")");
+  if (buf.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("broadcast");
+  LOCKSTEP_NCCL_CHECK(im, ncclBroadcast(buf.data, buf.data, static_cast<std::size_t>(buf.numel),
+                                        nccl_type(buf.dtype), root, im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::allreduce(TensorView buf, ReduceOp op) {
+  if (buf.device.is_cpu()) return impl_->host.allreduce(buf, op);
+  Impl& im = *impl_;
+  check_view(buf, "allreduce");
+  im.check_device(buf, "allreduce");
+  check_op_for_dtype(op, buf.dtype);
+  if (buf.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("allreduce");
+  LOCKSTEP_NCCL_CHECK(im, ncclAllReduce(buf.data, buf.data, static_cast<std::size_t>(buf.numel),
+                                        nccl_type(buf.dtype), nccl_op(op), im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
+  if (same_buffer(send, recv)) return allreduce(recv, op);
+  if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.allreduce(send, recv, op);
+  Impl& im = *impl_;
+  check_view(send, "allreduce");
+  check_view(recv, "allreduce");
+  LOCKSTEP_CHECK_ARG(send.device == recv.device, "allreduce: send is on ", to_string(send.device),
+                     " but recv is on ", to_string(recv.device));
+  im.check_device(send, "allreduce");
+  LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, "allreduce: send dtype ", lockstep::name(send.dtype),
+                     " differs from recv dtype ", lockstep::name(recv.dtype));
+  LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "allreduce: send has ", send.numel,
+                     " elements but recv has ", recv.numel);
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "allreduce: send and recv overlap in memory; use the in-place form");
+  check_op_for_dtype(op, send.dtype);
+  if (send.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("allreduce");
+  LOCKSTEP_NCCL_CHECK(im, ncclAllReduce(send.data, recv.data, static_cast<std::size_t>(send.numel),
+                                        nccl_type(send.dtype), nccl_op(op), im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::reduce(TensorView buf, ReduceOp op, int root) {
+  if (buf.device.is_cpu()) return impl_->host.reduce(buf, op, root);
+  Impl& im = *impl_;
+  check_view(buf, "reduce");
+  im.check_device(buf, "reduce");
+  check_op_for_dtype(op, buf.dtype);
+  LOCKSTEP_CHECK_ARG(root >= 0 && root < size(), "reduce: root ", root, " is out of range [0, ", size(), ")");
+  if (buf.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("reduce");
+  // In place on the root; NCCL does not write recvbuff on the other ranks.
+  LOCKSTEP_NCCL_CHECK(im, ncclReduce(buf.data, buf.data, static_cast<std::size_t>(buf.numel),
+                                     nccl_type(buf.dtype), nccl_op(op), root, im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
+  if (same_buffer(send, recv)) return reduce(recv, op, root);
+  if (send.device.is_cpu() && (recv.device.is_cpu() || recv.data == nullptr))
+    return impl_->host.reduce(send, recv, op, root);
+  Impl& im = *impl_;
+  const bool is_root = rank() == root;
+  LOCKSTEP_CHECK_ARG(root >= 0 && root < size(), "reduce: root ", root, " is out of range [0, ", size(), ")");
+  check_view(send, "reduce");
+  im.check_device(send, "reduce");
+  check_op_for_dtype(op, send.dtype);
+  // recv matters only on the root; a non-root may pass an empty view.
+  if (is_root || recv.numel != 0 || recv.data != nullptr) {
+    check_view(recv, "reduce");
+    LOCKSTEP_CHECK_ARG(send.device == recv.device, "reduce: send is on ", to_string(send.device),
+                       " but recv is on ", to_string(recv.device));
+    LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, "reduce: send dtype ", lockstep::name(send.dtype),
+                       " differs from recv dtype ", lockstep::name(recv.dtype));
+    LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "reduce: send has ", send.numel, " elements but recv has ",
+                       recv.numel);
+    LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "reduce: send and recv overlap in memory; use the in-place form");
+  }
+  if (send.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("reduce");
+  LOCKSTEP_NCCL_CHECK(im, ncclReduce(send.data, is_root ? recv.data : nullptr,
+                                     static_cast<std::size_t>(send.numel), nccl_type(send.dtype),
+                                     nccl_op(op), root, im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::allgather(TensorView send, TensorView recv) {
+  if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.allgather(send, recv);
+  Impl& im = *impl_;
+  check_view(send, "allgather");
+  check_view(recv, "allgather");
+  LOCKSTEP_CHECK_ARG(send.device == recv.device, "allgather: send is on ", to_string(send.device),
+                     " but recv is on ", to_string(recv.device));
+  im.check_device(send, "allgather");
+  LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, "allgather: send dtype ", lockstep::name(send.dtype),
+                     " differs from recv dtype ", lockstep::name(recv.dtype));
+  LOCKSTEP_CHECK_ARG(recv.numel == send.numel * size(), "allgather: recv must hold size() x send = ", size(),
+                     " x ", send.numel, " = ", send.numel * size(), " elements, but holds ", recv.numel);
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "allgather: send and recv overlap in memory");
+  if (send.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("allgather");
+  LOCKSTEP_NCCL_CHECK(im, ncclAllGather(send.data, recv.data, static_cast<std::size_t>(send.numel),
+                                        nccl_type(send.dtype), im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
+  if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.reduce_scatter(send, recv, op);
+  Impl& im = *impl_;
+  check_view(send, "reduce_scatter");
+  check_view(recv, "reduce_scatter");
+  LOCKSTEP_CHECK_ARG(send.device == recv.device, "reduce_scatter: send is on ", to_string(send.device),
+                     " but recv is on ", to_string(recv.device));
+  im.check_device(send, "reduce_scatter");
+  LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, "reduce_scatter: send dtype ", lockstep::name(send.dtype),
+                     " differs from recv dtype ", lockstep::name(recv.dtype));
+  LOCKSTEP_CHECK_ARG(send.numel == recv.numel * size(), "reduce_scatter: send must hold size() x recv = ",
+                     size(), " x ", recv.numel, " = ", recv.numel * size(), " elements, but holds ", send.numel);
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "reduce_scatter: send and recv overlap in memory");
+  check_op_for_dtype(op, send.dtype);
+  if (recv.numel == 0) return;
+  cuda::DeviceGuard g(im.device);
+  im.begin("reduce_scatter");
+  LOCKSTEP_NCCL_CHECK(im, ncclReduceScatter(send.data, recv.data, static_cast<std::size_t>(recv.numel),
+                                            nccl_type(send.dtype), nccl_op(op), im.comm, im.stream.get()));
+  im.finish_blocking();
+}
+
+void NCCLBackend::barrier() {
+  impl_->check_usable("barrier");
+  impl_->host.barrier();
+}
+
+Request NCCLBackend::iallreduce(TensorView buf, ReduceOp op) {
+  if (buf.device.is_cpu()) return impl_->host.iallreduce(buf, op);
+  Impl& im = *impl_;
+  check_view(buf, "iallreduce");
+  im.check_device(buf, "iallreduce");
+  check_op_for_dtype(op, buf.dtype);
+  if (buf.numel == 0) return Request();
+  cuda::DeviceGuard g(im.device);
+  im.begin("iallreduce");
+  LOCKSTEP_NCCL_CHECK(im, ncclAllReduce(buf.data, buf.data, static_cast<std::size_t>(buf.numel),
+                                        nccl_type(buf.dtype), nccl_op(op), im.comm, im.stream.get()));
+  return make_request(impl_);
+}
+
+Request NCCLBackend::ibroadcast(TensorView buf, int root) {
+  if (buf.device.is_cpu()) return impl_->host.ibroadcast(buf, root);
+  Impl& im = *impl_;
+  check_view(buf, "ibroadcast");
+  im.check_device(buf, "ibroadcast");
+  LOCKSTEP_CHECK_ARG(root >= 0 && root < size(), "ibroadcast: root ", root, " is out of range [0, ", size(), ")");
+  if (buf.numel == 0) return Request();
+  cuda::DeviceGuard g(im.device);
+  im.begin("ibroadcast");
+  LOCKSTEP_NCCL_CHECK(im, ncclBroadcast(buf.data, buf.data, static_cast<std::size_t>(buf.numel),
+                                        nccl_type(buf.dtype), root, im.comm, im.stream.get()));
+  return make_request(impl_);
+}
+
+namespace {
+// Host if every buffer is on the host, device if every one is on cuda; mixed is refused.
+bool all_on_host(std::span<const TensorView> bufs, const char* what) {
+  std::size_t host = 0;
+  for (const auto& b : bufs) host += b.device.is_cpu() ? 1 : 0;
+  LOCKSTEP_CHECK_ARG(host == 0 || host == bufs.size(), what,
+                     ": buffers must be all on the host or all on the device; ", host, " of ", bufs.size(),
+                     " are on the host");
+  return !bufs.empty() && host == bufs.size();
+}
+}  // namespace
+
+void NCCLBackend::allreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
+  Request r = iallreduce_many(bufs, op);
+  r.wait();
+}
+
+Request NCCLBackend::iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
+  Impl& im = *impl_;
+  if (all_on_host(bufs, "iallreduce_many")) {
+    // MPI has no group call; the host requests are issued together and completed together.
+    struct Many final : detail::RequestImpl {
+      std::vector<Request> reqs;
+      void wait() override {
+        for (auto& r : reqs) r.wait();
+      }
+      bool test() override {
+        bool all = true;
+        for (auto& r : reqs) all = r.test() && all;
+        return all;
+      }
+    };
+    auto many = std::make_unique<Many>();
+    for (const auto& b : bufs) many->reqs.push_back(im.host.iallreduce(b, op));
+    return Request(std::move(many));
+  }
+  bool any = false;
+  for (std::size_t i = 0; i < bufs.size(); ++i) {
+    check_view(bufs[i], "iallreduce_many");
+    im.check_device(bufs[i], "iallreduce_many");
+    check_op_for_dtype(op, bufs[i].dtype);
+    any = any || bufs[i].numel > 0;
+  }
+  if (!any) return Request();
+  cuda::DeviceGuard g(im.device);
+  im.begin("iallreduce_many");
+  LOCKSTEP_NCCL_CHECK(im, ncclGroupStart());
+  for (const auto& b : bufs) {
+    if (b.numel == 0) continue;
+    ncclResult_t r = ncclAllReduce(b.data, b.data, static_cast<std::size_t>(b.numel), nccl_type(b.dtype),
+                                   nccl_op(op), im.comm, im.stream.get());
+    if (r != ncclSuccess) {
+      ncclGroupEnd();  // leave the group before aborting, so NCCL's group state is not left open
+      LOCKSTEP_NCCL_CHECK(im, r);
+    }
+  }
+  LOCKSTEP_NCCL_CHECK(im, ncclGroupEnd());
+  return make_request(impl_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The global backend behind initialize<NCCLBackend>()
+// ---------------------------------------------------------------------------------------------
+namespace {
+std::mutex g_mutex;
+std::unique_ptr<NCCLBackend> g_backend;
+bool g_atexit_registered = false;
+void finalize_at_exit() { NCCLBackend::finalize_global(); }
+}  // namespace
+
+void NCCLBackend::initialize_global() {
+  // MPI first (outside our lock): its at-exit finalisation is then registered before ours, and
+  // at exit ours runs first, destroying the NCCL communicator while MPI is still alive.
+  MPIBackend::initialize_global();
+  cuda::init();
+  std::lock_guard lock(g_mutex);
+  if (g_backend) return;
+  g_backend = std::make_unique<NCCLBackend>(MPI_COMM_WORLD);
+  if (!g_atexit_registered) {
+    std::atexit(finalize_at_exit);
+    g_atexit_registered = true;
+  }
+}
+
+bool NCCLBackend::initialized_global() noexcept {
+  std::lock_guard lock(g_mutex);
+  return static_cast<bool>(g_backend);
+}
+
+NCCLBackend& NCCLBackend::global() {
+  std::lock_guard lock(g_mutex);
+  if (!g_backend)
+    throw Error(
+        "get_distributed_backend<NCCLBackend>: the NCCL backend is not initialised; call "
+        "lockstep::initialize<lockstep::NCCLBackend>() first");
+  return *g_backend;
+}
+
+void NCCLBackend::finalize_global() {
+  std::lock_guard lock(g_mutex);
+  g_backend.reset();
+}
+
+}  // namespace lockstep
