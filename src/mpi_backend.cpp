@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <map>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -241,6 +243,49 @@ bool detect_cuda_aware() {
 #endif
 }
 
+// Pinned host buffers for nonblocking device operations, reused across calls: cudaMallocHost
+// costs far more than most collectives it would stage. Power-of-two size classes. Shared by the
+// backend and its pending requests (a request may outlive the backend).
+class PinnedPool {
+ public:
+  PinnedPool() = default;
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+  ~PinnedPool() {
+    DeviceRuntime* rt = find_device_runtime();
+    for (auto& [cls, list] : free_)
+      for (void* p : list)
+        if (rt != nullptr) rt->deallocate_pinned(p);
+  }
+  /// A buffer of at least `bytes` bytes; `cls` receives its size class for give().
+  void* take(std::size_t bytes, std::size_t& cls) {
+    cls = std::bit_ceil(std::max<std::size_t>(bytes, 4096));
+    {
+      std::lock_guard lock(mutex_);
+      auto& list = free_[cls];
+      if (!list.empty()) {
+        void* p = list.back();
+        list.pop_back();
+        return p;
+      }
+    }
+    return device_runtime("MPIBackend with a cuda tensor").allocate_pinned(cls);
+  }
+  /// Returns a buffer from take() for reuse.
+  void give(void* p, std::size_t cls) noexcept {
+    try {
+      std::lock_guard lock(mutex_);
+      free_[cls].push_back(p);
+    } catch (...) {
+      if (auto* rt = find_device_runtime()) rt->deallocate_pinned(p);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::size_t, std::vector<void*>> free_;
+};
+
 }  // namespace
 
 struct MPIBackend::Impl {
@@ -252,6 +297,8 @@ struct MPIBackend::Impl {
   void* pinned = nullptr;
   std::size_t pinned_bytes = 0;
   std::mutex pinned_mutex;
+  // Pinned buffers of nonblocking operations on device tensors.
+  std::shared_ptr<PinnedPool> pinned_pool = std::make_shared<PinnedPool>();
 
   ~Impl() {
     if (pinned != nullptr)
@@ -265,14 +312,19 @@ struct MPIBackend::Impl {
     LOCKSTEP_CHECK_ARG(root >= 0 && root < size, what, ": root ", root, " is out of range [0, ", size, ")");
   }
 
+  // Grows the staging buffer to at least `bytes`, keeping its contents: the send region of a
+  // call may already be filled when its recv region asks for more room.
   void* staging(std::size_t bytes) {
     if (bytes > pinned_bytes) {
       DeviceRuntime& rt = device_runtime("MPIBackend staging");
-      if (pinned != nullptr) rt.deallocate_pinned(pinned);
-      pinned = nullptr;
-      pinned_bytes = 0;
-      pinned = rt.allocate_pinned(bytes);
-      pinned_bytes = bytes;
+      const std::size_t grown = (bytes + 65535) / 65536 * 65536;
+      void* bigger = rt.allocate_pinned(grown);
+      if (pinned != nullptr) {
+        std::memcpy(bigger, pinned, pinned_bytes);
+        rt.deallocate_pinned(pinned);
+      }
+      pinned = bigger;
+      pinned_bytes = grown;
     }
     return pinned;
   }
@@ -282,29 +334,40 @@ namespace {
 
 // A host-side stand-in for one or two views during one blocking collective. For host views
 // it is the view itself; for device views it is either the device pointer (CUDA-aware MPI)
-// or a region of the pinned staging buffer, copied in before and out after.
+// or a region of the pinned staging buffer, copied in before and out after. The region is at
+// `offset_bytes`; the second Staged of a call passes an offset past the first one's region.
 class Staged {
  public:
   Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, std::size_t offset_bytes = 0)
-      : orig_(v), host_(v) {
+      : impl_(&impl), orig_(v), host_(v), offset_(offset_bytes) {
     if (v.device.is_cpu()) return;
     DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
-    rt.synchronize(v.device.index);  // the producer's writes must be complete before MPI reads
+    // The whole device: the producer's writes, on whatever stream, must be complete before MPI
+    // (or the copy below) reads the buffer (Flux.jl issue #2591: wrong averages without it).
+    rt.synchronize(v.device.index);
     if (impl.cuda_aware) return;
     staged_ = true;
-    host_.data = static_cast<char*>(impl.staging(offset_bytes + v.nbytes())) + offset_bytes;
     host_.device = Device::cpu();
-    if (copy_in) rt.copy(host_.data, Device::cpu(), v.data, v.device, v.nbytes());
+    impl.staging(offset_ + v.nbytes());
+    if (copy_in) rt.copy(host().data, Device::cpu(), v.data, v.device, v.nbytes());
   }
-  TensorView host() const { return host_; }
+  /// The view MPI works on. Resolved at each use, because a later Staged of the same call may
+  /// have grown, and so moved, the shared staging buffer.
+  TensorView host() const {
+    TensorView h = host_;
+    if (staged_) h.data = static_cast<char*>(impl_->pinned) + offset_;
+    return h;
+  }
   void copy_out() {
     if (staged_)
       device_runtime("MPIBackend with a cuda tensor")
-          .copy(orig_.data, orig_.device, host_.data, Device::cpu(), orig_.nbytes());
+          .copy(orig_.data, orig_.device, host().data, Device::cpu(), orig_.nbytes());
   }
 
  private:
+  MPIBackend::Impl* impl_;
   TensorView orig_, host_;
+  std::size_t offset_ = 0;
   bool staged_ = false;
 };
 
@@ -501,19 +564,23 @@ void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
 void MPIBackend::barrier() { LOCKSTEP_MPI_CHECK(MPI_Barrier(impl_->comm)); }
 
 namespace {
-// Host memory that a nonblocking device operation stages through; owned by the request, since
-// the backend's shared staging buffer may be reused before the request completes.
+// Host memory that a nonblocking device operation stages through; held by the request (the
+// backend's shared staging buffer may be reused before the request completes) and returned to
+// the backend's pool when the request ends.
 class OwnedPinned {
  public:
-  explicit OwnedPinned(std::size_t bytes) : rt_(&device_runtime("MPIBackend with a cuda tensor")) {
-    p_ = rt_->allocate_pinned(bytes);
+  OwnedPinned(std::shared_ptr<PinnedPool> pool, std::size_t bytes) : pool_(std::move(pool)) {
+    p_ = pool_->take(bytes, cls_);
   }
-  ~OwnedPinned() { rt_->deallocate_pinned(p_); }
+  ~OwnedPinned() { pool_->give(p_, cls_); }
+  OwnedPinned(const OwnedPinned&) = delete;
+  OwnedPinned& operator=(const OwnedPinned&) = delete;
   void* get() const { return p_; }
 
  private:
-  DeviceRuntime* rt_;
-  void* p_;
+  std::shared_ptr<PinnedPool> pool_;
+  void* p_ = nullptr;
+  std::size_t cls_ = 0;
 };
 
 // One nonblocking operation: its MPI requests (several above the int count limit) and what to
@@ -573,14 +640,14 @@ std::vector<MPI_Request> issue_chunks(TensorView host, Issue&& issue) {
 
 // For a device buffer: synchronises its device, and unless MPI is CUDA-aware returns a pinned
 // copy of it (with its contents when copy_in) that the request owns.
-std::unique_ptr<OwnedPinned> stage_nonblocking(TensorView buf, bool cuda_aware, bool copy_in,
+std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorView buf, bool copy_in,
                                                TensorView& host) {
   host = buf;
   if (buf.device.is_cpu()) return nullptr;
   DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
-  rt.synchronize(buf.device.index);
-  if (cuda_aware) return nullptr;
-  auto pinned = std::make_unique<OwnedPinned>(std::max<std::size_t>(buf.nbytes(), 1));
+  rt.synchronize(buf.device.index);  // see Staged
+  if (impl.cuda_aware) return nullptr;
+  auto pinned = std::make_unique<OwnedPinned>(impl.pinned_pool, buf.nbytes());
   host.data = pinned->get();
   host.device = Device::cpu();
   if (copy_in) rt.copy(host.data, Device::cpu(), buf.data, buf.device, buf.nbytes());
@@ -593,7 +660,7 @@ Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
   check_view(buf, "iallreduce");
   check_op_for_dtype(op, buf.dtype);
   TensorView host;
-  auto staging = stage_nonblocking(buf, impl_->cuda_aware, true, host);
+  auto staging = stage_nonblocking(*impl_, buf, true, host);
   MPI_Datatype dt = mpi_type(buf.dtype);
   MPI_Op mop = mpi_op(op, buf.dtype);
   MPI_Comm comm = impl_->comm;
@@ -608,7 +675,7 @@ Request MPIBackend::ibroadcast(TensorView buf, int root) {
   check_view(buf, "ibroadcast");
   impl_->check_root(root, "ibroadcast");
   TensorView host;
-  auto staging = stage_nonblocking(buf, impl_->cuda_aware, impl_->rank == root, host);
+  auto staging = stage_nonblocking(*impl_, buf, impl_->rank == root, host);
   MPI_Datatype dt = mpi_type(buf.dtype);
   MPI_Comm comm = impl_->comm;
   auto reqs = issue_chunks(host, [&](void* p, int c, MPI_Request* r) {
