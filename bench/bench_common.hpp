@@ -1,0 +1,325 @@
+// Shared helpers of the benchmark programs: command-line options, timing across ranks,
+// statistics, shape lists, a plain-text table and a small JSON writer.
+//
+// Timing rule used everywhere: every rank enters a barrier, runs the measured block, and the
+// block's time is the slowest rank's (MPI_Allreduce MAX outside the timed region), since a
+// collective is only as fast as its slowest participant. Competing variants run interleaved in
+// the same loop, in alternating order, so that the noise of this shared machine hits them alike.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace bench {
+
+/// Seconds since an arbitrary origin (steady clock).
+inline double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// Rank and size of MPI_COMM_WORLD (0 and 1 without MPI).
+inline int world_rank() {
+  int init = 0, r = 0;
+  MPI_Initialized(&init);
+  if (init) MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+inline int world_size() {
+  int init = 0, n = 1;
+  MPI_Initialized(&init);
+  if (init) MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+/// The slowest rank's value.
+inline double max_over_ranks(double v, MPI_Comm comm = MPI_COMM_WORLD) {
+  double out = v;
+  MPI_Allreduce(&v, &out, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return out;
+}
+/// True on every rank iff `ok` on every rank (never a REQUIRE between collectives).
+inline bool all_ranks(bool ok, MPI_Comm comm = MPI_COMM_WORLD) {
+  int v = ok ? 1 : 0, out = 0;
+  MPI_Allreduce(&v, &out, 1, MPI_INT, MPI_MIN, comm);
+  return out == 1;
+}
+
+/// Seconds per call of f (iters calls, after a barrier), the slowest rank's.
+inline double time_collective(const std::function<void()>& f, int iters, MPI_Comm comm = MPI_COMM_WORLD) {
+  MPI_Barrier(comm);
+  const double t0 = now();
+  for (int i = 0; i < iters; ++i) f();
+  const double dt = (now() - t0) / iters;
+  return max_over_ranks(dt, comm);
+}
+
+/// Median and minimum of a sample.
+struct Stats {
+  double median = 0, min = 0, max = 0;
+  int n = 0;
+};
+inline Stats stats_of(std::vector<double> v) {
+  Stats s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  s.n = static_cast<int>(v.size());
+  s.min = v.front();
+  s.max = v.back();
+  s.median = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  return s;
+}
+
+/// One named variant in an interleaved comparison: setup runs before each timed block (not
+/// timed), body is timed, check runs after the block (not timed) and returns false on a wrong
+/// result.
+struct Variant {
+  std::string name;
+  std::function<void()> body;
+  std::function<void()> setup = [] {};
+  std::function<bool()> check = [] { return true; };
+};
+
+/// Result of one variant in an interleaved comparison.
+struct Measured {
+  std::string name;
+  Stats s;       // seconds per call
+  bool correct = true;
+};
+
+/// Runs every variant `reps` times, interleaved (the order rotates each repetition), each time
+/// timing `iters` back-to-back calls after setup; returns the per-call statistics. Correctness
+/// is combined across ranks.
+inline std::vector<Measured> interleave(std::vector<Variant>& vs, int reps, int iters,
+                                        MPI_Comm comm = MPI_COMM_WORLD) {
+  std::vector<std::vector<double>> t(vs.size());
+  std::vector<bool> ok(vs.size(), true);
+  // One untimed warm-up call of each, so first-touch page faults and lazy MPI setup are not timed.
+  for (auto& v : vs) {
+    v.setup();
+    v.body();
+  }
+  for (int r = 0; r < reps; ++r) {
+    for (std::size_t k = 0; k < vs.size(); ++k) {
+      const std::size_t j = (k + static_cast<std::size_t>(r)) % vs.size();
+      vs[j].setup();
+      t[j].push_back(time_collective(vs[j].body, iters, comm));
+      ok[j] = ok[j] && vs[j].check();
+    }
+  }
+  std::vector<Measured> out;
+  for (std::size_t j = 0; j < vs.size(); ++j)
+    out.push_back({vs[j].name, stats_of(t[j]), all_ranks(ok[j], comm)});
+  return out;
+}
+
+/// Command-line options: --json PATH, --reps N, --quick, and free-form --key value pairs.
+struct Options {
+  std::string json;
+  int reps = 7;
+  bool quick = false;
+  bool help = false;
+  std::map<std::string, std::string> kv;
+
+  static Options parse(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument("option " + a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--json") o.json = value();
+      else if (a == "--reps") o.reps = std::stoi(value());
+      else if (a == "--quick") o.quick = true;
+      else if (a == "--help" || a == "-h") o.help = true;
+      else if (a.rfind("--", 0) == 0) o.kv[a.substr(2)] = value();
+      else throw std::invalid_argument("unknown argument " + a);
+    }
+    return o;
+  }
+  std::string get(const std::string& k, const std::string& dflt) const {
+    auto it = kv.find(k);
+    return it == kv.end() ? dflt : it->second;
+  }
+};
+
+/// One parameter tensor of a shape list: name and element count.
+struct Param {
+  std::string name;
+  std::int64_t numel;
+};
+
+/// Reads a shape list (one "name numel" a line). Throws with the path on a missing file.
+inline std::vector<Param> read_shapes(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open shape list " + path);
+  std::vector<Param> out;
+  std::string name;
+  std::int64_t n = 0;
+  while (in >> name >> n) out.push_back({name, n});
+  if (out.empty()) throw std::runtime_error("shape list " + path + " is empty");
+  return out;
+}
+
+/// Directory of the shape lists: $LOCKSTEP_SHAPES_DIR, else the compiled-in default.
+inline std::string shapes_dir() {
+  if (const char* e = std::getenv("LOCKSTEP_SHAPES_DIR")) return e;
+#ifdef LOCKSTEP_BENCH_SHAPES_DIR
+  return LOCKSTEP_BENCH_SHAPES_DIR;
+#else
+  return "../shared/bench";
+#endif
+}
+
+/// "8 B", "2 KiB", "128 MiB".
+inline std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (b >= 1024 && u < 3) {
+    b /= 1024;
+    ++u;
+  }
+  std::ostringstream s;
+  if (b == std::floor(b)) s << static_cast<long long>(b) << " " << units[u];
+  else s << std::fixed << std::setprecision(1) << b << " " << units[u];
+  return s.str();
+}
+
+/// Fixed-precision number formatting.
+inline std::string fmt(double v, int prec = 2) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(prec) << v;
+  return s.str();
+}
+
+/// A Markdown table printed by rank 0 (readable on a terminal, pasted into the docs as is).
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) : header_(std::move(header)) {}
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  std::string str() const {
+    std::vector<std::size_t> w(header_.size(), 3);
+    for (std::size_t c = 0; c < header_.size(); ++c) w[c] = std::max(w[c], header_[c].size());
+    for (auto& r : rows_)
+      for (std::size_t c = 0; c < r.size() && c < w.size(); ++c) w[c] = std::max(w[c], r[c].size());
+    std::ostringstream s;
+    auto line = [&](const std::vector<std::string>& r) {
+      s << "|";
+      for (std::size_t c = 0; c < w.size(); ++c) {
+        const std::string cell = c < r.size() ? r[c] : "";
+        // Text left, numbers right, as a reader scans them.
+        const bool num = !cell.empty() && (std::isdigit(static_cast<unsigned char>(cell[0])) ||
+                                           cell[0] == '-' || cell[0] == '+');
+        s << " " << (num ? std::right : std::left) << std::setw(static_cast<int>(w[c])) << cell << " |";
+      }
+      s << "\n";
+    };
+    line(header_);
+    s << "|";
+    for (auto x : w) s << std::string(x + 2, '-') << "|";
+    s << "\n";
+    for (auto& r : rows_) line(r);
+    return s.str();
+  }
+  void print() const {
+    if (world_rank() == 0) std::printf("%s\n", str().c_str());
+  }
+
+ private:
+  std::vector<std::string> header_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+/// Minimal JSON builder: objects and arrays of numbers, strings and booleans.
+class Json {
+ public:
+  static Json object() { return Json('{'); }
+  static Json array() { return Json('['); }
+
+  Json& set(const std::string& k, double v) { return raw(k, num(v)); }
+  Json& set(const std::string& k, int v) { return raw(k, std::to_string(v)); }
+  Json& set(const std::string& k, std::int64_t v) { return raw(k, std::to_string(v)); }
+  Json& set(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
+  Json& set(const std::string& k, const std::string& v) { return raw(k, quote(v)); }
+  Json& set(const std::string& k, const char* v) { return raw(k, quote(v)); }
+  Json& set(const std::string& k, const Json& v) { return raw(k, v.str()); }
+  Json& push(const Json& v) { return raw("", v.str()); }
+  Json& push(double v) { return raw("", num(v)); }
+
+  std::string str() const { return std::string(1, open_) + body_ + (open_ == '{' ? "}" : "]"); }
+
+  /// Writes the document (rank 0 only) if path is non-empty.
+  void write(const std::string& path) const {
+    if (path.empty() || world_rank() != 0) return;
+    std::ofstream out(path);
+    if (!out) throw std::runtime_error("cannot write " + path);
+    out << str() << "\n";
+  }
+
+ private:
+  explicit Json(char open) : open_(open) {}
+  Json& raw(const std::string& k, const std::string& v) {
+    if (!body_.empty()) body_ += ",";
+    if (open_ == '{') body_ += quote(k) + ":";
+    body_ += v;
+    return *this;
+  }
+  static std::string num(double v) {
+    if (!std::isfinite(v)) return "null";
+    std::ostringstream s;
+    s << std::setprecision(9) << v;
+    return s.str();
+  }
+  static std::string quote(const std::string& v) {
+    std::string o = "\"";
+    for (char c : v) {
+      if (c == '"' || c == '\\') o += '\\';
+      if (c == '\n') {
+        o += "\\n";
+        continue;
+      }
+      o += c;
+    }
+    return o + "\"";
+  }
+  char open_;
+  std::string body_;
+};
+
+/// Machine and run description shared by every JSON file.
+inline Json run_info(const std::string& bench_name) {
+  Json j = Json::object();
+  j.set("bench", bench_name).set("ranks", world_size());
+  char version[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(version, &len);
+  std::string v(version, static_cast<std::size_t>(len));
+  if (auto nl = v.find('\n'); nl != std::string::npos) v.resize(nl);
+  while (!v.empty() && (v.back() == '\0' || v.back() == ',' || v.back() == ' ')) v.pop_back();
+  j.set("mpi", v);
+  if (const char* c = std::getenv("LOCKSTEP_CHECK")) j.set("LOCKSTEP_CHECK", c);
+  return j;
+}
+
+/// Picks an iteration count so one timed block lasts about `target_s` given one call's cost.
+inline int iters_for(double one_call_s, double target_s) {
+  if (one_call_s <= 0) return 1000;
+  return std::clamp(static_cast<int>(target_s / one_call_s), 1, 100000);
+}
+
+}  // namespace bench
