@@ -1,0 +1,215 @@
+// DistributedOptimizer: wraps any optimizer rule; before the rule's update, the gradients are
+// averaged (or summed) across ranks in buckets, each bucket one nonblocking allreduce.
+//
+//   auto opt   = ls::DistributedOptimizer(backend, ls::Adam{.lr = 1e-3f});
+//   auto state = ls::setup(opt, model);          // collective: checks all ranks agree
+//   ls::synchronize(backend, state, 0);
+//   for (...) {
+//     state.begin_step(grads);                  // optional: lets backward report gradients
+//     backward(model, batch, grads, [&](ls::Tensor& g) { state.grad_ready(g); });
+//     ls::update(state, model, grads);          // reduces what is left, waits, applies the rule
+//   }
+//
+// Buckets: the trainable gradients, taken from the last one backwards (the order backward
+// produces them), are grouped into buckets of at most options.bucket_bytes (a tensor larger than
+// that is a bucket of its own; dtype or device changes start a new bucket). Bucket 0 holds the
+// last layers. Buckets are launched strictly in index order on every rank, whatever order the
+// reports come in, so the collectives always match across ranks.
+//
+// Zero copy: a bucket whose gradients lie back to back in memory (as flat_zeros_like(model)
+// allocates them) is reduced in place; otherwise it is packed into a staging buffer and unpacked
+// after the reduction. Either way, after update() the gradients hold the reduced values.
+//
+// Accumulation: with options.accumulation_steps = k, the first k-1 calls of update() only add the
+// gradients into an accumulator (no communication, no parameter change) and the k-th reduces the
+// accumulated sum once and applies the rule; with ReduceOp::avg the rule sees the mean over ranks
+// and micro-batches. accumulate(state, grads) does the same explicitly (PyTorch's no_sync). With
+// accumulation the user's gradient tensors are not overwritten.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/backend.hpp"
+#include "lockstep/rules.hpp"
+#include "lockstep/synchronize.hpp"
+
+namespace lockstep {
+
+/// Default bucket size in bytes, chosen by measurement on the CI machine (see docs/training.md).
+inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
+
+/// Options of DistributedOptimizer.
+struct DistributedOptions {
+  /// Largest bucket, in bytes (a larger tensor is a bucket of its own). 0: one bucket per tensor.
+  std::size_t bucket_bytes = kDefaultBucketBytes;
+  /// ReduceOp::avg (default: mean over ranks) or ReduceOp::sum.
+  ReduceOp op = ReduceOp::avg;
+  /// Micro-batches per optimizer step (1: no accumulation).
+  int accumulation_steps = 1;
+};
+
+namespace detail {
+/// What the reducer knows of one trainable gradient.
+struct GradLeaf {
+  std::int64_t numel = 0;
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+};
+
+/// The bucketed, overlapped gradient reduction behind DistributedOptimizer (one per state).
+class GradReducer {
+ public:
+  GradReducer(Backend& backend, const DistributedOptions& options, std::vector<GradLeaf> leaves,
+              std::vector<std::string> paths);
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  /// Binds this step's gradients (validated against the plan) and arms ready reports.
+  void bind(const std::vector<Tensor*>& grads);
+  /// True if bind() was called with exactly these tensors and the step is not finished.
+  bool bound_to(const std::vector<Tensor*>& grads) const noexcept;
+  /// Reports a bound gradient as final; may launch buckets.
+  void mark_ready(const Tensor& grad);
+  /// True if the next reduction completes an optimizer step (not an accumulate-only micro-step).
+  bool final_micro_step() const noexcept;
+  /// Adds the bound gradients into the accumulator (no communication) and unbinds.
+  void accumulate();
+  /// Launches what is not yet in flight, waits for everything and returns the reduced
+  /// gradients (the bound tensors, or the accumulator's). Unbinds.
+  const std::vector<Tensor*>& reduce();
+
+  std::size_t bucket_count() const noexcept;
+  /// Number of buckets reduced in place (zero copy) by the last reduce().
+  std::size_t zero_copy_buckets() const noexcept;
+  /// Number of micro-batches accumulated and not yet reduced.
+  int accumulated() const noexcept;
+  Backend& backend() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Signature of a DistributedOptimizer setup (trainable leaves and options), for the
+/// cross-rank agreement check.
+std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves);
+}  // namespace detail
+
+/// An optimizer rule wrapped so that gradients are reduced across ranks before each update.
+/// Usable wherever a rule is: setup(opt, model), update(state, model, grads).
+template <OptimizerRule R>
+class DistributedOptimizer {
+ public:
+  /// Wraps `rule`; the backend must outlive the optimizer and its states.
+  DistributedOptimizer(Backend& backend, R rule, DistributedOptions options = {})
+      : backend_(&backend), rule_(std::move(rule)), options_(options) {
+    LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
+                       "DistributedOptimizer: op must be avg or sum, got ", name(options.op));
+    LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
+                       "DistributedOptimizer: accumulation_steps must be >= 1, got ",
+                       options.accumulation_steps);
+  }
+  Backend& backend() const noexcept { return *backend_; }
+  const R& rule() const noexcept { return rule_; }
+  const DistributedOptions& options() const noexcept { return options_; }
+
+ private:
+  Backend* backend_;
+  R rule_;
+  DistributedOptions options_;
+};
+
+/// Optimizer state of a DistributedOptimizer: the wrapped rule's state (traversed exactly like
+/// OptState: "step" and "slots") plus the gradient reducer (not traversed).
+template <OptimizerRule R>
+class DistributedState {
+ public:
+  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer)
+      : inner(std::move(inner)), reducer_(std::move(reducer)) {}
+
+  /// The wrapped rule's state (rule hyperparameters, step count, slots).
+  OptState<R> inner;
+
+  /// Starts a step: binds the gradient tensors so that backward can report them with
+  /// grad_ready(). Optional; without it update() reduces everything itself.
+  template <class G>
+  void begin_step(G& grads) {
+    reducer_->bind(trainable_leaves(grads));
+  }
+  /// Reports that gradient `g` (a tensor of the grads passed to begin_step) is final; a bucket
+  /// whose gradients are all final starts reducing at once.
+  void grad_ready(const Tensor& g) { reducer_->mark_ready(g); }
+
+  /// The gradient reducer (bucket counts, for tests and benchmarks).
+  const detail::GradReducer& reducer() const noexcept { return *reducer_; }
+  detail::GradReducer& reducer() noexcept { return *reducer_; }
+
+ private:
+  std::unique_ptr<detail::GradReducer> reducer_;
+};
+
+template <class R, class V>
+void lockstep_visit_fields(DistributedState<R>& s, V&& v) {
+  lockstep_visit_fields(s.inner, v);
+}
+template <class R, class V>
+void lockstep_visit_fields(const DistributedState<R>& s, V&& v) {
+  lockstep_visit_fields(s.inner, v);
+}
+
+/// State for a DistributedOptimizer: the rule's state plus the bucket plan. Collective: checks
+/// that every rank has the same trainable tensors and options (MismatchError otherwise).
+template <OptimizerRule R, class M>
+DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
+  std::vector<detail::GradLeaf> leaves;
+  for_each_tensor(model, [&](const Tensor& t) {
+    if (is_trainable(t)) leaves.push_back({t.numel(), t.dtype(), t.device()});
+  });
+  auto paths = detail::trainable_paths(model);
+  const std::string sig = detail::reducer_signature(opt.options(), leaves);
+  detail::check_same_structure(opt.backend(), sig, 0, 0, "DistributedOptimizer setup", [&] {
+    std::vector<detail::StructureEntry> e;
+    e.push_back({"options", detail::reducer_signature(opt.options(), {})});
+    for (std::size_t i = 0; i < leaves.size(); ++i)
+      e.push_back({paths[i], detail::concat("tensor ", name(leaves[i].dtype), " of ", leaves[i].numel,
+                                    " elements on ", to_string(leaves[i].device))});
+    return e;
+  });
+  auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), opt.options(),
+                                                       std::move(leaves), std::move(paths));
+  return DistributedState<R>(setup(opt.rule(), model), std::move(reducer));
+}
+
+/// Reduces the gradients across ranks (or, in an accumulate-only micro-step, only accumulates
+/// them) and applies the wrapped rule. Collective.
+template <OptimizerRule R, class M, class G>
+void update(DistributedState<R>& state, M& model, G& grads) {
+  auto [params, gs] = detail::aligned_leaves("update", model, grads);
+  auto& red = state.reducer();
+  if (!red.bound_to(gs)) red.bind(gs);
+  if (!red.final_micro_step()) {
+    red.accumulate();
+    return;
+  }
+  const auto& reduced = red.reduce();
+  update_leaves(state.inner, params, reduced);
+}
+
+/// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
+/// no_sync); the next update() reduces the accumulated sum with its own gradients.
+template <OptimizerRule R, class G>
+void accumulate(DistributedState<R>& state, G& grads) {
+  auto gs = trainable_leaves(grads);
+  auto& red = state.reducer();
+  if (!red.bound_to(gs)) red.bind(gs);
+  red.accumulate();
+}
+
+}  // namespace lockstep

@@ -1,0 +1,329 @@
+// The gradient reducer behind DistributedOptimizer: bucket plan, ready reports, nonblocking
+// bucket allreduces overlapped with packing and unpacking, accumulation.
+#include "lockstep/distributed_optimizer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+#include "lockstep/device_runtime.hpp"
+#include "lockstep/errors.hpp"
+
+namespace lockstep::detail {
+
+namespace {
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t n) {
+  if (n == 0) return;
+  if (dst_dev.is_cpu() && src_dev.is_cpu())
+    std::memcpy(dst, src, n);
+  else
+    device_runtime("DistributedOptimizer").copy(dst, dst_dev, src, src_dev, n);
+}
+
+template <class T>
+void add_into(T* __restrict__ dst, const T* __restrict__ src, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+template <class T>
+void divide(T* p, std::int64_t n, T k) {
+  for (std::int64_t i = 0; i < n; ++i) p[i] /= k;
+}
+}  // namespace
+
+struct GradReducer::Impl {
+  struct Bucket {
+    std::size_t first = 0, last = 0;  // leaf indices [first, last), forward order
+    DType dtype = DType::f32;
+    Device device = Device::cpu();
+    std::int64_t numel = 0;
+    std::vector<std::int64_t> offsets;  // element offset of each leaf inside the bucket
+    Tensor work;                        // staging / accumulator, allocated on first need
+    // per step
+    int remaining = 0;  // leaves not yet reported ready
+    bool launched = false;
+    bool staged = false;  // reduced in `work` and unpacked afterwards
+    Request request;
+  };
+
+  Backend* backend;
+  DistributedOptions options;
+  std::vector<GradLeaf> leaves;
+  std::vector<std::string> paths;
+  std::vector<Bucket> buckets;  // bucket 0 holds the last leaves
+  std::vector<std::size_t> bucket_of;
+
+  // per step
+  std::vector<Tensor*> bound;
+  std::unordered_map<const Tensor*, std::size_t> index_of;
+  std::vector<char> ready;
+  bool is_bound = false;
+  std::size_t next_launch = 0;
+  std::size_t zero_copy = 0;
+
+  // accumulation
+  int accumulated = 0;
+  std::vector<Tensor> accum_views;  // borrow from the buckets' work buffers
+  std::vector<Tensor*> accum_ptrs;
+  std::vector<Tensor*> result;
+
+  void plan() {
+    const std::size_t cap = options.bucket_bytes;
+    bucket_of.assign(leaves.size(), 0);
+    // Walk backwards: the last leaves (produced first by backward) go into bucket 0.
+    std::size_t i = leaves.size();
+    while (i > 0) {
+      const std::size_t last = i;
+      std::size_t first = i - 1;
+      std::size_t bytes = static_cast<std::size_t>(leaves[first].numel) * size_of(leaves[first].dtype);
+      while (first > 0) {
+        const auto& prev = leaves[first - 1];
+        const std::size_t pb = static_cast<std::size_t>(prev.numel) * size_of(prev.dtype);
+        if (prev.dtype != leaves[first].dtype || prev.device != leaves[first].device ||
+            bytes + pb > cap)
+          break;
+        bytes += pb;
+        --first;
+      }
+      Bucket b;
+      b.first = first;
+      b.last = last;
+      b.dtype = leaves[first].dtype;
+      b.device = leaves[first].device;
+      for (std::size_t j = first; j < last; ++j) {
+        b.offsets.push_back(b.numel);
+        b.numel += leaves[j].numel;
+        bucket_of[j] = buckets.size();
+      }
+      buckets.push_back(std::move(b));
+      i = first;
+    }
+  }
+
+  void ensure_work(Bucket& b) {
+    if (b.work.numel() != b.numel) b.work = Tensor::zeros({b.numel}, b.dtype, b.device);
+  }
+
+  std::byte* leaf_in_work(Bucket& b, std::size_t j) {
+    return static_cast<std::byte*>(b.work.raw_data()) +
+           static_cast<std::size_t>(b.offsets[j - b.first]) * size_of(b.dtype);
+  }
+
+  bool contiguous(const Bucket& b) const {
+    for (std::size_t j = b.first + 1; j < b.last; ++j) {
+      const auto* prev = static_cast<const std::byte*>(bound[j - 1]->raw_data());
+      if (static_cast<const std::byte*>(bound[j]->raw_data()) != prev + bound[j - 1]->nbytes())
+        return false;
+    }
+    return true;
+  }
+
+  void reset_step() {
+    is_bound = false;
+    bound.clear();
+    index_of.clear();
+    next_launch = 0;
+    for (auto& b : buckets) {
+      b.remaining = static_cast<int>(b.last - b.first);
+      b.launched = false;
+      b.staged = false;
+    }
+  }
+
+  // Adds the bound gradients of bucket b into its accumulator.
+  void add_bucket(Bucket& b) {
+    LOCKSTEP_CHECK_ARG(b.device.is_cpu(), "DistributedOptimizer: gradient accumulation of device "
+                                          "tensors is not supported by the core");
+    for (std::size_t j = b.first; j < b.last; ++j) {
+      const std::int64_t n = leaves[j].numel;
+      if (b.dtype == DType::f32)
+        add_into(reinterpret_cast<float*>(leaf_in_work(b, j)), bound[j]->data<float>(), n);
+      else if (b.dtype == DType::f64)
+        add_into(reinterpret_cast<double*>(leaf_in_work(b, j)), bound[j]->data<double>(), n);
+      else
+        throw InvalidArgument(concat("DistributedOptimizer: gradient accumulation supports f32 "
+                                     "and f64 gradients, got ", name(b.dtype), " at '", paths[j], "'"));
+    }
+  }
+
+  void launch(std::size_t bi) {
+    Bucket& b = buckets[bi];
+    b.launched = true;
+    if (b.numel == 0) return;
+    const bool accumulating = accumulated > 0;
+    TensorView target;
+    if (accumulating) {
+      add_bucket(b);
+      b.staged = true;  // result stays in the accumulator; nothing to unpack
+      target = b.work.view();
+    } else if (contiguous(b)) {
+      ++zero_copy;
+      target = TensorView{bound[b.first]->raw_data(), b.numel, b.dtype, b.device};
+    } else {
+      ensure_work(b);
+      for (std::size_t j = b.first; j < b.last; ++j)
+        copy_bytes(leaf_in_work(b, j), b.device, bound[j]->raw_data(), bound[j]->device(),
+                   bound[j]->nbytes());
+      b.staged = true;
+      target = b.work.view();
+    }
+    b.request = backend->iallreduce(target, options.op);
+  }
+
+  // Gives MPI a chance to progress the requests in flight (no progress thread in Open MPI).
+  void poke() {
+    for (std::size_t i = 0; i < next_launch; ++i) {
+      auto& r = buckets[i].request;
+      if (r.pending()) {
+        r.test();
+        break;
+      }
+    }
+  }
+
+  void launch_ready() {
+    while (next_launch < buckets.size() && buckets[next_launch].remaining == 0) launch(next_launch++);
+  }
+
+  void finish(Bucket& b) {
+    b.request.wait();
+    if (b.numel == 0) return;
+    if (accumulated > 0) {
+      if (options.op == ReduceOp::avg) {
+        const int k = accumulated + 1;
+        if (b.dtype == DType::f32)
+          divide(b.work.data<float>(), b.numel, static_cast<float>(k));
+        else
+          divide(b.work.data<double>(), b.numel, static_cast<double>(k));
+      }
+      return;
+    }
+    if (!b.staged) return;
+    for (std::size_t j = b.first; j < b.last; ++j)
+      copy_bytes(bound[j]->raw_data(), bound[j]->device(), leaf_in_work(b, j), b.device,
+                 bound[j]->nbytes());
+  }
+
+  void make_accum_views() {
+    accum_views.clear();
+    accum_ptrs.clear();
+    accum_views.reserve(leaves.size());
+    for (std::size_t j = 0; j < leaves.size(); ++j) {
+      Bucket& b = buckets[bucket_of[j]];
+      accum_views.push_back(Tensor::borrow(leaf_in_work(b, j), {leaves[j].numel}, b.dtype, b.device));
+    }
+    for (auto& t : accum_views) accum_ptrs.push_back(&t);
+  }
+};
+
+GradReducer::GradReducer(Backend& backend, const DistributedOptions& options,
+                         std::vector<GradLeaf> leaves, std::vector<std::string> paths)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->backend = &backend;
+  impl_->options = options;
+  impl_->leaves = std::move(leaves);
+  impl_->paths = std::move(paths);
+  impl_->plan();
+  impl_->reset_step();
+}
+
+GradReducer::~GradReducer() = default;
+
+void GradReducer::bind(const std::vector<Tensor*>& grads) {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(!m.is_bound || m.next_launch == 0,
+                     "DistributedOptimizer: begin_step called again while buckets of the previous "
+                     "step are in flight (call update first)");
+  LOCKSTEP_CHECK_ARG(grads.size() == m.leaves.size(), "DistributedOptimizer: got ", grads.size(),
+                     " trainable gradients, the optimizer was set up for ", m.leaves.size());
+  for (std::size_t j = 0; j < grads.size(); ++j) {
+    const auto& l = m.leaves[j];
+    const Tensor& g = *grads[j];
+    LOCKSTEP_CHECK_ARG(g.numel() == l.numel && g.dtype() == l.dtype && g.device() == l.device,
+                       "DistributedOptimizer: gradient '", m.paths[j], "' is ", name(g.dtype()), " ",
+                       to_string(g.shape()), " on ", to_string(g.device()), ", expected ",
+                       name(l.dtype), " of ", l.numel, " elements on ", to_string(l.device));
+  }
+  m.reset_step();
+  m.bound = grads;
+  m.is_bound = true;
+  m.index_of.reserve(grads.size());
+  for (std::size_t j = 0; j < grads.size(); ++j) m.index_of[grads[j]] = j;
+  m.ready.assign(grads.size(), 0);
+  m.zero_copy = 0;
+  if (m.accumulated > 0) {
+    for (auto& b : m.buckets) m.ensure_work(b);
+  }
+}
+
+bool GradReducer::bound_to(const std::vector<Tensor*>& grads) const noexcept {
+  return impl_->is_bound && impl_->bound == grads;
+}
+
+void GradReducer::mark_ready(const Tensor& grad) {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(m.is_bound, "grad_ready: call begin_step(grads) before reporting gradients");
+  auto it = m.index_of.find(&grad);
+  LOCKSTEP_CHECK_ARG(it != m.index_of.end(),
+                     "grad_ready: the tensor is not one of the trainable gradients passed to "
+                     "begin_step");
+  const std::size_t j = it->second;
+  LOCKSTEP_CHECK_ARG(!m.ready[j], "grad_ready: gradient '", m.paths[j], "' reported twice");
+  m.ready[j] = 1;
+  if (!final_micro_step()) return;  // accumulate-only micro-step: nothing to launch
+  auto& b = m.buckets[m.bucket_of[j]];
+  --b.remaining;
+  if (b.remaining == 0) m.launch_ready();
+  m.poke();
+}
+
+bool GradReducer::final_micro_step() const noexcept {
+  return impl_->accumulated + 1 >= impl_->options.accumulation_steps;
+}
+
+void GradReducer::accumulate() {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(m.is_bound && m.next_launch == 0,
+                     "accumulate: no gradients bound, or buckets already in flight");
+  for (auto& b : m.buckets) {
+    m.ensure_work(b);
+    if (m.accumulated == 0) b.work.zero_();
+    m.add_bucket(b);
+  }
+  ++m.accumulated;
+  m.reset_step();
+}
+
+const std::vector<Tensor*>& GradReducer::reduce() {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
+  // Launch what backward did not report, in bucket order, nudging the requests in flight
+  // between launches so that the packing of one bucket overlaps the reduction of the previous.
+  while (m.next_launch < m.buckets.size()) {
+    m.launch(m.next_launch++);
+    m.poke();
+  }
+  for (auto& b : m.buckets) m.finish(b);
+  if (m.accumulated > 0) {
+    m.make_accum_views();
+    m.result = m.accum_ptrs;
+    m.accumulated = 0;
+  } else {
+    m.result = m.bound;
+  }
+  m.reset_step();
+  return m.result;
+}
+
+std::size_t GradReducer::bucket_count() const noexcept { return impl_->buckets.size(); }
+std::size_t GradReducer::zero_copy_buckets() const noexcept { return impl_->zero_copy; }
+int GradReducer::accumulated() const noexcept { return impl_->accumulated; }
+Backend& GradReducer::backend() const noexcept { return *impl_->backend; }
+
+std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
+  std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
+                         " accumulation_steps=", o.accumulation_steps, ";");
+  for (const auto& l : leaves) s += concat(name(l.dtype), ":", l.numel, ":", to_string(l.device), ";");
+  return s;
+}
+
+}  // namespace lockstep::detail
