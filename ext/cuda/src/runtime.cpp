@@ -10,6 +10,8 @@
 namespace lockstep::cuda {
 
 namespace detail {
+void register_optimizer_kernels();  // optimizer_kernels.cpp
+
 void check_cuda(cudaError_t code, const char* call, const std::source_location& loc) {
   if (code == cudaSuccess) return;
   cudaGetLastError();  // clear the sticky-free error state so later calls are not blamed
@@ -100,6 +102,7 @@ void init() {
   // need it, in whatever order those run.
   static CudaRuntime* runtime = new CudaRuntime();
   set_device_runtime(runtime);
+  detail::register_optimizer_kernels();
 }
 
 int device_count() noexcept {

@@ -1,0 +1,49 @@
+// Installs the CUDA kernels behind the optimizer rules of the training core (lockstep::SGD and
+// lockstep::Adam call them for parameters on a cuda device). The coefficients are computed from
+// the rule exactly as the CPU path computes them, so device and host updates are bitwise equal.
+#include "lockstep/cuda.hpp"
+
+#if __has_include("lockstep/rules.hpp")
+#include "lockstep/rules.hpp"
+#define LOCKSTEP_CUDA_HAS_RULES 1
+#else
+#define LOCKSTEP_CUDA_HAS_RULES 0
+#endif
+
+namespace lockstep::cuda::detail {
+
+#if LOCKSTEP_CUDA_HAS_RULES
+namespace {
+class CudaOptimizerKernels final : public DeviceOptimizerKernels {
+ public:
+  void sgd(TensorView param, TensorView grad, TensorView buf, const SGD& r, std::int64_t step) override {
+    const SgdSpan span{param, grad, buf};
+    if (param.dtype == DType::f64)
+      sgd_update({&span, 1}, math::sgd_coeffs<double>(r.lr, r.momentum, r.dampening, r.weight_decay,
+                                                       r.nesterov, step));
+    else
+      sgd_update({&span, 1}, math::sgd_coeffs<float>(r.lr, r.momentum, r.dampening, r.weight_decay,
+                                                      r.nesterov, step));
+  }
+  void adam(TensorView param, TensorView grad, TensorView m, TensorView v, const Adam& r,
+            std::int64_t step) override {
+    const AdamSpan span{param, grad, m, v};
+    if (param.dtype == DType::f64)
+      adam_update({&span, 1}, math::adam_coeffs<double>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay,
+                                                         r.decoupled_weight_decay, step));
+    else
+      adam_update({&span, 1}, math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay,
+                                                        r.decoupled_weight_decay, step));
+  }
+};
+}  // namespace
+
+void register_optimizer_kernels() {
+  static CudaOptimizerKernels* kernels = new CudaOptimizerKernels();  // never destroyed, as the runtime
+  set_device_optimizer_kernels(kernels);
+}
+#else
+void register_optimizer_kernels() {}
+#endif
+
+}  // namespace lockstep::cuda::detail
