@@ -1,0 +1,327 @@
+// Data partitioning: DistributedDataContainer (every rank gets the same number of samples, with
+// a per-epoch shuffle shared by all ranks) and TorchOpt's partitioners and reducers with
+// parallelize (every rank runs f on its slice of a batch; the results are combined).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "lockstep/backend.hpp"
+#include "lockstep/errors.hpp"
+#include "lockstep/tensor.hpp"
+#include "lockstep/traverse.hpp"
+
+namespace lockstep {
+
+/// What to do with the samples left over when n_samples is not a multiple of the rank count.
+enum class Remainder : std::uint8_t {
+  pad,   ///< wrap around to the start, so every rank gets ceil(n / ranks) samples (default)
+  drop,  ///< drop them, so every rank gets floor(n / ranks) samples
+};
+
+/// Options of DistributedDataContainer.
+struct DataOptions {
+  bool shuffle = true;            ///< a new permutation each epoch (same on every rank)
+  std::uint64_t seed = 0;         ///< shared seed of the shuffle; must be equal on every rank
+  Remainder remainder = Remainder::pad;
+};
+
+template <class Dataset = void>
+class DistributedDataContainer;
+
+/// This rank's share of n_samples sample indices. Every rank gets the same number of samples, so
+/// no rank runs more batches than another (Flux and Lux deadlock there); with fewer samples than
+/// ranks and Remainder::pad, samples are repeated so that every rank still gets one.
+/// Rank r gets positions r, r + ranks, r + 2 ranks, ... of the epoch's (padded) permutation.
+template <>
+class DistributedDataContainer<void> {
+ public:
+  /// Collective: checks that every rank passes the same n_samples and options
+  /// (MismatchError otherwise). n_samples >= 0.
+  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {});
+
+  /// Number of samples this rank visits per epoch (equal on every rank).
+  std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
+  /// Number of samples in the dataset.
+  std::int64_t total_size() const noexcept { return n_; }
+  /// Dataset index of this rank's i-th sample in the current epoch.
+  std::int64_t global_index(std::int64_t i) const;
+  /// This rank's dataset indices for the current epoch.
+  const std::vector<std::int64_t>& indices() const noexcept { return indices_; }
+  /// Reshuffles for epoch e (the same permutation on every rank; a no-op without shuffle).
+  void set_epoch(std::int64_t e);
+  std::int64_t epoch() const noexcept { return epoch_; }
+  const DataOptions& options() const noexcept { return options_; }
+  /// Number of batches of batch_size samples per epoch (the last may be partial unless
+  /// drop_last); equal on every rank.
+  std::int64_t num_batches(std::int64_t batch_size, bool drop_last = false) const;
+  /// Dataset indices of batch b (of batch_size samples) of this rank.
+  std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
+
+  auto begin() const noexcept { return indices_.begin(); }
+  auto end() const noexcept { return indices_.end(); }
+
+ private:
+  void rebuild();
+  int rank_ = 0, ranks_ = 1;
+  std::int64_t n_ = 0;
+  std::int64_t epoch_ = 0;
+  DataOptions options_;
+  std::vector<std::int64_t> indices_;
+};
+
+/// The same over an indexable dataset (anything with operator[](integer), e.g. std::vector):
+/// operator[](i) returns this rank's i-th sample. An lvalue dataset is held by reference, an
+/// rvalue is moved in.
+template <class Dataset>
+class DistributedDataContainer : public DistributedDataContainer<void> {
+ public:
+  DistributedDataContainer(Backend& backend, Dataset&& data, std::int64_t n_samples,
+                           DataOptions options = {})
+      : DistributedDataContainer<void>(backend, n_samples, options),
+        data_(std::forward<Dataset>(data)) {}
+  template <class D = Dataset>
+    requires requires(const std::remove_reference_t<D>& d) { d.size(); }
+  DistributedDataContainer(Backend& backend, Dataset&& data, DataOptions options = {})
+      : DistributedDataContainer<void>(backend, static_cast<std::int64_t>(data.size()), options),
+        data_(std::forward<Dataset>(data)) {}
+
+  /// This rank's i-th sample of the current epoch.
+  decltype(auto) operator[](std::int64_t i) { return data_[global_index(i)]; }
+  decltype(auto) operator[](std::int64_t i) const { return data_[global_index(i)]; }
+  /// The whole dataset.
+  decltype(auto) data() noexcept { return (data_); }
+
+ private:
+  Dataset data_;
+};
+
+DistributedDataContainer(Backend&, std::integral auto) -> DistributedDataContainer<void>;
+DistributedDataContainer(Backend&, std::integral auto, DataOptions) -> DistributedDataContainer<void>;
+template <class D>
+  requires(!std::integral<std::remove_cvref_t<D>>)
+DistributedDataContainer(Backend&, D&&) -> DistributedDataContainer<D>;
+template <class D>
+  requires(!std::integral<std::remove_cvref_t<D>>)
+DistributedDataContainer(Backend&, D&&, DataOptions) -> DistributedDataContainer<D>;
+template <class D>
+  requires(!std::integral<std::remove_cvref_t<D>>)
+DistributedDataContainer(Backend&, D&&, std::int64_t) -> DistributedDataContainer<D>;
+template <class D>
+  requires(!std::integral<std::remove_cvref_t<D>>)
+DistributedDataContainer(Backend&, D&&, std::int64_t, DataOptions) -> DistributedDataContainer<D>;
+
+// ---------------------------------------------------------------------------------------------
+// Partitioners, reducers, parallelize (after torchopt.distributed)
+// ---------------------------------------------------------------------------------------------
+
+/// One partition of a batch: samples [start, start + count) along the partitioned dimension,
+/// run by rank `rank`.
+struct Partition {
+  std::int64_t start = 0;
+  std::int64_t count = 0;
+  int rank = 0;
+};
+
+/// Splits every Tensor argument along dimension `dim`; other arguments go to every partition
+/// unchanged. Not exclusive: min(batch, ranks) partitions of nearly equal size, partition i on
+/// rank i. Exclusive: one partition per sample, sample i on rank i % ranks. keepdim = false
+/// selects (removes the dimension) instead of slicing; meant for exclusive.
+struct DimPartitioner {
+  int dim = 0;
+  bool exclusive = false;
+  bool keepdim = true;
+
+  /// The partitions of a batch of batch_size samples over `ranks` ranks.
+  std::vector<Partition> partitions(std::int64_t batch_size, int ranks) const;
+};
+
+/// TorchOpt's dim_partitioner(dim, exclusive, keepdim).
+inline DimPartitioner dim_partitioner(int dim = 0, bool exclusive = false, bool keepdim = true) {
+  return DimPartitioner{dim, exclusive, keepdim};
+}
+/// Slices along dimension 0, one contiguous slice per rank (TorchOpt's batch_partitioner).
+inline constexpr DimPartitioner batch_partitioner{0, false, true};
+/// One sample per call, dimension 0 removed (TorchOpt's exclusive_batch_partitioner).
+inline constexpr DimPartitioner exclusive_batch_partitioner{0, true, false};
+
+/// Combines results as their mean, weighted by the number of samples of each partition, so that
+/// it equals the mean over the whole batch even for uneven splits (TorchOpt's mean_reducer takes
+/// the unweighted mean of the per-partition results, which is biased when partitions differ in
+/// size). Results must be floating-point.
+struct MeanReducer {};
+/// Combines results as their sum.
+struct SumReducer {};
+inline constexpr MeanReducer mean_reducer{};
+inline constexpr SumReducer sum_reducer{};
+
+/// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
+/// dimension (count must be 1). A zero-copy view for dim 0 (borrows t's memory), a copy otherwise.
+Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
+
+namespace detail {
+/// A leaf of a result, for the cross-rank reduction in parallelize.
+struct ResultLeaf {
+  Tensor* tensor = nullptr;  // or
+  double* f = nullptr;       // floating scalar, converted
+  std::int64_t* i = nullptr; // integer scalar, converted
+};
+
+/// Adds `src` (times `weight`) into `dst` elementwise (same structure); floating leaves only
+/// are weighted. Tensors: same dtype and numel.
+void add_scaled(Tensor& dst, const Tensor& src, double weight);
+
+/// Sums the result leaves across ranks (floating leaves in double, integer leaves in int64, one
+/// allreduce each) together with `weight`; divides floating leaves by the total weight when
+/// `mean`. Throws InvalidArgument for integer leaves with mean.
+void reduce_results(Backend& b, std::vector<Tensor*>& tensors, std::vector<double*>& fscalars,
+                    std::vector<std::int64_t*>& iscalars, double weight, bool mean);
+
+/// Broadcasts root's result layout (dtypes and shapes of its tensor leaves) and shapes the
+/// tensors of a rank that ran no partition accordingly. Collective among all ranks.
+void share_result_layout(Backend& b, std::vector<Tensor*>& tensors, bool have_result, int root);
+
+template <class T>
+auto slice_arg(T& arg, const DimPartitioner& p, const Partition& part) {
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, Tensor>) {
+    return slice_along(arg, p.dim, part.start, part.count, p.keepdim);
+  } else {
+    return std::ref(arg);
+  }
+}
+
+template <class T>
+std::int64_t batch_size_of(const T& arg, int dim) {
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, Tensor>) {
+    LOCKSTEP_CHECK_ARG(dim >= 0 && static_cast<std::size_t>(dim) < arg.ndim(),
+                       "parallelize: cannot partition a tensor of shape ", to_string(arg.shape()),
+                       " along dimension ", dim);
+    return arg.dim(static_cast<std::size_t>(dim));
+  } else {
+    return -1;
+  }
+}
+
+template <class R>
+void scale_into(R& acc, const R& r, double w, bool first) {
+  // acc (+)= w * r, leaf by leaf.
+  std::vector<Tensor*> at;
+  std::vector<const Tensor*> rt;
+  for_each_leaf(acc, [&](auto& l) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(l)>, Tensor>) at.push_back(&l);
+  });
+  for_each_leaf(r, [&](const auto& l) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(l)>, Tensor>) rt.push_back(&l);
+  });
+  LOCKSTEP_CHECK_ARG(at.size() == rt.size(), "parallelize: results of different partitions have "
+                                             "different structures");
+  for (std::size_t i = 0; i < at.size(); ++i) {
+    if (first) at[i]->zero_();
+    add_scaled(*at[i], *rt[i], w);
+  }
+  // Scalars: walk both in step.
+  std::size_t k = 0;
+  std::vector<double> rv;
+  for_each_leaf(r, [&](const auto& l) {
+    using L = std::remove_cvref_t<decltype(l)>;
+    if constexpr (std::is_arithmetic_v<L>) rv.push_back(static_cast<double>(l));
+  });
+  for_each_leaf(acc, [&](auto& l) {
+    using L = std::remove_cvref_t<decltype(l)>;
+    if constexpr (std::is_arithmetic_v<L>) {
+      const double base = first ? 0.0 : static_cast<double>(l);
+      if constexpr (std::is_floating_point_v<L>)
+        l = static_cast<L>(base + w * rv.at(k));
+      else
+        l = static_cast<L>(base + rv.at(k));  // integers are counted, not weighted
+      ++k;
+    }
+  });
+}
+}  // namespace detail
+
+/// Every rank calls the returned function with the same (whole) batch; each runs f on the
+/// partitions the partitioner assigns to it (Tensor arguments sliced, others passed as they
+/// are), and the results (a Tensor, an arithmetic scalar, or a traversable structure of them)
+/// are combined across ranks by the reducer and returned on every rank. Collective.
+template <class Partitioner, class Reducer, class F>
+auto parallelize(Backend& backend, Partitioner partitioner, Reducer reducer, F f) {
+  static_assert(std::is_same_v<Partitioner, DimPartitioner>,
+                "parallelize: the partitioner must be a DimPartitioner (dim_partitioner(...), "
+                "batch_partitioner, exclusive_batch_partitioner)");
+  static_assert(std::is_same_v<Reducer, MeanReducer> || std::is_same_v<Reducer, SumReducer>,
+                "parallelize: the reducer must be mean_reducer or sum_reducer");
+  return [&backend, partitioner, f = std::move(f)](auto&&... args) mutable {
+    constexpr bool kMean = std::is_same_v<Reducer, MeanReducer>;
+    std::int64_t batch = -1;
+    bool consistent = true;
+    (
+        [&](const auto& a) {
+          const auto bs = detail::batch_size_of(a, partitioner.dim);
+          if (bs < 0) return;
+          if (batch >= 0 && bs != batch) consistent = false;
+          if (batch < 0) batch = bs;
+        }(args),
+        ...);
+    LOCKSTEP_CHECK_ARG(batch >= 0, "parallelize: no Tensor argument to partition");
+    LOCKSTEP_CHECK_ARG(consistent, "parallelize: Tensor arguments differ in size along dimension ",
+                       partitioner.dim);
+    LOCKSTEP_CHECK_ARG(batch > 0, "parallelize: empty batch");
+    const auto parts = partitioner.partitions(batch, backend.size());
+    using Result = std::remove_cvref_t<decltype(std::invoke(
+        f, detail::slice_arg(args, partitioner, parts[0])...))>;
+    static_assert(std::is_default_constructible_v<Result>,
+                  "parallelize: the result type must be default-constructible");
+    Result acc{};
+    double weight = 0.0;
+    bool have = false;
+    for (const auto& part : parts) {
+      if (part.rank != backend.rank()) continue;
+      Result r = std::invoke(f, detail::slice_arg(args, partitioner, part)...);
+      const double w = kMean ? static_cast<double>(part.count) : 1.0;
+      if (!have) {
+        acc = clone_tree(r);
+        detail::scale_into(acc, r, w, true);
+      } else {
+        detail::scale_into(acc, r, w, false);
+      }
+      weight += w;
+      have = true;
+    }
+    std::vector<Tensor*> tensors;
+    std::vector<double> fvals;
+    std::vector<std::int64_t> ivals;
+    // Ranks without a partition learn the result's shapes from rank 0 (which always has one).
+    if (static_cast<std::int64_t>(parts.size()) < backend.size()) {
+      tensors = tensor_leaves(acc);
+      detail::share_result_layout(backend, tensors, have, 0);
+    }
+    tensors = tensor_leaves(acc);
+    for_each_leaf(acc, [&](auto& l) {
+      using L = std::remove_cvref_t<decltype(l)>;
+      if constexpr (std::is_floating_point_v<L>) fvals.push_back(static_cast<double>(l));
+      else if constexpr (std::is_arithmetic_v<L>) ivals.push_back(static_cast<std::int64_t>(l));
+    });
+    std::vector<double*> fptr;
+    std::vector<std::int64_t*> iptr;
+    for (auto& v : fvals) fptr.push_back(&v);
+    for (auto& v : ivals) iptr.push_back(&v);
+    detail::reduce_results(backend, tensors, fptr, iptr, weight, kMean);
+    std::size_t fi = 0, ii = 0;
+    for_each_leaf(acc, [&](auto& l) {
+      using L = std::remove_cvref_t<decltype(l)>;
+      if constexpr (std::is_floating_point_v<L>) l = static_cast<L>(fvals[fi++]);
+      else if constexpr (std::is_arithmetic_v<L>) l = static_cast<L>(ivals[ii++]);
+    });
+    return acc;
+  };
+}
+
+}  // namespace lockstep
