@@ -1,0 +1,837 @@
+// Collective fingerprints, stall timeouts with blame, and fault injection (reliability.hpp,
+// reliability_mpi.hpp). The design in short:
+// - each monitored communicator gets two duplicates: `check_` for the fingerprint exchange (so a
+//   fingerprint can never be matched against a data collective) and `ctrl_` for status queries;
+// - a watchdog thread per communicator answers status queries and receives stall notices; it
+//   polls with MPI_Iprobe every few milliseconds rather than blocking in MPI_Recv, because a
+//   blocked receive spins a core in Open MPI;
+// - with a deadline, blocking collectives run as their nonblocking form polled with MPI_Test, so
+//   that a stalled rank can give up and throw instead of waiting forever.
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "lockstep/errors.hpp"
+#include "lockstep/reliability.hpp"
+#include "reliability_mpi.hpp"
+
+namespace lockstep {
+
+// ---------------------------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+struct Settings {
+  std::atomic<CheckLevel> level{CheckLevel::off};
+  std::atomic<int> first_calls{3};
+  std::atomic<double> timeout_s{0.0};
+  std::atomic<TimeoutAction> action{TimeoutAction::throw_error};
+};
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+Settings& settings() {
+  static Settings s;
+  static std::once_flag once;
+  // The environment is read once, on first use; a bad value is an error rather than a silent
+  // default, because a user who asked for checks believes they are on.
+  std::call_once(once, [] {
+    if (const char* env = std::getenv("LOCKSTEP_CHECK"); env != nullptr && *env != '\0') {
+      std::string v = lower(env);
+      std::string level = v.substr(0, v.find(':'));
+      if (level == "off" || level == "0" || level == "none") s.level = CheckLevel::off;
+      else if (level == "first") s.level = CheckLevel::first;
+      else if (level == "always" || level == "1" || level == "on") s.level = CheckLevel::always;
+      else
+        throw InvalidArgument(detail::concat("LOCKSTEP_CHECK=", env,
+                                             ": expected off, first, first:N or always"));
+      if (auto colon = v.find(':'); colon != std::string::npos) {
+        char* end = nullptr;
+        long n = std::strtol(v.c_str() + colon + 1, &end, 10);
+        if (end == v.c_str() + colon + 1 || *end != '\0' || n < 1 || n > 1000000)
+          throw InvalidArgument(detail::concat("LOCKSTEP_CHECK=", env, ": N in first:N must be a positive integer"));
+        s.first_calls = static_cast<int>(n);
+      }
+    }
+    if (const char* env = std::getenv("LOCKSTEP_TIMEOUT"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      double t = std::strtod(env, &end);
+      if (end == env || *end != '\0' || !(t >= 0) || !std::isfinite(t))
+        throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT=", env, ": expected a number of seconds >= 0"));
+      s.timeout_s = t;
+    }
+    if (const char* env = std::getenv("LOCKSTEP_TIMEOUT_ACTION"); env != nullptr && *env != '\0') {
+      std::string v = lower(env);
+      if (v == "throw") s.action = TimeoutAction::throw_error;
+      else if (v == "abort") s.action = TimeoutAction::abort;
+      else throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT_ACTION=", env, ": expected throw or abort"));
+    }
+  });
+  return s;
+}
+
+}  // namespace
+
+void set_check_level(CheckLevel level, int first_calls) {
+  LOCKSTEP_CHECK_ARG(static_cast<int>(level) <= static_cast<int>(CheckLevel::always),
+                     "set_check_level: invalid CheckLevel value ", static_cast<int>(level));
+  LOCKSTEP_CHECK_ARG(first_calls >= 1, "set_check_level: first_calls must be >= 1, got ", first_calls);
+  settings().level = level;
+  settings().first_calls = first_calls;
+}
+CheckLevel check_level() { return settings().level; }
+int check_first_calls() { return settings().first_calls; }
+
+void set_timeout(double seconds) {
+  LOCKSTEP_CHECK_ARG(seconds >= 0 && std::isfinite(seconds),
+                     "set_timeout: seconds must be finite and >= 0 (0 disables), got ", seconds);
+  settings().timeout_s = seconds;
+}
+double timeout() { return settings().timeout_s; }
+void set_timeout_action(TimeoutAction action) {
+  LOCKSTEP_CHECK_ARG(static_cast<int>(action) <= static_cast<int>(TimeoutAction::abort),
+                     "set_timeout_action: invalid TimeoutAction value ", static_cast<int>(action));
+  settings().action = action;
+}
+TimeoutAction timeout_action() { return settings().action; }
+
+const char* name(CheckLevel level) noexcept {
+  switch (level) {
+    case CheckLevel::off: return "off";
+    case CheckLevel::first: return "first";
+    case CheckLevel::always: return "always";
+  }
+  return "?";
+}
+
+namespace detail {
+
+std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept {
+  // Word-at-a-time multiply-xorshift; fast enough to hash a model every few steps.
+  constexpr std::uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  auto mix = [](std::uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDull;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ull;
+    x ^= x >> 33;
+    return x;
+  };
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::uint64_t h = 0x243F6A8885A308D3ull ^ (bytes * kMul);
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ mix(w)) * kMul;
+    h = (h << 27) | (h >> 37);
+  }
+  if (i < bytes) {
+    std::uint64_t w = 0;
+    std::memcpy(&w, p + i, bytes - i);
+    h = (h ^ mix(w ^ 0xA5)) * kMul;
+  }
+  return mix(h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fault injection (LOCKSTEP_FAULT), test only
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+enum class FaultKind { none, delay, skip, shape, dtype, nan };
+
+struct FaultSpec {
+  FaultKind kind = FaultKind::none;
+  int rank = -1;
+  std::int64_t after = 0;  // the fault hits the collective with this sequence number
+  double seconds = 0;
+};
+
+FaultSpec parse_fault(const char* env) {
+  FaultSpec f;
+  std::string spec = env;
+  std::stringstream ss(spec);
+  std::string item;
+  auto bad = [&](const std::string& why) {
+    return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
+                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan[,after=N][,seconds=S])"));
+  };
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    if (eq == std::string::npos) throw bad("item '" + item + "' has no '='");
+    std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    char* end = nullptr;
+    if (key == "rank") {
+      f.rank = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (end == value.c_str() || *end != '\0' || f.rank < 0) throw bad("rank must be an integer >= 0");
+    } else if (key == "after") {
+      f.after = std::strtoll(value.c_str(), &end, 10);
+      if (end == value.c_str() || *end != '\0' || f.after < 0) throw bad("after must be an integer >= 0");
+    } else if (key == "seconds") {
+      f.seconds = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end != '\0' || !(f.seconds >= 0)) throw bad("seconds must be >= 0");
+    } else if (key == "kind") {
+      if (value == "delay") f.kind = FaultKind::delay;
+      else if (value == "skip") f.kind = FaultKind::skip;
+      else if (value == "shape") f.kind = FaultKind::shape;
+      else if (value == "dtype") f.kind = FaultKind::dtype;
+      else if (value == "nan") f.kind = FaultKind::nan;
+      else throw bad("unknown kind '" + value + "'");
+    } else {
+      throw bad("unknown key '" + key + "'");
+    }
+  }
+  if (f.kind == FaultKind::none) throw bad("kind is missing");
+  if (f.rank < 0) throw bad("rank is missing");
+  return f;
+}
+
+const FaultSpec& fault_spec() {
+  static const FaultSpec spec = [] {
+    const char* env = std::getenv("LOCKSTEP_FAULT");
+    return env != nullptr && *env != '\0' ? parse_fault(env) : FaultSpec{};
+  }();
+  return spec;
+}
+
+const char* name_of(FaultKind k) {
+  switch (k) {
+    case FaultKind::none: return "none";
+    case FaultKind::delay: return "delay";
+    case FaultKind::skip: return "skip";
+    case FaultKind::shape: return "shape";
+    case FaultKind::dtype: return "dtype";
+    case FaultKind::nan: return "nan";
+  }
+  return "?";
+}
+
+// A same-size dtype, so that an injected dtype fault never reads or writes out of bounds.
+DType other_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return DType::i32;
+    case DType::i32: return DType::f32;
+    case DType::f64: return DType::i64;
+    case DType::i64: return DType::f64;
+    case DType::f16: return DType::bf16;
+    case DType::bf16: return DType::f16;
+    case DType::u8: return DType::u8;
+  }
+  return t;
+}
+
+void poke_nan(TensorView& v) {
+  if (v.numel == 0 || v.data == nullptr || !v.device.is_cpu()) return;
+  switch (v.dtype) {
+    case DType::f32: static_cast<float*>(v.data)[0] = std::nanf(""); break;
+    case DType::f64: static_cast<double*>(v.data)[0] = std::nan(""); break;
+    case DType::f16: static_cast<std::uint16_t*>(v.data)[0] = 0x7E00; break;
+    case DType::bf16: static_cast<std::uint16_t*>(v.data)[0] = 0x7FC0; break;
+    default: break;  // integers have no NaN
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Fingerprints and descriptions
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+const char* name_of(Coll c) {
+  switch (c) {
+    case Coll::broadcast: return "broadcast";
+    case Coll::allreduce: return "allreduce";
+    case Coll::reduce: return "reduce";
+    case Coll::allgather: return "allgather";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::barrier: return "barrier";
+    case Coll::iallreduce: return "iallreduce";
+    case Coll::ibroadcast: return "ibroadcast";
+  }
+  return "?";
+}
+
+// What must agree across ranks, in the order compared.
+constexpr int kFields = 6;
+const char* const kFieldNames[kFields] = {"operation", "dtype", "element count", "root", "reduce op",
+                                          "sequence number"};
+
+struct Fingerprint {
+  std::int64_t v[kFields] = {-1, -1, -1, -1, -1, -1};  // coll, dtype, count, root, op, seq
+};
+
+std::string site_string(const CallSite& s) {
+  if (!s.known) return "an unrecorded call site (Backend member called directly)";
+  return where(s.loc);
+}
+
+std::string describe(const Fingerprint& f, const CallSite& site) {
+  std::ostringstream os;
+  auto coll = static_cast<Coll>(f.v[0]);
+  os << name_of(coll) << " #" << f.v[5];
+  if (coll != Coll::barrier) {
+    os << " (" << (f.v[1] >= 0 ? name(static_cast<DType>(f.v[1])) : "?") << " x " << f.v[2];
+    if (f.v[4] >= 0) os << ", op " << name(static_cast<ReduceOp>(f.v[4]));
+    if (f.v[3] >= 0) os << ", root " << f.v[3];
+    os << ")";
+  }
+  os << " at " << site_string(site);
+  return os.str();
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  return os.str();
+}
+
+std::string seconds_string(double s) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << s << " s";
+  return os.str();
+}
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103;
+constexpr int kTextBytes = 480;
+
+// A rank's answer to a status query.
+struct StatusMsg {
+  std::int64_t started = 0;    // collectives entered (the current one is started - 1)
+  std::int64_t completed = 0;  // collectives completed
+  std::int32_t in_collective = 0;
+  std::int32_t pad = 0;
+  char text[kTextBytes] = {};
+};
+
+// One rank's side of a fingerprint mismatch, gathered to every rank.
+struct MismatchMsg {
+  Fingerprint fp;
+  char text[kTextBytes] = {};
+};
+
+void copy_text(char (&dst)[kTextBytes], const std::string& s) {
+  std::size_t n = std::min(s.size(), static_cast<std::size_t>(kTextBytes - 1));
+  std::memcpy(dst, s.data(), n);
+  dst[n] = '\0';
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// CommMonitor
+// ---------------------------------------------------------------------------------------------
+class CommMonitor {
+ public:
+  explicit CommMonitor(MPI_Comm comm) {
+    MPI_Comm_rank(comm, &rank_);
+    MPI_Comm_size(comm, &size_);
+    check_mpi(MPI_Comm_dup(comm, &check_), "MPI_Comm_dup(fingerprint communicator)");
+    check_mpi(MPI_Comm_dup(comm, &ctrl_), "MPI_Comm_dup(status communicator)");
+    MPI_Comm_set_errhandler(check_, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN);
+    (void)settings();  // a bad environment variable fails at creation, on every rank alike
+    (void)fault_spec();
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&provided);
+    // Without MPI_THREAD_MULTIPLE there is no watchdog; a timed-out rank then names the ranks
+    // that did not answer instead of what they were doing.
+    if (provided == MPI_THREAD_MULTIPLE) watchdog_ = std::thread([this] { watchdog_loop(); });
+  }
+
+  ~CommMonitor() {
+    stop_ = true;
+    if (watchdog_.joinable()) watchdog_.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) {
+      MPI_Comm_free(&check_);
+      MPI_Comm_free(&ctrl_);
+    }
+  }
+
+  // --- called by CollectiveScope, on the thread running the collective --------------------------
+
+  /// Enters a collective; returns false if an injected skip fault says not to take part.
+  bool enter(Coll coll, TensorView* data, std::int64_t count, int op, int root) {
+    std::int64_t seq;
+    {
+      std::lock_guard lock(mutex_);
+      seq = started_;
+    }
+    // Fault injection happens before the rank counts as inside the collective, so that a delayed
+    // rank looks like a rank that has not arrived yet (which is what it simulates).
+    const FaultSpec& f = fault_spec();
+    if (f.kind != FaultKind::none && !fault_fired_ && f.rank == rank_ && seq == f.after) {
+      fault_fired_ = true;
+      std::cerr << "lockstep: injecting fault kind=" << name_of(f.kind) << " on rank " << rank_
+                << " at collective #" << seq << " (" << name_of(coll) << ")\n";
+      switch (f.kind) {
+        case FaultKind::delay:
+          std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
+          break;
+        case FaultKind::skip: return false;
+        case FaultKind::shape:
+          if (count > 0) --count;
+          if (data != nullptr && data->numel > 0) --data->numel;
+          break;
+        case FaultKind::dtype:
+          if (data != nullptr) data->dtype = other_dtype(data->dtype);
+          break;
+        case FaultKind::nan:
+          if (data != nullptr) poke_nan(*data);
+          break;
+        case FaultKind::none: break;
+      }
+    }
+    throw_if_stalled();
+
+    Fingerprint fp;
+    fp.v[0] = static_cast<std::int64_t>(coll);
+    fp.v[1] = data != nullptr ? static_cast<std::int64_t>(data->dtype) : -1;
+    fp.v[2] = count;
+    fp.v[3] = root;
+    fp.v[4] = op;
+    fp.v[5] = seq;
+    const CallSite site = t_call_site;
+    const bool check = should_check(site);
+    {
+      std::lock_guard lock(mutex_);
+      ++started_;
+      in_collective_ = true;
+      checking_ = check;
+      current_ = fp;
+      current_site_ = site;
+      since_ = Clock::now();
+      entered_ = since_;
+    }
+    if (check) compare_fingerprints(fp, site);
+    {
+      std::lock_guard lock(mutex_);
+      checking_ = false;
+    }
+    return true;
+  }
+
+  void leave(bool ok) {
+    std::lock_guard lock(mutex_);
+    in_collective_ = false;
+    if (ok) {
+      ++completed_;
+      last_ = current_;
+      last_site_ = current_site_;
+    }
+    since_ = Clock::now();
+  }
+
+  bool has_deadline() const { return timeout() > 0; }
+
+  /// Polls `req` until it completes, the deadline passes (throws TimeoutError or aborts; no
+  /// deadline when the timeout is 0), or another rank reports a stall (throws TimeoutError).
+  int wait(MPI_Request* req) {
+    const double t = timeout();
+    Clock::time_point deadline;
+    {
+      std::lock_guard lock(mutex_);
+      deadline = entered_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t));
+    }
+    for (std::uint64_t i = 0;; ++i) {
+      int flag = 0;
+      int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS || flag) return rc;
+      throw_if_stalled();
+      // Spin briefly (most collectives finish within microseconds), then yield the core, which
+      // matters when ranks outnumber cores.
+      if (i > 2000) {
+        if (t > 0 && (i & 63) == 0 && Clock::now() > deadline) on_deadline(t);
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  void throw_if_stalled() {
+    if (!stalled_.load(std::memory_order_acquire)) return;
+    std::string msg;
+    {
+      std::lock_guard lock(mutex_);
+      msg = stall_message_;
+    }
+    throw TimeoutError(msg);
+  }
+
+ private:
+  bool should_check(const CallSite& site) {
+    switch (check_level()) {
+      case CheckLevel::off: return false;
+      case CheckLevel::always: return true;
+      case CheckLevel::first: break;
+    }
+    std::uint64_t key = 0;
+    if (site.known) {
+      const char* file = site.loc.file_name();
+      key = hash_bytes(file, std::strlen(file)) ^ (std::uint64_t{site.loc.line()} << 20) ^ site.loc.column();
+    }
+    std::lock_guard lock(mutex_);
+    return site_calls_[key]++ < check_first_calls();
+  }
+
+  // --- fingerprints ------------------------------------------------------------------------------
+
+  void compare_fingerprints(const Fingerprint& fp, const CallSite& site) {
+    // One small allreduce: the maximum of every field and of its bitwise complement, from which
+    // the minimum follows (min x = ~max ~x); the fields agree iff max == min.
+    std::int64_t buf[2 * kFields];
+    for (int i = 0; i < kFields; ++i) {
+      buf[i] = fp.v[i];
+      buf[kFields + i] = ~fp.v[i];
+    }
+    run(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, "fingerprint MPI_Allreduce");
+    bool agree = true;
+    for (int i = 0; i < kFields; ++i) agree = agree && buf[i] == ~buf[kFields + i];
+    if (agree) return;
+
+    // Slow path, only on a mismatch: gather every rank's fingerprint and description.
+    MismatchMsg mine;
+    mine.fp = fp;
+    copy_text(mine.text, describe(fp, site));
+    std::vector<MismatchMsg> all(static_cast<std::size_t>(size_));
+    MPI_Request req;
+    check_mpi(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, check_, &req),
+              "MPI_Iallgather(fingerprints)");
+    check_mpi(wait(&req), "MPI_Iallgather(fingerprints)");
+
+    // Group the ranks by fingerprint; a strict majority tells which ranks are the odd ones out.
+    std::map<std::vector<std::int64_t>, std::vector<int>> groups;
+    for (int r = 0; r < size_; ++r)
+      groups[std::vector<std::int64_t>(all[r].fp.v, all[r].fp.v + kFields)].push_back(r);
+    const std::vector<int>* majority = nullptr;
+    for (auto& [key, ranks] : groups)
+      if (2 * ranks.size() > static_cast<std::size_t>(size_)) majority = &ranks;
+    std::vector<std::string> fields;
+    for (int i = 0; i < kFields; ++i) {
+      bool same = true;
+      for (int r = 1; r < size_; ++r) same = same && all[r].fp.v[i] == all[0].fp.v[i];
+      if (!same) fields.emplace_back(kFieldNames[i]);
+    }
+    std::ostringstream os;
+    os << "lockstep: collective mismatch on a " << size_ << "-rank communicator: the ranks disagree on the ";
+    for (std::size_t i = 0; i < fields.size(); ++i)
+      os << (i == 0 ? "" : i + 1 == fields.size() ? " and " : ", ") << fields[i];
+    os << ". What each rank called:";
+    std::vector<int> odd;
+    for (int r = 0; r < size_; ++r) {
+      bool is_odd = majority != nullptr &&
+                    std::find(majority->begin(), majority->end(), r) == majority->end();
+      if (is_odd) odd.push_back(r);
+      os << "\n  rank " << r << ": " << all[r].text << (is_odd ? "   <-- differs from the majority" : "");
+    }
+    if (!odd.empty()) os << "\nOdd one(s) out: " << rank_list(odd) << ".";
+    os << "\nNo data was exchanged. [reported by rank " << rank_ << "/" << size_ << "]";
+    {
+      std::lock_guard lock(mutex_);
+      in_collective_ = false;
+    }
+    throw MismatchError(os.str());
+  }
+
+  // Runs a small allreduce on the fingerprint communicator, with the deadline if there is one.
+  void run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what) {
+    if (!has_deadline()) {
+      check_mpi(MPI_Allreduce(send, recv, count, dt, op, check_), what);
+      return;
+    }
+    MPI_Request req;
+    check_mpi(MPI_Iallreduce(send, recv, count, dt, op, check_, &req), what);
+    check_mpi(wait(&req), what);
+  }
+
+  // --- stall handling ----------------------------------------------------------------------------
+
+  StatusMsg my_status() {
+    StatusMsg m;
+    std::lock_guard lock(mutex_);
+    m.started = started_;
+    m.completed = completed_;
+    m.in_collective = in_collective_ ? 1 : 0;
+    const double secs = std::chrono::duration<double>(Clock::now() - since_).count();
+    std::ostringstream os;
+    if (in_collective_) {
+      os << "inside " << (checking_ ? "the fingerprint check of " : "") << describe(current_, current_site_)
+         << " for " << seconds_string(secs);
+    } else {
+      os << "not inside any collective for " << seconds_string(secs) << "; ";
+      if (completed_ == 0) os << "no collective completed yet";
+      else os << "last completed " << describe(last_, last_site_);
+    }
+    copy_text(m.text, os.str());
+    return m;
+  }
+
+  [[noreturn]] void on_deadline(double t) {
+    Fingerprint cur;
+    CallSite site;
+    bool checking;
+    {
+      std::lock_guard lock(mutex_);
+      cur = current_;
+      site = current_site_;
+      checking = checking_;
+    }
+    const std::int64_t seq = cur.v[5];
+    std::vector<StatusMsg> st(static_cast<std::size_t>(size_));
+    std::vector<bool> answered(static_cast<std::size_t>(size_), false);
+    st[rank_] = my_status();
+    answered[rank_] = true;
+    query_all(st, answered);
+
+    std::vector<int> behind, waiting, ahead, silent;
+    std::ostringstream lines;
+    for (int r = 0; r < size_; ++r) {
+      lines << "\n  rank " << r << ": ";
+      if (!answered[r]) {
+        silent.push_back(r);
+        lines << "did not answer (exited, finalised, killed, or MPI without thread support)";
+        continue;
+      }
+      lines << st[r].text;
+      if (st[r].started <= seq) {
+        behind.push_back(r);
+        lines << "   <-- behind";
+      } else if (st[r].in_collective && st[r].started == seq + 1) {
+        waiting.push_back(r);
+      } else {
+        ahead.push_back(r);
+      }
+    }
+    std::ostringstream os;
+    os << "lockstep: stall: " << (checking ? "the fingerprint check of " : "") << describe(cur, site)
+       << " did not complete within " << t << " s on rank " << rank_ << "/" << size_ << ".";
+    if (!behind.empty()) os << " Behind (not yet in collective #" << seq << "): " << rank_list(behind) << ".";
+    if (!silent.empty()) os << " No answer from " << rank_list(silent) << ".";
+    if (behind.empty() && silent.empty())
+      os << " Every rank has reached collective #" << seq
+         << " (a mismatched collective or a deadline too short for the data size).";
+    os << " State of each rank:" << lines.str();
+    std::string msg = os.str();
+
+    if (timeout_action() == TimeoutAction::abort) {
+      std::cerr << msg << "\nlockstep: aborting the job (LOCKSTEP_TIMEOUT_ACTION=abort)" << std::endl;
+      MPI_Abort(MPI_COMM_WORLD, 124);
+    }
+    notify_all(msg);
+    {
+      std::lock_guard lock(mutex_);
+      in_collective_ = false;
+      if (!stalled_) stall_message_ = "lockstep: this communicator is unusable after a stall: " + msg;
+    }
+    stalled_.store(true, std::memory_order_release);
+    throw TimeoutError(msg);
+  }
+
+  // Asks every other rank's watchdog for its status; waits at most a few seconds for answers.
+  void query_all(std::vector<StatusMsg>& st, std::vector<bool>& answered) {
+    std::vector<MPI_Request> recvs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
+    std::vector<MPI_Request> sends(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
+    int token = rank_;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Irecv(&st[r], sizeof(StatusMsg), MPI_BYTE, r, kTagReply, ctrl_, &recvs[r]);
+      MPI_Isend(&token, 1, MPI_INT, r, kTagQuery, ctrl_, &sends[r]);
+    }
+    const auto give_up = Clock::now() + std::chrono::seconds(3);
+    int pending = size_ - 1;
+    while (pending > 0 && Clock::now() < give_up) {
+      for (int r = 0; r < size_; ++r) {
+        if (recvs[r] == MPI_REQUEST_NULL) continue;
+        int flag = 0;
+        MPI_Test(&recvs[r], &flag, MPI_STATUS_IGNORE);
+        if (flag) {
+          answered[r] = true;
+          --pending;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (int r = 0; r < size_; ++r) {
+      if (recvs[r] != MPI_REQUEST_NULL) {
+        MPI_Cancel(&recvs[r]);
+        MPI_Request_free(&recvs[r]);
+      }
+      // A query to a dead rank may never complete; it is left behind rather than waited for.
+      if (sends[r] != MPI_REQUEST_NULL) MPI_Request_free(&sends[r]);
+    }
+  }
+
+  // Tells every other rank about the stall, so that ranks waiting elsewhere or outside any
+  // collective throw too instead of hanging.
+  void notify_all(const std::string& msg) {
+    std::string note = "lockstep: rank " + std::to_string(rank_) + " reported a stall, so this rank stops too: " +
+                       msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0);
+    notice_ = note;  // must outlive the sends
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request req;
+      if (MPI_Isend(notice_.data(), static_cast<int>(notice_.size()), MPI_CHAR, r, kTagStall, ctrl_, &req) ==
+          MPI_SUCCESS)
+        MPI_Request_free(&req);
+    }
+  }
+
+  void watchdog_loop() {
+    while (!stop_.load()) {
+      int fin = 0;
+      MPI_Finalized(&fin);
+      if (fin) return;
+      int flag = 0;
+      MPI_Status status;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kTagQuery, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
+        int token = 0;
+        MPI_Recv(&token, 1, MPI_INT, status.MPI_SOURCE, kTagQuery, ctrl_, MPI_STATUS_IGNORE);
+        reply_ = my_status();
+        MPI_Request req;
+        if (MPI_Isend(&reply_, sizeof reply_, MPI_BYTE, status.MPI_SOURCE, kTagReply, ctrl_, &req) ==
+            MPI_SUCCESS) {
+          // Small enough to go eagerly; wait a little so that reply_ may be reused.
+          const auto give_up = Clock::now() + std::chrono::seconds(1);
+          int done = 0;
+          while (!done && Clock::now() < give_up) {
+            MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+            if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          if (!done) MPI_Request_free(&req);
+        }
+        continue;
+      }
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kTagStall, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
+        int n = 0;
+        MPI_Get_count(&status, MPI_CHAR, &n);
+        std::string text(static_cast<std::size_t>(std::max(n, 0)), '\0');
+        MPI_Recv(text.data(), n, MPI_CHAR, status.MPI_SOURCE, kTagStall, ctrl_, MPI_STATUS_IGNORE);
+        {
+          std::lock_guard lock(mutex_);
+          if (!stalled_) stall_message_ = text.substr(0, text.find('\0'));
+        }
+        stalled_.store(true, std::memory_order_release);
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  static void check_mpi(int rc, const char* what) {
+    if (rc != MPI_SUCCESS) throw MpiError(concat("lockstep reliability: ", what, " failed", rank_suffix()), rc);
+  }
+
+  int rank_ = 0, size_ = 1;
+  MPI_Comm check_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
+  std::thread watchdog_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> stalled_{false};
+  bool fault_fired_ = false;
+
+  std::mutex mutex_;  // guards everything below (read by the watchdog thread)
+  std::int64_t started_ = 0, completed_ = 0;
+  bool in_collective_ = false, checking_ = false;
+  Fingerprint current_, last_;
+  CallSite current_site_, last_site_;
+  Clock::time_point since_ = Clock::now(), entered_ = Clock::now();
+  std::unordered_map<std::uint64_t, int> site_calls_;
+  std::string stall_message_;
+  std::string notice_;
+  StatusMsg reply_;
+};
+
+void CommMonitorDeleter::operator()(CommMonitor* m) const noexcept { delete m; }
+
+CommMonitorPtr make_comm_monitor(MPI_Comm comm) { return CommMonitorPtr(new CommMonitor(comm)); }
+
+// ---------------------------------------------------------------------------------------------
+// CollectiveScope and the guarded calls
+// ---------------------------------------------------------------------------------------------
+namespace {
+thread_local CommMonitor* t_monitor = nullptr;  // monitor of the collective this thread is in
+}
+
+CollectiveScope::CollectiveScope(CommMonitor* monitor, Coll coll, TensorView* data, std::int64_t count,
+                                 int op, int root)
+    : monitor_(monitor), outer_(nullptr), uncaught_(std::uncaught_exceptions()) {
+  if (monitor_ == nullptr) return;
+  if (!monitor_->enter(coll, data, count, op, root)) {
+    skipped_ = true;
+    monitor_ = nullptr;
+    return;
+  }
+  outer_ = t_monitor;
+  t_monitor = monitor_;
+}
+
+CollectiveScope::~CollectiveScope() {
+  if (monitor_ == nullptr) return;
+  t_monitor = outer_;
+  monitor_->leave(std::uncaught_exceptions() == uncaught_);
+}
+
+namespace {
+// Runs a blocking MPI collective, or its nonblocking form polled against the deadline.
+template <class Blocking, class Nonblocking>
+int guarded(Blocking&& blocking, Nonblocking&& nonblocking) {
+  CommMonitor* m = t_monitor;
+  if (m == nullptr || !m->has_deadline()) return blocking();
+  MPI_Request req;
+  int rc = nonblocking(&req);
+  if (rc != MPI_SUCCESS) return rc;
+  return m->wait(&req);
+}
+}  // namespace
+
+int guarded_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, MPI_Comm comm) {
+  return guarded([&] { return MPI_Allreduce(send, recv, count, dt, op, comm); },
+                 [&](MPI_Request* r) { return MPI_Iallreduce(send, recv, count, dt, op, comm, r); });
+}
+int guarded_bcast(void* buf, int count, MPI_Datatype dt, int root, MPI_Comm comm) {
+  return guarded([&] { return MPI_Bcast(buf, count, dt, root, comm); },
+                 [&](MPI_Request* r) { return MPI_Ibcast(buf, count, dt, root, comm, r); });
+}
+int guarded_reduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, int root,
+                   MPI_Comm comm) {
+  return guarded([&] { return MPI_Reduce(send, recv, count, dt, op, root, comm); },
+                 [&](MPI_Request* r) { return MPI_Ireduce(send, recv, count, dt, op, root, comm, r); });
+}
+int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv, int rcount,
+                      MPI_Datatype rdt, MPI_Comm comm) {
+  return guarded([&] { return MPI_Allgather(send, scount, sdt, recv, rcount, rdt, comm); },
+                 [&](MPI_Request* r) { return MPI_Iallgather(send, scount, sdt, recv, rcount, rdt, comm, r); });
+}
+int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
+                                 MPI_Comm comm) {
+  return guarded([&] { return MPI_Reduce_scatter_block(send, recv, count, dt, op, comm); },
+                 [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(send, recv, count, dt, op, comm, r); });
+}
+int guarded_barrier(MPI_Comm comm) {
+  return guarded([&] { return MPI_Barrier(comm); }, [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+}
+
+}  // namespace detail
+}  // namespace lockstep

@@ -1,0 +1,67 @@
+// Internal: the MPI side of reliability.hpp, used by mpi_backend.cpp. One CommMonitor per
+// MPIBackend communicator numbers its collectives, compares fingerprints, enforces deadlines and
+// answers other ranks' status queries from a watchdog thread.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "lockstep/backend.hpp"
+#include "lockstep/reliability.hpp"
+
+namespace lockstep::detail {
+
+/// The collectives a monitor tells apart (blocking and nonblocking forms never match in MPI).
+enum class Coll : std::int8_t { broadcast, allreduce, reduce, allgather, reduce_scatter, barrier,
+                                iallreduce, ibroadcast };
+
+class CommMonitor;
+struct CommMonitorDeleter {
+  void operator()(CommMonitor* m) const noexcept;
+};
+using CommMonitorPtr = std::unique_ptr<CommMonitor, CommMonitorDeleter>;
+
+/// Creates the monitor of `comm` (a collective over comm: duplicates it twice, for the fingerprint
+/// exchange and for the status queries, and starts the watchdog thread).
+CommMonitorPtr make_comm_monitor(MPI_Comm comm);
+
+/// One collective on a monitored communicator, from entry to completion: assigns the sequence
+/// number, applies an injected fault, compares fingerprints if the check level says so, and lets
+/// the guarded_* calls below wait with a deadline. Throws MismatchError / TimeoutError.
+class CollectiveScope {
+ public:
+  /// `data` is the view the collective sends (it may be changed by an injected fault); `count`
+  /// the element count that must agree across ranks; op and root are -1 where they do not apply.
+  CollectiveScope(CommMonitor* monitor, Coll coll, TensorView* data, std::int64_t count, int op,
+                  int root);
+  ~CollectiveScope();
+  CollectiveScope(const CollectiveScope&) = delete;
+  CollectiveScope& operator=(const CollectiveScope&) = delete;
+
+  /// True when an injected `skip` fault says this rank must not take part (test only).
+  bool skipped() const noexcept { return skipped_; }
+
+ private:
+  CommMonitor* monitor_;
+  CommMonitor* outer_;  // the monitor of an enclosing collective on this thread, if any
+  bool skipped_ = false;
+  int uncaught_;
+};
+
+// The blocking MPI collectives MPIBackend uses. Inside a CollectiveScope with a deadline they run
+// as their nonblocking form, polled until done or the deadline; otherwise they are the plain
+// blocking call. They return an MPI error code (check with LOCKSTEP_MPI_CHECK) or throw
+// TimeoutError.
+int guarded_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, MPI_Comm comm);
+int guarded_bcast(void* buf, int count, MPI_Datatype dt, int root, MPI_Comm comm);
+int guarded_reduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, int root,
+                   MPI_Comm comm);
+int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv, int rcount,
+                      MPI_Datatype rdt, MPI_Comm comm);
+int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
+                                 MPI_Comm comm);
+int guarded_barrier(MPI_Comm comm);
+
+}  // namespace lockstep::detail

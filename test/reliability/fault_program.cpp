@@ -1,0 +1,76 @@
+// A small training-like program for the reliability tests: a fixed sequence of collectives at
+// distinct call sites. Faults come from LOCKSTEP_FAULT, checks and deadlines from LOCKSTEP_CHECK
+// and LOCKSTEP_TIMEOUT. Each rank writes what happened ("OK" or "<ErrorType>: <message>") to
+// <outdir>/rank<R>.txt, which run_fault.sh then checks rank by rank.
+//
+// Usage: fault_program <outdir> [steps]
+#include <mpi.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+void report(const std::string& outdir, const std::string& text) {
+  int rank = 0, init = 0;
+  MPI_Initialized(&init);
+  if (init) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::ofstream out(outdir + "/rank" + std::to_string(rank) + ".txt");
+  out << text << "\n";
+  std::cerr << "[rank " << rank << "] " << text << "\n";
+}
+
+// The work: `steps` allreduces at one call site (a training loop), a broadcast, a barrier.
+std::string run(ls::MPIBackend& b, int steps) {
+  ls::Tensor grads = ls::Tensor::full({16}, 1.0);
+  ls::Tensor params = ls::Tensor::zeros({8});
+  for (int step = 0; step < steps; ++step) {
+    ls::allreduce(b, grads, ls::ReduceOp::sum);                    // the training loop's sync
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));   // "compute"
+  }
+  ls::broadcast(b, params, 0);                                      // parameters from rank 0
+  ls::barrier(b);                                                   // end of the epoch
+  bool finite = true;
+  for (float g : grads.span<float>()) finite = finite && std::isfinite(g);
+  return finite ? "OK" : "OK (non-finite values in the result)";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: fault_program <outdir> [steps]\n";
+    return 2;
+  }
+  const std::string outdir = argv[1];
+  const int steps = argc > 2 ? std::atoi(argv[2]) : 8;
+  int code = 0;
+  try {
+    ls::initialize<ls::MPIBackend>();
+    auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+    report(outdir, run(b, steps));
+  } catch (const ls::MismatchError& e) {
+    report(outdir, std::string("MismatchError: ") + e.what());
+    code = 3;
+  } catch (const ls::TimeoutError& e) {
+    report(outdir, std::string("TimeoutError: ") + e.what());
+    code = 4;
+  } catch (const ls::InvalidArgument& e) {
+    report(outdir, std::string("InvalidArgument: ") + e.what());
+    code = 5;
+  } catch (const std::exception& e) {
+    report(outdir, std::string("other error: ") + e.what());
+    code = 6;
+  }
+  ls::finalize<ls::MPIBackend>();
+  return code;
+}

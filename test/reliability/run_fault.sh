@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs fault_program under mpiexec with the LOCKSTEP_* variables of the environment, then checks
+# what every rank reported: each rank's file must contain every expected pattern (fixed strings).
+#
+# Usage: run_fault.sh [--abort] NPROCS PROGRAM [--steps N] -- PATTERN...
+#   Patterns may contain {rank}, replaced by the rank being checked. A pattern starting with
+#   "r<K>:" applies to rank K only; one starting with "!" must NOT appear.
+#   --abort: the job is expected to end through MPI_Abort; the patterns are then checked
+#   against the combined output of mpiexec instead of per-rank files.
+set -u
+abort=0
+if [ "$1" = "--abort" ]; then abort=1; shift; fi
+nprocs=$1 program=$2
+shift 2
+steps=8
+if [ "${1:-}" = "--steps" ]; then steps=$2; shift 2; fi
+[ "${1:-}" = "--" ] && shift
+
+outdir=$(mktemp -d /tmp/lockstep-fault.XXXXXX)
+trap 'rm -rf "$outdir"' EXIT
+mpiexec_cmd=${MPIEXEC:-mpiexec}
+start=$(date +%s%N)
+"$mpiexec_cmd" -n "$nprocs" --oversubscribe --bind-to none "$program" "$outdir" "$steps" >"$outdir/mpiexec.log" 2>&1
+rc=$?
+end=$(date +%s%N)
+echo "mpiexec exit code $rc after $(( (end - start) / 1000000 )) ms; LOCKSTEP_FAULT=${LOCKSTEP_FAULT:-} LOCKSTEP_CHECK=${LOCKSTEP_CHECK:-} LOCKSTEP_TIMEOUT=${LOCKSTEP_TIMEOUT:-}"
+
+fail=0
+check_text() {  # label file pattern...
+  local label=$1 file=$2
+  shift 2
+  for pat in "$@"; do
+    local want=1
+    if [ "${pat#!}" != "$pat" ]; then want=0; pat=${pat#!}; fi
+    if grep -qF -- "$pat" "$file"; then found=1; else found=0; fi
+    if [ "$found" != "$want" ]; then
+      if [ "$want" = 1 ]; then echo "FAIL: $label: missing \"$pat\""; else echo "FAIL: $label: unexpected \"$pat\""; fi
+      fail=1
+    fi
+  done
+}
+
+if [ "$abort" = 1 ]; then
+  if [ "$rc" = 0 ]; then echo "FAIL: expected the job to abort, but mpiexec exited 0"; fail=1; fi
+  check_text "mpiexec output" "$outdir/mpiexec.log" "$@"
+else
+  for ((r = 0; r < nprocs; ++r)); do
+    f="$outdir/rank$r.txt"
+    if [ ! -f "$f" ]; then echo "FAIL: rank $r wrote no report"; fail=1; continue; fi
+    pats=()
+    for pat in "$@"; do
+      if [[ "$pat" =~ ^r([0-9]+):(.*)$ ]]; then
+        [ "${BASH_REMATCH[1]}" = "$r" ] || continue
+        pat=${BASH_REMATCH[2]}
+      fi
+      pats+=("${pat//\{rank\}/$r}")
+    done
+    check_text "rank $r" "$f" "${pats[@]}"
+  done
+fi
+if [ "$fail" != 0 ]; then
+  echo "---- mpiexec output ----"
+  cat "$outdir/mpiexec.log"
+  for f in "$outdir"/rank*.txt; do [ -f "$f" ] && { echo "---- $f ----"; cat "$f"; }; done
+  exit 1
+fi
+echo "every rank reported what was expected"
+for f in "$outdir"/rank*.txt; do [ -f "$f" ] && { echo "---- $(basename "$f") ----"; cat "$f"; }; done
+exit 0

@@ -1,0 +1,87 @@
+# Reliability (issue 7): fingerprints, stall timeouts with blame, fault injection, fault handling.
+# Each fault test runs test/reliability/fault_program under mpiexec with LOCKSTEP_FAULT and
+# friends, then run_fault.sh checks the message every rank reported (not just the exit code).
+
+add_executable(lockstep_fault_program reliability/fault_program.cpp)
+target_link_libraries(lockstep_fault_program PRIVATE lockstep::core lockstep_build_flags)
+
+set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
+
+# lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]
+#                         [STEPS n] EXPECT pattern...)
+function(lockstep_add_fault_test)
+  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS" "RANKS;ENV;EXPECT" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 60)
+  endif()
+  if(NOT T_RANKS)
+    set(T_RANKS 2 3 4)
+  endif()
+  if(NOT T_STEPS)
+    set(T_STEPS 8)
+  endif()
+  set(abort_flag "")
+  if(T_ABORT)
+    set(abort_flag --abort)
+  endif()
+  foreach(n IN LISTS T_RANKS)
+    set(test_name reliability.${T_NAME}.np${n})
+    add_test(NAME ${test_name}
+      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_FAULT} ${abort_flag} ${n}
+              $<TARGET_FILE:lockstep_fault_program> --steps ${T_STEPS} -- ${T_EXPECT})
+    set_tests_properties(${test_name} PROPERTIES
+      PROCESSORS ${n}
+      TIMEOUT ${T_TIMEOUT}
+      LABELS "mpi;reliability"
+      SKIP_RETURN_CODE 77
+      ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE};${T_ENV}")
+  endforeach()
+endfunction()
+
+# No fault, every check on: the program runs to the end on every rank.
+lockstep_add_fault_test(NAME clean
+  ENV LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=30
+  EXPECT "OK" "!Error")
+
+# A rank passes a shorter buffer: MismatchError on every rank, naming rank 1's call.
+lockstep_add_fault_test(NAME shape
+  ENV LOCKSTEP_CHECK=always "LOCKSTEP_FAULT=rank=1,kind=shape,after=3"
+  EXPECT "MismatchError" "disagree on the element count" "rank 1: allreduce #3 (f32 x 15, op sum) at fault_program.cpp"
+         "rank 0: allreduce #3 (f32 x 16, op sum)" "No data was exchanged")
+
+# A rank passes another dtype: caught at level first too (collective #2 is the 3rd call of its site).
+lockstep_add_fault_test(NAME dtype
+  ENV LOCKSTEP_CHECK=first:5 "LOCKSTEP_FAULT=rank=1,kind=dtype,after=2"
+  EXPECT "MismatchError" "disagree on the dtype" "rank 1: allreduce #2 (i32 x 16, op sum)"
+         "rank 0: allreduce #2 (f32 x 16, op sum)")
+
+# A rank skips the last allreduce of the loop and goes on to the broadcast.
+lockstep_add_fault_test(NAME skip
+  ENV LOCKSTEP_CHECK=always "LOCKSTEP_FAULT=rank=1,kind=skip,after=7"
+  EXPECT "MismatchError" "disagree on the operation" "rank 1: broadcast #7 (f32 x 8, root 0)"
+         "rank 0: allreduce #7 (f32 x 16, op sum)")
+
+# A rank is late (6 s) and the others give up after 2 s: TimeoutError on every rank, blaming
+# rank 1; rank 1 throws at its next collective.
+lockstep_add_fault_test(NAME delay
+  ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=6"
+  EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1." "allreduce #3 (f32 x 16, op sum)"
+         "rank 1: not inside any collective" "r1:reported a stall")
+
+# The same with fingerprint checks on: the others wait in the fingerprint check.
+lockstep_add_fault_test(NAME delay_checked RANKS 3
+  ENV LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=5,seconds=6"
+  EXPECT "TimeoutError" "Behind (not yet in collective #5): rank 1." "the fingerprint check of allreduce #5")
+
+# LOCKSTEP_TIMEOUT_ACTION=abort: the job ends through MPI_Abort with the blame printed.
+lockstep_add_fault_test(NAME delay_abort RANKS 2 3 ABORT
+  ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TIMEOUT_ACTION=abort "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=20"
+  EXPECT "Behind (not yet in collective #3): rank 1." "aborting the job")
+
+# A bad setting is an InvalidArgument at initialisation on every rank, not a silent default.
+lockstep_add_fault_test(NAME bad_setting RANKS 2
+  ENV LOCKSTEP_CHECK=sometimes
+  EXPECT "InvalidArgument" "LOCKSTEP_CHECK=sometimes: expected off, first, first:N or always")
+lockstep_add_fault_test(NAME bad_fault_spec RANKS 2
+  ENV "LOCKSTEP_FAULT=rank=1,kind=explode"
+  EXPECT "InvalidArgument" "unknown kind 'explode'")
