@@ -5,7 +5,8 @@
 // Every size is checked for correctness, for both implementations.
 //
 // Run: mpiexec -n 2 ./bench_collectives [--json out.json] [--reps 7] [--max-bytes 268435456]
-//      [--quick] [--target-ms 20]
+//      [--quick] [--target-ms 20] [--dat out.dat]
+// --dat writes a whitespace-separated table for gnuplot: op bytes lockstep_busbw raw_busbw (GB/s).
 #include <lockstep/lockstep.hpp>
 
 #include <cmath>
@@ -135,9 +136,9 @@ int main(int argc, char** argv) {
       const double algbw_raw = static_cast<double>(r.bytes) / r.raw.s.median / 1e9;
       const double ratio = r.lockstep.s.median / r.raw.s.median;
       const double ratio_min = r.lockstep.s.min / r.raw.s.min;
-      t.add({bench::human_bytes(static_cast<double>(r.bytes)), bench::fmt(r.raw.s.median * 1e6, 1),
-             bench::fmt(r.lockstep.s.median * 1e6, 1), bench::fmt(r.raw.s.min * 1e6, 1),
-             bench::fmt(r.lockstep.s.min * 1e6, 1), bench::fmt(algbw, 2), bench::fmt(algbw * factor, 2),
+      t.add({bench::human_bytes(static_cast<double>(r.bytes)), bench::fmt(r.raw.s.median * 1e6, 2),
+             bench::fmt(r.lockstep.s.median * 1e6, 2), bench::fmt(r.raw.s.min * 1e6, 2),
+             bench::fmt(r.lockstep.s.min * 1e6, 2), bench::fmt(algbw, 2), bench::fmt(algbw * factor, 2),
              bench::fmt(ratio, 3), bench::fmt(ratio_min, 3),
              (r.lockstep.correct && r.raw.correct) ? "yes" : "NO"});
       bench::Json j = bench::Json::object();
@@ -158,6 +159,20 @@ int main(int argc, char** argv) {
       jrows.push(j);
     }
     t.print();
+  }
+  if (const std::string dat = opt.get("dat", ""); !dat.empty() && rank == 0) {
+    std::ofstream out(dat);
+    out << "# op bytes lockstep_busbw_GBps raw_busbw_GBps (median times)\n";
+    for (const std::string op : {"allreduce", "broadcast"}) {
+      out << "# " << op << "\n";
+      for (auto& r : rows) {
+        if (r.op != op) continue;
+        const double factor = op == "allreduce" ? bus_factor_ar : 1.0;
+        out << op << " " << r.bytes << " " << static_cast<double>(r.bytes) / r.lockstep.s.median / 1e9 * factor
+            << " " << static_cast<double>(r.bytes) / r.raw.s.median / 1e9 * factor << "\n";
+      }
+      out << "\n\n";  // gnuplot data blocks: index 0 = allreduce, 1 = broadcast
+    }
   }
   bench::Json doc = bench::run_info("collectives");
   doc.set("reps", reps).set("all_correct", all_ok).set("rows", jrows);

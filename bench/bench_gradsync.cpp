@@ -21,7 +21,11 @@
 
 #include "bench_common.hpp"
 #include "gradsync_strategies.hpp"
-#include "lockstep_hooks.hpp"
+#include <lockstep/distributed_optimizer.hpp>
+#if __has_include(<lockstep/reliability.hpp>)
+#include <lockstep/reliability.hpp>
+#define BENCH_HAS_CHECK_LEVELS 1
+#endif
 
 namespace ls = lockstep;
 
@@ -87,6 +91,32 @@ bool verify(std::span<const ls::TensorView> ts, int n) {
 
 std::string size_label(std::size_t b) { return bench::human_bytes(static_cast<double>(b)); }
 
+// DistributedOptimizer's gradient averaging alone: a state set up over tensors that borrow the
+// given gradients (the rule is momentum-free SGD, which keeps no state), timed as update() runs
+// it: bind the gradients, reduce them. The optimizer rule itself is not part of the time.
+class DistAverage {
+ public:
+  DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::size_t bucket_bytes) {
+    for (const auto& v : views) grads_.push_back(ls::Tensor::borrow(v.data, {v.numel}, v.dtype, v.device));
+    ls::DistributedOptions o;
+    o.bucket_bytes = bucket_bytes;
+    state_ = std::make_unique<ls::DistributedState<ls::SGD>>(ls::setup(ls::DistributedOptimizer(be, ls::SGD{}, o), grads_));
+    ptrs_ = ls::trainable_leaves(grads_);
+  }
+  void run() {
+    auto& red = state_->reducer();
+    red.bind(ptrs_);
+    red.reduce();
+  }
+  std::size_t buckets() const { return state_->reducer().bucket_count(); }
+  std::size_t zero_copy() const { return state_->reducer().zero_copy_buckets(); }
+
+ private:
+  std::vector<ls::Tensor> grads_;
+  std::unique_ptr<ls::DistributedState<ls::SGD>> state_;
+  std::vector<ls::Tensor*> ptrs_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -140,6 +170,9 @@ int main(int argc, char** argv) {
                             [&] { return verify(fv, n); }};
     };
     const std::size_t direct = default_chunk / 4;
+    auto sep_or_flat = [&](bool f, std::string name, std::function<void()> body) {
+      return f ? flat_variant(std::move(name), std::move(body)) : sep_variant(std::move(name), std::move(body));
+    };
 
     // --- The head-to-head comparison, separate tensors and flat buffer -------------------------
     bench::Json jcmp = bench::Json::object();
@@ -159,10 +192,26 @@ int main(int argc, char** argv) {
                                   [&] { bench::raw_flat_slices(flat, g.total, 25 * kMiB, comm, inv); }));
       }
       const std::size_t n_raw = vs.size();
-      // Lockstep: DistributedOptimizer's averaging when the training core provides it, and the
-      // chunked design over MPIBackend (the proposal it is measured against) either way.
-      if (auto v = bench::hooks::distributed_average(be, is_flat ? fv : sep, is_flat)) {
-        vs.push_back(is_flat ? flat_variant(v->first, v->second) : sep_variant(v->first, v->second));
+      // Lockstep: DistributedOptimizer's averaging with its default bucket size, and the chunked
+      // design over MPIBackend (a proposal; see docs/performance.md).
+      auto dist = std::make_shared<DistAverage>(be, is_flat ? fv : sep, ls::kDefaultBucketBytes);
+      {
+        const std::string name = "lockstep: DistributedOptimizer (" + size_label(ls::kDefaultBucketBytes) +
+                                 " buckets, " + std::to_string(dist->buckets()) + ")";
+        auto body = [dist] { dist->run(); };
+        vs.push_back(is_flat ? flat_variant(name, body) : sep_variant(name, body));
+#ifdef BENCH_HAS_CHECK_LEVELS
+        // The cost of the collective fingerprint checks, in the same run: the same averaging with
+        // LOCKSTEP_CHECK=always for this call only (the level is process-wide, set on every rank).
+        if (ls::check_level() != ls::CheckLevel::always) {
+          const ls::CheckLevel base = ls::check_level();
+          vs.push_back(sep_or_flat(is_flat, name + ", LOCKSTEP_CHECK=always", [dist, base] {
+            ls::set_check_level(ls::CheckLevel::always);
+            dist->run();
+            ls::set_check_level(base);
+          }));
+        }
+#endif
       }
       const std::string chunk_name = "lockstep: chunked " + size_label(default_chunk) + " (MPIBackend)";
       if (!is_flat)
@@ -239,13 +288,18 @@ int main(int argc, char** argv) {
       std::vector<std::size_t> sizes;
       for (std::size_t b = 64 * kKiB; b <= 64 * kMiB; b *= 2) sizes.push_back(b);
       if (opt.quick) sizes = {256 * kKiB, 1 * kMiB, 4 * kMiB, 16 * kMiB};
-      bench::Table t({"bucket/chunk", "raw pack buckets ms", "raw flat slices ms", "lockstep chunked (separate) ms",
-                      "lockstep chunked (flat) ms"});
+      bench::Table t({"bucket/chunk", "raw pack buckets (sep)", "raw flat slices (flat)",
+                      "DistributedOptimizer (sep)", "DistributedOptimizer (flat)", "chunked (sep)",
+                      "chunked (flat)"});
       bench::Json js = bench::Json::array();
       for (std::size_t c : sizes) {
         std::vector<bench::Variant> vs;
+        auto dsep = std::make_shared<DistAverage>(be, sep, c);
+        auto dflat = std::make_shared<DistAverage>(be, fv, c);
         vs.push_back(sep_variant("pack", [&, c] { bench::raw_pack_buckets(sep, c, staging, comm, inv); }));
         vs.push_back(flat_variant("slices", [&, c] { bench::raw_flat_slices(flat, g.total, c, comm, inv); }));
+        vs.push_back(sep_variant("dist-sep", [dsep] { dsep->run(); }));
+        vs.push_back(flat_variant("dist-flat", [dflat] { dflat->run(); }));
         vs.push_back(sep_variant("ls-sep", [&, c] { bench::lockstep_chunked(be, sep, c, c / 4, staging); }));
         vs.push_back(flat_variant("ls-flat", [&, c] {
           const ls::TensorView one[1] = {flat_all};
@@ -253,18 +307,23 @@ int main(int argc, char** argv) {
         }));
         auto m = bench::interleave(vs, std::max(3, reps - 2), 1, comm);
         for (auto& r : m) all_ok = all_ok && r.correct;
-        t.add({size_label(c), bench::fmt(m[0].s.median * 1e3, 2), bench::fmt(m[1].s.median * 1e3, 2),
-               bench::fmt(m[2].s.median * 1e3, 2), bench::fmt(m[3].s.median * 1e3, 2)});
+        std::vector<std::string> row{size_label(c)};
+        for (auto& r : m) row.push_back(bench::fmt(r.s.median * 1e3, 2) + (r.correct ? "" : " WRONG"));
+        t.add(row);
         js.push(bench::Json::object()
                     .set("bytes", static_cast<std::int64_t>(c))
                     .set("raw_pack_buckets_s", m[0].s.median)
                     .set("raw_flat_slices_s", m[1].s.median)
-                    .set("lockstep_chunked_separate_s", m[2].s.median)
-                    .set("lockstep_chunked_flat_s", m[3].s.median));
+                    .set("distributed_optimizer_separate_s", m[2].s.median)
+                    .set("distributed_optimizer_flat_s", m[3].s.median)
+                    .set("chunked_separate_s", m[4].s.median)
+                    .set("chunked_flat_s", m[5].s.median)
+                    .set("distributed_optimizer_buckets", static_cast<std::int64_t>(dsep->buckets())));
         if (rank == 0) std::fprintf(stderr, "  sweep %s done\n", size_label(c).c_str());
       }
       if (rank == 0)
-        std::printf("\n## %s: time against bucket / chunk size (median of %d)\n\n", list.c_str(), std::max(3, reps - 2));
+        std::printf("\n## %s: time (ms) against bucket / chunk size (median of %d; sep = separate tensors, "
+                    "flat = one buffer)\n\n", list.c_str(), std::max(3, reps - 2));
       t.print();
       jcmp.set("sweep", js);
     }

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Builds the benchmarks (if needed) and runs the whole set at NP ranks (2 by default), in a few
+# minutes on a 2-core machine:
+#   - tables on stdout and in $RESULTS_DIR/*.md, JSON in $RESULTS_DIR/*.json;
+#   - $RESULTS_DIR/busbw.png (busbw against message size) when gnuplot is installed;
+#   - the generated section of docs/performance.md (between its GENERATED markers) rewritten
+#     from those files, with the target table (needs python3; skipped with a note otherwise).
+#
+# Usage: bench/run.sh [--quick] [--no-docs]
+# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results),
+#   MPIEXEC (mpiexec), LOCKSTEP_BENCH_MPIFLAGS (extra mpiexec flags, default "--bind-to none"),
+#   LOCKSTEP_SHAPES_DIR (shape lists, default ../shared/bench beside the repository),
+#   LOCKSTEP_CHECK (passed through: measures the reliability checks' cost).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+top=$(dirname "$here")
+build=${BUILD_DIR:-$top/build-bench}
+np=${NP:-2}
+results=${RESULTS_DIR:-$here/results}
+mpiexec=${MPIEXEC:-mpiexec}
+# No binding: on a 2-core machine shared with other work, pinning both ranks can only hurt.
+read -r -a mpiflags <<< "${LOCKSTEP_BENCH_MPIFLAGS:---bind-to none}"
+quick=()
+docs=1
+for a in "$@"; do
+  case $a in
+    --quick) quick=(--quick) ;;
+    --no-docs) docs=0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+ncores=$(nproc)
+if [ "$np" -gt "$ncores" ]; then mpiflags+=(--oversubscribe); fi
+
+# --- build -------------------------------------------------------------------------------------
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  cmake -S "$top" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_BUILD_BENCH=ON \
+    -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF >/dev/null
+fi
+cmake --build "$build" -j2 --target lockstep_benchmarks
+train_bin=""
+if cmake --build "$build" -j2 --target train >/dev/null 2>&1; then
+  train_bin=$(find "$build/examples" -type f -name train -perm -u+x 2>/dev/null | head -n 1)
+fi
+
+mkdir -p "$results"
+bin=$build/bench
+run_mpi() {  # run_mpi NAME RANKS ARGS...: runs bench NAME, table to NAME.md, JSON to NAME.json
+  local name=$1 ranks=$2
+  shift 2
+  echo "== $name ($ranks rank(s))" >&2
+  "$mpiexec" -n "$ranks" "${mpiflags[@]}" "$bin/bench_$name" --json "$results/$name.json" "${quick[@]}" "$@" \
+    | tee "$results/$name.md"
+}
+
+# --- machine -----------------------------------------------------------------------------------
+{
+  echo "- CPU: $(lscpu | sed -n 's/^Model name: *//p') ($(nproc) cores visible, $(lscpu | sed -n 's/^Thread(s) per core: *//p') thread(s) per core), L2 $(lscpu | sed -n 's/^L2 cache: *//p'), L3 $(lscpu | sed -n 's/^L3 cache: *//p')"
+  echo "- Memory: $(free -g | awk '/^Mem:/ {print $2}') GiB; hypervisor: $(lscpu | sed -n 's/^Hypervisor vendor: *//p')"
+  echo "- OS: $(. /etc/os-release && echo "$PRETTY_NAME"), kernel $(uname -r)"
+  echo "- MPI: $("$mpiexec" --version 2>&1 | head -n 1); compiler: $(c++ --version | head -n 1)"
+  echo "- Load average at the start of the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "- Run: $(date -u '+%Y-%m-%d %H:%M UTC'), $np ranks, flags: ${mpiflags[*]}${LOCKSTEP_CHECK:+, LOCKSTEP_CHECK=$LOCKSTEP_CHECK}${quick:+ (--quick)}"
+} > "$results/machine.md"
+cat "$results/machine.md"
+
+# --- benchmarks --------------------------------------------------------------------------------
+run_mpi collectives "$np" --dat "$results/collectives.dat"
+run_mpi gradsync "$np"
+if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
+if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi
+
+# Training: the train example's samples/s at 1 and NP ranks, and the scaling efficiency.
+if [ -n "$train_bin" ]; then
+  echo "== training ($train_bin)" >&2
+  "$here/train_scaling.sh" "$train_bin" "$np" "$results" "${mpiflags[@]}" | tee "$results/training.md"
+else
+  echo "(no train example built: training scaling skipped)" | tee "$results/training.md"
+fi
+
+# --- plot --------------------------------------------------------------------------------------
+if command -v gnuplot >/dev/null 2>&1; then
+  gnuplot -e "datafile='$results/collectives.dat'; outfile='$results/busbw.png'" "$here/busbw.gp" \
+    && echo "plot: $results/busbw.png" >&2
+else
+  echo "(gnuplot not found: no plot)" >&2
+fi
+
+# --- docs --------------------------------------------------------------------------------------
+if [ "$docs" = 1 ]; then
+  if command -v python3 >/dev/null 2>&1; then
+    python3 "$here/summarize.py" "$results" "$top/docs/performance.md"
+  else
+    echo "(python3 not found: docs/performance.md not regenerated; tables are in $results)" >&2
+  fi
+fi
