@@ -85,3 +85,20 @@ lockstep_add_fault_test(NAME bad_setting RANKS 2
 lockstep_add_fault_test(NAME bad_fault_spec RANKS 2
   ENV "LOCKSTEP_FAULT=rank=1,kind=explode"
   EXPECT "InvalidArgument" "unknown kind 'explode'")
+
+# The checks' cost on a ResNet-50 gradient sync (built, not run as a test: speed is for benches).
+add_executable(lockstep_check_cost reliability/check_cost.cpp)
+target_link_libraries(lockstep_check_cost PRIVATE lockstep::core lockstep_build_flags)
+
+# The other areas' MPI tests again with every fingerprint checked and a deadline on every
+# collective: the checked, polled path must give the same results as the plain one, and correct
+# programs must never trip a check.
+foreach(_target IN ITEMS test_collective test_world test_training)
+  if(TARGET ${_target})
+    string(REPLACE "test_" "" _area ${_target})
+    lockstep_add_mpi_test(NAME reliability.checked.${_area} TARGET ${_target} RANKS 3 TIMEOUT 300
+                          LABELS reliability)
+    set_property(TEST reliability.checked.${_area}.np3 APPEND PROPERTY ENVIRONMENT
+                 LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=120)
+  endif()
+endforeach()
