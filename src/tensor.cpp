@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 
 #include "lockstep/device_runtime.hpp"
@@ -70,6 +71,8 @@ std::int64_t numel_of(const Shape& s) {
   std::int64_t n = 1;
   for (auto e : s) {
     LOCKSTEP_CHECK_ARG(e >= 0, "shape ", to_string(s), " has a negative extent");
+    LOCKSTEP_CHECK_ARG(e == 0 || n <= std::numeric_limits<std::int64_t>::max() / e, "shape ",
+                       to_string(s), " has more elements than an int64 can count");
     n *= e;
   }
   return n;

@@ -15,6 +15,13 @@ bool is_available() noexcept {
   return init && !fin;
 }
 
+int detail::world_rank() noexcept {
+  if (!is_available()) return 0;
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
 WorldInfo world_info() {
   if (!is_available()) return {};
   if (MPIBackend::initialized_global()) {

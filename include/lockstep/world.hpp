@@ -6,12 +6,14 @@
 #include <functional>
 #include <initializer_list>
 #include <optional>
+#include <source_location>
 #include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
 
 #include "lockstep/backend.hpp"
+#include "lockstep/reliability.hpp"  // call-site recording for fingerprints
 
 namespace lockstep {
 
@@ -46,21 +48,54 @@ inline int local_rank(const Backend& b) { return b.local_rank(); }
 /// Number of processes on this node.
 inline int local_workers(const Backend& b) { return b.local_size(); }
 
-/// Free-function forms of the collectives (backend first, as in Flux).
-inline void broadcast(Backend& b, TensorView buf, int root = 0) { b.broadcast(buf, root); }
-inline void allreduce(Backend& b, TensorView buf, ReduceOp op) { b.allreduce(buf, op); }
-inline void allreduce(Backend& b, TensorView send, TensorView recv, ReduceOp op) {
+/// Free-function forms of the collectives (backend first, as in Flux). Each records its call
+/// site (the defaulted `loc`), which fingerprint mismatches and stall reports name.
+inline void broadcast(Backend& b, TensorView buf, int root = 0,
+                      std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  b.broadcast(buf, root);
+}
+/// In-place allreduce; see Backend::allreduce.
+inline void allreduce(Backend& b, TensorView buf, ReduceOp op,
+                      std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  b.allreduce(buf, op);
+}
+/// Out-of-place allreduce; see Backend::allreduce.
+inline void allreduce(Backend& b, TensorView send, TensorView recv, ReduceOp op,
+                      std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
   b.allreduce(send, recv, op);
 }
-inline void reduce(Backend& b, TensorView buf, ReduceOp op, int root = 0) { b.reduce(buf, op, root); }
-inline void reduce(Backend& b, TensorView send, TensorView recv, ReduceOp op, int root = 0) {
+/// In-place reduce onto root; see Backend::reduce.
+inline void reduce(Backend& b, TensorView buf, ReduceOp op, int root = 0,
+                   std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  b.reduce(buf, op, root);
+}
+/// Out-of-place reduce onto root; see Backend::reduce.
+inline void reduce(Backend& b, TensorView send, TensorView recv, ReduceOp op, int root = 0,
+                   std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
   b.reduce(send, recv, op, root);
 }
-inline void allgather(Backend& b, TensorView send, TensorView recv) { b.allgather(send, recv); }
-inline void reduce_scatter(Backend& b, TensorView send, TensorView recv, ReduceOp op) {
+/// See Backend::allgather.
+inline void allgather(Backend& b, TensorView send, TensorView recv,
+                      std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  b.allgather(send, recv);
+}
+/// See Backend::reduce_scatter.
+inline void reduce_scatter(Backend& b, TensorView send, TensorView recv, ReduceOp op,
+                           std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
   b.reduce_scatter(send, recv, op);
 }
-inline void barrier(Backend& b) { b.barrier(); }
+/// See Backend::barrier.
+inline void barrier(Backend& b, std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  b.barrier();
+}
 
 /// True when MPI is initialised, so that a distributed backend can be used.
 bool is_available() noexcept;
@@ -73,6 +108,8 @@ struct WorldInfo {
   int local_size = 1;
 };
 /// World info of MPI_COMM_WORLD; a single-process world {0, 1, 0, 1} when MPI is not initialised.
+/// Local (not a collective) once initialize<MPIBackend>() ran; before that, with MPI initialised
+/// by someone else, it is a collective over MPI_COMM_WORLD (MPI_Comm_split_type).
 WorldInfo world_info();
 
 /// What on_rank & co. return for a void function on a rank that ran it.
@@ -96,12 +133,15 @@ std::optional<rank_result_t<F>> run_if(bool run, F&& f) {
 inline bool contains(const std::vector<int>& ranks, int r) {
   return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
 }
+/// Rank in MPI_COMM_WORLD (0 when MPI is not initialised); never a collective, so the rank
+/// helpers below can be called on any subset of ranks.
+int world_rank() noexcept;
 }  // namespace detail
 
 /// Runs f on the ranks listed (world ranks); others get an empty optional. Not a collective.
 template <class F>
 auto on_rank(const std::vector<int>& ranks, F&& f) {
-  return detail::run_if(detail::contains(ranks, world_info().rank), std::forward<F>(f));
+  return detail::run_if(detail::contains(ranks, detail::world_rank()), std::forward<F>(f));
 }
 template <class F>
 auto on_rank(std::initializer_list<int> ranks, F&& f) {
@@ -114,7 +154,7 @@ auto on_rank(int r, F&& f) {
 /// Runs f on every rank except those listed.
 template <class F>
 auto not_on_rank(const std::vector<int>& ranks, F&& f) {
-  return detail::run_if(!detail::contains(ranks, world_info().rank), std::forward<F>(f));
+  return detail::run_if(!detail::contains(ranks, detail::world_rank()), std::forward<F>(f));
 }
 template <class F>
 auto not_on_rank(std::initializer_list<int> ranks, F&& f) {

@@ -1,0 +1,325 @@
+// Unit tests of the tensor layer: dtypes, the 16-bit float conversions, Tensor and TensorView.
+// Single process; the MPI-aware main still runs (as an MPI singleton).
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+// Reference float -> bf16 rounding computed from the two neighbouring bf16 values in double
+// arithmetic (independent of the bit trick in dtype.cpp): the nearer one, ties to even.
+std::uint16_t reference_bf16(float f) {
+  if (std::isinf(f)) return f > 0 ? 0x7f80 : 0xff80;
+  std::uint32_t u = std::bit_cast<std::uint32_t>(f);
+  std::uint32_t lo = u & 0xffff0000u;
+  std::uint32_t hi = lo + 0x10000u;
+  double dl = std::abs(static_cast<double>(std::bit_cast<float>(lo)) - f);
+  double dh = std::abs(static_cast<double>(std::bit_cast<float>(hi)) - f);
+  if ((hi & 0x7f800000u) == 0x7f800000u) {
+    // Above the largest finite bf16 the upper neighbour is inf; IEEE rounding treats it as
+    // 2^128 when deciding which is nearer.
+    dh = std::abs(std::ldexp(1.0, 128) * (f < 0 ? -1 : 1) - f);
+  }
+  std::uint32_t pick;
+  if (dl < dh) pick = lo;
+  else if (dh < dl) pick = hi;
+  else pick = ((lo >> 16) & 1u) ? hi : lo;
+  return static_cast<std::uint16_t>(pick >> 16);
+}
+
+bool is_nan_half(std::uint16_t b) { return (b & 0x7c00u) == 0x7c00u && (b & 0x3ffu) != 0; }
+bool is_nan_bf16(std::uint16_t b) { return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0; }
+
+}  // namespace
+
+TEST_CASE("dtype sizes, names and floating-ness") {
+  using ls::DType;
+  CHECK(ls::size_of(DType::f16) == 2);
+  CHECK(ls::size_of(DType::bf16) == 2);
+  CHECK(ls::size_of(DType::f32) == 4);
+  CHECK(ls::size_of(DType::f64) == 8);
+  CHECK(ls::size_of(DType::i32) == 4);
+  CHECK(ls::size_of(DType::i64) == 8);
+  CHECK(ls::size_of(DType::u8) == 1);
+  CHECK(std::string(ls::name(DType::bf16)) == "bf16");
+  CHECK(std::string(ls::name(DType::u8)) == "u8");
+  CHECK(ls::is_floating(DType::f16));
+  CHECK(ls::is_floating(DType::bf16));
+  CHECK(ls::is_floating(DType::f64));
+  CHECK_FALSE(ls::is_floating(DType::i32));
+  CHECK_FALSE(ls::is_floating(DType::u8));
+  CHECK(ls::dtype_of_v<const double> == DType::f64);
+  CHECK(ls::dtype_of_v<std::int64_t> == DType::i64);
+  CHECK(ls::dtype_of_v<ls::bfloat16> == DType::bf16);
+  CHECK(ls::to_string(ls::Device::cpu()) == "cpu");
+  CHECK(ls::to_string(ls::Device::cuda(3)) == "cuda:3");
+  CHECK(ls::Device::cuda(1) != ls::Device::cuda(0));
+}
+
+TEST_CASE("f16: every half survives half -> float -> half") {
+  int bad = 0;
+  for (std::uint32_t b = 0; b <= 0xffffu; ++b) {
+    ls::half h{static_cast<std::uint16_t>(b)};
+    float f = ls::to_float(h);
+    std::uint16_t back = ls::to_half(f).bits;
+    if (is_nan_half(h.bits) ? !is_nan_half(back) : back != h.bits) ++bad;
+  }
+  CHECK(bad == 0);
+}
+
+TEST_CASE("f16: to_float agrees with the compiler's _Float16") {
+  int bad = 0;
+  for (std::uint32_t b = 0; b <= 0xffffu; ++b) {
+    if (is_nan_half(static_cast<std::uint16_t>(b))) continue;
+    std::uint16_t bits = static_cast<std::uint16_t>(b);
+    _Float16 ref;
+    std::memcpy(&ref, &bits, 2);
+    float mine = ls::to_float(ls::half{bits});
+    if (std::bit_cast<std::uint32_t>(mine) != std::bit_cast<std::uint32_t>(static_cast<float>(ref))) ++bad;
+  }
+  CHECK(bad == 0);
+}
+
+TEST_CASE("f16: float -> half rounds to nearest even like _Float16") {
+  // Every 97th float bit pattern (both signs, all exponents) plus every exact halfway point
+  // between neighbouring halves: libgcc's conversion is the reference.
+  int bad = 0;
+  auto check = [&](float f) {
+    if (std::isnan(f)) return;
+    _Float16 ref = static_cast<_Float16>(f);
+    std::uint16_t rb;
+    std::memcpy(&rb, &ref, 2);
+    if (ls::to_half(f).bits != rb) ++bad;
+  };
+  for (std::uint64_t u = 0; u <= 0xffffffffull; u += 97) check(std::bit_cast<float>(static_cast<std::uint32_t>(u)));
+  for (std::uint32_t b = 0; b < 0x7c00u; ++b) {
+    float a = ls::to_float(ls::half{static_cast<std::uint16_t>(b)});
+    float c = ls::to_float(ls::half{static_cast<std::uint16_t>(b + 1)});
+    float mid = static_cast<float>((static_cast<double>(a) + c) / 2);  // exact in float
+    check(mid);
+    check(-mid);
+    check(std::nextafter(mid, 0.0f));
+    check(std::nextafter(mid, 1e30f));
+  }
+  CHECK(bad == 0);
+  // Spot values: ties to even, overflow to inf, smallest subnormal, underflow to zero.
+  CHECK(ls::to_half(1.0f).bits == 0x3c00);
+  CHECK(ls::to_half(1.0f + 0.00048828125f).bits == 0x3c00);                 // tie, even stays
+  CHECK(ls::to_half(1.0009765625f + 0.00048828125f).bits == 0x3c02);        // tie, odd rounds up
+  CHECK(ls::to_half(65504.0f).bits == 0x7bff);
+  CHECK(ls::to_half(65520.0f).bits == 0x7c00);
+  CHECK(ls::to_half(-1e9f).bits == 0xfc00);
+  CHECK(ls::to_half(std::ldexp(1.0f, -24)).bits == 0x0001);
+  CHECK(ls::to_half(std::ldexp(1.0f, -25)).bits == 0x0000);
+  CHECK(is_nan_half(ls::to_half(std::numeric_limits<float>::quiet_NaN()).bits));
+}
+
+TEST_CASE("bf16: round trips and rounding") {
+  int bad_trip = 0;
+  for (std::uint32_t b = 0; b <= 0xffffu; ++b) {
+    ls::bfloat16 h{static_cast<std::uint16_t>(b)};
+    std::uint16_t back = ls::to_bfloat16(ls::to_float(h)).bits;
+    if (is_nan_bf16(h.bits) ? !is_nan_bf16(back) : back != h.bits) ++bad_trip;
+    // bf16 -> float is exact: the upper half of the float's bits.
+    if (std::bit_cast<std::uint32_t>(ls::to_float(h)) != (b << 16)) ++bad_trip;
+  }
+  CHECK(bad_trip == 0);
+  int bad_round = 0;
+  for (std::uint64_t u = 0; u <= 0xffffffffull; u += 89) {
+    float f = std::bit_cast<float>(static_cast<std::uint32_t>(u));
+    if (std::isnan(f)) continue;
+    if (ls::to_bfloat16(f).bits != reference_bf16(f)) ++bad_round;
+  }
+  // Exact ties: x.5 ulp with an even and an odd lower neighbour.
+  for (std::uint32_t hi : {0x3f800000u, 0x3f810000u, 0xc0490000u, 0x7f7f0000u}) {
+    float f = std::bit_cast<float>(hi | 0x8000u);
+    if (ls::to_bfloat16(f).bits != reference_bf16(f)) ++bad_round;
+  }
+  CHECK(bad_round == 0);
+  CHECK(ls::to_bfloat16(std::bit_cast<float>(0x3f808000u)).bits == 0x3f80);  // tie, even stays
+  CHECK(ls::to_bfloat16(std::bit_cast<float>(0x3f818000u)).bits == 0x3f82);  // tie, odd rounds up
+  CHECK(ls::to_bfloat16(3.0e38f).bits == 0x7f62);
+  CHECK(is_nan_bf16(ls::to_bfloat16(std::numeric_limits<float>::quiet_NaN()).bits));
+}
+
+TEST_CASE("Tensor factories fill every dtype") {
+  using ls::DType;
+  for (DType t : {DType::f16, DType::bf16, DType::f32, DType::f64, DType::i32, DType::i64, DType::u8}) {
+    INFO("dtype " << ls::name(t));
+    ls::Tensor z = ls::Tensor::zeros({3, 5}, t);
+    CHECK(z.numel() == 15);
+    CHECK(z.ndim() == 2);
+    CHECK(z.dim(1) == 5);
+    CHECK(z.dtype() == t);
+    CHECK(z.device() == ls::Device::cpu());
+    CHECK(z.nbytes() == 15 * ls::size_of(t));
+    CHECK(z.owns_memory());
+    const auto* zb = static_cast<const unsigned char*>(z.raw_data());
+    bool all_zero = true;
+    for (std::size_t i = 0; i < z.nbytes(); ++i) all_zero = all_zero && zb[i] == 0;
+    CHECK(all_zero);
+
+    ls::Tensor o = ls::Tensor::ones({7}, t);
+    ls::Tensor f = ls::Tensor::full({7}, 3.0, t);
+    auto as_double = [&](const ls::Tensor& x, std::int64_t i) -> double {
+      switch (t) {
+        case DType::f16: return ls::to_float(x.data<ls::half>()[i]);
+        case DType::bf16: return ls::to_float(x.data<ls::bfloat16>()[i]);
+        case DType::f32: return x.data<float>()[i];
+        case DType::f64: return x.data<double>()[i];
+        case DType::i32: return x.data<std::int32_t>()[i];
+        case DType::i64: return static_cast<double>(x.data<std::int64_t>()[i]);
+        case DType::u8: return x.data<std::uint8_t>()[i];
+      }
+      return -1;
+    };
+    for (std::int64_t i = 0; i < 7; ++i) {
+      CHECK(as_double(o, i) == 1.0);
+      CHECK(as_double(f, i) == 3.0);
+    }
+  }
+  ls::Tensor def;
+  CHECK(def.numel() == 0);
+  CHECK(def.shape() == ls::Shape{0});
+  ls::Tensor scalar = ls::Tensor::full({}, 2.5, ls::DType::f64);
+  CHECK(scalar.numel() == 1);
+  CHECK(scalar.data<double>()[0] == 2.5);
+  ls::Tensor f16 = ls::Tensor::full({2}, 0.1, ls::DType::f16);
+  CHECK(f16.data<ls::half>()[0].bits == ls::to_half(0.1f).bits);
+}
+
+TEST_CASE("Tensor memory is 64-byte aligned") {
+  for (std::int64_t n : {0, 1, 3, 17, 1000, 4099}) {
+    for (ls::DType t : {ls::DType::u8, ls::DType::f16, ls::DType::f64}) {
+      ls::Tensor x = ls::Tensor::empty({n}, t);
+      CHECK(reinterpret_cast<std::uintptr_t>(x.raw_data()) % 64 == 0);
+      ls::Tensor c = ls::Tensor::zeros({n}, t).clone();
+      CHECK(reinterpret_cast<std::uintptr_t>(c.raw_data()) % 64 == 0);
+    }
+  }
+}
+
+TEST_CASE("Tensor::from copies, borrow aliases, clone is deep") {
+  std::vector<float> src{1, 2, 3, 4, 5, 6};
+  ls::Tensor a = ls::Tensor::from(src, {2, 3});
+  CHECK(a.shape() == ls::Shape{2, 3});
+  CHECK(a.data<float>() != src.data());
+  src[0] = 100;
+  CHECK(a.data<float>()[0] == 1.0f);  // a copy, not a view
+  ls::Tensor v = ls::Tensor::from(std::vector<std::int32_t>{4, 5, 6});
+  CHECK(v.shape() == ls::Shape{3});
+  CHECK(v.dtype() == ls::DType::i32);
+  CHECK(v.data<std::int32_t>()[2] == 6);
+  CHECK_THROWS_AS(ls::Tensor::from(src, {4, 2}), ls::InvalidArgument);
+
+  ls::Tensor b = ls::Tensor::borrow(src.data(), {6}, ls::DType::f32);
+  CHECK_FALSE(b.owns_memory());
+  CHECK(b.data<float>() == src.data());
+  src[1] = 42;
+  CHECK(b.data<float>()[1] == 42.0f);
+
+  ls::Tensor c = a.clone();
+  CHECK(c.data<float>() != a.data<float>());
+  CHECK(ls::bitwise_equal(a, c));
+  c.data<float>()[5] = -1;
+  CHECK(a.data<float>()[5] == 6.0f);
+  CHECK_FALSE(ls::bitwise_equal(a, c));
+
+  ls::Tensor d = ls::Tensor::zeros({6});
+  d.copy_from(b.view());
+  CHECK(d.data<float>()[1] == 42.0f);
+  CHECK_THROWS_AS(d.copy_from(ls::Tensor::zeros({5}).view()), ls::InvalidArgument);
+  CHECK_THROWS_AS(d.copy_from(ls::Tensor::zeros({6}, ls::DType::f64).view()), ls::InvalidArgument);
+  d.zero_();
+  CHECK(d.data<float>()[1] == 0.0f);
+
+  ls::Tensor moved = std::move(d);
+  CHECK(moved.numel() == 6);
+}
+
+TEST_CASE("reshape_view shares memory and keeps it alive") {
+  ls::Tensor r;
+  float* p = nullptr;
+  {
+    ls::Tensor a = ls::Tensor::full({2, 6}, 1.0);
+    p = a.data<float>();
+    r = a.reshape_view({3, 4});
+    CHECK_THROWS_AS(a.reshape_view({5}), ls::InvalidArgument);
+  }
+  CHECK(r.shape() == ls::Shape{3, 4});
+  CHECK(r.data<float>() == p);
+  CHECK(r.data<float>()[11] == 1.0f);  // still readable after the original went away
+}
+
+TEST_CASE("TensorView: typed access, slices, view_of") {
+  ls::Tensor a = ls::Tensor::from(std::vector<double>{0, 1, 2, 3, 4});
+  ls::TensorView v = a.view();
+  CHECK(v.numel == 5);
+  CHECK(v.nbytes() == 40);
+  CHECK(v.as<double>()[3] == 3.0);
+  ls::TensorView s = v.slice(1, 3);
+  CHECK(s.numel == 3);
+  CHECK(s.as<double>()[0] == 1.0);
+  CHECK(v.slice(5, 0).numel == 0);
+  CHECK_THROWS_AS(v.slice(3, 3), ls::InvalidArgument);
+  CHECK_THROWS_AS(v.slice(-1, 1), ls::InvalidArgument);
+  CHECK_THROWS_AS(v.as<float>(), ls::InvalidArgument);
+  std::vector<std::int64_t> raw{7, 8};
+  ls::TensorView w = ls::view_of(std::span<std::int64_t>(raw));
+  CHECK(w.dtype == ls::DType::i64);
+  CHECK(w.as<std::int64_t>() == raw.data());
+}
+
+TEST_CASE("data<T>() with the wrong type throws InvalidArgument naming both dtypes") {
+  ls::Tensor a = ls::Tensor::zeros({4}, ls::DType::f32);
+  CHECK_THROWS_AS(a.data<double>(), ls::InvalidArgument);
+  CHECK_THROWS_AS(a.data<ls::half>(), ls::InvalidArgument);
+  CHECK_THROWS_AS(a.span<std::int32_t>(), ls::InvalidArgument);
+  const ls::Tensor& ca = a;
+  CHECK_THROWS_AS(ca.data<std::uint8_t>(), ls::InvalidArgument);
+  try {
+    a.data<std::int64_t>();
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    std::string msg = e.what();
+    CHECK(msg.find("f32") != std::string::npos);
+    CHECK(msg.find("i64") != std::string::npos);
+    CHECK(msg.find("tensor.") != std::string::npos);  // file:line of the check
+  }
+  CHECK(a.span<float>().size() == 4);
+}
+
+TEST_CASE("bad shapes throw InvalidArgument") {
+  CHECK_THROWS_AS(ls::Tensor::zeros({2, -1}), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::numel_of({std::int64_t{1} << 40, std::int64_t{1} << 40}), ls::InvalidArgument);
+  CHECK(ls::numel_of({}) == 1);
+  CHECK(ls::numel_of({0, std::int64_t{1} << 62, 4}) == 0);
+  CHECK(ls::to_string(ls::Shape{2, 3}) == "[2, 3]");
+}
+
+#if !LOCKSTEP_HAS_CUDA
+TEST_CASE("a cuda device throws NotCompiled in a build without CUDA") {
+  const ls::Device gpu = ls::Device::cuda(0);
+  CHECK_THROWS_AS(ls::Tensor::zeros({4}, ls::DType::f32, gpu), ls::NotCompiled);
+  CHECK_THROWS_AS(ls::Tensor::empty({4}, ls::DType::f32, gpu), ls::NotCompiled);
+  CHECK_THROWS_AS(ls::Tensor::full({4}, 1.0, ls::DType::f32, gpu), ls::NotCompiled);
+  CHECK_THROWS_AS(ls::Tensor::ones({4}, ls::DType::f32, gpu), ls::NotCompiled);
+  CHECK_THROWS_AS(ls::Tensor::zeros({4}).to(gpu), ls::NotCompiled);
+  try {
+    ls::Tensor::zeros({1}, ls::DType::f32, gpu);
+  } catch (const ls::NotCompiled& e) {
+    CHECK(std::string(e.what()).find("LOCKSTEP_WITH_CUDA") != std::string::npos);
+  }
+  // NotCompiled is a lockstep::Error, so one catch covers every Lockstep failure.
+  CHECK_THROWS_AS(ls::Tensor::zeros({4}, ls::DType::f32, gpu), ls::Error);
+}
+#endif
