@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
@@ -157,7 +158,7 @@ std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-enum class FaultKind { none, delay, skip, shape, dtype, nan };
+enum class FaultKind { none, delay, skip, shape, dtype, nan, kill };
 
 struct FaultSpec {
   FaultKind kind = FaultKind::none;
@@ -173,7 +174,7 @@ FaultSpec parse_fault(const char* env) {
   std::string item;
   auto bad = [&](const std::string& why) {
     return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
-                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan[,after=N][,seconds=S])"));
+                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan|kill[,after=N][,seconds=S])"));
   };
   while (std::getline(ss, item, ',')) {
     auto eq = item.find('=');
@@ -195,6 +196,7 @@ FaultSpec parse_fault(const char* env) {
       else if (value == "shape") f.kind = FaultKind::shape;
       else if (value == "dtype") f.kind = FaultKind::dtype;
       else if (value == "nan") f.kind = FaultKind::nan;
+      else if (value == "kill") f.kind = FaultKind::kill;
       else throw bad("unknown kind '" + value + "'");
     } else {
       throw bad("unknown key '" + key + "'");
@@ -221,6 +223,7 @@ const char* name_of(FaultKind k) {
     case FaultKind::shape: return "shape";
     case FaultKind::dtype: return "dtype";
     case FaultKind::nan: return "nan";
+    case FaultKind::kill: return "kill";
   }
   return "?";
 }
@@ -386,8 +389,12 @@ class CommMonitor {
     const FaultSpec& f = fault_spec();
     if (f.kind != FaultKind::none && !fault_fired_ && f.rank == rank_ && seq == f.after) {
       fault_fired_ = true;
+      const auto unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
       std::cerr << "lockstep: injecting fault kind=" << name_of(f.kind) << " on rank " << rank_
-                << " at collective #" << seq << " (" << name_of(coll) << ")\n";
+                << " at collective #" << seq << " (" << name_of(coll) << ") at unix time ms " << unix_ms
+                << std::endl;
       switch (f.kind) {
         case FaultKind::delay:
           std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
@@ -402,6 +409,10 @@ class CommMonitor {
           break;
         case FaultKind::nan:
           if (data != nullptr) poke_nan(*data);
+          break;
+        case FaultKind::kill:
+          // The hardest way to die: no destructor, no MPI_Finalize, no message.
+          std::raise(SIGKILL);
           break;
         case FaultKind::none: break;
       }

@@ -10,7 +10,7 @@ set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 # lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]
 #                         [STEPS n] EXPECT pattern...)
 function(lockstep_add_fault_test)
-  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS" "RANKS;ENV;EXPECT" ${ARGN})
+  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT" "RANKS;ENV;EXPECT" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 60)
   endif()
@@ -23,6 +23,9 @@ function(lockstep_add_fault_test)
   set(abort_flag "")
   if(T_ABORT)
     set(abort_flag --abort)
+  endif()
+  if(T_MAX_MS_AFTER_FAULT)
+    list(APPEND abort_flag --max-ms-after-fault ${T_MAX_MS_AFTER_FAULT})
   endif()
   foreach(n IN LISTS T_RANKS)
     set(test_name reliability.${T_NAME}.np${n})
@@ -77,6 +80,12 @@ lockstep_add_fault_test(NAME delay_checked RANKS 3
 lockstep_add_fault_test(NAME delay_abort RANKS 2 3 ABORT
   ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TIMEOUT_ACTION=abort "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=20"
   EXPECT "Behind (not yet in collective #3): rank 1." "aborting the job")
+
+# A rank killed with SIGKILL in the middle of training: the job ends within 10 s, and mpiexec
+# names the dead rank (Open MPI's runtime does this; the test makes sure it stays so).
+lockstep_add_fault_test(NAME sigkill ABORT MAX_MS_AFTER_FAULT 10000 STEPS 200
+  ENV "LOCKSTEP_FAULT=rank=1,kind=kill,after=20"
+  EXPECT "process rank 1 with PID" "signal 9")
 
 # A bad setting is an InvalidArgument at initialisation on every rank, not a silent default.
 lockstep_add_fault_test(NAME bad_setting RANKS 2

@@ -5,11 +5,21 @@
 # Usage: run_fault.sh [--abort] NPROCS PROGRAM [--steps N] -- PATTERN...
 #   Patterns may contain {rank}, replaced by the rank being checked. A pattern starting with
 #   "r<K>:" applies to rank K only; one starting with "!" must NOT appear.
-#   --abort: the job is expected to end through MPI_Abort; the patterns are then checked
-#   against the combined output of mpiexec instead of per-rank files.
+#   --abort: the job is expected to end abnormally (MPI_Abort, a killed rank); the patterns are
+#   then checked against the combined output of mpiexec instead of per-rank files.
+#   --max-ms-after-fault MS: the job must end within MS milliseconds of the injected fault (the
+#   time the faulty rank printed just before it), e.g. a killed rank must not leave the others
+#   spinning.
 set -u
 abort=0
-if [ "$1" = "--abort" ]; then abort=1; shift; fi
+max_ms=""
+while [ "${1#--}" != "$1" ]; do
+  case $1 in
+    --abort) abort=1; shift ;;
+    --max-ms-after-fault) max_ms=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
 nprocs=$1 program=$2
 shift 2
 steps=8
@@ -26,6 +36,16 @@ end=$(date +%s%N)
 echo "mpiexec exit code $rc after $(( (end - start) / 1000000 )) ms; LOCKSTEP_FAULT=${LOCKSTEP_FAULT:-} LOCKSTEP_CHECK=${LOCKSTEP_CHECK:-} LOCKSTEP_TIMEOUT=${LOCKSTEP_TIMEOUT:-}"
 
 fail=0
+if [ -n "$max_ms" ]; then
+  fault_ms=$(grep -o "at unix time ms [0-9]*" "$outdir/mpiexec.log" | head -1 | awk '{print $5}')
+  end_ms=$((end / 1000000))
+  if [ -z "$fault_ms" ]; then
+    echo "FAIL: no injected fault was reported"; fail=1
+  else
+    echo "the job ended $((end_ms - fault_ms)) ms after the fault (limit $max_ms ms)"
+    if [ $((end_ms - fault_ms)) -gt "$max_ms" ]; then echo "FAIL: the job outlived the fault by more than $max_ms ms"; fail=1; fi
+  fi
+fi
 check_text() {  # label file pattern...
   local label=$1 file=$2
   shift 2
