@@ -1,0 +1,70 @@
+// The MPI-aware Catch2 main of the GPU tests. Like test/main_mpi.cpp, plus one rule: a machine
+// without a usable GPU reports the test skipped to CTest (exit code 77) rather than passing it.
+// Built with LOCKSTEP_GPU_TEST_DEVICE_PER_RANK=1, a test also needs one device per node-local
+// rank (NCCL refuses two ranks on one GPU).
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <mpi.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "lockstep/cuda.hpp"
+#include "lockstep/lockstep.hpp"
+
+#ifndef LOCKSTEP_GPU_TEST_DEVICE_PER_RANK
+#define LOCKSTEP_GPU_TEST_DEVICE_PER_RANK 0
+#endif
+
+int main(int argc, char** argv) {
+  lockstep::initialize<lockstep::MPIBackend>();
+  lockstep::cuda::init();
+  auto& world = lockstep::get_distributed_backend<lockstep::MPIBackend>();
+  const int rank = world.rank(), size = world.size();
+
+  // Every rank decides together, so that no rank runs collectives the others skip.
+  const int devices = lockstep::cuda::device_count();
+  const int needed = LOCKSTEP_GPU_TEST_DEVICE_PER_RANK ? world.local_size() : 1;
+  int ok = devices >= needed ? 1 : 0, all_ok = 0;
+  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!all_ok) {
+    if (rank == 0)
+      std::cout << "skipped: this test needs " << needed << " CUDA device(s) per node, "
+                << devices << " visible\n";
+    lockstep::finalize<lockstep::MPIBackend>();
+    return 77;
+  }
+
+  Catch::Session session;
+  std::vector<char*> args(argv, argv + argc);
+  std::string out_file;
+  std::string out_flag = "--out";
+  if (rank != 0) {
+    out_file = "/tmp/lockstep-gpu-test-" + std::to_string(::getpid()) + ".txt";
+    args.push_back(out_flag.data());
+    args.push_back(out_file.data());
+  }
+  int rc = session.applyCommandLine(static_cast<int>(args.size()), args.data());
+  int failed = rc != 0 ? 1 : session.run();
+  if (rank != 0) {
+    if (failed != 0) {
+      std::ifstream in(out_file);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      std::cerr << "---- report of rank " << rank << "/" << size << " (failed) ----\n" << ss.str();
+    }
+    std::remove(out_file.c_str());
+  }
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (rank == 0 && any_failed != 0 && failed == 0)
+    std::cerr << "some rank other than 0 failed (see its report above)\n";
+  lockstep::finalize<lockstep::MPIBackend>();
+  return any_failed != 0 ? 1 : 0;
+}

@@ -1,0 +1,42 @@
+# GPU tests (label nccl): lockstep::cuda kernels and MPIBackend with cuda tensors, and
+# NCCLBackend. They build wherever the extensions build; they run only with DIST_TEST_NCCL=true,
+# and report themselves skipped (exit code 77) on a machine without a usable GPU.
+# The sources live beside the extensions, in ext/cuda/test and ext/nccl/test.
+if(NOT TARGET lockstep::cuda)
+  return()
+endif()
+
+set(_gpu_test_dir ${PROJECT_SOURCE_DIR}/ext/cuda/test)
+
+# lockstep_gpu_test_executable(target [DEVICE_PER_RANK] sources...): a Catch2 program with the
+# GPU test main (skips without a GPU; DEVICE_PER_RANK: without one GPU per node-local rank).
+function(lockstep_gpu_test_executable target)
+  cmake_parse_arguments(G "DEVICE_PER_RANK" "" "" ${ARGN})
+  add_executable(${target} ${_gpu_test_dir}/main_gpu.cpp ${G_UNPARSED_ARGUMENTS})
+  target_link_libraries(${target} PRIVATE lockstep::cuda lockstep::core Catch2::Catch2 lockstep_build_flags)
+  target_include_directories(${target} PRIVATE ${_gpu_test_dir})
+  if(G_DEVICE_PER_RANK)
+    target_compile_definitions(${target} PRIVATE LOCKSTEP_GPU_TEST_DEVICE_PER_RANK=1)
+  endif()
+endfunction()
+
+lockstep_gpu_test_executable(test_cuda_kernels ${_gpu_test_dir}/kernels_test.cpp)
+lockstep_add_mpi_test(NAME cuda_kernels TARGET test_cuda_kernels RANKS 1 GATE DIST_TEST_NCCL
+  LABELS nccl TIMEOUT 300)
+
+# Two ranks may share one GPU here: MPI does not mind.
+lockstep_gpu_test_executable(test_mpi_device ${_gpu_test_dir}/mpi_device_test.cpp)
+lockstep_add_mpi_test(NAME mpi_device TARGET test_mpi_device RANKS 1 2 GATE DIST_TEST_NCCL
+  LABELS nccl TIMEOUT 300)
+
+if(TARGET lockstep::nccl)
+  set(_nccl_test_dir ${PROJECT_SOURCE_DIR}/ext/nccl/test)
+  lockstep_gpu_test_executable(test_nccl_backend DEVICE_PER_RANK ${_nccl_test_dir}/nccl_backend_test.cpp)
+  target_link_libraries(test_nccl_backend PRIVATE lockstep::nccl)
+  lockstep_add_mpi_test(NAME nccl_backend TARGET test_nccl_backend RANKS 1 2 GATE DIST_TEST_NCCL
+    LABELS nccl TIMEOUT 300)
+  lockstep_gpu_test_executable(test_nccl_training DEVICE_PER_RANK ${_nccl_test_dir}/nccl_training_test.cpp)
+  target_link_libraries(test_nccl_training PRIVATE lockstep::nccl)
+  lockstep_add_mpi_test(NAME nccl_training TARGET test_nccl_training RANKS 1 2 GATE DIST_TEST_NCCL
+    LABELS nccl TIMEOUT 300)
+endif()
