@@ -72,9 +72,7 @@ double time_ms(cudaStream_t s, int dev, int reps, F&& f) {
   return median(t);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string out = ".";
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
@@ -193,4 +191,18 @@ int main(int argc, char** argv) {
   ls::finalize<ls::NCCLBackend>();
   ls::finalize<ls::MPIBackend>();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpu_bench: %s\n", e.what());
+    int init = 0;
+    MPI_Initialized(&init);
+    if (init) MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
+  }
 }
