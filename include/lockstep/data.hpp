@@ -252,7 +252,7 @@ void scale_into(R& acc, const R& r, double w, bool first) {
 /// are), and the results (a Tensor, an arithmetic scalar, or a traversable structure of them)
 /// are combined across ranks by the reducer and returned on every rank. Collective.
 template <class Partitioner, class Reducer, class F>
-auto parallelize(Backend& backend, Partitioner partitioner, Reducer reducer, F f) {
+auto parallelize(Backend& backend, Partitioner partitioner, Reducer /*reducer: a tag*/, F f) {
   static_assert(std::is_same_v<Partitioner, DimPartitioner>,
                 "parallelize: the partitioner must be a DimPartitioner (dim_partitioner(...), "
                 "batch_partitioner, exclusive_batch_partitioner)");

@@ -1,0 +1,298 @@
+// Data-parallel training against a single process on the whole batch (MPI, 1 to 4 ranks):
+// DistributedOptimizer with SGD+momentum, Adam, AdamW and a user-defined rule (Lion); ranks
+// bitwise identical after every step; gradient accumulation; bucketing, zero copy and
+// ready reports.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <sstream>
+
+#include "training_common.hpp"
+
+using namespace lstest;
+
+namespace {
+
+// A user-defined rule (Lion, Chen et al. 2023), written only against the public rule concept.
+struct Lion {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.99f, weight_decay = 0.0f;
+  struct Slot {
+    ls::Tensor m;
+  };
+  Slot init(const ls::Tensor& p) const { return {ls::Tensor::zeros(p.shape(), p.dtype())}; }
+  void apply(Slot& s, ls::Tensor& p, const ls::Tensor& g, std::int64_t) const {
+    float* pp = p.data<float>();
+    const float* gg = g.data<float>();
+    float* m = s.m.data<float>();
+    for (std::int64_t i = 0; i < p.numel(); ++i) {
+      const float c = beta1 * m[i] + (1 - beta1) * gg[i];
+      const float sign = static_cast<float>((c > 0) - (c < 0));
+      pp[i] = pp[i] * (1 - lr * weight_decay) - lr * sign;
+      m[i] = beta2 * m[i] + (1 - beta2) * gg[i];
+    }
+  }
+};
+LOCKSTEP_FIELDS(Lion::Slot, m)
+static_assert(ls::OptimizerRule<Lion>);
+static_assert(ls::OptimizerRule<ls::SGD>);
+static_assert(ls::OptimizerRule<ls::Adam>);
+
+struct RunConfig {
+  int global_batch = 12;
+  ls::ReduceOp op = ls::ReduceOp::avg;
+  bool flat_grads = false;
+  bool report_ready = false;
+  std::size_t bucket_bytes = ls::kDefaultBucketBytes;
+  int steps = 50;
+  double tolerance = 1e-5;
+};
+
+struct RunResult {
+  bool ok = true;
+  std::string why;
+  double worst = 0;
+};
+
+// N ranks, each on its slice of a global batch, against one process on the whole batch.
+template <class Rule>
+RunResult run_data_parallel(const Rule& rule, const RunConfig& cfg) {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank(), n = backend.size();
+  RunResult res;
+  auto fail = [&](const std::string& why) {
+    if (res.ok) res.why = why;
+    res.ok = false;
+  };
+
+  // Every rank starts from different parameters; synchronize makes them rank 0's.
+  Mlp model = make_mlp(100 + static_cast<std::uint64_t>(rank));
+  ls::synchronize(backend, model, 0);
+  Mlp ref = make_mlp(100);
+  if (max_rel_diff(model, ref) != 0) fail("synchronize did not copy rank 0's parameters");
+
+  auto ref_state = ls::setup(rule, ref);
+  auto opt = ls::DistributedOptimizer(backend, rule,
+                                      ls::DistributedOptions{.bucket_bytes = cfg.bucket_bytes, .op = cfg.op});
+  auto state = ls::setup(opt, model);
+  ls::synchronize(backend, state, 0);
+
+  ls::Flat<Mlp> flat = ls::flat_zeros_like(model);
+  Mlp separate = ls::zeros_like(model);
+  Mlp& grads = cfg.flat_grads ? *flat : separate;
+  Mlp ref_grads = ls::zeros_like(ref);
+
+  const auto parts = ls::batch_partitioner.partitions(cfg.global_batch, n);
+  int first = 0, count = 0;
+  for (const auto& p : parts)
+    if (p.rank == rank) first = static_cast<int>(p.start), count = static_cast<int>(p.count);
+
+  for (int step = 0; step < cfg.steps; ++step) {
+    const Batch batch = make_batch(step, cfg.global_batch);
+    zero_grads(ref_grads);
+    backward(ref, batch, 0, cfg.global_batch, ref_grads, 1.0 / cfg.global_batch);
+    ls::update(ref_state, ref, ref_grads);
+
+    zero_grads(grads);
+    // avg: each rank's local mean, averaged across ranks (equal slices); sum: each rank's
+    // share of the global mean, summed (any slices).
+    const double scale = cfg.op == ls::ReduceOp::avg ? 1.0 / count : 1.0 / cfg.global_batch;
+    if (cfg.report_ready) {
+      state.begin_step(grads);
+      backward(model, batch, first, count, grads, scale, [&](ls::Tensor& g) { state.grad_ready(g); });
+    } else if (count > 0) {
+      backward(model, batch, first, count, grads, scale);
+    }
+    ls::update(state, model, grads);
+
+    const double d = max_rel_diff(model, ref);
+    res.worst = std::max(res.worst, d);
+    if (!(d <= cfg.tolerance))
+      fail("step " + std::to_string(step) + ": relative difference " + std::to_string(d));
+    if (!same_on_all_ranks(backend, content_hash(model)))
+      fail("step " + std::to_string(step) + ": parameters differ across ranks");
+    if (!same_on_all_ranks(backend, content_hash(state)))
+      fail("step " + std::to_string(step) + ": optimizer state differs across ranks");
+  }
+  if (state.inner.step != cfg.steps) fail("step count " + std::to_string(state.inner.step));
+  if (cfg.flat_grads && state.reducer().zero_copy_buckets() != state.reducer().bucket_count() &&
+      !cfg.report_ready)
+    fail("flat gradients were not reduced in place");
+  return res;
+}
+
+void check_run(const RunResult& r) {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  INFO(r.why << " (worst relative difference " << r.worst << ")");
+  CHECK(all_ranks(backend, r.ok));
+}
+
+}  // namespace
+
+TEST_CASE("data-parallel SGD with momentum matches one process on the whole batch", "[training]") {
+  RunConfig cfg;
+  check_run(run_data_parallel(ls::SGD{.lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f,
+                                      .weight_decay = 1e-3f, .nesterov = false},
+                              cfg));
+  cfg.flat_grads = true;
+  check_run(run_data_parallel(ls::SGD{.lr = 0.05f, .momentum = 0.9f, .nesterov = true}, cfg));
+}
+
+TEST_CASE("data-parallel Adam matches one process on the whole batch", "[training]") {
+  RunConfig cfg;
+  check_run(run_data_parallel(ls::Adam{.lr = 1e-2f}, cfg));
+  cfg.flat_grads = true;
+  cfg.report_ready = true;
+  check_run(run_data_parallel(ls::Adam{.lr = 1e-2f, .weight_decay = 1e-2f}, cfg));
+}
+
+TEST_CASE("data-parallel AdamW matches one process on the whole batch", "[training]") {
+  RunConfig cfg;
+  cfg.report_ready = true;
+  cfg.bucket_bytes = 0;  // one bucket per tensor
+  check_run(run_data_parallel(ls::Adam{.lr = 1e-2f, .weight_decay = 0.1f, .decoupled_weight_decay = true}, cfg));
+  cfg.bucket_bytes = 100;  // a few small buckets, non-flat: packed
+  cfg.report_ready = false;
+  check_run(run_data_parallel(ls::AdamW(1e-2f, 0.05f), cfg));
+}
+
+TEST_CASE("uneven slices with a summed reduction match the whole batch", "[training]") {
+  RunConfig cfg;
+  cfg.global_batch = 10;  // 10 over 3 or 4 ranks: slices of different sizes
+  cfg.op = ls::ReduceOp::sum;
+  check_run(run_data_parallel(ls::Adam{.lr = 1e-2f}, cfg));
+  cfg.flat_grads = true;
+  cfg.report_ready = true;
+  check_run(run_data_parallel(ls::SGD{.lr = 0.1f, .momentum = 0.5f}, cfg));
+}
+
+TEST_CASE("a user-defined rule (Lion) is wrapped by DistributedOptimizer like Adam", "[training]") {
+  RunConfig cfg;
+  // Lion applies sign(c): a gradient component near zero may flip sign between the two
+  // summation orders, so compare a shorter run.
+  cfg.steps = 20;
+  check_run(run_data_parallel(Lion{.lr = 1e-3f, .weight_decay = 0.1f}, cfg));
+}
+
+TEST_CASE("gradient accumulation over k micro-batches equals one step on their union", "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank(), n = backend.size();
+  const int k = 3, micro = 2;  // each rank: k micro-batches of `micro` rows
+  const int global = k * micro * n;
+  bool ok = true;
+  std::string why;
+  for (int mode = 0; mode < 2; ++mode) {  // 0: accumulation_steps option, 1: explicit accumulate
+    Mlp model = make_mlp(7);
+    Mlp ref = make_mlp(7);
+    const ls::Adam rule{.lr = 1e-2f};
+    auto ref_state = ls::setup(rule, ref);
+    auto opt = ls::DistributedOptimizer(
+        backend, rule, ls::DistributedOptions{.accumulation_steps = mode == 0 ? k : 1});
+    auto state = ls::setup(opt, model);
+    Mlp grads = ls::zeros_like(model), ref_grads = ls::zeros_like(ref);
+    for (int step = 0; step < 5; ++step) {
+      const Batch batch = make_batch(step, global);
+      zero_grads(ref_grads);
+      backward(ref, batch, 0, global, ref_grads, 1.0 / global);
+      ls::update(ref_state, ref, ref_grads);
+      // Rank r's micro-batch j covers rows [(r * k + j) * micro, +micro).
+      for (int j = 0; j < k; ++j) {
+        zero_grads(grads);
+        backward(model, batch, (rank * k + j) * micro, micro, grads, 1.0 / micro);
+        if (mode == 0 || j == k - 1)
+          ls::update(state, model, grads);
+        else
+          ls::accumulate(state, grads);
+        if (j < k - 1 && state.inner.step != step) ok = false, why = "stepped during accumulation";
+      }
+      const double d = max_rel_diff(model, ref);
+      if (!(d <= 1e-5)) ok = false, why = "mode " + std::to_string(mode) + " step " +
+                                         std::to_string(step) + ": relative difference " + std::to_string(d);
+      if (!same_on_all_ranks(backend, content_hash(model))) ok = false, why = "ranks differ";
+    }
+  }
+  INFO(why);
+  CHECK(all_ranks(backend, ok));
+}
+
+TEST_CASE("ready reports launch buckets in order and give the same result as none", "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank();
+  bool ok = true;
+  std::string why;
+  // Same training twice (one bucket per tensor), once reporting gradients ready in backward
+  // order and once not: bitwise equal parameters.
+  Mlp a = make_mlp(3), b = make_mlp(3);
+  const ls::SGD rule{.lr = 0.1f, .momentum = 0.9f};
+  auto opt = ls::DistributedOptimizer(backend, rule, ls::DistributedOptions{.bucket_bytes = 0});
+  auto sa = ls::setup(opt, a);
+  auto sb = ls::setup(opt, b);
+  if (sa.reducer().bucket_count() != 4) ok = false, why = "expected 4 buckets";
+  Mlp ga = ls::zeros_like(a), gb = ls::zeros_like(b);
+  for (int step = 0; step < 5; ++step) {
+    const Batch batch = make_batch(step, 8);
+    zero_grads(ga);
+    zero_grads(gb);
+    sa.begin_step(ga);
+    backward(a, batch, rank % 8, 1, ga, 1.0, [&](ls::Tensor& g) { sa.grad_ready(g); });
+    backward(b, batch, rank % 8, 1, gb, 1.0);
+    ls::update(sa, a, ga);
+    ls::update(sb, b, gb);
+    if (content_hash(a) != content_hash(b)) ok = false, why = "reports changed the result";
+  }
+  // Misuse is reported clearly.
+  bool threw = false;
+  try {
+    sa.grad_ready(ga.w1);  // no begin_step
+  } catch (const ls::InvalidArgument&) {
+    threw = true;
+  }
+  if (!threw) ok = false, why = "grad_ready without begin_step did not throw";
+  threw = false;
+  sa.begin_step(ga);
+  ls::Tensor stranger = ls::Tensor::zeros({3});
+  try {
+    sa.grad_ready(stranger);
+  } catch (const ls::InvalidArgument&) {
+    threw = true;
+  }
+  if (!threw) ok = false, why = "grad_ready of a foreign tensor did not throw";
+  ls::update(sa, a, ga);  // completes the armed step on every rank
+  INFO(why);
+  CHECK(all_ranks(backend, ok));
+}
+
+TEST_CASE("bucket plan groups tensors from the last backwards", "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  // Sizes in bytes: w1 140, b1 28, w2 84, b2 12. With 100-byte buckets, from the end:
+  // {b2, w2} (96), {b1} (28, w1 would exceed), {w1} (140, alone).
+  Mlp m = make_mlp(1);
+  auto opt = ls::DistributedOptimizer(backend, ls::SGD{}, ls::DistributedOptions{.bucket_bytes = 100});
+  auto st = ls::setup(opt, m);
+  const bool ok1 = st.reducer().bucket_count() == 3;
+  auto opt2 = ls::DistributedOptimizer(backend, ls::SGD{}, ls::DistributedOptions{.bucket_bytes = 1 << 20});
+  auto st2 = ls::setup(opt2, m);
+  const bool ok2 = st2.reducer().bucket_count() == 1;
+  CHECK(all_ranks(backend, ok1 && ok2));
+}
+
+TEST_CASE("mismatched gradients are rejected before any communication", "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  Mlp m = make_mlp(1);
+  auto opt = ls::DistributedOptimizer(backend, ls::Adam{});
+  auto st = ls::setup(opt, m);
+  Mlp g = ls::zeros_like(m);
+  g.w2 = ls::Tensor::zeros({kHidden, kOut + 1});
+  bool threw = false;
+  std::string msg;
+  try {
+    ls::update(st, m, g);
+  } catch (const ls::InvalidArgument& e) {
+    threw = true;
+    msg = e.what();
+  }
+  INFO(msg);
+  CHECK(all_ranks(backend, threw && msg.find("w2") != std::string::npos));
+  CHECK_THROWS_AS(ls::DistributedOptimizer(backend, ls::SGD{},
+                                           ls::DistributedOptions{.op = ls::ReduceOp::max}),
+                  ls::InvalidArgument);
+}
