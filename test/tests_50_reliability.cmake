@@ -5,6 +5,10 @@
 add_executable(lockstep_fault_program reliability/fault_program.cpp)
 target_link_libraries(lockstep_fault_program PRIVATE lockstep::core lockstep_build_flags)
 
+# In-process reliability tests (check_replicas, in-code check levels and deadlines, settings).
+lockstep_test_executable(test_reliability reliability/reliability_test.cpp)
+lockstep_add_mpi_test(NAME reliability TARGET test_reliability RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)
+
 set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 
 # lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]

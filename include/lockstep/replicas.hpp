@@ -1,0 +1,81 @@
+// check_replicas(backend, x): are the replicas still in lockstep? Hashes every tensor and
+// arithmetic scalar reachable from x, compares across ranks, and names the first leaf that
+// differs and the ranks that disagree.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <source_location>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lockstep/backend.hpp"
+#include "lockstep/reliability.hpp"
+#include "lockstep/synchronize.hpp"
+#include "lockstep/traverse.hpp"
+
+namespace lockstep {
+
+namespace detail {
+
+/// Hash of a tensor's dtype, shape and bytes (device tensors are copied to the host first).
+std::uint64_t hash_leaf(const Tensor& t);
+/// Hash of a scalar's type size and bytes.
+template <class S>
+  requires std::is_arithmetic_v<S>
+std::uint64_t hash_leaf(const S& s) {
+  return hash_bytes(&s, sizeof s) ^ sizeof s;
+}
+/// "f32 [2, 3] = 0.5, 1.5, ..." (the first few values).
+std::string describe_leaf(const Tensor& t);
+/// "f64 scalar = 0.25".
+std::string describe_scalar(double v, bool floating, std::size_t bytes);
+template <class S>
+  requires std::is_arithmetic_v<S>
+std::string describe_leaf(const S& s) {
+  return describe_scalar(static_cast<double>(s), std::is_floating_point_v<S>, sizeof(S));
+}
+
+/// Compares the per-leaf hashes across ranks (two small collectives when they agree); on a
+/// difference, throws MismatchError on every rank naming the first differing leaf (path_of,
+/// describe are called for that leaf only) and the ranks that disagree.
+void compare_replica_hashes(Backend& b, const std::vector<std::uint64_t>& hashes,
+                            const std::function<std::string(std::size_t)>& path_of,
+                            const std::function<std::string(std::size_t)>& describe);
+
+}  // namespace detail
+
+/// Checks that every tensor and scalar reachable from x is bitwise equal on every rank.
+/// Collective. Throws MismatchError on every rank if the structures differ (as synchronize does)
+/// or if any leaf differs, naming the first differing leaf, its value on each rank, and the ranks
+/// that disagree with the majority. x may be a tuple of references (std::tie(model, state)).
+template <class X>
+void check_replicas(Backend& backend, X&& x, std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc);
+  auto& ref = x;
+  const auto sig = detail::describe(ref, false);
+  detail::check_same_structure(backend, sig.signature(), 0, 0, "check_replicas",
+                               [&] { return std::move(detail::describe(ref, true).entries()); });
+  std::vector<std::uint64_t> hashes;
+  for_each_leaf(ref, [&](const auto& leaf) { hashes.push_back(detail::hash_leaf(leaf)); });
+  auto path_of = [&](std::size_t i) {
+    std::string p;
+    std::size_t k = 0;
+    for_each_leaf_with_path(ref, [&](const std::string& path, const auto&) {
+      if (k++ == i) p = path;
+    });
+    return p;
+  };
+  auto describe = [&](std::size_t i) {
+    std::string d;
+    std::size_t k = 0;
+    for_each_leaf(ref, [&](const auto& leaf) {
+      if (k++ == i) d = detail::describe_leaf(leaf);
+    });
+    return d;
+  };
+  detail::compare_replica_hashes(backend, hashes, path_of, describe);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,200 @@
+// Reliability features that run inside one test process (under mpiexec): check_replicas,
+// in-code check levels and deadlines, the settings' argument checks. The fault-injection paths
+// that end a job are in tests_50_reliability.cmake (fault_program + run_fault.sh).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+struct Layer {
+  ls::Tensor w, b;
+};
+LOCKSTEP_FIELDS(Layer, w, b)
+
+struct Net {
+  std::vector<Layer> layers;
+  double lr = 0.1;
+  std::int64_t step = 0;
+};
+LOCKSTEP_FIELDS(Net, layers, lr, step)
+
+Net make_net() {
+  Net n;
+  for (int i = 0; i < 3; ++i)
+    n.layers.push_back(Layer{ls::Tensor::full({4, 3}, 0.5 + i), ls::Tensor::full({3}, -1.0 * i)});
+  return n;
+}
+
+// Runs f (a collective that must throw MismatchError on every rank) and returns the message, or
+// "" if it did not throw.
+template <class F>
+std::string mismatch_text(F&& f) {
+  try {
+    f();
+  } catch (const ls::MismatchError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Restores the process-wide settings a test changes.
+struct SettingsGuard {
+  ls::CheckLevel level = ls::check_level();
+  int first = ls::check_first_calls();
+  double timeout = ls::timeout();
+  ~SettingsGuard() {
+    ls::set_check_level(level, first);
+    ls::set_timeout(timeout);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("check_replicas passes on identical replicas, including NaN, empty and zero-size leaves") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  Net n = make_net();
+  n.layers[0].w.data<float>()[1] = std::numeric_limits<float>::quiet_NaN();  // same bits everywhere
+  CHECK_NOTHROW(ls::check_replicas(b, n));
+  std::vector<ls::Tensor> empty;
+  CHECK_NOTHROW(ls::check_replicas(b, empty));
+  ls::Tensor zero = ls::Tensor::zeros({0});
+  CHECK_NOTHROW(ls::check_replicas(b, zero));
+  CHECK_NOTHROW(ls::check_replicas(b, std::tie(n, zero)));
+}
+
+TEST_CASE("check_replicas names the first differing tensor and the rank that differs") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  Net n = make_net();
+  if (b.rank() == 1) {
+    n.layers[1].w.data<float>()[2] += 1e-6f;  // one ulp-ish drift
+    n.layers[2].b.data<float>()[0] = 7;
+  }
+  const std::string msg = mismatch_text([&] { ls::check_replicas(b, n); });
+  CHECK(contains(msg, "differ at leaf 'layers[1].w'"));
+  CHECK(contains(msg, "(leaf 2 of 8; 2 leafs differ in all)"));
+  CHECK(contains(msg, "rank 1: f32 [4, 3] = 1.5, 1.5, 1.50000095"));
+  CHECK(contains(msg, "rank 0: f32 [4, 3] = 1.5, 1.5, 1.5, 1.5, ..."));
+  if (b.size() >= 3) CHECK(contains(msg, "rank 1 disagrees with ranks 0, 2"));
+  if (b.size() == 2) CHECK(contains(msg, "no majority"));
+  INFO(msg);
+}
+
+TEST_CASE("check_replicas names a differing scalar") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  Net n = make_net();
+  n.step = b.rank() == b.size() - 1 ? 41 : 40;
+  const std::string msg = mismatch_text([&] { ls::check_replicas(b, n); });
+  CHECK(contains(msg, "differ at leaf 'step'"));
+  CHECK(contains(msg, "i64 scalar = 41"));
+  CHECK(contains(msg, "i64 scalar = 40"));
+  INFO(msg);
+}
+
+TEST_CASE("check_replicas reports different structures like synchronize does") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  Net n = make_net();
+  if (b.rank() == 1) n.layers.pop_back();
+  const std::string msg = mismatch_text([&] { ls::check_replicas(b, n); });
+  CHECK(contains(msg, "check_replicas: the ranks hold different structures"));
+  CHECK(contains(msg, "rank 1"));
+  INFO(msg);
+}
+
+TEST_CASE("a fingerprint mismatch throws on every rank before data moves, and the backend stays usable") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  SettingsGuard keep;
+  ls::set_check_level(ls::CheckLevel::always);
+  ls::Tensor x = ls::Tensor::full({b.rank() == 0 ? 5 : 6}, 2.0);
+  const std::string msg = mismatch_text([&] { ls::allreduce(b, x, ls::ReduceOp::sum); });
+  CHECK(contains(msg, "disagree on the element count"));
+  CHECK(contains(msg, "rank 0: allreduce #"));
+  CHECK(contains(msg, "(f32 x 5, op sum) at reliability_test.cpp:"));
+  CHECK(contains(msg, "(f32 x 6, op sum) at reliability_test.cpp:"));
+  CHECK(x.data<float>()[0] == 2.0f);  // no data moved
+  // Root disagreement on a broadcast, called through the member function (no call site).
+  ls::Tensor y = ls::Tensor::full({3}, 1.0);
+  const std::string msg2 = mismatch_text([&] { b.broadcast(y, b.rank() == 0 ? 0 : 1); });
+  CHECK(contains(msg2, "disagree on the root"));
+  CHECK(contains(msg2, "an unrecorded call site"));
+  // The communicator is still in step: a correct collective works.
+  ls::Tensor z = ls::Tensor::full({4}, 1.0);
+  ls::allreduce(b, z, ls::ReduceOp::sum);
+  CHECK(z.data<float>()[3] == static_cast<float>(b.size()));
+}
+
+TEST_CASE("level first checks the first N calls of each call site") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  SettingsGuard keep;
+  ls::set_check_level(ls::CheckLevel::first, 2);
+  int caught = 0;
+  for (int i = 0; i < 4; ++i) {
+    // The first two calls of this site disagree in count (and are caught, no data moves); the
+    // later ones agree and run.
+    ls::Tensor x = ls::Tensor::full({i < 2 && b.rank() == 1 ? 5 : 4}, 1.0);
+    try {
+      ls::allreduce(b, x, ls::ReduceOp::max);
+    } catch (const ls::MismatchError&) {
+      ++caught;
+    }
+  }
+  CHECK(caught == 2);
+  // Another call site has its own count: its first call is checked.
+  ls::Tensor y = ls::Tensor::full({b.rank() == 1 ? 2 : 3}, 1.0);
+  CHECK(!mismatch_text([&] { ls::allreduce(b, y, ls::ReduceOp::max); }).empty());
+}
+
+TEST_CASE("collectives with a deadline give the same results as without") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  SettingsGuard keep;
+  ls::set_timeout(60);
+  ls::set_check_level(ls::CheckLevel::always);
+  const int n = b.size();
+  ls::Tensor x = ls::Tensor::full({1000}, b.rank() + 1.0);
+  ls::allreduce(b, x, ls::ReduceOp::sum);
+  CHECK(x.data<float>()[999] == static_cast<float>(n * (n + 1) / 2));
+  ls::Tensor y = ls::Tensor::full({7}, b.rank() == 0 ? 3.0 : 0.0);
+  ls::broadcast(b, y, 0);
+  CHECK(y.data<float>()[6] == 3.0f);
+  ls::Tensor g = ls::Tensor::full({2}, static_cast<double>(b.rank()));
+  ls::Tensor all = ls::Tensor::zeros({2 * n});
+  ls::allgather(b, g, all);
+  CHECK(all.data<float>()[2 * n - 1] == static_cast<float>(n - 1));
+  ls::barrier(b);
+}
+
+TEST_CASE("reliability settings reject bad values") {
+  SettingsGuard keep;
+  CHECK_THROWS_AS(ls::set_timeout(-1), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::set_timeout(std::nan("")), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::set_check_level(ls::CheckLevel::first, 0), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::set_check_level(static_cast<ls::CheckLevel>(9)), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::set_timeout_action(static_cast<ls::TimeoutAction>(9)), ls::InvalidArgument);
+  ls::set_check_level(ls::CheckLevel::first, 4);
+  CHECK(ls::check_level() == ls::CheckLevel::first);
+  CHECK(ls::check_first_calls() == 4);
+  CHECK(std::string(ls::name(ls::CheckLevel::always)) == "always");
+}
+
+TEST_CASE("hash_bytes tells apart what differs and agrees on what does not") {
+  const char a[] = "abcdefghijklmnopq", b2[] = "abcdefghijklmnopr";
+  CHECK(ls::detail::hash_bytes(a, sizeof a) == ls::detail::hash_bytes(a, sizeof a));
+  CHECK(ls::detail::hash_bytes(a, sizeof a) != ls::detail::hash_bytes(b2, sizeof b2));
+  CHECK(ls::detail::hash_bytes(a, 3) != ls::detail::hash_bytes(a, 4));
+  CHECK(ls::detail::hash_bytes(nullptr, 0) == ls::detail::hash_bytes(a, 0));
+}
