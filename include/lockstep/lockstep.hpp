@@ -16,3 +16,5 @@
 #include "lockstep/rules.hpp"
 #include "lockstep/distributed_optimizer.hpp"
 #include "lockstep/data.hpp"
+#include "lockstep/reliability.hpp"
+#include "lockstep/replicas.hpp"
