@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh Debian machine: installs what is missing, configures
+# (Release), builds, and runs every CTest test with the MPI tests enabled (DIST_TEST_MPI=true).
+# Exits non-zero if any stage fails. `.ci/run` calls this script.
+#
+# Usage: bash scripts/test.sh [stage...]     (default: every stage in STAGES, in order)
+# Environment: LOCKSTEP_BUILD_DIR (default build), LOCKSTEP_JOBS (default nproc),
+#              LOCKSTEP_CTEST_ARGS (extra ctest arguments, e.g. "-LE large").
+#
+# Each stage is a function named stage_<name>; to add one (a CUDA/NCCL compile-only build, a
+# sanitizer build, a bounded fuzz run), define stage_<name> below and append <name> to STAGES.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD_DIR=${LOCKSTEP_BUILD_DIR:-build}
+JOBS=${LOCKSTEP_JOBS:-$(nproc)}
+
+export DIST_TEST_MPI=true
+# Open MPI refuses to run as root without these (CI runs as root), and the tests start more
+# ranks than the CI machine has cores.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+
+# Runs "$@" with every CUDA directory removed from PATH and the CUDA hints unset, so a build
+# proves that the core needs no CUDA toolkit.
+without_cuda() {
+  local path
+  path=$(printf '%s' "$PATH" | tr ':' '\n' | grep -v -i 'cuda' | paste -sd: -)
+  env -u CUDACXX -u CUDA_PATH -u CUDA_HOME -u CUDAToolkit_ROOT PATH="$path" "$@"
+}
+
+# --- stages -------------------------------------------------------------------------------
+
+stage_deps() {
+  bash scripts/install-deps.sh
+}
+
+# The core with CUDA hidden: configure, build everything, run every test.
+stage_core() {
+  without_cuda cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+    -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF || return 1
+  without_cuda cmake --build "$BUILD_DIR" --parallel "$JOBS" || return 1
+  # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
+  (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" ${LOCKSTEP_CTEST_ARGS:-})
+}
+
+STAGES=(deps core)
+
+# --- driver -------------------------------------------------------------------------------
+
+if [ $# -gt 0 ]; then
+  STAGES=("$@")
+fi
+failed=()
+for name in "${STAGES[@]}"; do
+  if ! declare -F "stage_$name" >/dev/null; then
+    echo "test.sh: no stage named '$name'; stages: $(declare -F | sed -n 's/^declare -f stage_//p' | paste -sd' ' -)" >&2
+    exit 2
+  fi
+  echo "==== stage $name"
+  start=$SECONDS
+  if "stage_$name"; then
+    echo "==== stage $name: passed ($((SECONDS - start)) s)"
+  else
+    echo "==== stage $name: FAILED ($((SECONDS - start)) s)"
+    failed+=("$name")
+    # Nothing else can run without the dependencies.
+    [ "$name" = deps ] && break
+  fi
+done
+
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "test.sh: failed stages: ${failed[*]}"
+  exit 1
+fi
+echo "test.sh: all stages passed (${STAGES[*]})"
