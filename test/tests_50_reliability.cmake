@@ -115,3 +115,25 @@ foreach(_target IN ITEMS test_collective test_world test_training)
                  LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=120)
   endif()
 endforeach()
+
+# libFuzzer target over the checkpoint reader (scripts/ci-fuzz.sh builds it with clang and runs
+# it for a bounded time). Here also a CTest test that replays the seed corpus once.
+option(LOCKSTEP_BUILD_FUZZERS "Build the libFuzzer targets (clang only; see scripts/ci-fuzz.sh)" OFF)
+if(LOCKSTEP_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "LOCKSTEP_BUILD_FUZZERS=ON needs clang (libFuzzer); use CMAKE_CXX_COMPILER=clang++-14")
+  endif()
+  add_executable(lockstep_fuzz_checkpoint fuzz/checkpoint_fuzz.cpp)
+  target_link_libraries(lockstep_fuzz_checkpoint PRIVATE lockstep::core)
+  target_compile_options(lockstep_fuzz_checkpoint PRIVATE -fsanitize=fuzzer)
+  target_link_options(lockstep_fuzz_checkpoint PRIVATE -fsanitize=fuzzer)
+  add_test(NAME fuzz.checkpoint.corpus
+    COMMAND lockstep_fuzz_checkpoint -runs=0 ${CMAKE_CURRENT_SOURCE_DIR}/fuzz/corpus)
+  set_tests_properties(fuzz.checkpoint.corpus PROPERTIES TIMEOUT 60 LABELS "unit;fuzz")
+endif()
+
+# A checkpoint writer killed at any point leaves the previous checkpoint intact.
+add_executable(lockstep_killed_writer reliability/killed_writer.cpp)
+target_link_libraries(lockstep_killed_writer PRIVATE lockstep::core lockstep_build_flags)
+lockstep_add_unit_test(NAME reliability.killed_checkpoint_writer TARGET lockstep_killed_writer TIMEOUT 120
+                       LABELS reliability)

@@ -157,7 +157,8 @@ void walk(X& x, V& v, PathBuilder& path) {
                   "lockstep: only std::map<std::string, T> is traversable (keys name the leaves)");
     report_node<kPaths>(v, path, "map", x.size());
     for (auto& [k, val] : x) {
-      if constexpr (requires { v.key(path.str(), k); }) v.key(path.str(), k);
+      // A requires parameter, not k: clang before 16 cannot name a structured binding there.
+      if constexpr (requires(const std::string& key) { v.key(path.str(), key); }) v.key(path.str(), k);
       if constexpr (kPaths) {
         const auto m = path.mark();
         path.key(k);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# CI stage "sanitize": builds the core library and its tests with -fsanitize=address,undefined
+# (LOCKSTEP_SANITIZE=ON) and runs the unit and MPI tests under it. Leaks and errors inside Open
+# MPI itself are suppressed (test/reliability/lsan-openmpi.supp, each entry explained); anything
+# in Lockstep fails the stage. No benchmarks, no examples, no GPU parts, no "large" tests (2^31
+# elements under ASan would take too long and too much memory). About 10-15 minutes on 2 cores.
+#
+# Usage: scripts/ci-sanitize.sh [extra ctest arguments]
+#   BUILD_DIR (default build-asan), JOBS (default 2).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$root/build-asan}
+jobs=${JOBS:-2}
+
+# -O1: the usual sanitizer compromise (much faster than -O0, stack traces still exact enough).
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  -DLOCKSTEP_SANITIZE=ON -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF \
+  -DLOCKSTEP_BUILD_TESTS=ON -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF
+cmake --build "$build" -j "$jobs"
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export DIST_TEST_MPI=true
+# halt/abort on the first report so that a sanitizer finding fails the test; leaks are checked
+# at exit (detect_leaks), with the Open MPI suppressions.
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:halt_on_error=1:detect_stack_use_after_return=0:strict_string_checks=1:check_initialization_order=1"
+export LSAN_OPTIONS="suppressions=$root/test/reliability/lsan-openmpi.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# Open MPI's memory patcher hooks malloc/munmap, which fights ASan's own interceptors; the
+# sanitized run does without it (it only matters for registration caches of fast networks).
+export OMPI_MCA_memory=^patcher
+
+cd "$build"
+ctest -L "unit|mpi" -LE "large|nccl" --output-on-failure --timeout 600 "$@"
