@@ -11,3 +11,30 @@ lockstep_add_mpi_test(NAME synchronize TARGET test_synchronize RANKS 1 2 3 4 TIM
 
 lockstep_test_executable(test_data data_test.cpp)
 lockstep_add_mpi_test(NAME data TARGET test_data RANKS 1 2 3 4 TIMEOUT 120)
+
+# A type that is not traversable is a compile-time error with Lockstep's message.
+get_target_property(_ls_inc lockstep_core INCLUDE_DIRECTORIES)
+set(_ls_inc_flags)
+foreach(d IN LISTS _ls_inc)
+  string(REGEX REPLACE "^\\$<BUILD_INTERFACE:(.*)>$" "\\1" d "${d}")
+  if(NOT d MATCHES "^\\$<")
+    list(APPEND _ls_inc_flags "-I${d}")
+  endif()
+endforeach()
+add_test(NAME traverse_not_traversable
+  COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only ${_ls_inc_flags}
+          ${CMAKE_CURRENT_SOURCE_DIR}/traverse_not_traversable.cpp)
+set_tests_properties(traverse_not_traversable PROPERTIES LABELS unit
+  PASS_REGULAR_EXPRESSION "this type is not traversable")
+
+# The optimizer loops vectorise with GCC (the core builds with -O3 -fno-math-errno in Release).
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  foreach(rule IN ITEMS ADAM SGD)
+    add_test(NAME optim_math_vectorizes.${rule}
+      COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -O3 -fno-math-errno -fopt-info-vec-optimized
+              -DPROBE_${rule} ${_ls_inc_flags} -c ${CMAKE_CURRENT_SOURCE_DIR}/optim_vectorize_probe.cpp
+              -o /dev/null)
+    set_tests_properties(optim_math_vectorizes.${rule} PROPERTIES LABELS unit
+      PASS_REGULAR_EXPRESSION "optim_math.hpp:[0-9]+:[0-9]+: optimized: loop vectorized")
+  endforeach()
+endif()

@@ -180,13 +180,17 @@ TEST_CASE("gradient accumulation over k micro-batches equals one step on their u
   const int global = k * micro * n;
   bool ok = true;
   std::string why;
-  for (int mode = 0; mode < 2; ++mode) {  // 0: accumulation_steps option, 1: explicit accumulate
+  // 0: accumulation_steps option, 1: explicit accumulate, 2: option with ready reports in
+  // every micro-step (ignored until the last one, which launches the buckets during backward).
+  for (int mode = 0; mode < 3; ++mode) {
     Mlp model = make_mlp(7);
     Mlp ref = make_mlp(7);
     const ls::Adam rule{.lr = 1e-2f};
     auto ref_state = ls::setup(rule, ref);
     auto opt = ls::DistributedOptimizer(
-        backend, rule, ls::DistributedOptions{.accumulation_steps = mode == 0 ? k : 1});
+        backend, rule,
+        ls::DistributedOptions{.bucket_bytes = mode == 2 ? 0 : ls::kDefaultBucketBytes,
+                               .accumulation_steps = mode == 1 ? 1 : k});
     auto state = ls::setup(opt, model);
     Mlp grads = ls::zeros_like(model), ref_grads = ls::zeros_like(ref);
     for (int step = 0; step < 5; ++step) {
@@ -197,8 +201,14 @@ TEST_CASE("gradient accumulation over k micro-batches equals one step on their u
       // Rank r's micro-batch j covers rows [(r * k + j) * micro, +micro).
       for (int j = 0; j < k; ++j) {
         zero_grads(grads);
-        backward(model, batch, (rank * k + j) * micro, micro, grads, 1.0 / micro);
-        if (mode == 0 || j == k - 1)
+        if (mode == 2) {
+          state.begin_step(grads);
+          backward(model, batch, (rank * k + j) * micro, micro, grads, 1.0 / micro,
+                   [&](ls::Tensor& g) { state.grad_ready(g); });
+        } else {
+          backward(model, batch, (rank * k + j) * micro, micro, grads, 1.0 / micro);
+        }
+        if (mode != 1 || j == k - 1)
           ls::update(state, model, grads);
         else
           ls::accumulate(state, grads);
