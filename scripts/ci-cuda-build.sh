@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# CI stage: compile Lockstep with CUDA and NCCL on a machine that has the CUDA toolkit but no
+# GPU, then run the GPU tests to show they report themselves skipped (never passed).
+#
+#   scripts/ci-cuda-build.sh [BUILD_DIR]      (default: build-ci-cuda in the repository)
+#
+# Configures into its own build directory with -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON
+# (CMAKE_CUDA_ARCHITECTURES=90 unless set, to keep nvcc's time small), builds every target, and
+# runs ctest -L nccl twice: without DIST_TEST_NCCL (skipped by the gate) and with
+# DIST_TEST_NCCL=true (the programs start, find no GPU and exit 77 = skipped). Fails if any
+# GPU test reports "passed" or "failed" on a machine without a GPU: a pass there would be a lie.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build-ci-cuda}
+jobs=${LOCKSTEP_JOBS:-2}
+export PATH=$PATH:/usr/local/cuda/bin
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+if ! command -v nvcc >/dev/null; then
+  echo "ci-cuda-build: nvcc not found (looked in PATH and /usr/local/cuda/bin): skipping" >&2
+  exit 77
+fi
+
+timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+  -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}"
+timeout 1500 cmake --build "$build" -j "$jobs"
+
+echo "== ctest -L nccl (gate closed)"
+(cd "$build" && timeout 300 ctest -L nccl --output-on-failure) | tee "$build/ci-cuda-ctest-gated.log"
+echo "== ctest -L nccl with DIST_TEST_NCCL=true"
+(cd "$build" && DIST_TEST_NCCL=true timeout 600 ctest -L nccl --output-on-failure) |
+  tee "$build/ci-cuda-ctest-run.log"
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  # Without a GPU every GPU test must be skipped, none passed.
+  for log in "$build/ci-cuda-ctest-gated.log" "$build/ci-cuda-ctest-run.log"; do
+    if grep -E 'Test +#[0-9]+: .* (Passed|Failed)' "$log"; then
+      echo "ci-cuda-build: a GPU test passed or failed on a machine without a GPU (see above)" >&2
+      exit 1
+    fi
+  done
+  echo "ci-cuda-build: built with CUDA and NCCL; all GPU tests skipped (no GPU here)"
+fi
