@@ -15,6 +15,10 @@ function(lockstep_gpu_test_executable target)
   add_executable(${target} ${_gpu_test_dir}/main_gpu.cpp ${G_UNPARSED_ARGUMENTS})
   target_link_libraries(${target} PRIVATE lockstep::cuda lockstep::core Catch2::Catch2 lockstep_build_flags)
   target_include_directories(${target} PRIVATE ${_gpu_test_dir})
+  # The CPU reference arithmetic in the tests must not be contracted into FMA (the default of
+  # g++ on targets that have FMA, e.g. aarch64), or the bitwise comparisons with the kernels
+  # (built with --fmad=false) would compare different roundings.
+  target_compile_options(${target} PRIVATE -ffp-contract=off)
   if(G_DEVICE_PER_RANK)
     target_compile_definitions(${target} PRIVATE LOCKSTEP_GPU_TEST_DEVICE_PER_RANK=1)
   endif()
