@@ -50,9 +50,11 @@ def targets(results):
         if ar:
             worst = max(ar, key=lambda r: r["ratio_median"])
             over = [r for r in ar if r["ratio_median"] > 1.05]
+            worst_min = max(ar, key=lambda r: r["ratio_min"])
             out.append((
                 "allreduce, Lockstep/raw time at every size (%d sizes)" % len(ar),
-                "max %.3f at %d B; %d size(s) above 1.05" % (worst["ratio_median"], worst["bytes"], len(over)),
+                "max %.3f at %d B, %d size(s) above 1.05 (min-of-N: max %.3f at %d B)" % (
+                    worst["ratio_median"], worst["bytes"], len(over), worst_min["ratio_min"], worst_min["bytes"]),
                 "<= 1.05", not over))
 
     gs = load(results, "gradsync")
@@ -65,11 +67,13 @@ def targets(results):
                 r = lockstep_row(case["rows"])
                 if r is None:
                     continue
+                best_min = min(x["min_s"] for x in case["rows"] if x.get("raw"))
+                rmin = r["min_s"] / best_min
                 out.append((
                     "gradient averaging, %s, %s: %s / best raw (%s)" % (lst["list"], layout, r["strategy"],
                                                                        case["best_raw"]),
-                    "%.3f (%.1f ms vs %.1f ms)" % (r["ratio_to_best_raw"], r["median_s"] * 1e3,
-                                                   case["best_raw_median_s"] * 1e3),
+                    "%.3f (min-of-N: %.3f); %.1f ms vs %.1f ms" % (r["ratio_to_best_raw"], rmin, r["median_s"] * 1e3,
+                                                                  case["best_raw_median_s"] * 1e3),
                     "<= %.1f" % limit, r["ratio_to_best_raw"] <= limit))
 
     sy = load(results, "synchronize")
@@ -78,10 +82,11 @@ def targets(results):
             r = lockstep_row(c["rows"])
             if r is None:
                 continue
+            best_min = min(x["min_s"] for x in c["rows"] if not x["strategy"].startswith("lockstep"))
             out.append((
                 "synchronize, %s, %s: Lockstep / best raw broadcast" % (c["list"], c["layout"]),
-                "%.3f (%.1f ms vs %.1f ms)" % (r["ratio_to_best_raw"], r["median_s"] * 1e3,
-                                               c["best_raw_median_s"] * 1e3),
+                "%.3f (min-of-N: %.3f); %.1f ms vs %.1f ms" % (r["ratio_to_best_raw"], r["min_s"] / best_min,
+                                                              r["median_s"] * 1e3, c["best_raw_median_s"] * 1e3),
                 "<= 0.9", r["ratio_to_best_raw"] <= 0.9))
 
     op = load(results, "optimizer")
@@ -93,7 +98,8 @@ def targets(results):
                 continue
             out.append((
                 "optimizer step, %s, %s, %d thread(s): GB/s / memcpy GB/s" % (r["rule"], r["layout"], r["threads"]),
-                "%.3f (%.1f vs %.1f GB/s)" % (r["ratio_median"], r["GBps"], r["memcpy_GBps"]),
+                "%.3f (min-of-N: %.3f); %.1f vs %.1f GB/s" % (r["ratio_median"], r["ratio_min"], r["GBps"],
+                                                             r["memcpy_GBps"]),
                 ">= 0.90", r["ratio_median"] >= 0.9))
     return out
 
@@ -110,7 +116,7 @@ def main():
     t = targets(results)
     if t:
         parts += ["### Targets (2 ranks, ratios from one run)", "",
-                  "| target | measured | limit | met |", "|---|---|---|---|"]
+                  "| target | measured (ratio of medians; of minima) | limit | met (medians) |", "|---|---|---|---|"]
         for name, measured, limit, met in t:
             parts.append("| %s | %s | %s | %s |" % (name, measured, limit, "yes" if met else "**no**"))
         parts.append("")
