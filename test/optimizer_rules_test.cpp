@@ -195,6 +195,12 @@ TEST_CASE("zeros_like, clone_tree and flat buffers keep the structure", "[traver
   ls::Flat<app::Net> moved = std::move(flat);
   CHECK(moved->layers[0].w.raw_data() == w0);
   CHECK(moved->layers[0].w.data<float>()[0] == 1.0f);
+  // A Flat is traversed as the structure it holds (same paths), so it can be passed directly.
+  CHECK(ls::tensor_paths(moved) == ls::tensor_paths(net));
+  auto st = ls::setup(ls::SGD{.lr = 0.5f}, moved);
+  auto g = ls::flat_copy(net);
+  ls::update(st, moved, g);
+  CHECK(moved->layers[0].w.data<float>()[0] == 0.5f);
 }
 
 TEST_CASE("setup and update over a model; mismatched gradients are named", "[rules]") {

@@ -63,10 +63,16 @@
 
 namespace lockstep {
 
+template <class X>
+class Flat;
+
 namespace detail {
 
 template <class T>
 inline constexpr bool always_false_v = false;
+
+template <class T> struct is_flat : std::false_type {};
+template <class X> struct is_flat<Flat<X>> : std::true_type {};
 
 template <class T> struct is_std_vector : std::false_type {};
 template <class T, class A> struct is_std_vector<std::vector<T, A>> : std::true_type {};
@@ -171,6 +177,8 @@ void walk(X& x, V& v, PathBuilder& path) {
   } else if constexpr (is_std_optional<T>::value) {
     report_node<kPaths>(v, path, "optional", x.has_value() ? 1 : 0);
     if (x.has_value()) walk<kPaths>(*x, v, path);
+  } else if constexpr (is_flat<T>::value) {
+    walk<kPaths>(x.get(), v, path);  // a Flat is walked as the structure it holds
   } else if constexpr (HasLockstepFields<T>) {
     lockstep_visit_fields(x, [&](const char* name, auto& field) {
       if constexpr (kPaths) {
@@ -221,6 +229,7 @@ concept Traversable =
     detail::is_std_tuple<std::remove_cvref_t<T>>::value ||
     detail::is_std_map<std::remove_cvref_t<T>>::value ||
     detail::is_std_optional<std::remove_cvref_t<T>>::value ||
+    detail::is_flat<std::remove_cvref_t<T>>::value ||
     detail::HasLockstepFields<std::remove_cvref_t<T>>;
 
 /// Calls f(path, leaf) for every leaf reachable from x, in traversal order; leaf is a Tensor& or
@@ -356,7 +365,7 @@ X clone_tree(const X& x) {
 /// A structure of type X whose tensors all borrow from a few flat allocations (one per dtype and
 /// device, tensors back to back in traversal order). Such gradients are reduced by
 /// DistributedOptimizer without any copy, and synchronize broadcasts them in place.
-/// Movable (the allocations do not move); not copyable.
+/// Movable (the allocations do not move); not copyable. Traversable as the X it holds.
 template <class X>
 class Flat {
  public:
