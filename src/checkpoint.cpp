@@ -725,4 +725,103 @@ Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointRe
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Helpers of the structure-level templates in checkpoint.hpp.
+
+namespace detail {
+
+std::string join_leaf_name(std::string_view prefix, std::string_view path) {
+  if (prefix.empty()) return std::string(path);
+  if (path.empty()) return std::string(prefix);
+  if (path.front() == '[') return std::string(prefix) + std::string(path);
+  return std::string(prefix) + "." + std::string(path);
+}
+
+void check_checkpoint_leaf(const std::string& name, const Tensor& t, DType dtype, const Shape& shape) {
+  if (t.dtype() != dtype)
+    throw CheckpointError("checkpoint: tensor \"" + name + "\" has dtype " +
+                          safetensors_dtype_name(t.dtype()) + " but the structure expects " +
+                          safetensors_dtype_name(dtype) + " (checkpoint from a different model?)");
+  if (t.shape() != shape)
+    throw CheckpointError("checkpoint: tensor \"" + name + "\" has shape " + to_string(t.shape()) +
+                          " but the structure expects " + to_string(shape) +
+                          " (checkpoint from a different model?)");
+}
+
+void check_no_extra_leaves(const Checkpoint& ck, std::string_view prefix,
+                           const std::vector<std::string>& used) {
+  for (const auto& [name, t] : ck.tensors) {
+    const bool under = prefix.empty() || name == prefix ||
+                       (name.size() > prefix.size() && name.starts_with(prefix) &&
+                        (name[prefix.size()] == '.' || name[prefix.size()] == '['));
+    if (!under) continue;
+    if (std::find(used.begin(), used.end(), name) == used.end())
+      throw CheckpointError("checkpoint: has tensor \"" + name +
+                            "\" that the structure being restored does not (checkpoint from a "
+                            "different model?)");
+  }
+}
+
+namespace {
+/// Root broadcasts a byte string; other ranks receive it.
+std::string broadcast_string(Backend& backend, const std::string& s, int root) {
+  std::int64_t n = static_cast<std::int64_t>(s.size());
+  backend.broadcast(view_of(std::span<std::int64_t>(&n, 1)), root);
+  std::string out = backend.rank() == root ? s : std::string(static_cast<std::size_t>(n), '\0');
+  if (n > 0)
+    backend.broadcast(TensorView{out.data(), n, DType::u8, Device::cpu()}, root);
+  return out;
+}
+}  // namespace
+
+std::string broadcast_status(Backend& backend, std::string error, int root) {
+  return broadcast_string(backend, error, root);
+}
+
+std::map<std::string, std::string> broadcast_metadata(Backend& backend,
+                                                      const std::map<std::string, std::string>& meta,
+                                                      int root) {
+  // Length-prefixed key/value pairs in one string: two broadcasts whatever the size.
+  std::string packed;
+  if (backend.rank() == root) {
+    for (const auto& [k, v] : meta) {
+      packed += std::to_string(k.size()) + ':' + k + std::to_string(v.size()) + ':' + v;
+    }
+  }
+  packed = broadcast_string(backend, packed, root);
+  std::map<std::string, std::string> out;
+  std::size_t pos = 0;
+  auto next = [&] {
+    const std::size_t colon = packed.find(':', pos);
+    const std::size_t len = std::stoul(packed.substr(pos, colon - pos));
+    std::string field = packed.substr(colon + 1, len);
+    pos = colon + 1 + len;
+    return field;
+  };
+  while (pos < packed.size()) {
+    std::string k = next();
+    out[std::move(k)] = next();
+  }
+  return out;
+}
+
+std::string current_error_message() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string w = e.what();
+    return w.empty() ? std::string("unknown error") : w;
+  } catch (...) {
+    return "unknown non-standard exception";
+  }
+}
+
+void throw_root_error(const Backend& backend, const std::string& msg, int root) {
+  if (backend.rank() == root) throw CheckpointError(msg);
+  throw CheckpointError(msg + " [reported by rank " + std::to_string(root) + " to rank " +
+                        std::to_string(backend.rank()) + "]");
+}
+
+}  // namespace detail
+
 }  // namespace lockstep

@@ -29,8 +29,11 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/backend.hpp"
 #include "lockstep/errors.hpp"
+#include "lockstep/synchronize.hpp"
 #include "lockstep/tensor.hpp"
+#include "lockstep/traverse.hpp"
 
 namespace lockstep {
 
@@ -92,5 +95,169 @@ void write_file_atomically(const std::filesystem::path& path, std::span<const st
 const char* safetensors_dtype_name(DType t) noexcept;
 /// The dtype for a safetensors name, or nullopt for one Lockstep does not support.
 std::optional<DType> dtype_from_safetensors_name(std::string_view name) noexcept;
+
+// ---- Traversable structures (model, optimizer state, scalars) by leaf path ----------------
+//
+// Each leaf of a structure is stored under its leaf path (see traverse.hpp), prefixed:
+// add_to_checkpoint(ck, model, "model") stores model.w1 as "model.w1". Arithmetic scalars
+// become 0-d tensors: float F32, double F64, bool and uint8 U8, other integers of up to 32 bits
+// I32, wider integers I64 (unsigned values round-trip bit for bit through the cast).
+
+namespace detail {
+
+template <class S>
+constexpr DType scalar_checkpoint_dtype() {
+  if constexpr (std::is_same_v<S, float>) return DType::f32;
+  else if constexpr (std::is_same_v<S, double> || std::is_same_v<S, long double>) return DType::f64;
+  else if constexpr (std::is_same_v<S, bool> || std::is_same_v<S, std::uint8_t>) return DType::u8;
+  else if constexpr (std::is_signed_v<S> && sizeof(S) <= 4) return DType::i32;
+  else if constexpr (std::is_unsigned_v<S> && sizeof(S) < 4) return DType::i32;
+  else return DType::i64;
+}
+
+/// prefix + path joined the way paths are: "model" + "w1" is "model.w1", "opt" + "[0]" is "opt[0]".
+std::string join_leaf_name(std::string_view prefix, std::string_view path);
+
+/// Throws CheckpointError naming `name` if `t` does not have `dtype` and `shape`.
+void check_checkpoint_leaf(const std::string& name, const Tensor& t, DType dtype, const Shape& shape);
+
+/// Throws CheckpointError if ck holds a tensor under `prefix` whose name is not in `used`.
+void check_no_extra_leaves(const Checkpoint& ck, std::string_view prefix,
+                           const std::vector<std::string>& used);
+
+/// Root broadcasts `error` (empty: success) to every rank; returns it on every rank.
+std::string broadcast_status(Backend& backend, std::string error, int root);
+
+/// Root broadcasts `meta` to every rank; returns it on every rank.
+std::map<std::string, std::string> broadcast_metadata(Backend& backend,
+                                                      const std::map<std::string, std::string>& meta,
+                                                      int root);
+
+}  // namespace detail
+
+/// Adds every leaf of x to ck as prefix.path. Host tensors are borrowed (x must outlive ck),
+/// device tensors copied to the host, scalars stored as 0-d tensors.
+template <class X>
+void add_to_checkpoint(Checkpoint& ck, const X& x, std::string_view prefix = "") {
+  for_each_leaf_with_path(x, [&](const std::string& path, const auto& leaf) {
+    using L = std::remove_cvref_t<decltype(leaf)>;
+    std::string name = detail::join_leaf_name(prefix, path);
+    if constexpr (std::is_same_v<L, Tensor>) {
+      if (leaf.device().is_cpu())
+        ck.add(std::move(name), Tensor::borrow(const_cast<void*>(leaf.raw_data()), leaf.shape(),
+                                               leaf.dtype()));
+      else
+        ck.add(std::move(name), leaf.to(Device::cpu()));
+    } else {
+      constexpr DType dt = detail::scalar_checkpoint_dtype<L>();
+      Tensor t = Tensor::empty(Shape{}, dt);
+      if constexpr (dt == DType::f32) *t.data<float>() = static_cast<float>(leaf);
+      else if constexpr (dt == DType::f64) *t.data<double>() = static_cast<double>(leaf);
+      else if constexpr (dt == DType::u8) *t.data<std::uint8_t>() = static_cast<std::uint8_t>(leaf);
+      else if constexpr (dt == DType::i32) *t.data<std::int32_t>() = static_cast<std::int32_t>(leaf);
+      else *t.data<std::int64_t>() = static_cast<std::int64_t>(leaf);
+      ck.add(std::move(name), std::move(t));
+    }
+  });
+}
+
+/// Copies the tensors named prefix.path in ck into the leaves of x. All or nothing: first every
+/// leaf is checked (present, same dtype and shape) and no extra tensor may exist under prefix,
+/// else CheckpointError naming the leaf ("checkpoint from a different model?"); then values are
+/// copied.
+template <class X>
+void restore_from_checkpoint(const Checkpoint& ck, X& x, std::string_view prefix = "") {
+  std::vector<std::string> used;
+  for_each_leaf_with_path(std::as_const(x), [&](const std::string& path, const auto& leaf) {
+    using L = std::remove_cvref_t<decltype(leaf)>;
+    std::string name = detail::join_leaf_name(prefix, path);
+    const Tensor* t = ck.find(name);
+    if (t == nullptr)
+      throw CheckpointError("checkpoint: has no tensor \"" + name +
+                            "\" that the structure being restored needs (checkpoint from a "
+                            "different model?)");
+    if constexpr (std::is_same_v<L, Tensor>)
+      detail::check_checkpoint_leaf(name, *t, leaf.dtype(), leaf.shape());
+    else
+      detail::check_checkpoint_leaf(name, *t, detail::scalar_checkpoint_dtype<L>(), Shape{});
+    used.push_back(std::move(name));
+  });
+  detail::check_no_extra_leaves(ck, prefix, used);
+  std::size_t i = 0;
+  for_each_leaf(x, [&](auto& leaf) {
+    using L = std::remove_cvref_t<decltype(leaf)>;
+    const Tensor& t = *ck.find(used[i++]);
+    if constexpr (std::is_same_v<L, Tensor>) {
+      leaf.copy_from(t.view());
+    } else {
+      constexpr DType dt = detail::scalar_checkpoint_dtype<L>();
+      if constexpr (dt == DType::f32) leaf = static_cast<L>(*t.data<float>());
+      else if constexpr (dt == DType::f64) leaf = static_cast<L>(*t.data<double>());
+      else if constexpr (dt == DType::u8) leaf = static_cast<L>(*t.data<std::uint8_t>());
+      else if constexpr (dt == DType::i32) leaf = static_cast<L>(*t.data<std::int32_t>());
+      else leaf = static_cast<L>(*t.data<std::int64_t>());
+    }
+  });
+}
+
+// ---- Rank-aware save and resume ---------------------------------------------------------
+//
+// Collectives: every rank of `backend` calls them. Only `root` touches the file; its outcome is
+// broadcast first, so a failure there (disk full, corrupted file, different model) becomes the
+// same CheckpointError on every rank instead of a hang in the next collective.
+
+namespace detail {
+/// Message of the exception being handled, for broadcasting (never empty).
+std::string current_error_message();
+/// Throws CheckpointError(msg) on every rank, saying on non-root ranks that root reported it.
+[[noreturn]] void throw_root_error(const Backend& backend, const std::string& msg, int root);
+}  // namespace detail
+
+/// Root writes every leaf of x (and `metadata`) to `path` atomically; a collective. Every rank
+/// returns, or every rank throws the same CheckpointError.
+template <class X>
+void save_checkpoint(Backend& backend, const std::filesystem::path& path, const X& x,
+                     const std::map<std::string, std::string>& metadata = {}, int root = 0) {
+  detail::check_root(backend, root, "save_checkpoint");
+  std::string err;
+  if (backend.rank() == root) {
+    try {
+      Checkpoint ck;
+      ck.metadata = metadata;
+      add_to_checkpoint(ck, x);
+      save_checkpoint(path, ck);
+    } catch (...) {
+      err = detail::current_error_message();
+    }
+  }
+  err = detail::broadcast_status(backend, std::move(err), root);
+  if (!err.empty()) detail::throw_root_error(backend, err, root);
+}
+
+/// Resume: root reads `path`, verifies it (checksum, and that it matches x leaf for leaf) and
+/// restores x; then x is synchronized from root to every rank. Returns the metadata on every
+/// rank. A collective; on any failure every rank throws the same CheckpointError and x is left
+/// unchanged on every rank.
+template <class X>
+std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                   X& x, int root = 0,
+                                                   const CheckpointReadOptions& opts = {}) {
+  detail::check_root(backend, root, "load_checkpoint");
+  std::string err;
+  std::map<std::string, std::string> meta;
+  if (backend.rank() == root) {
+    try {
+      Checkpoint ck = load_checkpoint(path, opts);
+      restore_from_checkpoint(ck, x);
+      meta = std::move(ck.metadata);
+    } catch (...) {
+      err = detail::current_error_message();
+    }
+  }
+  err = detail::broadcast_status(backend, std::move(err), root);
+  if (!err.empty()) detail::throw_root_error(backend, err, root);
+  synchronize(backend, x, root);
+  return detail::broadcast_metadata(backend, meta, root);
+}
 
 }  // namespace lockstep

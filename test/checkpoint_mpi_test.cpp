@@ -1,0 +1,207 @@
+// Rank-aware checkpoints under mpiexec: root saves, resume restores every rank; a failure on the
+// root (missing, truncated or corrupted file, different model, unwritable directory) becomes the
+// same CheckpointError on every rank, never a hang. Each check is made locally and the verdicts
+// combined across ranks, so no rank leaves a collective early.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "lockstep/checkpoint.hpp"
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+namespace fs = std::filesystem;
+
+namespace cktest {
+struct Layer {
+  ls::Tensor w, b;
+};
+LOCKSTEP_FIELDS(Layer, w, b)
+
+struct Net {
+  std::vector<Layer> layers;
+  std::int64_t epoch = 0;
+  double lr = 0;
+  bool flag = false;
+  std::uint64_t seed = 0;
+  float scale = 0;
+  std::int32_t small = 0;
+};
+LOCKSTEP_FIELDS(Net, layers, epoch, lr, flag, seed, scale, small)
+
+/// A net of the given widths whose values depend on `salt` (so ranks differ before a resume).
+Net make_net(const std::vector<std::int64_t>& widths, float salt) {
+  Net n;
+  for (std::size_t i = 0; i + 1 < widths.size(); ++i) {
+    Layer l{ls::Tensor::empty({widths[i + 1], widths[i]}), ls::Tensor::empty({widths[i + 1]})};
+    auto w = l.w.span<float>();
+    for (std::size_t k = 0; k < w.size(); ++k) w[k] = salt * 0.5f + static_cast<float>(k) * 0.25f;
+    auto b = l.b.span<float>();
+    for (std::size_t k = 0; k < b.size(); ++k) b[k] = -salt - static_cast<float>(k);
+    n.layers.push_back(std::move(l));
+  }
+  n.epoch = static_cast<std::int64_t>(salt) + 7;
+  n.lr = 1e-3 * (1 + salt);
+  n.flag = salt > 0.5f;
+  n.seed = 0xFEDCBA9876543210ull + static_cast<std::uint64_t>(salt);
+  n.scale = salt / 3.f;
+  n.small = -static_cast<std::int32_t>(salt);
+  return n;
+}
+
+bool same_net(const Net& a, const Net& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (std::size_t i = 0; i < a.layers.size(); ++i)
+    if (!ls::bitwise_equal(a.layers[i].w, b.layers[i].w) || !ls::bitwise_equal(a.layers[i].b, b.layers[i].b))
+      return false;
+  return a.epoch == b.epoch && a.lr == b.lr && a.flag == b.flag && a.seed == b.seed &&
+         a.scale == b.scale && a.small == b.small;
+}
+}  // namespace cktest
+
+namespace {
+
+ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
+
+/// True on every rank iff `ok` is true on every rank.
+bool all_ranks(bool ok) {
+  std::int32_t v = ok ? 1 : 0;
+  backend().allreduce(ls::view_of(std::span<std::int32_t>(&v, 1)), ls::ReduceOp::min);
+  return v == 1;
+}
+
+/// A directory shared by all ranks (they run on one machine), named after rank 0's pid.
+fs::path shared_dir() {
+  std::int64_t pid = ::getpid();
+  backend().broadcast(ls::view_of(std::span<std::int64_t>(&pid, 1)), 0);
+  const fs::path d = fs::temp_directory_path() / ("lockstep-ckmpi-" + std::to_string(pid));
+  if (backend().rank() == 0) fs::create_directories(d);
+  backend().barrier();
+  return d;
+}
+
+/// Runs f (a collective) on every rank; true on a rank if it threw CheckpointError whose
+/// message contains `expect`.
+template <class F>
+bool throws_checkpoint_error(F&& f, const std::string& expect) {
+  try {
+    f();
+  } catch (const ls::CheckpointError& e) {
+    const bool ok = std::string(e.what()).find(expect) != std::string::npos;
+    if (!ok) std::fprintf(stderr, "rank %d: unexpected message: %s\n", backend().rank(), e.what());
+    return ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: wrong exception type: %s\n", backend().rank(), e.what());
+    return false;
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("structures by leaf path: round trip and mismatches", "[checkpoint]") {
+  const cktest::Net a = cktest::make_net({1, 4, 1}, 3.f);
+  ls::Checkpoint ck;
+  ls::add_to_checkpoint(ck, a, "net");
+  CHECK(ck.find("net.layers[0].w") != nullptr);
+  CHECK(ck.find("net.epoch") != nullptr);
+  CHECK(ck.at("net.seed").dtype() == ls::DType::i64);
+  CHECK(ck.at("net.flag").dtype() == ls::DType::u8);
+  CHECK(ck.at("net.small").dtype() == ls::DType::i32);
+  // Through the bytes, as a file would go.
+  const ls::Checkpoint back = ls::parse_checkpoint(ls::serialize_checkpoint(ck));
+  cktest::Net b = cktest::make_net({1, 4, 1}, 0.f);
+  ls::restore_from_checkpoint(back, b, "net");
+  CHECK(same_net(a, b));
+
+  cktest::Net wide = cktest::make_net({1, 5, 1}, 0.f);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, wide, "net"), Catch::Contains("has shape [4, 1] but the structure expects [5, 1]"));
+  cktest::Net deep = cktest::make_net({1, 4, 1, 1}, 0.f);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, deep, "net"),
+                    Catch::Contains("has no tensor \"net.layers[2].w\""));
+  cktest::Net shallow = cktest::make_net({1, 4}, 1.f);
+  const cktest::Net shallow_before = cktest::make_net({1, 4}, 1.f);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, shallow, "net"),
+                    Catch::Contains("has tensor \"net.layers[1].w\" that the structure"));
+  CHECK(same_net(shallow, shallow_before));  // all or nothing: untouched after a refusal
+  // A dtype mismatch: the same names, f64 weights.
+  cktest::Net f64 = cktest::make_net({1, 4, 1}, 0.f);
+  f64.layers[0].w = ls::Tensor::zeros({4, 1}, ls::DType::f64);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, f64, "net"), Catch::Contains("has dtype F32"));
+  // A different prefix: nothing there.
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, b, "model"), Catch::Contains("has no tensor"));
+}
+
+TEST_CASE("root saves, every rank resumes bitwise", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path p = dir / "net.safetensors";
+  const int r = backend().rank();
+  cktest::Net mine = cktest::make_net({1, 8, 3}, static_cast<float>(r));  // rank 0's is the truth
+  ls::save_checkpoint(backend(), p, mine, {{"epoch", "5"}, {"note", "hello"}});
+  cktest::Net resumed = cktest::make_net({1, 8, 3}, 10.f + r);  // every rank differs
+  const auto meta = ls::load_checkpoint(backend(), p, resumed);
+  const cktest::Net truth = cktest::make_net({1, 8, 3}, 0.f);
+  const bool ok = same_net(resumed, truth) && meta.at("epoch") == "5" && meta.at("note") == "hello" &&
+                  meta.count(std::string(ls::kChecksumKey)) == 1;
+  CHECK(all_ranks(ok));
+  if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("a failure on the root is an error on every rank", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path p = dir / "net.safetensors";
+  const int r = backend().rank();
+  const cktest::Net saved = cktest::make_net({1, 8, 3}, 0.f);
+  ls::save_checkpoint(backend(), p, saved);
+  std::vector<char> good;
+  {
+    std::ifstream in(p, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  backend().barrier();  // every rank has read the good file before rank 0 rewrites it
+  auto write_variant = [&](const std::vector<char>& bytes) {
+    if (r == 0) {
+      std::ofstream out(p, std::ios::binary | std::ios::trunc);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    }
+    backend().barrier();
+  };
+  cktest::Net target = cktest::make_net({1, 8, 3}, 20.f + r);
+  const cktest::Net before = cktest::make_net({1, 8, 3}, 20.f + r);
+
+  // Truncated.
+  write_variant(std::vector<char>(good.begin(), good.end() - 5));
+  CHECK(all_ranks(throws_checkpoint_error([&] { ls::load_checkpoint(backend(), p, target); }, "truncated")));
+  // One flipped bit in the data.
+  auto flipped = good;
+  flipped[flipped.size() - 10] ^= 0x04;
+  write_variant(flipped);
+  CHECK(all_ranks(throws_checkpoint_error([&] { ls::load_checkpoint(backend(), p, target); },
+                                          "checksum mismatch")));
+  // Garbage.
+  write_variant(std::vector<char>(100, 'x'));
+  CHECK(all_ranks(throws_checkpoint_error([&] { ls::load_checkpoint(backend(), p, target); }, "checkpoint")));
+  // Missing file.
+  CHECK(all_ranks(throws_checkpoint_error(
+      [&] { ls::load_checkpoint(backend(), dir / "missing.safetensors", target); }, "cannot open")));
+  CHECK(all_ranks(same_net(target, before)));  // every refusal left every rank untouched
+  // A different model.
+  write_variant(good);
+  cktest::Net other = cktest::make_net({1, 16, 3}, 0.f);
+  CHECK(all_ranks(throws_checkpoint_error([&] { ls::load_checkpoint(backend(), p, other); }, "has shape")));
+  // The good file still loads after all that.
+  ls::load_checkpoint(backend(), p, target);
+  CHECK(all_ranks(same_net(target, saved)));
+  // Saving into a directory that does not exist.
+  CHECK(all_ranks(throws_checkpoint_error(
+      [&] { ls::save_checkpoint(backend(), dir / "no" / "such" / "dir.safetensors", saved); },
+      "cannot create a temporary file")));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
