@@ -232,3 +232,21 @@ TEST_CASE("an invalid root is rejected on every rank before communicating", "[sy
   CHECK_THROWS_AS(ls::synchronize(b, t, -1), ls::InvalidArgument);
   CHECK(all_ranks(b, true));
 }
+
+TEST_CASE("synchronize moves the data in few large broadcasts", "[synchronize]") {
+  auto& mpi = ls::get_distributed_backend<ls::MPIBackend>();
+  CountingBackend b(mpi);
+  // 40 small tensors in separate allocations and 40 scalars: one structure allgather and one
+  // packed broadcast.
+  std::vector<std::tuple<ls::Tensor, double>> many;
+  for (int i = 0; i < 40; ++i) many.emplace_back(ls::Tensor::full({i + 1}, mpi.rank()), mpi.rank());
+  ls::synchronize(b, many, 0);
+  bool ok = b.allgathers == 1 && b.broadcasts == 1 && b.allreduces == 0 && b.other == 0;
+  for (auto& [t, d] : many) ok = ok && t.data<float>()[0] == 0.0f && d == 0.0;
+  // A flat model: its 256 KiB run goes in place, the rest in the packed buffer.
+  auto flat = ls::flat_copy(make_outer(mpi.rank()));
+  b.reset();
+  ls::synchronize(b, flat, 0);
+  ok = ok && b.allgathers == 1 && b.broadcasts == 2 && content_hash(*flat) == content_hash(make_outer(0));
+  CHECK(all_ranks(mpi, ok));
+}

@@ -191,3 +191,40 @@ inline bool all_ranks(ls::Backend& b, bool ok) {
 }
 
 }  // namespace lstest
+
+namespace lstest {
+
+/// A Backend that forwards to a real one and counts the collectives issued through it (to
+/// check that synchronize and DistributedOptimizer use few large messages).
+class CountingBackend final : public ls::Backend {
+ public:
+  explicit CountingBackend(ls::Backend& inner) : inner_(inner) {}
+  int broadcasts = 0, allreduces = 0, allgathers = 0, other = 0;
+  std::int64_t largest_bytes = 0;
+
+  std::string name() const override { return inner_.name(); }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int local_rank() const override { return inner_.local_rank(); }
+  int local_size() const override { return inner_.local_size(); }
+  void broadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); inner_.broadcast(buf, root); }
+  void allreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); inner_.allreduce(buf, op); }
+  void allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { note(allreduces, r); inner_.allreduce(s, r, op); }
+  void reduce(ls::TensorView buf, ls::ReduceOp op, int root) override { ++other; inner_.reduce(buf, op, root); }
+  void reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override { ++other; inner_.reduce(s, r, op, root); }
+  void allgather(ls::TensorView s, ls::TensorView r) override { note(allgathers, r); inner_.allgather(s, r); }
+  void reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { ++other; inner_.reduce_scatter(s, r, op); }
+  void barrier() override { ++other; inner_.barrier(); }
+  ls::Request iallreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); return inner_.iallreduce(buf, op); }
+  ls::Request ibroadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); return inner_.ibroadcast(buf, root); }
+  void reset() { broadcasts = allreduces = allgathers = other = 0; largest_bytes = 0; }
+
+ private:
+  void note(int& counter, const ls::TensorView& v) {
+    ++counter;
+    largest_bytes = std::max<std::int64_t>(largest_bytes, static_cast<std::int64_t>(v.nbytes()));
+  }
+  ls::Backend& inner_;
+};
+
+}  // namespace lstest

@@ -306,3 +306,22 @@ TEST_CASE("mismatched gradients are rejected before any communication", "[traini
                                            ls::DistributedOptions{.op = ls::ReduceOp::max}),
                   ls::InvalidArgument);
 }
+
+TEST_CASE("DistributedOptimizer issues one allreduce per bucket", "[training]") {
+  auto& mpi = ls::get_distributed_backend<ls::MPIBackend>();
+  CountingBackend b(mpi);
+  // 30 tensors of 1000 f32 (4000 bytes each) with 16 KB buckets: 4 tensors per bucket, 8 buckets.
+  std::vector<ls::Tensor> model, grads;
+  for (int i = 0; i < 30; ++i) {
+    model.push_back(ls::Tensor::zeros({1000}));
+    grads.push_back(ls::Tensor::full({1000}, mpi.rank() + 1));
+  }
+  auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 1.0f}, ls::DistributedOptions{.bucket_bytes = 16000});
+  auto st = ls::setup(opt, model);
+  b.reset();
+  ls::update(st, model, grads);
+  const float mean = (mpi.size() + 1) / 2.0f;
+  bool ok = st.reducer().bucket_count() == 8 && b.allreduces == 8 && b.largest_bytes == 16000 &&
+            grads[29].data<float>()[999] == mean && model[0].data<float>()[0] == -mean;
+  CHECK(all_ranks(mpi, ok));
+}
