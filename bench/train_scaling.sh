@@ -9,12 +9,15 @@ bin=$1 np=$2 results=$3
 shift 3
 mpiexec=${MPIEXEC:-mpiexec}
 read -r -a args <<< "${TRAIN_ARGS:---epochs 20 --samples 16384}"
+# One BLAS thread per rank: two ranks on two cores must not each start a thread per core.
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 reps=${TRAIN_REPS:-3}
 
 # samples/s of one run: the figure on the last line that mentions samples/s (the summary),
 # written either "123.4 samples/s" or "samples/s: 123.4" / "samples/s=123.4".
 rate() {
   local ranks=$1 log
+  shift
   log=$(mktemp)
   "$mpiexec" -n "$ranks" "$@" "$bin" "${args[@]}" > "$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; return 1; }
   local line
