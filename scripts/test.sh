@@ -57,30 +57,36 @@ stage_cuda() {
 STAGES=(deps core cuda)
 
 # --- driver -------------------------------------------------------------------------------
+# In a function, called on the last line: bash then reads the whole file before running any of
+# it, so editing this script while it runs cannot change what the running copy does.
 
-if [ $# -gt 0 ]; then
-  STAGES=("$@")
-fi
-failed=()
-for name in "${STAGES[@]}"; do
-  if ! declare -F "stage_$name" >/dev/null; then
-    echo "test.sh: no stage named '$name'; stages: $(declare -F | sed -n 's/^declare -f stage_//p' | paste -sd' ' -)" >&2
-    exit 2
+main() {
+  if [ $# -gt 0 ]; then
+    STAGES=("$@")
   fi
-  echo "==== stage $name"
-  start=$SECONDS
-  if "stage_$name"; then
-    echo "==== stage $name: passed ($((SECONDS - start)) s)"
-  else
-    echo "==== stage $name: FAILED ($((SECONDS - start)) s)"
-    failed+=("$name")
-    # Nothing else can run without the dependencies.
-    [ "$name" = deps ] && break
-  fi
-done
+  local failed=() name start
+  for name in "${STAGES[@]}"; do
+    if ! declare -F "stage_$name" >/dev/null; then
+      echo "test.sh: no stage named '$name'; stages: $(declare -F | sed -n 's/^declare -f stage_//p' | paste -sd' ' -)" >&2
+      return 2
+    fi
+    echo "==== stage $name"
+    start=$SECONDS
+    if "stage_$name"; then
+      echo "==== stage $name: passed ($((SECONDS - start)) s)"
+    else
+      echo "==== stage $name: FAILED ($((SECONDS - start)) s)"
+      failed+=("$name")
+      # Nothing else can run without the dependencies.
+      [ "$name" = deps ] && break
+    fi
+  done
 
-if [ ${#failed[@]} -ne 0 ]; then
-  echo "test.sh: failed stages: ${failed[*]}"
-  exit 1
-fi
-echo "test.sh: all stages passed (${STAGES[*]})"
+  if [ ${#failed[@]} -ne 0 ]; then
+    echo "test.sh: failed stages: ${failed[*]}"
+    return 1
+  fi
+  echo "test.sh: all stages passed (${STAGES[*]})"
+}
+
+main "$@"; exit $?
