@@ -1,0 +1,440 @@
+// train: data-parallel training of Flux's DistributedUtils example, in C++.
+//
+// The model is Dense(1 => 256, tanh) then Dense(256 => 1), fitted to y = x^3 for x uniform in
+// [0, 1) (float32) with DistributedOptimizer(backend, Adam{.lr = 1e-3}). Every rank holds a
+// replica; model and optimizer state are synchronized from rank 0; a DistributedDataContainer
+// deals each rank its share of every global batch (reshuffled each epoch), and the gradients are
+// averaged across ranks, so -n 1, 2 and 4 train the same model. Forward and backward use
+// OpenBLAS's cblas_sgemm.
+//
+// Run (from the repository root, after building into build/):
+//   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --log loss.csv
+//   # stop and resume: save every 10 epochs, then continue from the last checkpoint
+//   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 30 --checkpoint ck.safetensors
+//   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --checkpoint ck.safetensors --resume
+// `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
+#include <lockstep/checkpoint.hpp>
+#include <lockstep/lockstep.hpp>
+
+#include <cblas.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ls = lockstep;
+
+namespace {
+
+constexpr std::int64_t kHidden = 256;
+
+/// Dense(1 => 256, tanh) then Dense(256 => 1), weights stored out x in as in Flux.
+struct Model {
+  ls::Tensor w1, b1, w2, b2;
+};
+LOCKSTEP_FIELDS(Model, w1, b1, w2, b2)
+
+/// What a checkpoint holds: model, optimizer state (step count, Adam moments) and the number of
+/// epochs done. References, so that saving and resuming act on the live objects.
+struct TrainState {
+  Model& model;
+  ls::DistributedState<ls::Adam>& opt;
+  std::int64_t& epoch;
+};
+LOCKSTEP_FIELDS(TrainState, model, opt, epoch)
+
+struct Options {
+  std::int64_t epochs = 100;
+  std::int64_t samples = 4096;
+  std::int64_t batch = 256;
+  float lr = 1e-3f;
+  std::uint64_t seed = 42;
+  std::string backend = "mpi";
+  std::string device = "cpu";
+  std::string checkpoint;
+  std::int64_t checkpoint_every = 0;
+  bool resume = false;
+  std::string log;
+  bool help = false;
+};
+
+constexpr const char* kUsage =
+    "usage: mpiexec -n N train [flags]\n"
+    "  --epochs E            epochs to train in total (default 100)\n"
+    "  --samples S           dataset size (default 4096)\n"
+    "  --batch B             global batch size, split across ranks; a multiple of N (default 256)\n"
+    "  --lr LR               Adam learning rate (default 1e-3)\n"
+    "  --seed SEED           seed of data, initial weights and shuffles (default 42)\n"
+    "  --backend mpi|nccl    communication backend (default mpi; nccl needs LOCKSTEP_WITH_NCCL)\n"
+    "  --device cpu|cuda     where to compute (default cpu; cuda needs LOCKSTEP_WITH_CUDA)\n"
+    "  --checkpoint PATH     write a checkpoint there at the end (and every K epochs)\n"
+    "  --checkpoint-every K  also write it after every K-th epoch (default 0: only at the end)\n"
+    "  --resume              continue from --checkpoint PATH (same seed, samples and batch)\n"
+    "  --log CSV             write the per-epoch loss there (and CSV.png if gnuplot is installed)\n"
+    "  --help                print this and exit\n";
+
+/// A bad command line: the same on every rank, since every rank parses the same arguments.
+struct UsageError {
+  std::string msg;
+};
+
+template <class T>
+T parse_number(std::string_view flag, std::string_view s) {
+  T v{};
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (ec != std::errc{} || p != end || s.empty())
+    throw UsageError{std::string(flag) + " expects a number, got \"" + std::string(s) + "\""};
+  return v;
+}
+
+Options parse_args(int argc, char** argv, int ranks) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") o.help = true;
+    else if (a == "--epochs") o.epochs = parse_number<std::int64_t>(a, value());
+    else if (a == "--samples") o.samples = parse_number<std::int64_t>(a, value());
+    else if (a == "--batch") o.batch = parse_number<std::int64_t>(a, value());
+    else if (a == "--lr") o.lr = parse_number<float>(a, value());
+    else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
+    else if (a == "--backend") o.backend = value();
+    else if (a == "--device") o.device = value();
+    else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--checkpoint-every") o.checkpoint_every = parse_number<std::int64_t>(a, value());
+    else if (a == "--resume") o.resume = true;
+    else if (a == "--log") o.log = value();
+    else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
+  }
+  auto require = [](bool ok, const std::string& msg) {
+    if (!ok) throw UsageError{msg};
+  };
+  require(o.epochs >= 1, "--epochs must be >= 1");
+  require(o.samples >= 1, "--samples must be >= 1");
+  require(o.batch >= 1, "--batch must be >= 1");
+  require(o.batch % ranks == 0, "--batch " + std::to_string(o.batch) + " is not a multiple of the " +
+                                    std::to_string(ranks) + " ranks (the global batch is split evenly)");
+  require(std::isfinite(o.lr) && o.lr > 0, "--lr must be a positive number");
+  require(o.backend == "mpi" || o.backend == "nccl", "--backend must be mpi or nccl, got \"" + o.backend + "\"");
+  require(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, got \"" + o.device + "\"");
+  require(o.checkpoint_every >= 0, "--checkpoint-every must be >= 0");
+  require(!o.resume || !o.checkpoint.empty(), "--resume needs --checkpoint PATH");
+  require(o.checkpoint_every == 0 || !o.checkpoint.empty(), "--checkpoint-every needs --checkpoint PATH");
+  return o;
+}
+
+/// Uniform float in [0, 1) from the top 24 bits: written out because std::uniform_real_distribution
+/// differs between standard libraries, and a run must be reproducible anywhere.
+float uniform01(std::mt19937_64& rng) { return static_cast<float>(rng() >> 40) * 0x1.0p-24f; }
+
+/// Glorot-uniform weights (Flux's default for Dense) and zero biases.
+Model init_model(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Model m{ls::Tensor::empty({kHidden, 1}), ls::Tensor::zeros({kHidden}), ls::Tensor::empty({1, kHidden}),
+          ls::Tensor::zeros({1})};
+  const float limit = std::sqrt(6.0f / static_cast<float>(1 + kHidden));
+  for (float& w : m.w1.span<float>()) w = (2 * uniform01(rng) - 1) * limit;
+  for (float& w : m.w2.span<float>()) w = (2 * uniform01(rng) - 1) * limit;
+  return m;
+}
+
+/// Buffers of one local batch of m samples, reused across steps.
+struct Workspace {
+  std::vector<float> x, y, h, yhat, dy, dh;
+  void resize(std::int64_t m) {
+    const auto n = static_cast<std::size_t>(m);
+    x.resize(n), y.resize(n), yhat.resize(n), dy.resize(n);
+    h.resize(n * kHidden), dh.resize(n * kHidden);
+  }
+};
+
+/// Forward and backward of the mean squared error over `share` samples (this rank's part of a
+/// global batch). The loss is a mean over the local samples; averaging the gradients across the
+/// ranks (equal shares) makes it the mean over the global batch, as one process would compute.
+/// Returns the sum of squared errors over the local samples.
+double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t share) {
+  const int n = static_cast<int>(share);
+  const int hd = static_cast<int>(kHidden);
+  const float* w1 = m.w1.data<float>();
+  const float* b1 = m.b1.data<float>();
+  const float* w2 = m.w2.data<float>();
+  const float b2 = *m.b2.data<float>();
+  // H = tanh(X W1^T + b1): n x 256.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, hd, 1, 1.0f, ws.x.data(), 1, w1, 1, 0.0f,
+              ws.h.data(), hd);
+  for (int i = 0; i < n; ++i) {
+    float* row = ws.h.data() + static_cast<std::size_t>(i) * kHidden;
+    for (int j = 0; j < hd; ++j) row[j] = std::tanh(row[j] + b1[j]);
+  }
+  // Yhat = H W2^T + b2: n x 1.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, 1, hd, 1.0f, ws.h.data(), hd, w2, hd, 0.0f,
+              ws.yhat.data(), 1);
+  double sse = 0;
+  float db2 = 0;
+  const float scale = 2.0f / static_cast<float>(n);
+  for (int i = 0; i < n; ++i) {
+    const float err = ws.yhat[i] + b2 - ws.y[i];
+    sse += static_cast<double>(err) * err;
+    ws.dy[i] = scale * err;
+    db2 += ws.dy[i];
+  }
+  *g.b2.data<float>() = db2;
+  // dW2 = dY^T H: 1 x 256.
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, 1, hd, n, 1.0f, ws.dy.data(), 1, ws.h.data(), hd,
+              0.0f, g.w2.data<float>(), hd);
+  // dZ = (dY W2) .* (1 - H^2): n x 256.
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, hd, 1, 1.0f, ws.dy.data(), 1, w2, hd, 0.0f,
+              ws.dh.data(), hd);
+  float* db1 = g.b1.data<float>();
+  for (int j = 0; j < hd; ++j) db1[j] = 0;
+  for (int i = 0; i < n; ++i) {
+    float* dz = ws.dh.data() + static_cast<std::size_t>(i) * kHidden;
+    const float* h = ws.h.data() + static_cast<std::size_t>(i) * kHidden;
+    for (int j = 0; j < hd; ++j) {
+      dz[j] *= 1.0f - h[j] * h[j];
+      db1[j] += dz[j];
+    }
+  }
+  // dW1 = dZ^T X: 256 x 1.
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, hd, 1, n, 1.0f, ws.dh.data(), hd, ws.x.data(), 1,
+              0.0f, g.w1.data<float>(), 1);
+  return sse;
+}
+
+/// CRC-32C of the model's bytes: a short fingerprint to compare runs by eye.
+std::uint32_t model_hash(const Model& m) {
+  std::uint32_t crc = 0;
+  ls::for_each_tensor(m, [&](const ls::Tensor& t) {
+    crc = ls::crc32c({static_cast<const std::byte*>(t.raw_data()), t.nbytes()}, crc);
+  });
+  return crc;
+}
+
+std::string to_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+/// Loss history as "l1,l2,..." (exact doubles) for the checkpoint metadata, and back.
+std::string join_losses(const std::vector<double>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + to_text(v[i]);
+  return s;
+}
+std::vector<double> split_losses(const std::string& s) {
+  std::vector<double> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) v.push_back(std::strtod(item.c_str(), nullptr));
+  return v;
+}
+
+bool gnuplot_available() {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return false;
+  std::stringstream ss(path);
+  std::string dir;
+  while (std::getline(ss, dir, ':'))
+    if (!dir.empty() && ::access((dir + "/gnuplot").c_str(), X_OK) == 0) return true;
+  return false;
+}
+
+/// Plots the loss curve of `csv` into `png` with gnuplot; false if that did not work.
+bool plot_losses(const std::string& csv, const std::string& png) {
+  if (!gnuplot_available()) return false;
+  FILE* gp = ::popen("gnuplot 2>/dev/null", "w");
+  if (gp == nullptr) return false;
+  std::fprintf(gp,
+               "set terminal png size 800,500\nset output '%s'\nset datafile separator ','\n"
+               "set logscale y\nset xlabel 'epoch'\nset ylabel 'training loss (MSE)'\n"
+               "set title 'lockstep train: Dense(1=>256, tanh), Dense(256=>1) on y = x^3'\n"
+               "set key off\nplot '%s' using 1:2 skip 1 with lines lw 2\n",
+               png.c_str(), csv.c_str());
+  return ::pclose(gp) == 0 && std::filesystem::exists(png);
+}
+
+int run(const Options& o, ls::Backend& backend) {
+  const int rank = backend.rank();
+  const int ranks = backend.size();
+  const bool root = rank == 0;
+
+  // The dataset: every rank generates the same one from the seed.
+  std::vector<float> xs(static_cast<std::size_t>(o.samples)), ys(xs.size());
+  {
+    std::mt19937_64 rng(o.seed ^ 0x9E3779B97F4A7C15ull);
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      xs[i] = uniform01(rng);
+      ys[i] = xs[i] * xs[i] * xs[i];
+    }
+  }
+  ls::DistributedDataContainer data(backend, o.samples, ls::DataOptions{.shuffle = true, .seed = o.seed});
+
+  // Each rank starts from a different random model; synchronize makes them rank 0's.
+  Model model = init_model(o.seed + static_cast<std::uint64_t>(rank));
+  ls::synchronize(backend, model, 0);
+  auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr});
+  auto state = ls::setup(opt, model);
+  ls::synchronize(backend, state, 0);
+  // Gradients in one flat buffer: the optimizer reduces it without copying.
+  auto grads = ls::flat_zeros_like(model);
+
+  std::int64_t epoch = 0;
+  std::vector<double> losses;
+  TrainState ts{model, state, epoch};
+  const std::map<std::string, std::string> run_meta = {
+      {"example", "lockstep train"}, {"seed", std::to_string(o.seed)},
+      {"samples", std::to_string(o.samples)}, {"batch", std::to_string(o.batch)}};
+
+  if (o.resume) {
+    auto meta = ls::load_checkpoint(backend, o.checkpoint, ts);
+    for (const char* key : {"seed", "samples", "batch"}) {
+      const auto it = meta.find(key);
+      if (it == meta.end() || it->second != run_meta.at(key))
+        throw ls::InvalidArgument("--resume: the checkpoint was written with --" + std::string(key) + " " +
+                                  (it == meta.end() ? std::string("(missing)") : it->second) +
+                                  " but this run has " + run_meta.at(key) +
+                                  "; resume with the same flags");
+    }
+    losses = split_losses(meta["loss_history"]);
+    if (static_cast<std::int64_t>(losses.size()) != epoch)
+      throw ls::CheckpointError("--resume: the checkpoint's loss history has " + std::to_string(losses.size()) +
+                                " entries for " + std::to_string(epoch) + " epochs");
+    if (root)
+      std::printf("resumed from %s after epoch %lld (step %lld)\n", o.checkpoint.c_str(),
+                  static_cast<long long>(epoch), static_cast<long long>(state.inner.step));
+  }
+  if (root)
+    std::printf("training Dense(1=>256, tanh), Dense(256=>1) on y = x^3: %d ranks, %lld samples, "
+                "global batch %lld (%lld per rank), Adam lr %g, %lld epochs\n",
+                ranks, static_cast<long long>(o.samples), static_cast<long long>(o.batch),
+                static_cast<long long>(o.batch / ranks), static_cast<double>(o.lr),
+                static_cast<long long>(o.epochs));
+
+  auto save = [&] {
+    auto meta = run_meta;
+    meta["epoch"] = std::to_string(epoch);
+    meta["loss_history"] = join_losses(losses);
+    ls::save_checkpoint(backend, o.checkpoint, ts, meta);
+  };
+
+  const std::int64_t share = o.batch / ranks;
+  Workspace ws;
+  const auto t_start = std::chrono::steady_clock::now();
+  double samples_done = 0;
+  const std::int64_t first_epoch = epoch;
+  while (epoch < o.epochs) {
+    const auto t0 = std::chrono::steady_clock::now();
+    data.set_epoch(epoch);
+    double sums[2] = {0, 0};  // squared errors, samples (this rank)
+    const std::int64_t nb = data.num_batches(share);
+    for (std::int64_t b = 0; b < nb; ++b) {
+      const auto idx = data.batch(b, share);
+      const auto m = static_cast<std::int64_t>(idx.size());
+      ws.resize(m);
+      for (std::int64_t i = 0; i < m; ++i) {
+        ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
+        ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
+      }
+      sums[0] += forward_backward(model, *grads, ws, m);
+      sums[1] += static_cast<double>(m);
+      ls::update(state, model, *grads);
+    }
+    ls::allreduce(backend, ls::view_of(std::span<double>(sums, 2)), ls::ReduceOp::sum);
+    const double loss = sums[0] / sums[1];
+    losses.push_back(loss);
+    ++epoch;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    samples_done += sums[1];
+    if (root)
+      std::printf("epoch %4lld  loss %.6e  %10.0f samples/s  %7.2f s\n", static_cast<long long>(epoch),
+                  loss, sums[1] / dt, elapsed);
+    if (!o.checkpoint.empty() && o.checkpoint_every > 0 && epoch % o.checkpoint_every == 0 &&
+        epoch < o.epochs)
+      save();
+  }
+  if (!o.checkpoint.empty()) save();
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+
+  if (root) {
+    std::printf("done: %lld epochs (%lld this run) on %d ranks in %.2f s, %.0f samples/s\n",
+                static_cast<long long>(epoch), static_cast<long long>(epoch - first_epoch), ranks, total,
+                total > 0 ? samples_done / total : 0.0);
+    std::printf("final loss %.8e\n", losses.empty() ? 0.0 : losses.back());
+    std::printf("model hash crc32c:%08x\n", model_hash(model));
+    if (!o.checkpoint.empty()) std::printf("checkpoint: %s\n", o.checkpoint.c_str());
+    if (!o.log.empty()) {
+      FILE* f = std::fopen(o.log.c_str(), "w");
+      if (f == nullptr) {
+        std::fprintf(stderr, "train: cannot write %s\n", o.log.c_str());
+        return 1;
+      }
+      std::fprintf(f, "epoch,loss\n");
+      for (std::size_t e = 0; e < losses.size(); ++e) std::fprintf(f, "%zu,%s\n", e + 1, to_text(losses[e]).c_str());
+      const bool ok = std::fclose(f) == 0;
+      std::printf("loss CSV: %s%s\n", std::filesystem::absolute(o.log).c_str(), ok ? "" : " (write failed)");
+      const std::string png = o.log + ".png";
+      if (plot_losses(o.log, png))
+        std::printf("loss plot: %s\n", std::filesystem::absolute(png).c_str());
+      else
+        std::printf("loss plot: skipped (gnuplot not installed or failed)\n");
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ls::initialize<ls::MPIBackend>();
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank();
+  const int ranks = backend.size();
+  // Each rank runs one BLAS thread: the ranks themselves use the cores.
+  openblas_set_num_threads(1);
+  try {
+    const Options o = parse_args(argc, argv, ranks);
+    if (o.help) {
+      if (rank == 0) std::fputs(kUsage, stdout);
+      return 0;
+    }
+#if !LOCKSTEP_HAS_NCCL
+    if (o.backend == "nccl")
+      throw ls::NotCompiled("--backend nccl: this build has no NCCL; reconfigure with -DLOCKSTEP_WITH_NCCL=ON");
+#endif
+#if !LOCKSTEP_HAS_CUDA
+    if (o.device == "cuda")
+      throw ls::NotCompiled("--device cuda: this build has no CUDA; reconfigure with -DLOCKSTEP_WITH_CUDA=ON");
+#endif
+    if (o.device == "cuda" || o.backend == "nccl")
+      throw ls::NotCompiled("--device cuda / --backend nccl: the train example computes on the CPU "
+                            "only so far (its cuBLAS path is not written yet)");
+    return run(o, backend);
+  } catch (const UsageError& e) {
+    // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
+    std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.msg.c_str());
+    if (rank == 0) std::fputs(kUsage, stderr);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.what());
+    return 1;
+  }
+}
