@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "lockstep/errors.hpp"
@@ -370,10 +371,52 @@ class CommMonitor {
     if (watchdog_.joinable()) watchdog_.join();
     int fin = 0;
     MPI_Finalized(&fin);
-    if (!fin) {
+    // After a stall, requests abandoned on these communicators may still be progressed by MPI
+    // (in MPI_Finalize too); they are leaked rather than freed under those requests.
+    if (!fin && !stalled_) {
       MPI_Comm_free(&check_);
       MPI_Comm_free(&ctrl_);
     }
+  }
+
+  // --- nonblocking requests ----------------------------------------------------------------------
+
+  void add_pending(int d) noexcept { pending_.fetch_add(d); }
+  int pending() const noexcept { return pending_.load(); }
+  bool stalled() const noexcept { return stalled_.load(); }
+
+  /// The collective this monitor is inside (for the request being issued in it).
+  OpRecord current_record() {
+    std::lock_guard lock(mutex_);
+    OpRecord r;
+    std::copy(std::begin(current_.v), std::end(current_.v), r.v);
+    r.site = current_site_;
+    return r;
+  }
+
+  /// Waits for the requests of a nonblocking collective, with the deadline and blame of a
+  /// blocking one (the deadline counts from the start of the wait).
+  int wait_request(std::vector<MPI_Request>& reqs, const OpRecord& op) {
+    throw_if_stalled();
+    const double t = timeout();
+    if (t <= 0) return MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+    {
+      std::lock_guard lock(mutex_);
+      in_collective_ = true;
+      checking_ = false;
+      waiting_request_ = true;
+      std::copy(std::begin(op.v), std::end(op.v), current_.v);
+      current_site_ = op.site;
+      since_ = entered_ = Clock::now();
+    }
+    int rc = poll([&](int* flag) {
+      return MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, MPI_STATUSES_IGNORE);
+    });
+    std::lock_guard lock(mutex_);
+    in_collective_ = false;
+    waiting_request_ = false;
+    since_ = Clock::now();
+    return rc;
   }
 
   // --- called by CollectiveScope, on the thread running the collective --------------------------
@@ -463,6 +506,11 @@ class CommMonitor {
   /// Polls `req` until it completes, the deadline passes (throws TimeoutError or aborts; no
   /// deadline when the timeout is 0), or another rank reports a stall (throws TimeoutError).
   int wait(MPI_Request* req) {
+    return poll([req](int* flag) { return MPI_Test(req, flag, MPI_STATUS_IGNORE); });
+  }
+
+  template <class Test>
+  int poll(Test&& test) {
     const double t = timeout();
     Clock::time_point deadline;
     {
@@ -471,7 +519,7 @@ class CommMonitor {
     }
     for (std::uint64_t i = 0;; ++i) {
       int flag = 0;
-      int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+      int rc = test(&flag);
       if (rc != MPI_SUCCESS || flag) return rc;
       throw_if_stalled();
       // Spin briefly (most collectives finish within microseconds), then yield the core, which
@@ -590,7 +638,8 @@ class CommMonitor {
     const double secs = std::chrono::duration<double>(Clock::now() - since_).count();
     std::ostringstream os;
     if (in_collective_) {
-      os << "inside " << (checking_ ? "the fingerprint check of " : "") << describe(current_, current_site_)
+      os << (waiting_request_ ? "waiting for the result of " : "inside ")
+         << (checking_ ? "the fingerprint check of " : "") << describe(current_, current_site_)
          << " for " << seconds_string(secs);
     } else {
       os << "not inside any collective for " << seconds_string(secs) << "; ";
@@ -638,7 +687,8 @@ class CommMonitor {
       }
     }
     std::ostringstream os;
-    os << "lockstep: stall: " << (checking ? "the fingerprint check of " : "") << describe(cur, site)
+    os << "lockstep: stall: " << (checking ? "the fingerprint check of " : "")
+       << (waiting_request_ ? "the wait for " : "") << describe(cur, site)
        << " did not complete within " << t << " s on rank " << rank_ << "/" << size_ << ".";
     if (!behind.empty()) os << " Behind (not yet in collective #" << seq << "): " << rank_list(behind) << ".";
     if (!silent.empty()) os << " No answer from " << rank_list(silent) << ".";
@@ -656,6 +706,7 @@ class CommMonitor {
     {
       std::lock_guard lock(mutex_);
       in_collective_ = false;
+      waiting_request_ = false;
       if (!stalled_) stall_message_ = "lockstep: this communicator is unusable after a stall: " + msg;
     }
     stalled_.store(true, std::memory_order_release);
@@ -761,11 +812,12 @@ class CommMonitor {
   std::thread watchdog_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> stalled_{false};
+  std::atomic<int> pending_{0};
   bool fault_fired_ = false;
 
   std::mutex mutex_;  // guards everything below (read by the watchdog thread)
   std::int64_t started_ = 0, completed_ = 0;
-  bool in_collective_ = false, checking_ = false;
+  bool in_collective_ = false, checking_ = false, waiting_request_ = false;
   Fingerprint current_, last_;
   CallSite current_site_, last_site_;
   Clock::time_point since_ = Clock::now(), entered_ = Clock::now();
@@ -775,15 +827,48 @@ class CommMonitor {
   StatusMsg reply_;
 };
 
-void CommMonitorDeleter::operator()(CommMonitor* m) const noexcept { delete m; }
+CommMonitorPtr make_comm_monitor(MPI_Comm comm) { return std::make_shared<CommMonitor>(comm); }
 
-CommMonitorPtr make_comm_monitor(MPI_Comm comm) { return CommMonitorPtr(new CommMonitor(comm)); }
+int pending_requests(const CommMonitor& m) noexcept { return m.pending(); }
+bool safe_to_free(const CommMonitor& m) noexcept { return !m.stalled() && m.pending() == 0; }
+
+void check_no_pending_requests(const CommMonitor* m, const char* what) {
+  // After a stall nothing can be waited for any more; the communicator is leaked instead.
+  if (m == nullptr || m->pending() == 0 || m->stalled()) return;
+  const int n = m->pending();
+  throw InvalidArgument(concat(what, ": ", n, " nonblocking request", n == 1 ? " is" : "s are",
+                               " still pending on this backend; wait() for ", n == 1 ? "it" : "them",
+                               " (or let the Request objects go out of scope) first", rank_suffix()));
+}
+
+RequestWatch::RequestWatch(std::weak_ptr<CommMonitor> monitor, const OpRecord& op)
+    : monitor_(std::move(monitor)), op_(op) {
+  if (auto m = monitor_.lock()) {
+    m->add_pending(1);
+    counted_ = true;
+  }
+}
+RequestWatch::RequestWatch(RequestWatch&& other) noexcept
+    : monitor_(std::move(other.monitor_)), op_(other.op_), counted_(std::exchange(other.counted_, false)) {}
+RequestWatch::~RequestWatch() {
+  if (counted_)
+    if (auto m = monitor_.lock()) m->add_pending(-1);
+}
+int RequestWatch::wait_all(std::vector<MPI_Request>& reqs) {
+  if (auto m = monitor_.lock()) return m->wait_request(reqs, op_);
+  return MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+}
 
 // ---------------------------------------------------------------------------------------------
 // CollectiveScope and the guarded calls
 // ---------------------------------------------------------------------------------------------
 namespace {
 thread_local CommMonitor* t_monitor = nullptr;  // monitor of the collective this thread is in
+}
+
+RequestWatch watch_request(const CommMonitorPtr& monitor) {
+  if (!monitor || t_monitor != monitor.get()) return {};
+  return RequestWatch(monitor, monitor->current_record());
 }
 
 CollectiveScope::CollectiveScope(CommMonitor* monitor, Coll coll, TensorView* data, std::int64_t count,

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "lockstep/backend.hpp"
 #include "lockstep/reliability.hpp"
@@ -18,14 +19,53 @@ enum class Coll : std::int8_t { broadcast, allreduce, reduce, allgather, reduce_
                                 iallreduce, ibroadcast };
 
 class CommMonitor;
-struct CommMonitorDeleter {
-  void operator()(CommMonitor* m) const noexcept;
-};
-using CommMonitorPtr = std::unique_ptr<CommMonitor, CommMonitorDeleter>;
+/// Shared, so that a pending request can tell whether its communicator's monitor still exists.
+using CommMonitorPtr = std::shared_ptr<CommMonitor>;
 
 /// Creates the monitor of `comm` (a collective over comm: duplicates it twice, for the fingerprint
 /// exchange and for the status queries, and starts the watchdog thread).
 CommMonitorPtr make_comm_monitor(MPI_Comm comm);
+
+/// Number of nonblocking requests issued on the monitored communicator and not yet completed
+/// and destroyed.
+int pending_requests(const CommMonitor& m) noexcept;
+/// False after a stall or while requests are pending: MPI may still touch the communicator
+/// (freeing it then makes MPI_Finalize crash in Open MPI's progress engine), so it is leaked.
+bool safe_to_free(const CommMonitor& m) noexcept;
+/// Throws InvalidArgument if requests are pending on m (what: the operation refusing, e.g.
+/// "finalize<MPIBackend>").
+void check_no_pending_requests(const CommMonitor* m, const char* what);
+
+/// What must agree across ranks for one collective, and where it was called.
+struct OpRecord {
+  std::int64_t v[6] = {-1, -1, -1, -1, -1, -1};  // operation, dtype, count, root, reduce op, seq
+  CallSite site;
+};
+
+/// Held by a nonblocking request: waits for it with the deadline (and blame) of a blocking
+/// collective, and counts it as pending on its communicator until destroyed. Move-only.
+class RequestWatch {
+ public:
+  RequestWatch() = default;
+  RequestWatch(std::weak_ptr<CommMonitor> monitor, const OpRecord& op);
+  RequestWatch(RequestWatch&& other) noexcept;
+  RequestWatch& operator=(RequestWatch&&) = delete;
+  RequestWatch(const RequestWatch&) = delete;
+  RequestWatch& operator=(const RequestWatch&) = delete;
+  ~RequestWatch();
+  /// MPI_Waitall, polled against the deadline when there is one; returns an MPI error code or
+  /// throws TimeoutError.
+  int wait_all(std::vector<MPI_Request>& reqs);
+
+ private:
+  std::weak_ptr<CommMonitor> monitor_;
+  OpRecord op_;
+  bool counted_ = false;
+};
+
+/// A watch for the nonblocking collective being issued in the current CollectiveScope on this
+/// thread (an unmonitored watch if there is none).
+RequestWatch watch_request(const CommMonitorPtr& monitor);
 
 /// One collective on a monitored communicator, from entry to completion: assigns the sequence
 /// number, applies an injected fault, compares fingerprints if the check level says so, and lets

@@ -14,7 +14,7 @@ set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 # lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]
 #                         [STEPS n] EXPECT pattern...)
 function(lockstep_add_fault_test)
-  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT" "RANKS;ENV;EXPECT" ${ARGN})
+  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE" "RANKS;ENV;EXPECT" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 60)
   endif()
@@ -23,6 +23,9 @@ function(lockstep_add_fault_test)
   endif()
   if(NOT T_STEPS)
     set(T_STEPS 8)
+  endif()
+  if(NOT T_MODE)
+    set(T_MODE blocking)
   endif()
   set(abort_flag "")
   if(T_ABORT)
@@ -35,7 +38,7 @@ function(lockstep_add_fault_test)
     set(test_name reliability.${T_NAME}.np${n})
     add_test(NAME ${test_name}
       COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_FAULT} ${abort_flag} ${n}
-              $<TARGET_FILE:lockstep_fault_program> --steps ${T_STEPS} -- ${T_EXPECT})
+              $<TARGET_FILE:lockstep_fault_program> --steps ${T_STEPS} --mode ${T_MODE} -- ${T_EXPECT})
     set_tests_properties(${test_name} PROPERTIES
       PROCESSORS ${n}
       TIMEOUT ${T_TIMEOUT}
@@ -74,6 +77,13 @@ lockstep_add_fault_test(NAME delay
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=6"
   EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1." "allreduce #3 (f32 x 16, op sum)"
          "rank 1: not inside any collective" "r1:reported a stall")
+
+# The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
+# deadline and the blame apply to Request::wait too.
+lockstep_add_fault_test(NAME delay_nonblocking MODE nonblocking
+  ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=6"
+  EXPECT "TimeoutError" "the wait for iallreduce #3 (f32 x 16, op sum)" "Behind (not yet in collective #3): rank 1."
+         "r1:reported a stall")
 
 # The same with fingerprint checks on: the others wait in the fingerprint check.
 lockstep_add_fault_test(NAME delay_checked RANKS 3

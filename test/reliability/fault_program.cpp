@@ -3,7 +3,9 @@
 // and LOCKSTEP_TIMEOUT. Each rank writes what happened ("OK" or "<ErrorType>: <message>") to
 // <outdir>/rank<R>.txt, which run_fault.sh then checks rank by rank.
 //
-// Usage: fault_program <outdir> [steps]
+// Usage: fault_program <outdir> [steps] [blocking|nonblocking]
+//   nonblocking: the loop's allreduce is an iallreduce followed by wait() (as DistributedOptimizer
+//   reduces its buckets), so that the deadline of Request::wait is exercised.
 #include <mpi.h>
 
 #include <chrono>
@@ -30,11 +32,16 @@ void report(const std::string& outdir, const std::string& text) {
 }
 
 // The work: `steps` allreduces at one call site (a training loop), a broadcast, a barrier.
-std::string run(ls::MPIBackend& b, int steps) {
+std::string run(ls::MPIBackend& b, int steps, bool nonblocking) {
   ls::Tensor grads = ls::Tensor::full({16}, 1.0);
   ls::Tensor params = ls::Tensor::zeros({8});
   for (int step = 0; step < steps; ++step) {
-    ls::allreduce(b, grads, ls::ReduceOp::sum);                    // the training loop's sync
+    if (nonblocking) {
+      ls::Request r = b.iallreduce(grads, ls::ReduceOp::sum);     // a bucket's reduction
+      r.wait();
+    } else {
+      ls::allreduce(b, grads, ls::ReduceOp::sum);                  // the training loop's sync
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));   // "compute"
   }
   ls::broadcast(b, params, 0);                                      // parameters from rank 0
@@ -53,11 +60,12 @@ int main(int argc, char** argv) {
   }
   const std::string outdir = argv[1];
   const int steps = argc > 2 ? std::atoi(argv[2]) : 8;
+  const bool nonblocking = argc > 3 && std::string(argv[3]) == "nonblocking";
   int code = 0;
   try {
     ls::initialize<ls::MPIBackend>();
     auto& b = ls::get_distributed_backend<ls::MPIBackend>();
-    report(outdir, run(b, steps));
+    report(outdir, run(b, steps, nonblocking));
   } catch (const ls::MismatchError& e) {
     report(outdir, std::string("MismatchError: ") + e.what());
     code = 3;

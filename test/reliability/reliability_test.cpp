@@ -178,6 +178,22 @@ TEST_CASE("collectives with a deadline give the same results as without") {
   ls::barrier(b);
 }
 
+TEST_CASE("finalize with a request still pending is refused on every rank, and nothing breaks") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  ls::Tensor x = ls::Tensor::full({100}, 1.0);
+  ls::Request r = b.iallreduce(x, ls::ReduceOp::sum);
+  std::string msg;
+  try {
+    ls::finalize<ls::MPIBackend>();
+  } catch (const ls::InvalidArgument& e) {
+    msg = e.what();
+  }
+  CHECK(contains(msg, "finalize<MPIBackend>: 1 nonblocking request is still pending"));
+  CHECK(ls::initialized<ls::MPIBackend>());
+  r.wait();
+  CHECK(x.data<float>()[99] == static_cast<float>(b.size()));
+}
+
 TEST_CASE("reliability settings reject bad values") {
   SettingsGuard keep;
   CHECK_THROWS_AS(ls::set_timeout(-1), ls::InvalidArgument);

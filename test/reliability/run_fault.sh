@@ -2,7 +2,8 @@
 # Runs fault_program under mpiexec with the LOCKSTEP_* variables of the environment, then checks
 # what every rank reported: each rank's file must contain every expected pattern (fixed strings).
 #
-# Usage: run_fault.sh [--abort] NPROCS PROGRAM [--steps N] -- PATTERN...
+# Usage: run_fault.sh [--abort] [--max-ms-after-fault MS] NPROCS PROGRAM [--steps N]
+#                    [--mode blocking|nonblocking] -- PATTERN...
 #   Patterns may contain {rank}, replaced by the rank being checked. A pattern starting with
 #   "r<K>:" applies to rank K only; one starting with "!" must NOT appear.
 #   --abort: the job is expected to end abnormally (MPI_Abort, a killed rank); the patterns are
@@ -23,14 +24,16 @@ done
 nprocs=$1 program=$2
 shift 2
 steps=8
+mode=blocking
 if [ "${1:-}" = "--steps" ]; then steps=$2; shift 2; fi
+if [ "${1:-}" = "--mode" ]; then mode=$2; shift 2; fi
 [ "${1:-}" = "--" ] && shift
 
 outdir=$(mktemp -d /tmp/lockstep-fault.XXXXXX)
 trap 'rm -rf "$outdir"' EXIT
 mpiexec_cmd=${MPIEXEC:-mpiexec}
 start=$(date +%s%N)
-"$mpiexec_cmd" -n "$nprocs" --oversubscribe --bind-to none "$program" "$outdir" "$steps" >"$outdir/mpiexec.log" 2>&1
+"$mpiexec_cmd" -n "$nprocs" --oversubscribe --bind-to none "$program" "$outdir" "$steps" "$mode" >"$outdir/mpiexec.log" 2>&1
 rc=$?
 end=$(date +%s%N)
 echo "mpiexec exit code $rc after $(( (end - start) / 1000000 )) ms; LOCKSTEP_FAULT=${LOCKSTEP_FAULT:-} LOCKSTEP_CHECK=${LOCKSTEP_CHECK:-} LOCKSTEP_TIMEOUT=${LOCKSTEP_TIMEOUT:-}"
