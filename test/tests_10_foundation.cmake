@@ -8,7 +8,7 @@ lockstep_add_unit_test(NAME tensor TARGET test_tensor TIMEOUT 120)
 lockstep_test_executable(test_collective collective_test.cpp)
 lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
-lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 3 TCP TIMEOUT 300)
+lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 2 TCP TIMEOUT 300)
 
 lockstep_test_executable(test_world world_test.cpp)
 lockstep_add_mpi_test(NAME world TARGET test_world RANKS 1 2 3 4 TIMEOUT 120)
