@@ -3,3 +3,39 @@ lockstep_test_executable(test_checkpoint checkpoint_test.cpp)
 lockstep_add_unit_test(NAME checkpoint TARGET test_checkpoint LABELS checkpoint TIMEOUT 60)
 lockstep_test_executable(test_checkpoint_mpi checkpoint_mpi_test.cpp)
 lockstep_add_mpi_test(NAME checkpoint_mpi TARGET test_checkpoint_mpi RANKS 2 3 TIMEOUT 60)
+
+# The examples, run under mpiexec as a user runs them, by the scripts in test/examples/ (each
+# starts its own mpiexec runs, so they are registered directly rather than through
+# lockstep_add_mpi_test). Gated by DIST_TEST_MPI like every MPI test.
+# lockstep_add_example_test(NAME name SCRIPT script.sh TARGET example RANKS max TIMEOUT s)
+function(lockstep_add_example_test)
+  cmake_parse_arguments(T "" "NAME;SCRIPT;TARGET;RANKS;TIMEOUT" "" ${ARGN})
+  add_test(NAME ${T_NAME}
+    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
+            bash ${CMAKE_CURRENT_SOURCE_DIR}/examples/${T_SCRIPT} ${MPIEXEC_EXECUTABLE}
+            $<TARGET_FILE:${T_TARGET}> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/${T_NAME})
+  set_tests_properties(${T_NAME} PROPERTIES
+    PROCESSORS ${T_RANKS}
+    TIMEOUT ${T_TIMEOUT}
+    LABELS "mpi;examples"
+    SKIP_RETURN_CODE 77
+    ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+endfunction()
+
+if(LOCKSTEP_BUILD_EXAMPLES)
+  # The targets are defined later (examples/ is added after test/); generator expressions
+  # resolve at generation time, so only their existence is checked here, through the same
+  # condition examples/train/CMakeLists.txt uses.
+  find_package(PkgConfig QUIET)
+  if(PkgConfig_FOUND)
+    pkg_check_modules(LOCKSTEP_TEST_OPENBLAS QUIET openblas)
+  endif()
+  find_path(LOCKSTEP_TEST_CBLAS_H cblas.h PATH_SUFFIXES openblas openblas-pthread)
+  if(LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CBLAS_H)
+    lockstep_add_example_test(NAME example_train_converges SCRIPT train_converges.sh TARGET train RANKS 4 TIMEOUT 240)
+    lockstep_add_example_test(NAME example_train_resume SCRIPT train_resume.sh TARGET train RANKS 4 TIMEOUT 240)
+    lockstep_add_example_test(NAME example_train_corrupt_checkpoint SCRIPT train_corrupt.sh TARGET train RANKS 3 TIMEOUT 240)
+    lockstep_add_example_test(NAME example_train_bad_flags SCRIPT train_bad_flags.sh TARGET train RANKS 2 TIMEOUT 240)
+    lockstep_add_example_test(NAME example_train_tcp SCRIPT train_tcp.sh TARGET train RANKS 2 TIMEOUT 120)
+  endif()
+endif()

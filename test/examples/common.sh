@@ -1,0 +1,44 @@
+# Helpers shared by the example tests (sourced). Each test script is called as
+#   script.sh MPIEXEC EXAMPLE_BINARY WORKDIR
+# and runs the example under mpiexec as a user would, with --oversubscribe (CI has 2 cores).
+set -uo pipefail
+MPIEXEC=$1
+EXE=$2
+WORK=$3
+rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+
+# run N args...: runs the example on N ranks (bounded by a timeout, so a hang fails instead of
+# stalling CI); stdout to out.txt, stderr to err.txt; returns the exit status.
+run() {
+  local n=$1
+  shift
+  timeout 120 "$MPIEXEC" -n "$n" --oversubscribe --bind-to none "$EXE" "$@" >out.txt 2>err.txt
+}
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+pass() { echo "ok: $*"; }
+
+# The value printed after "final loss" by rank 0.
+final_loss() { awk '/^final loss/ {print $3}' "${1:-out.txt}"; }
+
+# rel_close A B TOL: true if |A - B| <= TOL * |A|.
+rel_close() {
+  awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; m = a < 0 ? -a : a; exit !(a != "" && b != "" && d <= t * m) }'
+}
+# less A B: true if A < B numerically.
+less() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "" && a + 0 < b + 0) }'; }
+
+finish() {
+  if [ "$failures" -ne 0 ]; then
+    echo "$failures check(s) failed; last stdout/stderr:"
+    cat out.txt err.txt 2>/dev/null | tail -40
+    exit 1
+  fi
+  echo "all checks passed"
+  exit 0
+}
