@@ -116,7 +116,7 @@ target_link_libraries(lockstep_check_cost PRIVATE lockstep::core lockstep_build_
 # The other areas' MPI tests again with every fingerprint checked and a deadline on every
 # collective: the checked, polled path must give the same results as the plain one, and correct
 # programs must never trip a check.
-foreach(_target IN ITEMS test_collective test_world test_training)
+foreach(_target IN ITEMS test_collective test_world test_training test_synchronize test_data test_checkpoint_mpi)
   if(TARGET ${_target})
     string(REPLACE "test_" "" _area ${_target})
     lockstep_add_mpi_test(NAME reliability.checked.${_area} TARGET ${_target} RANKS 3 TIMEOUT 300
@@ -147,3 +147,15 @@ add_executable(lockstep_killed_writer reliability/killed_writer.cpp)
 target_link_libraries(lockstep_killed_writer PRIVATE lockstep::core lockstep_build_flags)
 lockstep_add_unit_test(NAME reliability.killed_checkpoint_writer TARGET lockstep_killed_writer TIMEOUT 120
                        LABELS reliability)
+
+# A rank killed mid-training: the job ends naming it, and the last checkpoint resumes bitwise.
+# (examples/ is added after test/: the same condition as tests_30_examples.cmake, not TARGET.)
+if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CBLAS_H))
+  add_test(NAME reliability.kill_resume
+    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
+            bash ${CMAKE_CURRENT_SOURCE_DIR}/reliability/kill_resume.sh ${MPIEXEC_EXECUTABLE}
+            $<TARGET_FILE:train> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/reliability.kill_resume)
+  set_tests_properties(reliability.kill_resume PROPERTIES
+    PROCESSORS 3 TIMEOUT 300 LABELS "mpi;reliability;examples" SKIP_RETURN_CODE 77
+    ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+endif()
