@@ -231,8 +231,8 @@ GradReducer::~GradReducer() = default;
 void GradReducer::bind(const std::vector<Tensor*>& grads) {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(!m.is_bound || m.next_launch == 0,
-                     "DistributedOptimizer: begin_step called again while buckets of the previous "
-                     "step are in flight (call update first)");
+                     "DistributedOptimizer: buckets of the gradients passed to begin_step are "
+                     "in flight; update (or begin_step) must get those same gradient tensors");
   LOCKSTEP_CHECK_ARG(grads.size() == m.leaves.size(), "DistributedOptimizer: got ", grads.size(),
                      " trainable gradients, the optimizer was set up for ", m.leaves.size());
   for (std::size_t j = 0; j < grads.size(); ++j) {

@@ -96,7 +96,7 @@ void check_grads_match(const char* what, const std::vector<Tensor*>& params,
   auto shown = [](const std::string& p) { return p.empty() ? std::string("<root>") : p; };
   const std::size_t n = std::min(params.size(), grads.size());
   for (std::size_t i = 0; i < n; ++i) {
-    if (params[i]->numel() != grads[i]->numel() || params[i]->dtype() != grads[i]->dtype())
+    if (params[i]->shape() != grads[i]->shape() || params[i]->dtype() != grads[i]->dtype())
       throw_invalid(concat(what, ": gradient '", shown(grad_paths.at(i)), "' is ",
                            name(grads[i]->dtype()), " ", to_string(grads[i]->shape()),
                            " but parameter '", shown(param_paths.at(i)), "' is ",

@@ -223,6 +223,15 @@ TEST_CASE("setup and update over a model; mismatched gradients are named", "[rul
   CHECK(paths[0] == "step");
   CHECK(paths[1] == "slots[0].exp_avg");
 
+  // Same numel, transposed shape: still a mismatch.
+  app::Net gt = ls::zeros_like(net);
+  gt.layers[0].w = ls::Tensor::zeros({3, 2});
+  try {
+    ls::update(st, net, gt);
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("layers[0].w") && Catch::Contains("[3, 2]"));
+  }
   g.heads["cls"] = ls::Tensor::zeros({5});
   try {
     ls::update(st, net, g);

@@ -133,7 +133,7 @@ std::vector<Tensor*> trainable_leaves(X& x) {
 }
 
 namespace detail {
-/// Checks that grads has the model's trainable tensors (count, numel, dtype); throws
+/// Checks that grads has the model's trainable tensors (count, shape, dtype); throws
 /// InvalidArgument naming the first differing leaf. `what` prefixes the message.
 void check_grads_match(const char* what, const std::vector<Tensor*>& params,
                        const std::vector<Tensor*>& grads,
@@ -158,7 +158,7 @@ std::pair<std::vector<Tensor*>, std::vector<Tensor*>> aligned_leaves(const char*
   auto gs = trainable_leaves(grads);
   bool ok = params.size() == gs.size();
   for (std::size_t i = 0; ok && i < params.size(); ++i)
-    ok = params[i]->numel() == gs[i]->numel() && params[i]->dtype() == gs[i]->dtype();
+    ok = params[i]->shape() == gs[i]->shape() && params[i]->dtype() == gs[i]->dtype();
   if (!ok) check_grads_match(what, params, gs, trainable_paths(model), trainable_paths(grads));
   return {std::move(params), std::move(gs)};
 }
