@@ -5,6 +5,8 @@ lockstep_add_unit_test(NAME optimizer_rules TARGET test_optimizer_rules TIMEOUT 
 
 lockstep_test_executable(test_training training_test.cpp)
 lockstep_add_mpi_test(NAME training TARGET test_training RANKS 1 2 3 4 TIMEOUT 300)
+# Once over TCP, the transport a multi-node job takes.
+lockstep_add_mpi_test(NAME training TARGET test_training RANKS 3 TCP TIMEOUT 300)
 
 lockstep_test_executable(test_synchronize synchronize_test.cpp)
 lockstep_add_mpi_test(NAME synchronize TARGET test_synchronize RANKS 1 2 3 4 TIMEOUT 120)
