@@ -151,6 +151,30 @@ ls::Tensor make(ls::DType t, std::int64_t n, Value&& value) {
   return x;
 }
 
+/// Like make(), for a value(i) periodic in i with the given period: computes one period and
+/// copies it (doubling), which keeps building the million-element cases cheap next to the
+/// collectives under test.
+template <class Value>
+ls::Tensor make_periodic(ls::DType t, std::int64_t n, std::int64_t period, Value&& value) {
+  ls::Tensor x({n}, t);
+  const std::int64_t first = n < period ? n : period;
+  for (std::int64_t i = 0; i < first; ++i) set(x, i, value(i));
+  auto* p = static_cast<char*>(x.raw_data());
+  const std::size_t es = ls::size_of(t);
+  // [0, filled) always holds whole periods, so copying its start continues the pattern.
+  for (std::int64_t filled = first; filled < n;) {
+    const std::int64_t c = filled < n - filled ? filled : n - filled;
+    std::memcpy(p + filled * es, p, static_cast<std::size_t>(c) * es);
+    filled += c;
+  }
+  return x;
+}
+/// input() and expected() repeat every kInputPeriod elements (5, 2 and 11 divide it);
+/// bcast_value() every 100, sentinel() every 50.
+inline constexpr std::int64_t kInputPeriod = 110;
+inline constexpr std::int64_t kBcastPeriod = 100;
+inline constexpr std::int64_t kSentinelPeriod = 50;
+
 /// "allreduce f16 sum n=7 in-place".
 inline std::string label(const char* coll, ls::DType t, const char* op, std::int64_t n, const char* mode) {
   std::ostringstream os;

@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -27,9 +28,9 @@ ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
 struct ReductionCase {
   ls::Tensor mine, want, untouched;
   ReductionCase(ls::ReduceOp op, ls::DType t, std::int64_t size, int rank, int n, std::int64_t offset = 0)
-      : mine(make(t, size, [&](std::int64_t i) { return input(op, t, rank, offset + i); })),
-        want(make(t, size, [&](std::int64_t i) { return expected(op, t, n, offset + i); })),
-        untouched(make(t, size, [&](std::int64_t i) { return sentinel(rank, i); })) {}
+      : mine(make_periodic(t, size, kInputPeriod, [&](std::int64_t i) { return input(op, t, rank, offset + i); })),
+        want(make_periodic(t, size, kInputPeriod, [&](std::int64_t i) { return expected(op, t, n, offset + i); })),
+        untouched(make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(rank, i); })) {}
 };
 
 }  // namespace
@@ -105,8 +106,9 @@ TEST_CASE("broadcast: every dtype, size and root") {
   for (ls::DType t : kAllDTypes)
     for (std::int64_t size : kSizes)
       for (int root = 0; root < n; ++root) {
-        ls::Tensor want = make(t, size, [&](std::int64_t i) { return bcast_value(root, i); });
-        ls::Tensor buf = r == root ? want.clone() : make(t, size, [&](std::int64_t i) { return sentinel(r, i); });
+        ls::Tensor want = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(root, i); });
+        ls::Tensor buf = r == root ? want.clone()
+                                   : make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(r, i); });
         ls::broadcast(b, buf, root);
         f.expect_same(label("broadcast", t, "-", size, "root=") + std::to_string(root), buf, want);
       }
@@ -120,11 +122,15 @@ TEST_CASE("allgather: every dtype and size") {
   Failures f;
   for (ls::DType t : kAllDTypes)
     for (std::int64_t size : kSizes) {
-      ls::Tensor send = make(t, size, [&](std::int64_t i) { return bcast_value(r, i); });
+      ls::Tensor send = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(r, i); });
       ls::Tensor mine = send.clone();
-      ls::Tensor recv = make(t, size * n, [&](std::int64_t i) { return sentinel(r, i); });
+      ls::Tensor recv = make_periodic(t, size * n, kSentinelPeriod, [&](std::int64_t i) { return sentinel(r, i); });
       // Block q of recv holds rank q's send.
-      ls::Tensor want = make(t, size * n, [&](std::int64_t i) { return bcast_value(static_cast<int>(i / size), i % size); });
+      ls::Tensor want({size * n}, t);
+      for (int q = 0; q < n; ++q) {
+        ls::Tensor block = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(q, i); });
+        if (size > 0) std::memcpy(static_cast<char*>(want.raw_data()) + q * block.nbytes(), block.raw_data(), block.nbytes());
+      }
       ls::allgather(b, send, recv);
       f.expect_same(label("allgather", t, "-", size, "out-of-place"), recv, want);
       f.expect_same(label("allgather", t, "-", size, "send unchanged"), send, mine);
@@ -143,7 +149,7 @@ TEST_CASE("reduce_scatter: every dtype, op and size") {
       for (std::int64_t size : kSizes) {
         // Element i of the (size * n)-element send is input(op, t, rank, i); rank r receives
         // block r, i.e. the reduction at global index r * size + j.
-        ls::Tensor send = make(t, size * n, [&](std::int64_t i) { return input(op, t, r, i); });
+        ls::Tensor send = make_periodic(t, size * n, kInputPeriod, [&](std::int64_t i) { return input(op, t, r, i); });
         const ReductionCase block(op, t, size, r, n, r * size);
         ls::Tensor recv = block.untouched.clone();
         ls::reduce_scatter(b, send, recv, op);
@@ -194,8 +200,9 @@ TEST_CASE("iallreduce and ibroadcast: wait and test") {
     }
     for (std::int64_t size : kSizes)
       for (int root = 0; root < n; ++root) {
-        ls::Tensor want = make(t, size, [&](std::int64_t i) { return bcast_value(root, i); });
-        ls::Tensor buf = r == root ? want.clone() : make(t, size, [&](std::int64_t i) { return sentinel(r, i); });
+        ls::Tensor want = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(root, i); });
+        ls::Tensor buf = r == root ? want.clone()
+                                   : make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(r, i); });
         ls::Request req = b.ibroadcast(buf, root);
         if (++k % 2 == 0) {
           req.wait();
