@@ -16,6 +16,12 @@
 
 namespace ls = lockstep;
 
+// A two-tensor model for the DistributedOptimizer test (traversable).
+struct GpuModel {
+  ls::Tensor w, b;
+};
+LOCKSTEP_FIELDS(GpuModel, w, b)
+
 namespace {
 
 constexpr int kFeatures = 16;
@@ -45,7 +51,7 @@ Data batch(int step) {
 
 // Hand-written backward of the mean squared error / 2 over samples [lo, hi): gradients (in
 // double, then rounded to float) of w and b, divided by the number of samples in the range.
-void grads(const Data& d, int lo, int hi, const float* w, float b, std::vector<float>& gw, float& gb) {
+void grads_of(const Data& d, int lo, int hi, const float* w, float b, std::vector<float>& gw, float& gb) {
   std::vector<double> acc(kFeatures, 0.0);
   double accb = 0;
   for (int i = lo; i < hi; ++i) {
@@ -89,7 +95,7 @@ void run_equivalence(Rule rule) {
     ls::Tensor hw = w.to(ls::Device::cpu()), hb = b.to(ls::Device::cpu());
     std::vector<float> lgw;
     float lgb = 0;
-    grads(d, lo, hi, hw.data<float>(), hb.data<float>()[0], lgw, lgb);
+    grads_of(d, lo, hi, hw.data<float>(), hb.data<float>()[0], lgw, lgb);
     gw.copy_from(ls::view_of(std::span<float>(lgw)));
     gb.copy_from(ls::view_of(std::span<float>(&lgb, 1)));
     const std::vector<ls::TensorView> buckets = {gw.view(), gb.view()};
@@ -97,7 +103,7 @@ void run_equivalence(Rule rule) {
 
     std::vector<float> fgw;
     float fgb = 0;
-    grads(d, 0, kBatch, rw.data(), rb, fgw, fgb);
+    grads_of(d, 0, kBatch, rw.data(), rb, fgw, fgb);
     if (rule == Rule::sgd_momentum) {
       auto c = ls::math::sgd_coeffs<float>(0.05, 0.9, 0.0, 0.001, false, step);
       const std::vector<ls::cuda::SgdSpan> spans = {{w.view(), gw.view(), mw.view()}, {b.view(), gb.view(), mb.view()}};
@@ -148,4 +154,87 @@ TEST_CASE("data-parallel Adam on cuda tensors over NCCL equals one process", "[n
 }
 TEST_CASE("data-parallel AdamW on cuda tensors over NCCL equals one process", "[nccl][training]") {
   run_equivalence(Rule::adamw);
+}
+
+namespace {
+// The training core's own path on the GPU: synchronize from rank 0 over NCCL (cuda tensors),
+// then DistributedOptimizer(NCCLBackend, rule) with the rule's updates running through the
+// CUDA kernels the extension installs; `flat` selects zero-copy gradients (one allocation)
+// instead of separate tensors (packed into a bucket). The reference is ls::update on the host
+// over the whole batch.
+template <class Rule>
+void run_distributed_optimizer(const Rule& rule, bool flat) {
+  ls::initialize<ls::NCCLBackend>();
+  auto& nccl = ls::get_distributed_backend<ls::NCCLBackend>();
+  auto& mpi = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = nccl.rank(), size = nccl.size();
+  REQUIRE(kBatch % size == 0);
+  const ls::Device dev = ls::Device::cuda(nccl.device());
+
+  // Rank-dependent start; synchronize makes every rank start from rank 0's values.
+  auto init = [](int r) {
+    std::vector<float> w(kFeatures);
+    for (int j = 0; j < kFeatures; ++j) w[j] = 0.01f * static_cast<float>((j * 7 + r * 5) % 11) - 0.05f;
+    return w;
+  };
+  GpuModel model{ls::Tensor::from(init(rank), {kFeatures}).to(dev), ls::Tensor::full({1}, 0.1 * rank, ls::DType::f32, dev)};
+  ls::synchronize(nccl, model, 0);
+  GpuModel ref{ls::Tensor::from(init(0), {kFeatures}), ls::Tensor::full({1}, 0.0)};
+
+  auto opt = ls::DistributedOptimizer(nccl, rule);
+  auto state = ls::setup(opt, model);
+  auto ref_state = ls::setup(rule, ref);
+  auto flat_grads = ls::flat_zeros_like(model);
+  GpuModel sep_grads = ls::zeros_like(model);
+  GpuModel& grads = flat ? flat_grads.get() : sep_grads;
+  GpuModel ref_grads = ls::zeros_like(ref);
+
+  bool identical = true;
+  const int lo = rank * (kBatch / size), hi = lo + kBatch / size;
+  for (int step = 1; step <= kSteps; ++step) {
+    const Data d = batch(step);
+    ls::Tensor hw = model.w.to(ls::Device::cpu()), hb = model.b.to(ls::Device::cpu());
+    std::vector<float> lgw;
+    float lgb = 0;
+    grads_of(d, lo, hi, hw.data<float>(), hb.data<float>()[0], lgw, lgb);
+    grads.w.copy_from(ls::view_of(std::span<float>(lgw)));
+    grads.b.copy_from(ls::view_of(std::span<float>(&lgb, 1)));
+    ls::update(state, model, grads);
+
+    std::vector<float> fgw;
+    float fgb = 0;
+    grads_of(d, 0, kBatch, ref.w.data<float>(), ref.b.data<float>()[0], fgw, fgb);
+    ref_grads.w.copy_from(ls::view_of(std::span<float>(fgw)));
+    ref_grads.b.copy_from(ls::view_of(std::span<float>(&fgb, 1)));
+    ls::update(ref_state, ref, ref_grads);
+
+    ls::Tensor mine = model.w.to(ls::Device::cpu());
+    ls::Tensor all = ls::Tensor::zeros({kFeatures * size});
+    mpi.allgather(mine.view(), all.view());
+    for (int r = 1; r < size; ++r)
+      identical = identical && std::memcmp(all.data<float>() + r * kFeatures, all.data<float>(), kFeatures * 4) == 0;
+  }
+  ls::Tensor fw = model.w.to(ls::Device::cpu()), fb = model.b.to(ls::Device::cpu());
+  double worst = 0;
+  for (int j = 0; j <= kFeatures; ++j) {
+    const double a = j < kFeatures ? fw.data<float>()[j] : fb.data<float>()[0];
+    const double e = j < kFeatures ? ref.w.data<float>()[j] : ref.b.data<float>()[0];
+    worst = std::max(worst, std::fabs(a - e) / std::max(1.0, std::fabs(e)));
+  }
+  if (worst > 1e-5) std::cerr << "rank " << rank << ": largest relative difference " << worst << "\n";
+  int local = worst <= 1e-5 && identical ? 1 : 0, global = 0;
+  MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  CHECK(identical);
+  REQUIRE(global == 1);
+}
+}  // namespace
+
+TEST_CASE("DistributedOptimizer(NCCLBackend, Adam) on cuda tensors equals ls::update on the host",
+          "[nccl][training]") {
+  run_distributed_optimizer(ls::Adam{.lr = 1e-2f}, false);
+  run_distributed_optimizer(ls::Adam{.lr = 1e-2f}, true);
+}
+TEST_CASE("DistributedOptimizer(NCCLBackend, SGD with momentum) on cuda tensors equals the host",
+          "[nccl][training]") {
+  run_distributed_optimizer(ls::SGD{.lr = 0.05f, .momentum = 0.9f}, true);
 }
