@@ -124,6 +124,23 @@ struct Net {
 };
 LOCKSTEP_FIELDS(Net, layers, heads, extra, counters, pair_of, tagged, steps)
 
+// A class template made traversable for all its instantiations at once.
+template <class T>
+struct Pair {
+  ls::Tensor w;
+  T tag{};
+};
+template <class T, class V>
+void lockstep_visit_fields(Pair<T>& x, V&& v) {
+  v("w", x.w);
+  v("tag", x.tag);
+}
+template <class T, class V>
+void lockstep_visit_fields(const Pair<T>& x, V&& v) {
+  v("w", x.w);
+  v("tag", x.tag);
+}
+
 Net make_net() {
   Net n;
   n.layers.resize(2);
@@ -144,6 +161,8 @@ Net make_net() {
 static_assert(ls::Traversable<app::Net>);
 static_assert(ls::Traversable<std::vector<ls::Tensor>>);
 static_assert(!ls::Traversable<std::string>);
+static_assert(ls::Traversable<app::Pair<int>>);
+static_assert(ls::Traversable<app::Pair<double>>);
 
 TEST_CASE("traversal visits every leaf with its path", "[traverse]") {
   app::Net net = app::make_net();
@@ -167,6 +186,10 @@ TEST_CASE("traversal visits every leaf with its path", "[traverse]") {
   std::size_t n = 0;
   ls::for_each_leaf(ls::Tensor::ones({1}), [&](auto&) { ++n; });
   CHECK(n == 1);
+
+  app::Pair<double> pr{ls::Tensor::ones({2}), 3.0};
+  CHECK(ls::tensor_paths(pr) == std::vector<std::string>{"w"});
+  CHECK(ls::leaf_count(pr) == 2);
 }
 
 TEST_CASE("zeros_like, clone_tree and flat buffers keep the structure", "[traverse]") {

@@ -10,6 +10,11 @@
 //   - any nesting of the above.
 // Anything else is a compile-time error that says what to do.
 //
+// For a class template, write the function LOCKSTEP_FIELDS would generate, once for all
+// instantiations (found by argument-dependent lookup), e.g.
+//   template <class T, class V> void lockstep_visit_fields(Layer<T>& x, V&& v) { v("w", x.w); }
+//   template <class T, class V> void lockstep_visit_fields(const Layer<T>& x, V&& v) { v("w", x.w); }
+//
 // Leaf paths name a leaf for error messages and checkpoints: "w1", "layers[2].w",
 // "heads[\"cls\"].b", "[0]" (a tuple's first element). A lone leaf at the root has path "".
 #pragma once
