@@ -7,8 +7,10 @@
 # Configures into its own build directory with -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON
 # (CMAKE_CUDA_ARCHITECTURES=90 unless set, to keep nvcc's time small), builds every target, and
 # runs ctest -L nccl twice: without DIST_TEST_NCCL (skipped by the gate) and with
-# DIST_TEST_NCCL=true (the programs start, find no GPU and exit 77 = skipped). Fails if any
-# GPU test reports "passed" or "failed" on a machine without a GPU: a pass there would be a lie.
+# DIST_TEST_NCCL=true (the programs start, find no GPU and exit 77 = skipped), then runs the
+# tests labelled nogpu (registration, argument checks and clean errors without a device, which
+# do run here). Fails if any GPU test reports "passed" or "failed" on a machine without a GPU:
+# a pass there would be a lie.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +34,9 @@ echo "== ctest -L nccl (gate closed)"
 echo "== ctest -L nccl with DIST_TEST_NCCL=true"
 (cd "$build" && DIST_TEST_NCCL=true timeout 600 ctest -L nccl --output-on-failure) |
   tee "$build/ci-cuda-ctest-run.log"
+
+echo "== ctest -L nogpu (the extensions' behaviour without a GPU, really run)"
+(cd "$build" && DIST_TEST_MPI=true timeout 300 ctest -L nogpu --output-on-failure)
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
   # Without a GPU every GPU test must be skipped, none passed.

@@ -44,3 +44,12 @@ if(TARGET lockstep::nccl)
   lockstep_add_mpi_test(NAME nccl_training TARGET test_nccl_training RANKS 1 2 GATE DIST_TEST_NCCL
     LABELS nccl TIMEOUT 300)
 endif()
+
+# What the extensions do on a machine without a GPU (registration, argument checks, clean errors
+# on every rank): runs everywhere the extensions are built, under the ordinary MPI gate, so the
+# CI machine executes real code of lockstep::cuda and lockstep::nccl. Label nogpu.
+if(TARGET lockstep::nccl)
+  lockstep_test_executable(test_gpu_ext_no_gpu ${PROJECT_SOURCE_DIR}/ext/nccl/test/no_gpu_test.cpp)
+  target_link_libraries(test_gpu_ext_no_gpu PRIVATE lockstep::nccl)
+  lockstep_add_mpi_test(NAME gpu_ext_no_gpu TARGET test_gpu_ext_no_gpu RANKS 1 2 LABELS nogpu TIMEOUT 120)
+endif()
