@@ -18,3 +18,4 @@
 #include "lockstep/data.hpp"
 #include "lockstep/reliability.hpp"
 #include "lockstep/replicas.hpp"
+#include "lockstep/checkpoint.hpp"
