@@ -195,6 +195,7 @@ bool check_same_structure(Backend& b, const std::string& signature, std::uint64_
     }
     msg += concat(" rank ", r, ": ", t, ";");
   }
+  if (!msg.empty() && msg.back() == ';') msg.pop_back();
   throw MismatchError(msg + rank_suffix());
 }
 

@@ -58,11 +58,15 @@
   template <class LockstepVisitor>                                                      \
   [[maybe_unused]] inline void lockstep_visit_fields(Type& lockstep_x,                  \
                                                      LockstepVisitor&& lockstep_v) {    \
+    (void)lockstep_x;                                                                   \
+    (void)lockstep_v;                                                                   \
     LOCKSTEP_DETAIL_FOR_EACH(LOCKSTEP_DETAIL_VISIT_FIELD, __VA_ARGS__)                  \
   }                                                                                     \
   template <class LockstepVisitor>                                                      \
   [[maybe_unused]] inline void lockstep_visit_fields(const Type& lockstep_x,            \
                                                      LockstepVisitor&& lockstep_v) {    \
+    (void)lockstep_x;                                                                   \
+    (void)lockstep_v;                                                                   \
     LOCKSTEP_DETAIL_FOR_EACH(LOCKSTEP_DETAIL_VISIT_FIELD, __VA_ARGS__)                  \
   }
 
