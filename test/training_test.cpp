@@ -325,3 +325,31 @@ TEST_CASE("DistributedOptimizer issues one allreduce per bucket", "[training]") 
             grads[29].data<float>()[999] == mean && model[0].data<float>()[0] == -mean;
   CHECK(all_ranks(mpi, ok));
 }
+
+TEST_CASE("mixed f32/f64 gradients: buckets split by dtype, all averaged", "[training]") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  const int n = b.size();
+  // f32, f32, f64, f32, f64: from the end, buckets {f64}, {f32}, {f64}, {f32, f32}.
+  std::vector<ls::Tensor> model, grads;
+  const ls::DType kinds[5] = {ls::DType::f32, ls::DType::f32, ls::DType::f64, ls::DType::f32, ls::DType::f64};
+  for (int i = 0; i < 5; ++i) {
+    model.push_back(ls::Tensor::zeros({7 + i}, kinds[i]));
+    grads.push_back(ls::Tensor::full({7 + i}, (b.rank() + 1) * (i + 1), kinds[i]));
+  }
+  for (int layout = 0; layout < 2; ++layout) {
+    auto flat = ls::flat_copy(grads);
+    auto& g = layout == 0 ? grads : *flat;
+    for (auto& t : model) t.zero_();
+    auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 1.0f});
+    auto st = ls::setup(opt, model);
+    ls::update(st, model, g);
+    bool ok = st.reducer().bucket_count() == 4;
+    for (int i = 0; i < 5; ++i) {
+      const double want = -(n + 1) / 2.0 * (i + 1);
+      const double got = kinds[i] == ls::DType::f32 ? model[i].data<float>()[6] : model[i].data<double>()[6];
+      ok = ok && got == want;
+    }
+    if (layout == 1) ok = ok && st.reducer().zero_copy_buckets() == 4;
+    CHECK(all_ranks(b, ok));
+  }
+}
