@@ -17,6 +17,7 @@
 #endif
 
 #include "lockstep/device_runtime.hpp"
+#include "reliability_mpi.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 
 namespace lockstep {
 
@@ -128,14 +129,18 @@ void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
   }
 }
 
-// The user-defined operators live as long as MPI does; created on first use.
+// The user-defined operators live as long as MPI does: created on first use, freed by
+// finalize_global(). A mutex rather than std::once_flag, because when the user owns MPI the
+// global backend can be finalised and initialised again, and the operators must come back.
 struct HalfOps {
   std::array<MPI_Op, 4> f16{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
   std::array<MPI_Op, 4> bf16{MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
-  std::once_flag once;
+  std::mutex mutex;
+  bool created = false;
 
-  void create() {
-    std::call_once(once, [this] {
+  MPI_Op get(DType t, int idx) {
+    std::lock_guard lock(mutex);
+    if (!created) {
       MPI_User_function* fns16[4] = {half_op<half, ReduceOp::sum>, half_op<half, ReduceOp::prod>,
                                      half_op<half, ReduceOp::min>, half_op<half, ReduceOp::max>};
       MPI_User_function* fnsbf[4] = {half_op<bfloat16, ReduceOp::sum>, half_op<bfloat16, ReduceOp::prod>,
@@ -144,22 +149,23 @@ struct HalfOps {
         LOCKSTEP_MPI_CHECK(MPI_Op_create(fns16[i], 1, &f16[i]));
         LOCKSTEP_MPI_CHECK(MPI_Op_create(fnsbf[i], 1, &bf16[i]));
       }
-    });
+      created = true;
+    }
+    return t == DType::f16 ? f16[idx] : bf16[idx];
   }
   void free_all() noexcept {
+    std::lock_guard lock(mutex);
     for (auto* ops : {&f16, &bf16})
       for (auto& op : *ops)
         if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    created = false;
   }
 };
 HalfOps g_half_ops;
 
 MPI_Op mpi_op(ReduceOp op, DType t) {
   int idx = op == ReduceOp::avg ? 0 : static_cast<int>(op);
-  if (t == DType::f16 || t == DType::bf16) {
-    g_half_ops.create();
-    return t == DType::f16 ? g_half_ops.f16[idx] : g_half_ops.bf16[idx];
-  }
+  if (t == DType::f16 || t == DType::bf16) return g_half_ops.get(t, idx);
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg: return MPI_SUM;
@@ -300,12 +306,22 @@ struct MPIBackend::Impl {
   // Pinned buffers of nonblocking operations on device tensors.
   std::shared_ptr<PinnedPool> pinned_pool = std::make_shared<PinnedPool>();
 
+  // Reliability hook: sequence numbers, fingerprints, deadlines (src/reliability.cpp).
+  detail::CommMonitorPtr monitor;
+
   ~Impl() {
+    // Reliability hook: after a stall or with requests still pending, MPI may still progress
+    // operations on comm (MPI_Finalize does), so it is leaked rather than freed under them.
+    const bool keep_comm = monitor && !detail::safe_to_free(*monitor);
+    if (keep_comm)
+      std::cerr << "lockstep: MPIBackend destroyed after a stall or with " << detail::pending_requests(*monitor)
+                << " nonblocking request(s) pending; its communicator is left allocated\n";
+    monitor.reset();  // stops its watchdog thread before the communicators go
     if (pinned != nullptr)
       if (auto* rt = find_device_runtime()) rt->deallocate_pinned(pinned);
     int fin = 0;
     MPI_Finalized(&fin);
-    if (comm != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm);
+    if (comm != MPI_COMM_NULL && !fin && !keep_comm) MPI_Comm_free(&comm);
   }
 
   void check_root(int root, const char* what) const {
@@ -381,7 +397,7 @@ void do_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, D
     int c = static_cast<int>(std::min(kMaxChunk, n - off));
     void* r = static_cast<char*>(recv) + off * es;
     const void* s = send == MPI_IN_PLACE ? MPI_IN_PLACE : static_cast<const char*>(send) + off * es;
-    LOCKSTEP_MPI_CHECK(MPI_Allreduce(s, r, c, dt, mop, comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_allreduce(s, r, c, dt, mop, comm));
   }
 }
 
@@ -389,7 +405,7 @@ void do_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root) {
   const std::size_t es = size_of(t);
   for (std::int64_t off = 0; off < n; off += kMaxChunk) {
     int c = static_cast<int>(std::min(kMaxChunk, n - off));
-    LOCKSTEP_MPI_CHECK(MPI_Bcast(static_cast<char*>(buf) + off * es, c, mpi_type(t), root, comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_bcast(static_cast<char*>(buf) + off * es, c, mpi_type(t), root, comm));
   }
 }
 
@@ -408,7 +424,7 @@ void do_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DTyp
       s = static_cast<const char*>(send) + off * es;
     }
     void* r = recv == nullptr ? nullptr : static_cast<char*>(recv) + off * es;
-    LOCKSTEP_MPI_CHECK(MPI_Reduce(s, r, c, dt, mop, root, comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_reduce(s, r, c, dt, mop, root, comm));
   }
 }
 
@@ -431,10 +447,11 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   MPI_Comm node = MPI_COMM_NULL;
   LOCKSTEP_MPI_CHECK(
       MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->rank, MPI_INFO_NULL, &node));
-  MPI_Comm_rank(node, &impl_->local_rank);
-  MPI_Comm_size(node, &impl_->local_size);
-  MPI_Comm_free(&node);
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(node, &impl_->local_rank));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &impl_->local_size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   impl_->cuda_aware = detect_cuda_aware();
+  impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
 }
 
 MPIBackend::~MPIBackend() = default;
@@ -452,6 +469,8 @@ void MPIBackend::set_cuda_aware(bool on) noexcept { impl_->cuda_aware = on; }
 void MPIBackend::broadcast(TensorView buf, int root) {
   check_view(buf, "broadcast");
   impl_->check_root(root, "broadcast");
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::broadcast, &buf, buf.numel, -1, root);  // reliability hook
+  if (guard.skipped()) return;
   Staged s(*impl_, buf, impl_->rank == root);
   do_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   s.copy_out();
@@ -460,6 +479,9 @@ void MPIBackend::broadcast(TensorView buf, int root) {
 void MPIBackend::allreduce(TensorView buf, ReduceOp op) {
   check_view(buf, "allreduce");
   check_op_for_dtype(op, buf.dtype);
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
+                                static_cast<int>(op), -1);  // reliability hook
+  if (guard.skipped()) return;
   Staged s(*impl_, buf, true);
   do_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
   if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
@@ -474,6 +496,9 @@ void MPIBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
   LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "allreduce: send has ", send.numel,
                      " elements but recv has ", recv.numel);
   check_op_for_dtype(op, send.dtype);
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &send, send.numel,
+                                static_cast<int>(op), -1);  // reliability hook
+  if (guard.skipped()) return;
   Staged ss(*impl_, send, true);
   Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
   do_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
@@ -485,6 +510,9 @@ void MPIBackend::reduce(TensorView buf, ReduceOp op, int root) {
   check_view(buf, "reduce");
   check_op_for_dtype(op, buf.dtype);
   impl_->check_root(root, "reduce");
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &buf, buf.numel,
+                                static_cast<int>(op), root);  // reliability hook
+  if (guard.skipped()) return;
   Staged s(*impl_, buf, true);
   do_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
   if (impl_->rank == root) {
@@ -498,13 +526,19 @@ void MPIBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root)
   check_view(send, "reduce");
   check_op_for_dtype(op, send.dtype);
   const bool is_root = impl_->rank == root;
-  if (is_root) {
-    if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype)
-      return reduce(recv, op, root);
+  if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype &&
+      send.device == recv.device)
+    return reduce(recv, op, root);  // the same buffer twice: the in-place form
+  // recv matters only on the root, but a non-root that passes one gets the same checks, so that
+  // a program passing the same wrong recv everywhere fails identically on every rank.
+  if (is_root || recv.numel != 0 || recv.data != nullptr) {
     check_pair(send, recv, "reduce");
     LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "reduce: send has ", send.numel,
-                       " elements but recv on the root has ", recv.numel);
+                       " elements but recv has ", recv.numel);
   }
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &send, send.numel,
+                                static_cast<int>(op), root);  // reliability hook
+  if (guard.skipped()) return;
   Staged ss(*impl_, send, true);
   if (!is_root) {
     do_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
@@ -521,14 +555,17 @@ void MPIBackend::allgather(TensorView send, TensorView recv) {
   LOCKSTEP_CHECK_ARG(recv.numel == send.numel * impl_->size, "allgather: recv must hold size() x send = ",
                      impl_->size, " x ", send.numel, " = ", send.numel * impl_->size,
                      " elements, but holds ", recv.numel);
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allgather, &send, send.numel, -1,
+                                -1);  // reliability hook
+  if (guard.skipped()) return;
   Staged ss(*impl_, send, true);
   Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
   const std::int64_t n = send.numel;
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
-    LOCKSTEP_MPI_CHECK(MPI_Allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
-                                     rs.host().data, static_cast<int>(n), mpi_type(send.dtype),
-                                     impl_->comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
+                                                 rs.host().data, static_cast<int>(n), mpi_type(send.dtype),
+                                                 impl_->comm));
   } else {
     // Above the int count limit: each rank's block is broadcast from its owner, in chunks.
     std::memcpy(static_cast<char*>(rs.host().data) + impl_->rank * n * es, ss.host().data, n * es);
@@ -544,13 +581,17 @@ void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   LOCKSTEP_CHECK_ARG(send.numel == recv.numel * impl_->size,
                      "reduce_scatter: send must hold size() x recv = ", impl_->size, " x ", recv.numel,
                      " = ", recv.numel * impl_->size, " elements, but holds ", send.numel);
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &send, recv.numel,
+                                static_cast<int>(op), -1);  // reliability hook
+  if (guard.skipped()) return;
   Staged ss(*impl_, send, true);
   Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
   const std::int64_t n = recv.numel;
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
-    LOCKSTEP_MPI_CHECK(MPI_Reduce_scatter_block(ss.host().data, rs.host().data, static_cast<int>(n),
-                                                mpi_type(send.dtype), mpi_op(op, send.dtype), impl_->comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_reduce_scatter_block(ss.host().data, rs.host().data, static_cast<int>(n),
+                                                            mpi_type(send.dtype), mpi_op(op, send.dtype),
+                                                            impl_->comm));
   } else {
     // Above the int count limit: block r is reduced onto rank r, in chunks.
     for (int r = 0; r < impl_->size; ++r)
@@ -561,7 +602,11 @@ void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   rs.copy_out();
 }
 
-void MPIBackend::barrier() { LOCKSTEP_MPI_CHECK(MPI_Barrier(impl_->comm)); }
+void MPIBackend::barrier() {
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::barrier, nullptr, 0, -1, -1);  // reliability hook
+  if (guard.skipped()) return;
+  LOCKSTEP_MPI_CHECK(detail::guarded_barrier(impl_->comm));
+}
 
 namespace {
 // Host memory that a nonblocking device operation stages through; held by the request (the
@@ -588,14 +633,14 @@ class OwnedPinned {
 class MpiRequest final : public detail::RequestImpl {
  public:
   MpiRequest(std::vector<MPI_Request> reqs, TensorView host, TensorView device, int avg_divisor,
-             std::unique_ptr<OwnedPinned> staging)
+             std::unique_ptr<OwnedPinned> staging, detail::RequestWatch watch)
       : reqs_(std::move(reqs)), host_(host), device_(device), avg_divisor_(avg_divisor),
-        staging_(std::move(staging)) {}
+        staging_(std::move(staging)), watch_(std::move(watch)) {}
   ~MpiRequest() override = default;
 
   void wait() override {
     if (done_) return;
-    LOCKSTEP_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE));
+    LOCKSTEP_MPI_CHECK(watch_.wait_all(reqs_));  // reliability hook: MPI_Waitall with the deadline
     finish();
   }
   bool test() override {
@@ -618,6 +663,7 @@ class MpiRequest final : public detail::RequestImpl {
   TensorView host_, device_;
   int avg_divisor_;
   std::unique_ptr<OwnedPinned> staging_;
+  detail::RequestWatch watch_;  // reliability hook: deadline, pending count
   bool done_ = false;
 };
 
@@ -659,6 +705,9 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
 Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
   check_view(buf, "iallreduce");
   check_op_for_dtype(op, buf.dtype);
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::iallreduce, &buf, buf.numel,
+                                static_cast<int>(op), -1);  // reliability hook
+  if (guard.skipped()) return Request();
   TensorView host;
   auto staging = stage_nonblocking(*impl_, buf, true, host);
   MPI_Datatype dt = mpi_type(buf.dtype);
@@ -668,12 +717,16 @@ Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
     LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, p, c, dt, mop, comm, r));
   });
   return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{},
-                                              op == ReduceOp::avg ? impl_->size : 0, std::move(staging)));
+                                              op == ReduceOp::avg ? impl_->size : 0, std::move(staging),
+                                              detail::watch_request(impl_->monitor)));
 }
 
 Request MPIBackend::ibroadcast(TensorView buf, int root) {
   check_view(buf, "ibroadcast");
   impl_->check_root(root, "ibroadcast");
+  detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::ibroadcast, &buf, buf.numel, -1,
+                                root);  // reliability hook
+  if (guard.skipped()) return Request();
   TensorView host;
   auto staging = stage_nonblocking(*impl_, buf, impl_->rank == root, host);
   MPI_Datatype dt = mpi_type(buf.dtype);
@@ -682,7 +735,7 @@ Request MPIBackend::ibroadcast(TensorView buf, int root) {
     LOCKSTEP_MPI_CHECK(MPI_Ibcast(p, c, dt, root, comm, r));
   });
   return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{}, 0,
-                                              std::move(staging)));
+                                              std::move(staging), detail::watch_request(impl_->monitor)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -694,7 +747,13 @@ std::unique_ptr<MPIBackend> g_backend;
 bool g_we_initialised_mpi = false;
 bool g_atexit_registered = false;
 
-void finalize_at_exit() { MPIBackend::finalize_global(); }
+void finalize_at_exit() {
+  try {
+    MPIBackend::finalize_global();
+  } catch (const std::exception& e) {
+    std::cerr << "lockstep: at exit: " << e.what() << "\n";
+  }
+}
 }  // namespace
 
 void MPIBackend::initialize_global() {
@@ -733,6 +792,8 @@ MPIBackend& MPIBackend::global() {
 
 void MPIBackend::finalize_global() {
   std::lock_guard lock(g_mutex);
+  // Reliability hook: finalising under pending requests would crash inside MPI_Finalize.
+  if (g_backend) detail::check_no_pending_requests(g_backend->impl_->monitor.get(), "finalize<MPIBackend>");
   g_backend.reset();
   int init = 0, fin = 0;
   MPI_Initialized(&init);

@@ -29,15 +29,13 @@ WorldInfo world_info() {
     return {b.rank(), b.size(), b.local_rank(), b.local_size()};
   }
   WorldInfo w;
-  MPI_Comm_rank(MPI_COMM_WORLD, &w.rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &w.size);
-  MPI_Comm node;
-  if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank, MPI_INFO_NULL, &node) ==
-      MPI_SUCCESS) {
-    MPI_Comm_rank(node, &w.local_rank);
-    MPI_Comm_size(node, &w.local_size);
-    MPI_Comm_free(&node);
-  }
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &w.rank));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &w.size));
+  MPI_Comm node = MPI_COMM_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank, MPI_INFO_NULL, &node));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(node, &w.local_rank));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &w.local_size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   return w;
 }
 
