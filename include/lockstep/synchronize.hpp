@@ -114,6 +114,8 @@ struct SyncLeafCollector {
 /// x may be a tuple of references: synchronize(b, std::tie(model, state)).
 template <class X>
 void synchronize(Backend& backend, X&& x, int root = 0) {
+  static_assert(!std::is_const_v<std::remove_reference_t<X>>,
+                "lockstep::synchronize writes into x: pass a non-const object");
   detail::check_root(backend, root, "synchronize");
   auto& ref = x;
   const auto sig = detail::describe(ref, false);
