@@ -127,7 +127,8 @@ inline std::vector<Measured> interleave(std::vector<Variant>& vs, int reps, int 
   return out;
 }
 
-/// Command-line options: --json PATH, --reps N, --quick, and free-form --key value pairs.
+/// Command-line options: --json PATH, --reps N, --quick, --shapes-dir DIR (where the shape
+/// lists are; sets LOCKSTEP_SHAPES_DIR), and free-form --key value pairs.
 struct Options {
   std::string json;
   int reps = 7;
@@ -146,6 +147,7 @@ struct Options {
       if (a == "--json") o.json = value();
       else if (a == "--reps") o.reps = std::stoi(value());
       else if (a == "--quick") o.quick = true;
+      else if (a == "--shapes-dir") setenv("LOCKSTEP_SHAPES_DIR", value().c_str(), 1);
       else if (a == "--help" || a == "-h") o.help = true;
       else if (a.rfind("--", 0) == 0) o.kv[a.substr(2)] = value();
       else throw std::invalid_argument("unknown argument " + a);
