@@ -286,7 +286,8 @@ int main(int argc, char** argv) {
     // --- Sweep of the bucket / chunk size ------------------------------------------------------
     if (list == sweep_list || sweep_list == "all") {
       std::vector<std::size_t> sizes;
-      for (std::size_t b = 64 * kKiB; b <= 64 * kMiB; b *= 2) sizes.push_back(b);
+      // Denser where the optimum is expected (a few MiB: cache-sized pieces), then 32 MiB.
+      sizes = {256 * kKiB, 512 * kKiB, 1 * kMiB, 2 * kMiB, 4 * kMiB, 8 * kMiB, 32 * kMiB};
       if (opt.quick) sizes = {256 * kKiB, 1 * kMiB, 4 * kMiB, 16 * kMiB};
       bench::Table t({"bucket/chunk", "raw pack buckets (sep)", "raw flat slices (flat)",
                       "DistributedOptimizer (sep)", "DistributedOptimizer (flat)", "chunked (sep)",
