@@ -5,7 +5,8 @@
 // replica; model and optimizer state are synchronized from rank 0; a DistributedDataContainer
 // deals each rank its share of every global batch (reshuffled each epoch), and the gradients are
 // averaged across ranks, so -n 1, 2 and 4 train the same model. Forward and backward use
-// OpenBLAS's cblas_sgemm.
+// OpenBLAS's cblas_sgemm; with --device cuda (builds with LOCKSTEP_WITH_CUDA) cuBLAS, see
+// train_cuda.cu (compiled, not yet run on a GPU).
 //
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --log loss.csv
@@ -19,6 +20,15 @@
 #include <cblas.h>
 #include <unistd.h>
 
+#if LOCKSTEP_TRAIN_CUDA
+#include <lockstep/cuda.hpp>
+
+#include "train_cuda.hpp"
+#endif
+#if LOCKSTEP_TRAIN_CUDA && LOCKSTEP_HAS_NCCL
+#include <lockstep/nccl.hpp>
+#endif
+
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -27,6 +37,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -137,6 +148,7 @@ Options parse_args(int argc, char** argv, int ranks) {
   require(o.backend == "mpi" || o.backend == "nccl", "--backend must be mpi or nccl, got \"" + o.backend + "\"");
   require(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, got \"" + o.device + "\"");
   require(o.init == "torch" || o.init == "flux", "--init must be torch or flux, got \"" + o.init + "\"");
+  require(o.backend != "nccl" || o.device == "cuda", "--backend nccl needs --device cuda");
   require(o.checkpoint_every >= 0, "--checkpoint-every must be >= 0");
   require(!o.resume || !o.checkpoint.empty(), "--resume needs --checkpoint PATH");
   require(o.checkpoint_every == 0 || !o.checkpoint.empty(), "--checkpoint-every needs --checkpoint PATH");
@@ -239,7 +251,8 @@ double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t sh
 std::uint32_t model_hash(const Model& m) {
   std::uint32_t crc = 0;
   ls::for_each_tensor(m, [&](const ls::Tensor& t) {
-    crc = ls::crc32c({static_cast<const std::byte*>(t.raw_data()), t.nbytes()}, crc);
+    const ls::Tensor host = t.to(ls::Device::cpu());
+    crc = ls::crc32c({static_cast<const std::byte*>(host.raw_data()), host.nbytes()}, crc);
   });
   return crc;
 }
@@ -306,6 +319,23 @@ int run(const Options& o, ls::Backend& backend) {
 
   // Each rank starts from a different random model; synchronize makes them rank 0's.
   Model model = init_model(o.seed + static_cast<std::uint64_t>(rank), o.init);
+#if LOCKSTEP_TRAIN_CUDA
+  // --device cuda: parameters, gradients and Adam state live on this rank's GPU (the NCCL
+  // backend's, or local_rank % device_count); forward and backward run with cuBLAS.
+  std::unique_ptr<train_cuda::Trainer> gpu;
+  if (o.device == "cuda") {
+    const int count = ls::cuda::device_count();
+    if (count == 0) throw ls::Error("--device cuda: no CUDA device is visible on this rank");
+    int dev = backend.local_rank() % count;
+#if LOCKSTEP_HAS_NCCL
+    if (auto* nccl = dynamic_cast<ls::NCCLBackend*>(&backend)) dev = nccl->device();
+#endif
+    ls::cuda::set_device(dev);
+    const ls::Device d = ls::Device::cuda(dev);
+    model = Model{model.w1.to(d), model.b1.to(d), model.w2.to(d), model.b2.to(d)};
+    gpu = std::make_unique<train_cuda::Trainer>(static_cast<int>(kHidden));
+  }
+#endif
   ls::synchronize(backend, model, 0);
   auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr});
   auto state = ls::setup(opt, model);
@@ -370,7 +400,19 @@ int run(const Options& o, ls::Backend& backend) {
         ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
         ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
       }
+#if LOCKSTEP_TRAIN_CUDA
+      if (gpu) {
+        Model& g = *grads;
+        sums[0] += gpu->forward_backward(model.w1.data<float>(), model.b1.data<float>(), model.w2.data<float>(),
+                                         model.b2.data<float>(), g.w1.data<float>(), g.b1.data<float>(),
+                                         g.w2.data<float>(), g.b2.data<float>(), ws.x.data(), ws.y.data(),
+                                         static_cast<int>(m));
+      } else {
+        sums[0] += forward_backward(model, *grads, ws, m);
+      }
+#else
       sums[0] += forward_backward(model, *grads, ws, m);
+#endif
       sums[1] += static_cast<double>(m);
       ls::update(state, model, *grads);
     }
@@ -423,9 +465,9 @@ int run(const Options& o, ls::Backend& backend) {
 
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
-  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
-  const int rank = backend.rank();
-  const int ranks = backend.size();
+  ls::Backend* backend = &ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend->rank();
+  const int ranks = backend->size();
 #if LOCKSTEP_TRAIN_OPENBLAS
   // Each rank runs one BLAS thread: the ranks themselves use the cores, and a fixed thread
   // count keeps the sums in a fixed order (bitwise reproducible runs).
@@ -444,11 +486,17 @@ int main(int argc, char** argv) {
 #if !LOCKSTEP_HAS_CUDA
     if (o.device == "cuda")
       throw ls::NotCompiled("--device cuda: this build has no CUDA; reconfigure with -DLOCKSTEP_WITH_CUDA=ON");
+#elif !LOCKSTEP_TRAIN_CUDA
+    if (o.device == "cuda")
+      throw ls::NotCompiled("--device cuda: the train example was built without its CUDA part");
 #endif
-    if (o.device == "cuda" || o.backend == "nccl")
-      throw ls::NotCompiled("--device cuda / --backend nccl: the train example computes on the CPU "
-                            "only so far (its cuBLAS path is not written yet)");
-    return run(o, backend);
+#if LOCKSTEP_TRAIN_CUDA && LOCKSTEP_HAS_NCCL
+    if (o.backend == "nccl") {
+      ls::initialize<ls::NCCLBackend>();
+      backend = &ls::get_distributed_backend<ls::NCCLBackend>();
+    }
+#endif
+    return run(o, *backend);
   } catch (const UsageError& e) {
     // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
     std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.msg.c_str());

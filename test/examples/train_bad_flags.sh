@@ -28,7 +28,7 @@ if grep -q '^#define LOCKSTEP_HAS_CUDA 0' "$(dirname "$EXE")/../../include/locks
   expect_usage_error 'LOCKSTEP_WITH_CUDA=ON' --device cuda
 fi
 if grep -q '^#define LOCKSTEP_HAS_NCCL 0' "$(dirname "$EXE")/../../include/lockstep/config.hpp" 2>/dev/null; then
-  expect_usage_error 'LOCKSTEP_WITH_NCCL=ON' --backend nccl
+  expect_usage_error 'LOCKSTEP_WITH_NCCL=ON' --backend nccl --device cuda
 fi
 run "$n" --help && grep -q -- '--checkpoint-every K' out.txt && pass "--help exits 0 with usage" || fail "--help"
 finish
