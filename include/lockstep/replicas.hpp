@@ -37,6 +37,31 @@ std::string describe_leaf(const S& s) {
   return describe_scalar(static_cast<double>(s), std::is_floating_point_v<S>, sizeof(S));
 }
 
+/// Index of the first tensor in `ts` holding a NaN or an infinity (ts.size() if none); `element`
+/// receives the index of the first such element and `value` its text ("nan", "inf", "-inf").
+/// Integer tensors are finite by definition; device tensors are copied to the host.
+std::size_t first_non_finite(const std::vector<Tensor*>& ts, std::int64_t* element = nullptr,
+                             std::string* value = nullptr);
+
+/// "'layers[0].w' (element 3 = nan)" for the first non-finite tensor of gs, "" if all are
+/// finite; paths() gives the tensors' paths (called only when one is found).
+template <class PathsFn>
+std::string describe_non_finite(const std::vector<Tensor*>& gs, PathsFn&& paths) {
+  std::int64_t element = 0;
+  std::string value;
+  const std::size_t k = first_non_finite(gs, &element, &value);
+  if (k == gs.size()) return "";
+  const auto p = paths();
+  return "'" + (k < p.size() ? p[k] : std::to_string(k)) + "' (element " + std::to_string(element) + " = " +
+         value + ")";
+}
+
+/// Logs (stderr) that optimizer step `step` was skipped on every rank because the reduced
+/// gradient `reduced_path` is not finite; `local_bad` (describe_non_finite of this rank's own
+/// gradients, before the reduction) names the tensor on the rank it came from. Logged by every
+/// rank that had a non-finite gradient, and by rank 0.
+void log_skipped_step(Backend& b, std::int64_t step, const std::string& local_bad, const std::string& reduced_path);
+
 /// Compares the per-leaf hashes across ranks (two small collectives when they agree); on a
 /// difference, throws MismatchError on every rank naming the first differing leaf (path_of,
 /// describe are called for that leaf only) and the ranks that disagree.

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <string>
@@ -213,4 +214,22 @@ TEST_CASE("hash_bytes tells apart what differs and agrees on what does not") {
   CHECK(ls::detail::hash_bytes(a, sizeof a) != ls::detail::hash_bytes(b2, sizeof b2));
   CHECK(ls::detail::hash_bytes(a, 3) != ls::detail::hash_bytes(a, 4));
   CHECK(ls::detail::hash_bytes(nullptr, 0) == ls::detail::hash_bytes(a, 0));
+}
+
+TEST_CASE("first_non_finite finds NaN and infinities in every floating dtype, and ignores integers") {
+  for (ls::DType t : {ls::DType::f16, ls::DType::bf16, ls::DType::f32, ls::DType::f64}) {
+    ls::Tensor a = ls::Tensor::full({3000}, 1.0, t), c = ls::Tensor::full({3000}, 2.0, t);
+    std::vector<ls::Tensor*> ts{&a, &c};
+    CHECK(ls::detail::first_non_finite(ts) == 2);
+    ls::Tensor inf = ls::Tensor::full({1}, -std::numeric_limits<double>::infinity(), t);
+    std::memcpy(static_cast<char*>(c.raw_data()) + 2999 * ls::size_of(t), inf.raw_data(), ls::size_of(t));
+    std::int64_t element = -1;
+    std::string value;
+    CHECK(ls::detail::first_non_finite(ts, &element, &value) == 1);
+    CHECK(element == 2999);
+    CHECK(value == "-inf");
+  }
+  ls::Tensor ints = ls::Tensor::full({4}, 7.0, ls::DType::i32);
+  std::vector<ls::Tensor*> ti{&ints};
+  CHECK(ls::detail::first_non_finite(ti) == 1);
 }
