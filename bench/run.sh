@@ -71,10 +71,25 @@ run_mpi() {  # run_mpi NAME RANKS ARGS...: runs bench NAME, table to NAME.md, JS
 cat "$results/machine.md"
 
 # --- benchmarks --------------------------------------------------------------------------------
-run_mpi collectives "$np" --dat "$results/collectives.dat"
+# Many short timed blocks: on a loaded machine the least disturbed of them (min-of-N) is more
+# likely to be undisturbed than one long block.
+run_mpi collectives "$np" --dat "$results/collectives.dat" --reps 15 --target-ms 5
 run_mpi gradsync "$np"
 if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
 if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi
+
+# What Lockstep adds to one small call: timed at 1 rank (where the raw in-place allreduce costs
+# almost nothing) and counted in instructions with callgrind (exact, whatever the load).
+{
+  echo "## Per-call cost at 1 rank (small sizes), and instructions per call (callgrind, 2 ranks)"
+  echo
+  "$mpiexec" -n 1 "${mpiflags[@]}" "$bin/bench_collectives" --max-bytes 2048 --reps 9 \
+    --json "$results/collectives_1rank.json" 2>/dev/null | sed -n '/^## allreduce/,/^## broadcast/p' | sed '1d;$d'
+  if command -v valgrind >/dev/null 2>&1; then
+    echo
+    "$here/profile_overhead.sh" "$build" | sed 's/^/    /'
+  fi
+} | tee "$results/overhead.md"
 
 # Training: the train example's samples/s at 1 and NP ranks, and the scaling efficiency.
 if [ -n "$train_bin" ]; then

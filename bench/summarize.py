@@ -123,6 +123,7 @@ def main():
     titles = [("collectives", "Collectives (bench_collectives)"),
               ("gradsync", "Gradient averaging (bench_gradsync)"),
               ("synchronize", "synchronize (bench_synchronize)"),
+              ("overhead", "What Lockstep adds to one small allreduce"),
               ("optimizer", "Optimizer step (bench_optimizer, 1 process)"),
               ("training", "Training (examples/train)")]
     for name, title in titles:
