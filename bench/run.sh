@@ -99,6 +99,8 @@ else
   echo "(no train example built: training scaling skipped)" | tee "$results/training.md"
 fi
 
+echo "- Load average at the end of the run: $(cut -d' ' -f1-3 /proc/loadavg) ($(date -u '+%H:%M UTC'))" >> "$results/machine.md"
+
 # --- plot --------------------------------------------------------------------------------------
 if command -v gnuplot >/dev/null 2>&1; then
   gnuplot -e "datafile='$results/collectives.dat'; outfile='$results/busbw.png'" "$here/busbw.gp" \
