@@ -33,6 +33,8 @@ struct Row {
   std::string op;
   std::size_t bytes;
   bench::Measured lockstep, raw;
+  // Allreduce only: the nonblocking forms followed by a wait (what DistributedOptimizer issues).
+  bench::Measured lockstep_nb, raw_nb;
 };
 
 }  // namespace
@@ -99,6 +101,13 @@ int main(int argc, char** argv) {
                         MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(count), MPI_FLOAT,
                                       MPI_SUM, comm);
                       }});
+        vs.push_back({"lockstep iallreduce+wait", [&] { be.iallreduce(v, ls::ReduceOp::sum).wait(); }});
+        vs.push_back({"raw MPI_Iallreduce+MPI_Wait", [&] {
+                        MPI_Request req;
+                        MPI_Iallreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, comm,
+                                       &req);
+                        MPI_Wait(&req, MPI_STATUS_IGNORE);
+                      }});
       } else {
         vs.push_back({"lockstep", [&] { be.broadcast(v, 0); }});
         vs.push_back({"raw", [&] { MPI_Bcast(buf.data(), static_cast<int>(count), MPI_FLOAT, 0, comm); }});
@@ -113,7 +122,8 @@ int main(int argc, char** argv) {
       m[0].correct = ok_ls;
       m[1].correct = ok_raw;
       all_ok = all_ok && ok_ls && ok_raw;
-      rows.push_back({op, bytes, m[0], m[1]});
+      if (is_ar) rows.push_back({op, bytes, m[0], m[1], m[2], m[3]});
+      else rows.push_back({op, bytes, m[0], m[1], {}, {}});
       if (rank == 0) {
         std::fprintf(stderr, "  %s %s: lockstep %.3g s, raw %.3g s\n", op.c_str(),
                      bench::human_bytes(static_cast<double>(bytes)).c_str(), m[0].s.median, m[1].s.median);
@@ -127,8 +137,14 @@ int main(int argc, char** argv) {
   for (const std::string op : {"allreduce", "broadcast"}) {
     if (rank == 0) std::printf("\n## %s, f32, %d ranks (median of %d repetitions; ratio = Lockstep/raw time)\n\n",
                                op.c_str(), n, reps);
-    bench::Table t({"size", "raw us", "lockstep us", "raw min us", "lockstep min us", "algbw GB/s",
-                    "busbw GB/s", "ratio med", "ratio min", "correct"});
+    std::vector<std::string> head{"size", "raw us", "lockstep us", "raw min us", "lockstep min us", "algbw GB/s",
+                                  "busbw GB/s", "ratio med", "ratio min", "correct"};
+    if (op == "allreduce") {
+      head.push_back("raw nonblocking us");
+      head.push_back("lockstep nonblocking us");
+      head.push_back("nonblocking / blocking (raw)");
+    }
+    bench::Table t(head);
     for (auto& r : rows) {
       if (r.op != op) continue;
       const double factor = op == "allreduce" ? bus_factor_ar : 1.0;
@@ -136,11 +152,17 @@ int main(int argc, char** argv) {
       const double algbw_raw = static_cast<double>(r.bytes) / r.raw.s.median / 1e9;
       const double ratio = r.lockstep.s.median / r.raw.s.median;
       const double ratio_min = r.lockstep.s.min / r.raw.s.min;
-      t.add({bench::human_bytes(static_cast<double>(r.bytes)), bench::fmt(r.raw.s.median * 1e6, 2),
-             bench::fmt(r.lockstep.s.median * 1e6, 2), bench::fmt(r.raw.s.min * 1e6, 2),
-             bench::fmt(r.lockstep.s.min * 1e6, 2), bench::fmt(algbw, 2), bench::fmt(algbw * factor, 2),
-             bench::fmt(ratio, 3), bench::fmt(ratio_min, 3),
-             (r.lockstep.correct && r.raw.correct) ? "yes" : "NO"});
+      std::vector<std::string> cells{bench::human_bytes(static_cast<double>(r.bytes)), bench::fmt(r.raw.s.median * 1e6, 2),
+                                     bench::fmt(r.lockstep.s.median * 1e6, 2), bench::fmt(r.raw.s.min * 1e6, 2),
+                                     bench::fmt(r.lockstep.s.min * 1e6, 2), bench::fmt(algbw, 2), bench::fmt(algbw * factor, 2),
+                                     bench::fmt(ratio, 3), bench::fmt(ratio_min, 3),
+                                     (r.lockstep.correct && r.raw.correct) ? "yes" : "NO"};
+      if (op == "allreduce") {
+        cells.push_back(bench::fmt(r.raw_nb.s.median * 1e6, 2));
+        cells.push_back(bench::fmt(r.lockstep_nb.s.median * 1e6, 2));
+        cells.push_back(bench::fmt(r.raw_nb.s.median / r.raw.s.median, 3));
+      }
+      t.add(cells);
       bench::Json j = bench::Json::object();
       j.set("op", op)
           .set("bytes", static_cast<std::int64_t>(r.bytes))
@@ -156,6 +178,10 @@ int main(int argc, char** argv) {
           .set("ratio_min", ratio_min)
           .set("lockstep_correct", r.lockstep.correct)
           .set("raw_correct", r.raw.correct);
+      if (op == "allreduce")
+        j.set("raw_nonblocking_median_s", r.raw_nb.s.median)
+            .set("lockstep_nonblocking_median_s", r.lockstep_nb.s.median)
+            .set("raw_nonblocking_min_s", r.raw_nb.s.min);
       jrows.push(j);
     }
     t.print();
