@@ -19,6 +19,7 @@ enum class Coll : std::int8_t { broadcast, allreduce, reduce, allgather, reduce_
                                 iallreduce, ibroadcast };
 
 class CommMonitor;
+struct DeferredCheck;
 /// Shared, so that a pending request can tell whether its communicator's monitor still exists.
 using CommMonitorPtr = std::shared_ptr<CommMonitor>;
 
@@ -46,7 +47,7 @@ struct OpRecord {
 /// collective, and counts it as pending on its communicator until destroyed. Move-only.
 class RequestWatch {
  public:
-  RequestWatch() = default;
+  RequestWatch();
   RequestWatch(std::weak_ptr<CommMonitor> monitor, const OpRecord& op);
   RequestWatch(RequestWatch&& other) noexcept;
   RequestWatch& operator=(RequestWatch&&) = delete;
@@ -61,6 +62,7 @@ class RequestWatch {
   std::weak_ptr<CommMonitor> monitor_;
   OpRecord op_;
   bool counted_ = false;
+  std::unique_ptr<DeferredCheck> check_;  // the fingerprint check issued with the operation
 };
 
 /// A watch for the nonblocking collective being issued in the current CollectiveScope on this

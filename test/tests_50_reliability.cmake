@@ -59,6 +59,13 @@ lockstep_add_fault_test(NAME shape
   EXPECT "MismatchError" "disagree on the element count" "rank 1: allreduce #3 (f32 x 15, op sum) at fault_program.cpp"
          "rank 0: allreduce #3 (f32 x 16, op sum)" "No data was exchanged")
 
+# The same for a nonblocking collective: its check travels with it and is completed in wait(),
+# which throws on every rank (the operation was already issued: the backend is then unusable).
+lockstep_add_fault_test(NAME shape_nonblocking MODE nonblocking
+  ENV LOCKSTEP_CHECK=always "LOCKSTEP_FAULT=rank=1,kind=shape,after=3"
+  EXPECT "MismatchError" "disagree on the element count" "rank 1: iallreduce #3 (f32 x 15, op sum)"
+         "rank 0: iallreduce #3 (f32 x 16, op sum)" "already issued")
+
 # A rank passes another dtype: caught at level first too (collective #2 is the 3rd call of its site).
 lockstep_add_fault_test(NAME dtype
   ENV LOCKSTEP_CHECK=first:5 "LOCKSTEP_FAULT=rank=1,kind=dtype,after=2"

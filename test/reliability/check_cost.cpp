@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   std::vector<double> small(std::size(modes));
   ls::Tensor one = ls::Tensor::full({1}, 1.0);
   const int small_iters = 2000;
+  for (int i = 0; i < small_iters; ++i) ls::allreduce(b, one, ls::ReduceOp::sum);  // warm-up
   for (std::size_t m = 0; m < std::size(modes); ++m) {
     ls::set_check_level(modes[m].level, 3);
     ls::set_timeout(modes[m].timeout);
