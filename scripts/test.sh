@@ -54,7 +54,20 @@ stage_cuda() {
   [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ]
 }
 
-STAGES=(deps core cuda)
+# AddressSanitizer + UndefinedBehaviorSanitizer build of the core and its tests, running the unit
+# and MPI tests (Open MPI's own leaks suppressed, each suppression commented). About 10-15 min
+# on 2 cores. See scripts/ci-sanitize.sh.
+stage_sanitize() {
+  BUILD_DIR="$ROOT/${LOCKSTEP_ASAN_BUILD_DIR:-build-asan}" JOBS=$JOBS bash scripts/ci-sanitize.sh
+}
+
+# libFuzzer over the checkpoint reader, for LOCKSTEP_FUZZ_SECONDS (default 60), from the corpus
+# in test/fuzz/corpus. See scripts/ci-fuzz.sh.
+stage_fuzz() {
+  BUILD_DIR="$ROOT/${LOCKSTEP_FUZZ_BUILD_DIR:-build-fuzz}" JOBS=$JOBS bash scripts/ci-fuzz.sh
+}
+
+STAGES=(deps core cuda sanitize fuzz)
 
 # --- driver -------------------------------------------------------------------------------
 # In a function, called on the last line: bash then reads the whole file before running any of
