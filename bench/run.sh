@@ -51,11 +51,12 @@ fi
 
 mkdir -p "$results"
 bin=$build/bench
-run_mpi() {  # run_mpi NAME RANKS ARGS...: runs bench NAME, table to NAME.md, JSON to NAME.json
+run_mpi() {  # run_mpi NAME RANKS ARGS...: runs bench_NAME (or $BENCH_EXE), table to NAME.md, JSON to NAME.json
   local name=$1 ranks=$2
+  local exe=${BENCH_EXE:-bench_$name}
   shift 2
   echo "== $name ($ranks rank(s))" >&2
-  "$mpiexec" -n "$ranks" "${mpiflags[@]}" "$bin/bench_$name" --json "$results/$name.json" "${quick[@]}" "$@" \
+  "$mpiexec" -n "$ranks" "${mpiflags[@]}" "$bin/$exe" --json "$results/$name.json" "${quick[@]}" "$@" \
     | tee "$results/$name.md"
 }
 
@@ -74,6 +75,10 @@ cat "$results/machine.md"
 # Many short timed blocks: on a loaded machine the least disturbed of them (min-of-N) is more
 # likely to be undisturbed than one long block.
 run_mpi collectives "$np" --dat "$results/collectives.dat" --reps 15 --target-ms 5
+# The same allreduce sizes with libnbc's ring algorithm for the nonblocking allreduce (Open MPI's
+# default for 2 ranks is slower than its blocking allreduce, see docs/performance.md).
+BENCH_EXE=bench_collectives OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 run_mpi collectives_nbring "$np" --max-bytes 33554432 \
+  --reps 15 --target-ms 5
 run_mpi gradsync "$np"
 if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
 if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi

@@ -121,6 +121,7 @@ def main():
             parts.append("| %s | %s | %s | %s |" % (name, measured, limit, "yes" if met else "**no**"))
         parts.append("")
     titles = [("collectives", "Collectives (bench_collectives)"),
+              ("collectives_nbring", "Collectives again, with OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 (ring)"),
               ("gradsync", "Gradient averaging (bench_gradsync)"),
               ("synchronize", "synchronize (bench_synchronize)"),
               ("overhead", "What Lockstep adds to one small allreduce"),
