@@ -132,8 +132,13 @@ def main():
         if body is None:
             continue
         # The benchmarks' own "## ..." headings become level-4 headings under this section.
-        body = "\n".join(("##" + l) if l.startswith("## ") or l.startswith("# ") else l
-                         for l in body.splitlines())
+        def demote(l):
+            if l.startswith("# "):
+                return "####" + l[1:]
+            if l.startswith("## "):
+                return "#####" + l[2:]
+            return l
+        body = "\n".join(demote(l) for l in body.splitlines())
         parts += ["### " + title, "", body, ""]
         if name == "collectives" and os.path.exists(os.path.join(results, "busbw.png")):
             rel = os.path.relpath(os.path.join(results, "busbw.png"), os.path.dirname(os.path.abspath(doc)))
