@@ -184,7 +184,7 @@ inline std::string shapes_dir() {
 #ifdef LOCKSTEP_BENCH_SHAPES_DIR
   return LOCKSTEP_BENCH_SHAPES_DIR;
 #else
-  return "../shared/bench";
+  return "bench/shapes";
 #endif
 }
 

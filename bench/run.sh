@@ -9,7 +9,7 @@
 # Usage: bench/run.sh [--quick] [--no-docs]
 # Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results),
 #   MPIEXEC (mpiexec), LOCKSTEP_BENCH_MPIFLAGS (extra mpiexec flags, default "--bind-to none"),
-#   LOCKSTEP_SHAPES_DIR (shape lists, default ../shared/bench beside the repository),
+#   LOCKSTEP_SHAPES_DIR (shape lists, default bench/shapes),
 #   LOCKSTEP_CHECK (passed through: measures the reliability checks' cost).
 set -euo pipefail
 
@@ -27,7 +27,7 @@ for a in "$@"; do
   case $a in
     --quick) quick=(--quick) ;;
     --no-docs) docs=0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $a" >&2; exit 2 ;;
   esac
 done
