@@ -2,6 +2,7 @@
 """Builds the generated section of docs/performance.md from a bench/run.sh results folder.
 
 Usage: summarize.py RESULTS_DIR DOC_PATH
+       summarize.py --targets RESULTS_DIR     (prints the target table only)
 
 Reads RESULTS_DIR/{machine,collectives,gradsync,synchronize,optimizer,training}.md (the tables the
 benchmarks printed) and the matching .json files (for the target table), and replaces the text
@@ -104,7 +105,17 @@ def targets(results):
     return out
 
 
+def targets_table(results):
+    lines = ["| target | measured (ratio of medians; of minima) | limit | met (medians) |", "|---|---|---|---|"]
+    for name, measured, limit, met in targets(results):
+        lines.append("| %s | %s | %s | %s |" % (name, measured, limit, "yes" if met else "**no**"))
+    return "\n".join(lines)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--targets":
+        print(targets_table(sys.argv[2]))  # the target table alone, for a second run's folder
+        return
     results, doc = sys.argv[1], sys.argv[2]
     parts = [BEGIN, ""]
     parts.append("Produced by `bench/run.sh` (median of the repetitions unless a column says min; "
