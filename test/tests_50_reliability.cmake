@@ -97,6 +97,13 @@ lockstep_add_fault_test(NAME delay_checked RANKS 3
   ENV LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=5,seconds=6"
   EXPECT "TimeoutError" "Behind (not yet in collective #5): rank 1." "the fingerprint check of allreduce #5")
 
+# A rank's contribution to a gradient bucket turns NaN in transit (kind=nan on collective #7, an
+# iallreduce of DistributedOptimizer): every rank skips that step, counts it, and stays in step
+# (check_replicas runs after every applied step).
+lockstep_add_fault_test(NAME nan_gradient MODE optimizer STEPS 8
+  ENV "LOCKSTEP_FAULT=rank=1,kind=nan,after=7"
+  EXPECT "OK skipped=1 applied=7" "!Error")
+
 # LOCKSTEP_TIMEOUT_ACTION=abort: the job ends through MPI_Abort with the blame printed.
 lockstep_add_fault_test(NAME delay_abort RANKS 2 3 ABORT
   ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TIMEOUT_ACTION=abort "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=20"

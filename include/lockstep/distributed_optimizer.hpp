@@ -37,6 +37,7 @@
 
 #include "lockstep/backend.hpp"
 #include "lockstep/rules.hpp"
+#include "lockstep/replicas.hpp"
 #include "lockstep/synchronize.hpp"
 
 namespace lockstep {
@@ -52,6 +53,14 @@ struct DistributedOptions {
   ReduceOp op = ReduceOp::avg;
   /// Micro-batches per optimizer step (1: no accumulation).
   int accumulation_steps = 1;
+  /// If a gradient holds a NaN or an infinity on any rank, every rank skips the step (the
+  /// parameters and the rule's state are left as they were); counted by
+  /// DistributedState::skipped_steps(), and the rank it came from logs the tensor. No extra
+  /// collective: a NaN or Inf on any rank makes the reduced gradient non-finite on every rank,
+  /// so the decision is taken on the reduced values (see docs/reliability.md).
+  bool skip_non_finite = false;
+  /// Run check_replicas on the model and the optimizer state every K optimizer steps (0: never).
+  int check_replicas_every = 0;
 };
 
 namespace detail {
@@ -131,8 +140,9 @@ class DistributedOptimizer {
 template <OptimizerRule R>
 class DistributedState {
  public:
-  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer)
-      : inner(std::move(inner)), reducer_(std::move(reducer)) {}
+  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer,
+                   DistributedOptions options = {})
+      : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {}
 
   /// The wrapped rule's state (rule hyperparameters, step count, slots).
   OptState<R> inner;
@@ -151,8 +161,19 @@ class DistributedState {
   const detail::GradReducer& reducer() const noexcept { return *reducer_; }
   detail::GradReducer& reducer() noexcept { return *reducer_; }
 
+  /// The options of the DistributedOptimizer this state was set up with.
+  const DistributedOptions& options() const noexcept { return options_; }
+  /// Optimizer steps skipped because a gradient was not finite (skip_non_finite), and steps
+  /// applied; the same on every rank.
+  std::int64_t skipped_steps() const noexcept { return skipped_; }
+  std::int64_t applied_steps() const noexcept { return applied_; }
+  /// Counts a skipped or an applied step (used by update()).
+  void count_step(bool skipped) noexcept { ++(skipped ? skipped_ : applied_); }
+
  private:
   std::unique_ptr<detail::GradReducer> reducer_;
+  DistributedOptions options_;
+  std::int64_t skipped_ = 0, applied_ = 0;
 };
 
 template <class R, class V>
@@ -184,7 +205,7 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
   });
   auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), opt.options(),
                                                        std::move(leaves), std::move(paths));
-  return DistributedState<R>(setup(opt.rule(), model), std::move(reducer));
+  return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), opt.options());
 }
 
 /// Reduces the gradients across ranks (or, in an accumulate-only micro-step, only accumulates
@@ -198,8 +219,25 @@ void update(DistributedState<R>& state, M& model, G& grads) {
     red.accumulate();
     return;
   }
+  // Reliability (docs/reliability.md): non-finite gradients skip the step on every rank; the
+  // replicas are compared every K steps.
+  const DistributedOptions& o = state.options();
+  std::string local_bad;
+  if (o.skip_non_finite) local_bad = detail::describe_non_finite(gs, [&] { return detail::trainable_paths(grads); });
   const auto& reduced = red.reduce();
+  if (o.skip_non_finite) {
+    const std::size_t bad = detail::first_non_finite(reduced);
+    if (bad < reduced.size()) {
+      state.count_step(true);
+      detail::log_skipped_step(red.backend(), state.skipped_steps() + state.applied_steps(), local_bad,
+                               detail::trainable_paths(grads)[bad]);
+      return;
+    }
+  }
   update_leaves(state.inner, params, reduced);
+  state.count_step(false);
+  if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
+    check_replicas(red.backend(), std::tie(model, state.inner));
 }
 
 /// Adds grads into the state's accumulator without communicating or stepping (PyTorch's

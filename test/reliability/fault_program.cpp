@@ -3,9 +3,11 @@
 // and LOCKSTEP_TIMEOUT. Each rank writes what happened ("OK" or "<ErrorType>: <message>") to
 // <outdir>/rank<R>.txt, which run_fault.sh then checks rank by rank.
 //
-// Usage: fault_program <outdir> [steps] [blocking|nonblocking]
+// Usage: fault_program <outdir> [steps] [blocking|nonblocking|optimizer]
 //   nonblocking: the loop's allreduce is an iallreduce followed by wait() (as DistributedOptimizer
 //   reduces its buckets), so that the deadline of Request::wait is exercised.
+//   optimizer: `steps` DistributedOptimizer(SGD) updates with skip_non_finite and
+//   check_replicas_every = 1; reports "OK skipped=S applied=A".
 #include <mpi.h>
 
 #include <chrono>
@@ -51,6 +53,23 @@ std::string run(ls::MPIBackend& b, int steps, bool nonblocking) {
   return finite ? "OK" : "OK (non-finite values in the result)";
 }
 
+struct Params {
+  ls::Tensor w, b;
+};
+LOCKSTEP_FIELDS(Params, w, b)
+
+std::string run_optimizer(ls::MPIBackend& b, int steps) {
+  Params model{ls::Tensor::full({16}, 1.0), ls::Tensor::full({3}, 0.5)};
+  auto opt = ls::DistributedOptimizer(
+      b, ls::SGD{.lr = 0.1f}, ls::DistributedOptions{.skip_non_finite = true, .check_replicas_every = 1});
+  auto state = ls::setup(opt, model);
+  for (int step = 0; step < steps; ++step) {
+    Params grads{ls::Tensor::full({16}, 1.0), ls::Tensor::full({3}, 2.0)};
+    ls::update(state, model, grads);
+  }
+  return "OK skipped=" + std::to_string(state.skipped_steps()) + " applied=" + std::to_string(state.applied_steps());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -65,7 +84,8 @@ int main(int argc, char** argv) {
   try {
     ls::initialize<ls::MPIBackend>();
     auto& b = ls::get_distributed_backend<ls::MPIBackend>();
-    report(outdir, run(b, steps, nonblocking));
+    const bool optimizer = argc > 3 && std::string(argv[3]) == "optimizer";
+    report(outdir, optimizer ? run_optimizer(b, steps) : run(b, steps, nonblocking));
   } catch (const ls::MismatchError& e) {
     report(outdir, std::string("MismatchError: ") + e.what());
     code = 3;

@@ -233,3 +233,39 @@ TEST_CASE("first_non_finite finds NaN and infinities in every floating dtype, an
   std::vector<ls::Tensor*> ti{&ints};
   CHECK(ls::detail::first_non_finite(ti) == 1);
 }
+
+TEST_CASE("skip_non_finite: a NaN on one rank skips the step on every rank, counted and named") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  Net model = make_net();
+  Net grads = make_net();
+  auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 0.5f},
+                                      ls::DistributedOptions{.skip_non_finite = true, .check_replicas_every = 1});
+  auto state = ls::setup(opt, model);
+  const float w0 = model.layers[1].w.data<float>()[0];
+  ls::update(state, model, grads);  // a normal step: w -= 0.5 * 1.5
+  const float w1 = model.layers[1].w.data<float>()[0];
+  CHECK(w1 == w0 - 0.5f * 1.5f);
+  // The last rank's gradient gets a NaN (an infinity on a single rank): every rank skips.
+  if (b.rank() == b.size() - 1) {
+    grads.layers[1].w.data<float>()[5] = std::numeric_limits<float>::quiet_NaN();
+    grads.layers[2].b.data<float>()[0] = std::numeric_limits<float>::infinity();
+  }
+  ls::update(state, model, grads);
+  CHECK(model.layers[1].w.data<float>()[0] == w1);  // unchanged
+  CHECK(state.skipped_steps() == 1);
+  CHECK(state.applied_steps() == 1);
+  // The next finite step is applied again (every rank still agrees: check_replicas runs each step).
+  Net good = make_net();
+  ls::update(state, model, good);
+  CHECK(model.layers[1].w.data<float>()[0] == w1 - 0.5f * 1.5f);
+  CHECK(state.applied_steps() == 2);
+  std::vector<ls::Tensor*> gs{&good.layers[0].w, &grads.layers[1].w};
+  std::int64_t element = -1;
+  std::string value;
+  if (b.rank() == b.size() - 1) {
+    CHECK(ls::detail::first_non_finite(gs, &element, &value) == 1);
+    CHECK(element == 5);
+    CHECK(value == "nan");
+  }
+}
+
