@@ -160,6 +160,18 @@ struct Options {
   }
 };
 
+/// "a,b,c" -> {"a", "b", "c"} (empty items dropped).
+inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  for (std::size_t a = 0; a <= s.size();) {
+    auto b = s.find(',', a);
+    if (b == std::string::npos) b = s.size();
+    if (b > a) out.push_back(s.substr(a, b - a));
+    a = b + 1;
+  }
+  return out;
+}
+
 /// One parameter tensor of a shape list: name and element count.
 struct Param {
   std::string name;

@@ -109,7 +109,6 @@ class DistAverage {
     red.reduce();
   }
   std::size_t buckets() const { return state_->reducer().bucket_count(); }
-  std::size_t zero_copy() const { return state_->reducer().zero_copy_buckets(); }
 
  private:
   std::vector<ls::Tensor> grads_;
@@ -137,16 +136,7 @@ int main(int argc, char** argv) {
   const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
   const std::size_t default_chunk = std::stoull(opt.get("chunk-bytes", std::to_string(4 * kMiB)));
 
-  std::vector<std::string> lists;
-  {
-    std::string s = opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small");
-    for (std::size_t a = 0; a <= s.size();) {
-      auto b = s.find(',', a);
-      if (b == std::string::npos) b = s.size();
-      if (b > a) lists.push_back(s.substr(a, b - a));
-      a = b + 1;
-    }
-  }
+  const auto lists = bench::split_list(opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small"));
   const std::string sweep_list = opt.get("sweep-list", "resnet50");
 
   bench::Json jlists = bench::Json::array();
@@ -199,7 +189,7 @@ int main(int argc, char** argv) {
         const std::string name = "lockstep: DistributedOptimizer (" + size_label(ls::kDefaultBucketBytes) +
                                  " buckets, " + std::to_string(dist->buckets()) + ")";
         auto body = [dist] { dist->run(); };
-        vs.push_back(is_flat ? flat_variant(name, body) : sep_variant(name, body));
+        vs.push_back(sep_or_flat(is_flat, name, body));
 #ifdef BENCH_HAS_CHECK_LEVELS
         // The cost of the collective fingerprint checks, in the same run: the same averaging with
         // LOCKSTEP_CHECK=always for this call only (the level is process-wide, set on every rank).

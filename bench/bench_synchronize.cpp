@@ -108,18 +108,8 @@ int main(int argc, char** argv) {
   const int rank = be.rank(), n = be.size();
   MPI_Comm comm = be.comm();
   const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
-  auto split = [](const std::string& s) {
-    std::vector<std::string> out;
-    for (std::size_t a = 0; a <= s.size();) {
-      auto b = s.find(',', a);
-      if (b == std::string::npos) b = s.size();
-      if (b > a) out.push_back(s.substr(a, b - a));
-      a = b + 1;
-    }
-    return out;
-  };
-  const auto lists = split(opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small"));
-  const auto flat_lists = split(opt.get("flat-lists", "resnet50"));
+  const auto lists = bench::split_list(opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small"));
+  const auto flat_lists = bench::split_list(opt.get("flat-lists", "resnet50"));
 
   bench::Json jall = bench::Json::array();
   bool all_ok = true;
