@@ -662,6 +662,22 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
   return ck;
 }
 
+// A writer killed between mkstemp and rename leaves its temporary file behind. Once a new
+// checkpoint of the same path is safely in place, those leftovers are garbage: remove them.
+// Best effort: a failure here never fails the save that already succeeded.
+void remove_stale_temporaries(const std::filesystem::path& path) {
+  const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
+  const std::string prefix = "." + path.filename().string() + ".tmp.";
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() == prefix.size() + 6 && name.compare(0, prefix.size(), prefix) == 0) {
+      std::error_code ignored;
+      std::filesystem::remove(it->path(), ignored);
+    }
+  }
+}
+
 void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes) {
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
   std::string tmpl = (dir / ("." + path.filename().string() + ".tmp.XXXXXX")).string();
@@ -693,6 +709,7 @@ void write_file_atomically(const std::filesystem::path& path, std::span<const st
   Fd d;
   d.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (d.fd < 0 || ::fsync(d.fd) != 0) throw CheckpointError(os_error("cannot fsync directory", dir));
+  remove_stale_temporaries(path);
 }
 
 void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck) {
