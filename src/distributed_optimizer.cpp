@@ -321,7 +321,9 @@ Backend& GradReducer::backend() const noexcept { return *impl_->backend; }
 
 std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
   std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
-                         " accumulation_steps=", o.accumulation_steps, ";");
+                         " accumulation_steps=", o.accumulation_steps,
+                         " skip_non_finite=", o.skip_non_finite,
+                         " check_replicas_every=", o.check_replicas_every, ";");
   for (const auto& l : leaves) s += concat(name(l.dtype), ":", l.numel, ":", to_string(l.device), ";");
   return s;
 }

@@ -220,6 +220,19 @@ TEST_CASE("mismatched structures throw MismatchError on every rank, naming the l
       expect(msg.find("b2") != std::string::npos, "DistributedOptimizer setup message");
     }
   }
+  {  // the same model, but the last rank skips non-finite steps and the others do not
+    Mlp m = make_mlp(1);
+    ls::DistributedOptions o;
+    o.skip_non_finite = rank == last;
+    auto opt = ls::DistributedOptimizer(b, ls::Adam{}, o);
+    try {
+      auto st = ls::setup(opt, m);
+      expect(false, "DistributedOptimizer setup with different options did not throw");
+    } catch (const ls::MismatchError& e) {
+      msg = e.what();
+      expect(msg.find("skip_non_finite") != std::string::npos, "DistributedOptimizer options message");
+    }
+  }
   // The ranks are still in step: a collective after all that completes.
   INFO(why);
   CHECK(all_ranks(b, ok));
