@@ -42,7 +42,7 @@ struct GradReducer::Impl {
     int remaining = 0;  // leaves not yet reported ready
     bool launched = false;
     bool staged = false;  // reduced in `work` and unpacked afterwards
-    Request request;
+    std::vector<Request> requests;  // one per slice of at most bucket_bytes
   };
 
   Backend* backend;
@@ -166,16 +166,27 @@ struct GradReducer::Impl {
       b.staged = true;
       target = b.work.view();
     }
-    b.request = backend->iallreduce(target, options.op);
+    // A bucket larger than bucket_bytes (one large tensor) is reduced in slices of bucket_bytes:
+    // each slice's reduction then works in cache, which one large reduction does not.
+    // bucket_bytes == 0 (one bucket per tensor) keeps each tensor whole.
+    const std::int64_t step =
+        options.bucket_bytes == 0
+            ? target.numel
+            : std::max<std::int64_t>(1, static_cast<std::int64_t>(options.bucket_bytes / size_of(b.dtype)));
+    b.requests.clear();
+    for (std::int64_t off = 0; off < target.numel; off += step)
+      b.requests.push_back(
+          backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), options.op));
   }
 
   // Gives MPI a chance to progress the requests in flight (no progress thread in Open MPI).
   void poke() {
     for (std::size_t i = 0; i < next_launch; ++i) {
-      auto& r = buckets[i].request;
-      if (r.pending()) {
-        r.test();
-        break;
+      for (auto& r : buckets[i].requests) {
+        if (r.pending()) {
+          r.test();
+          return;
+        }
       }
     }
   }
@@ -185,7 +196,7 @@ struct GradReducer::Impl {
   }
 
   void finish(Bucket& b) {
-    b.request.wait();
+    for (auto& r : b.requests) r.wait();
     if (b.numel == 0) return;
     if (accumulated > 0) {
       if (options.op == ReduceOp::avg) {

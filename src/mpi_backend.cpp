@@ -764,6 +764,12 @@ void MPIBackend::initialize_global() {
   MPI_Finalized(&fin);
   if (fin) throw Error("initialize<MPIBackend>: MPI was already finalised; it cannot be initialised again");
   if (!init) {
+    // DistributedOptimizer reduces its buckets with MPI_Iallreduce. Open MPI's default
+    // nonblocking allreduce algorithm is 1.3-2.7x slower than its blocking one on 8 KiB and up;
+    // its ring algorithm is not (bench_gradsync, docs/performance.md). Only a default: a value
+    // the user set wins, other MPIs ignore the variable, and a program that starts MPI itself
+    // keeps its own settings.
+    ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);

@@ -433,11 +433,9 @@ class CommMonitor {
 
   /// Enters a collective; returns false if an injected skip fault says not to take part.
   bool enter(Coll coll, TensorView* data, std::int64_t count, int op, int root) {
-    std::int64_t seq;
-    {
-      std::lock_guard lock(mutex_);
-      seq = started_;
-    }
+    // Only this thread writes started_ (under the mutex, for the watchdog's reads), so reading
+    // it here needs no lock; one lock per collective on the common path keeps the hook cheap.
+    const std::int64_t seq = started_;
     // Fault injection happens before the rank counts as inside the collective, so that a delayed
     // rank looks like a rank that has not arrived yet (which is what it simulates).
     const FaultSpec& f = fault_spec();
@@ -495,8 +493,6 @@ class CommMonitor {
     if (check) {
       if (coll == Coll::iallreduce || coll == Coll::ibroadcast) start_deferred(fp, site);
       else compare_fingerprints(fp, site);
-    }
-    {
       std::lock_guard lock(mutex_);
       checking_ = false;
     }
