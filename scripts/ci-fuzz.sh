@@ -11,6 +11,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build-fuzz}
 jobs=${JOBS:-2}
 seconds=${LOCKSTEP_FUZZ_SECONDS:-60}
+# A fixed seed by default, so that CI explores the same inputs on every run and a red run can be
+# reproduced; LOCKSTEP_FUZZ_SEED=0 lets libFuzzer pick one (for longer exploratory runs).
+seed=${LOCKSTEP_FUZZ_SEED:-1}
 cxx=${CXX:-clang++-14}
 
 # The library is compiled with coverage instrumentation (fuzzer-no-link); the target links the
@@ -29,4 +32,4 @@ cd "$build"
 # -timeout: one input taking over 10 s is a hang; -rss_limit_mb: a huge allocation from a
 # small file is a bug (the reader must check sizes against the file before allocating).
 ./test/lockstep_fuzz_checkpoint "$scratch" "$root/test/fuzz/corpus" \
-  -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1
+  -max_total_time="$seconds" -seed="$seed" -timeout=10 -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1

@@ -572,6 +572,9 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     }
     const std::string what = "tensor \"" + key + "\"";
     if (key.empty()) fail("a tensor has an empty name");
+    // The writer refuses these names (safetensors reserves "__" for __metadata__), so a file
+    // holding one is refused too: whatever parses can be written back unchanged.
+    if (key.starts_with("__")) fail(what + ": names starting with \"__\" are reserved for __metadata__");
     if (v.kind != Json::Kind::object) fail(what + " must be an object, not " + kind_name(v.kind));
     const Json* dtype = nullptr;
     const Json* shape = nullptr;

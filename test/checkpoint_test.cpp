@@ -236,6 +236,7 @@ TEST_CASE("hand-made bad headers get a message naming the problem", "[checkpoint
        "duplicate key"},
       {R"({"x":[1]})", "must be an object"},
       {R"({"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "empty name"},
+      {R"({"__t.step":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "reserved for __metadata__"},
       {R"({"__metadata__":{"a":1},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "must be a string"},
       {R"({"__metadata__":[],"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", "must be an object"},
       {R"({"__metadata__":{"lockstep.format":"2"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
