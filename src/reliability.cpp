@@ -44,7 +44,22 @@ struct Settings {
   std::atomic<int> first_calls{3};
   std::atomic<double> timeout_s{0.0};
   std::atomic<TimeoutAction> action{TimeoutAction::throw_error};
+  // True while the check level is off and there is no deadline: collectives then take the
+  // hook's fast path (see CommMonitor::enter_fast). Derived from level and timeout_s by
+  // update_quiet(), under quiet_mutex so that two setters on two threads cannot leave it stale.
+  std::atomic<bool> quiet{true};
+  std::mutex quiet_mutex;
 };
+
+// A namespace-scope object (constant-initialised), so that the per-collective fast path reads
+// `quiet` without a function-local static guard or std::call_once; settings() fills it from the
+// environment on first use, and every CommMonitor calls settings() when it is created.
+Settings g_settings;
+
+void update_quiet(Settings& s) {
+  std::lock_guard lock(s.quiet_mutex);
+  s.quiet.store(s.level.load() == CheckLevel::off && !(s.timeout_s.load() > 0));
+}
 
 std::string lower(std::string s) {
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -52,7 +67,7 @@ std::string lower(std::string s) {
 }
 
 Settings& settings() {
-  static Settings s;
+  Settings& s = g_settings;
   static std::once_flag once;
   // The environment is read once, on first use; a bad value is an error rather than a silent
   // default, because a user who asked for checks believes they are on.
@@ -87,6 +102,7 @@ Settings& settings() {
       else if (v == "abort") s.action = TimeoutAction::abort;
       else throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT_ACTION=", env, ": expected throw or abort"));
     }
+    update_quiet(s);
   });
   return s;
 }
@@ -99,6 +115,7 @@ void set_check_level(CheckLevel level, int first_calls) {
   LOCKSTEP_CHECK_ARG(first_calls >= 1, "set_check_level: first_calls must be >= 1, got ", first_calls);
   settings().level = level;
   settings().first_calls = first_calls;
+  update_quiet(settings());
 }
 CheckLevel check_level() { return settings().level; }
 int check_first_calls() { return settings().first_calls; }
@@ -107,6 +124,7 @@ void set_timeout(double seconds) {
   LOCKSTEP_CHECK_ARG(seconds >= 0 && std::isfinite(seconds),
                      "set_timeout: seconds must be finite and >= 0 (0 disables), got ", seconds);
   settings().timeout_s = seconds;
+  update_quiet(settings());
 }
 double timeout() { return settings().timeout_s; }
 void set_timeout_action(TimeoutAction action) {
@@ -349,6 +367,13 @@ void copy_text(char (&dst)[kTextBytes], const std::string& s) {
 // CommMonitor
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+// CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
+// its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
+// thread_local access is a call); while it is not, collectives take the slow path.
+std::atomic<int> g_deadline_scopes{0};
+}  // namespace
+
 /// The fingerprint check of a nonblocking collective: issued with it, completed in its wait, so
 /// that checks do not serialise the buckets in flight.
 struct DeferredCheck {
@@ -368,7 +393,8 @@ class CommMonitor {
     MPI_Comm_set_errhandler(check_, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN);
     (void)settings();  // a bad environment variable fails at creation, on every rank alike
-    (void)fault_spec();
+    const FaultSpec& f = fault_spec();
+    fault_pending_ = f.kind != FaultKind::none && f.rank == rank_;
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
     // Without MPI_THREAD_MULTIPLE there is no watchdog; a timed-out rank then names the ranks
@@ -395,14 +421,9 @@ class CommMonitor {
   int pending() const noexcept { return pending_.load(); }
   bool stalled() const noexcept { return stalled_.load(); }
 
-  /// The collective this monitor is inside (for the request being issued in it).
-  OpRecord current_record() {
-    std::lock_guard lock(mutex_);
-    OpRecord r;
-    std::copy(std::begin(current_.v), std::end(current_.v), r.v);
-    r.site = current_site_;
-    return r;
-  }
+  /// The nonblocking collective this monitor is issuing (for its request). Only the thread
+  /// inside that collective's CollectiveScope calls this.
+  const OpRecord& current_record() const noexcept { return issuing_; }
 
   /// Waits for the requests of a nonblocking collective, with the deadline and blame of a
   /// blocking one (the deadline counts from the start of the wait).
@@ -413,6 +434,7 @@ class CommMonitor {
     {
       std::lock_guard lock(mutex_);
       in_collective_ = true;
+      fast_current_ = -1;
       checking_ = false;
       waiting_request_ = true;
       std::copy(std::begin(op.v), std::end(op.v), current_.v);
@@ -431,16 +453,50 @@ class CommMonitor {
 
   // --- called by CollectiveScope, on the thread running the collective --------------------------
 
+  /// Whether a collective entered now may take the fast path: nothing to check, no deadline
+  /// (and no collective under a deadline anywhere in the process, so that guarded_* calls can
+  /// tell from one global counter that they need not look further), no fault to inject.
+  bool fast_ok() const noexcept {
+    return !fault_pending_ && g_settings.quiet.load(std::memory_order_relaxed) &&
+           g_deadline_scopes.load(std::memory_order_relaxed) == 0;
+  }
+
+  /// The fast path of enter(), when fast_ok(): the collective takes its sequence number (and
+  /// the stall check), nothing more. Nothing is recorded under the mutex and the clock is not
+  /// read: the watchdog needs the current collective's record only to answer another rank whose
+  /// deadline passed, which the settings (the same on every rank) rule out here; what it answers
+  /// then is the counters and the operation and sequence number in fast_current_ / fast_last_.
+  void enter_fast(Coll coll) {
+    throw_if_stalled();
+    // Only the thread running collectives on this communicator writes started_ and completed_
+    // (one collective at a time, as MPI requires); the watchdog only reads them.
+    const std::int64_t seq = started_.load(std::memory_order_relaxed);
+    fast_current_.store(pack(seq, coll), std::memory_order_relaxed);
+    started_.store(seq + 1, std::memory_order_relaxed);
+    in_collective_.store(true, std::memory_order_relaxed);
+    deadline_ = false;
+  }
+
+  /// The fast path of leave(), for a collective entered by enter_fast(). It counts the
+  /// collective as completed even when it is left by an exception: telling the two apart costs
+  /// two std::uncaught_exceptions() calls, about as much as the rest of the fast path, and the
+  /// count only shows in the status text another rank prints after its deadline passed.
+  void leave_fast() noexcept {
+    in_collective_.store(false, std::memory_order_relaxed);
+    fast_last_.store(fast_current_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+
   /// Enters a collective; returns false if an injected skip fault says not to take part.
   bool enter(Coll coll, TensorView* data, std::int64_t count, int op, int root) {
-    // Only this thread writes started_ (under the mutex, for the watchdog's reads), so reading
-    // it here needs no lock; one lock per collective on the common path keeps the hook cheap.
-    const std::int64_t seq = started_;
+    // Only this thread writes started_, so reading it here needs no lock; one lock per
+    // collective keeps this path cheap too.
+    const std::int64_t seq = started_.load(std::memory_order_relaxed);
     // Fault injection happens before the rank counts as inside the collective, so that a delayed
     // rank looks like a rank that has not arrived yet (which is what it simulates).
     const FaultSpec& f = fault_spec();
-    if (f.kind != FaultKind::none && !fault_fired_ && f.rank == rank_ && seq == f.after) {
-      fault_fired_ = true;
+    if (fault_pending_ && seq == f.after) {
+      fault_pending_ = false;
       const auto unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                std::chrono::system_clock::now().time_since_epoch())
                                .count();
@@ -480,10 +536,16 @@ class CommMonitor {
     fp.v[5] = seq;
     const CallSite site = t_call_site;
     const bool check = should_check(site);
+    deadline_ = timeout() > 0;
+    if (coll == Coll::iallreduce || coll == Coll::ibroadcast) {
+      std::copy(std::begin(fp.v), std::end(fp.v), issuing_.v);
+      issuing_.site = site;
+    }
     {
       std::lock_guard lock(mutex_);
-      ++started_;
+      started_.store(seq + 1, std::memory_order_relaxed);
       in_collective_ = true;
+      fast_current_ = -1;
       checking_ = check;
       current_ = fp;
       current_site_ = site;
@@ -503,14 +565,17 @@ class CommMonitor {
     std::lock_guard lock(mutex_);
     in_collective_ = false;
     if (ok) {
-      ++completed_;
+      completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
       last_ = current_;
       last_site_ = current_site_;
+      fast_last_ = -1;
     }
     since_ = Clock::now();
   }
 
-  bool has_deadline() const { return timeout() > 0; }
+  /// Whether the collective entered last on this monitor has a deadline (the timeout when it
+  /// was entered; none on the fast path). Read by the thread inside that collective.
+  bool has_deadline() const noexcept { return deadline_; }
 
   /// Polls `req` until it completes, the deadline passes (throws TimeoutError or aborts; no
   /// deadline when the timeout is 0), or another rank reports a stall (throws TimeoutError).
@@ -540,8 +605,22 @@ class CommMonitor {
     }
   }
 
+  /// Records the nonblocking collective just entered by enter_fast() for its request.
+  void record_issuing(Coll coll, const TensorView* data, std::int64_t count, int op, int root) noexcept {
+    const std::int64_t seq = started_.load(std::memory_order_relaxed) - 1;
+    issuing_.v[0] = static_cast<std::int64_t>(coll);
+    issuing_.v[1] = data != nullptr ? static_cast<std::int64_t>(data->dtype) : -1;
+    issuing_.v[2] = count;
+    issuing_.v[3] = root;
+    issuing_.v[4] = op;
+    issuing_.v[5] = seq;
+    issuing_.site = t_call_site;
+  }
+
   void throw_if_stalled() {
-    if (!stalled_.load(std::memory_order_acquire)) return;
+    if (stalled_.load(std::memory_order_acquire)) [[unlikely]] throw_stalled();
+  }
+  [[noreturn, gnu::noinline]] void throw_stalled() {
     std::string msg;
     {
       std::lock_guard lock(mutex_);
@@ -599,6 +678,7 @@ class CommMonitor {
     {
       std::lock_guard lock(mutex_);
       in_collective_ = true;
+      fast_current_ = -1;
       waiting_request_ = true;
       checking_ = true;
       current_ = d.fp;
@@ -700,22 +780,38 @@ class CommMonitor {
   StatusMsg my_status() {
     StatusMsg m;
     std::lock_guard lock(mutex_);
-    m.started = started_;
-    m.completed = completed_;
-    m.in_collective = in_collective_ ? 1 : 0;
+    m.started = started_.load();
+    m.completed = completed_.load();
+    m.in_collective = in_collective_.load() ? 1 : 0;
     const double secs = std::chrono::duration<double>(Clock::now() - since_).count();
+    // Collectives that took the fast path left no record but their operation and number, and
+    // no time (the clock is not read there).
+    const std::int64_t fast_current = fast_current_.load(), fast_last = fast_last_.load();
     std::ostringstream os;
-    if (in_collective_) {
+    if (m.in_collective && fast_current >= 0) {
+      os << "inside " << describe_unrecorded(fast_current);
+    } else if (m.in_collective) {
       os << (waiting_request_ ? "waiting for the result of " : "inside ")
          << (checking_ ? "the fingerprint check of " : "") << describe(current_, current_site_)
          << " for " << seconds_string(secs);
     } else {
-      os << "not inside any collective for " << seconds_string(secs) << "; ";
-      if (completed_ == 0) os << "no collective completed yet";
+      os << "not inside any collective";
+      if (fast_last < 0) os << " for " << seconds_string(secs);
+      os << "; ";
+      if (m.completed == 0) os << "no collective completed yet";
+      else if (fast_last >= 0) os << "last completed " << describe_unrecorded(fast_last);
       else os << "last completed " << describe(last_, last_site_);
     }
     copy_text(m.text, os.str());
     return m;
+  }
+
+  static std::int64_t pack(std::int64_t seq, Coll coll) noexcept {
+    return seq * 16 + static_cast<std::int64_t>(coll);
+  }
+  static std::string describe_unrecorded(std::int64_t packed) {
+    return concat(name_of(static_cast<Coll>(packed % 16)), " #", packed / 16,
+                  " (no details recorded: no check level and no deadline were set when it started)");
   }
 
   [[noreturn]] void on_deadline(double t) {
@@ -881,11 +977,21 @@ class CommMonitor {
   std::atomic<bool> stop_{false};
   std::atomic<bool> stalled_{false};
   std::atomic<int> pending_{0};
-  bool fault_fired_ = false;
+  // Touched only by the thread running the collective (not the watchdog).
+  bool fault_pending_ = false;  // an injected fault is still to hit this rank
+  bool deadline_ = false;       // see has_deadline()
+  OpRecord issuing_;            // see current_record()
+
+  // Written by the thread running the collective, read by the watchdog: atomics, because the
+  // fast path writes them without the mutex (the slow paths write them under it).
+  std::atomic<std::int64_t> started_{0}, completed_{0};
+  std::atomic<bool> in_collective_{false};
+  // pack(seq, coll) of the collective entered / last completed on the fast path, or -1 when the
+  // record under the mutex (current_ / last_) describes it.
+  std::atomic<std::int64_t> fast_current_{-1}, fast_last_{-1};
 
   std::mutex mutex_;  // guards everything below (read by the watchdog thread)
-  std::int64_t started_ = 0, completed_ = 0;
-  bool in_collective_ = false, checking_ = false, waiting_request_ = false;
+  bool checking_ = false, waiting_request_ = false;
   Fingerprint current_, last_;
   CallSite current_site_, last_site_;
   Clock::time_point since_ = Clock::now(), entered_ = Clock::now();
@@ -961,29 +1067,62 @@ RequestWatch watch_request(const CommMonitorPtr& monitor) {
   return RequestWatch(monitor, monitor->current_record());
 }
 
+// The fast path of a blocking collective touches neither the thread-local t_monitor nor
+// std::uncaught_exceptions(), and the rest is out of line, so that the fast path needs no saved
+// registers: a few loads, stores and branches.
 CollectiveScope::CollectiveScope(CommMonitor* monitor, Coll coll, TensorView* data, std::int64_t count,
                                  int op, int root)
-    : monitor_(monitor), outer_(nullptr), uncaught_(std::uncaught_exceptions()) {
+    : monitor_(monitor), outer_(nullptr) {
   if (monitor_ == nullptr) return;
-  if (!monitor_->enter(coll, data, count, op, root)) {
-    skipped_ = true;
-    monitor_ = nullptr;
+  if (coll != Coll::iallreduce && coll != Coll::ibroadcast && monitor_->fast_ok()) {
+    monitor_->enter_fast(coll);
+    fast_ = true;
     return;
+  }
+  enter_slow(coll, data, count, op, root);
+}
+
+void CollectiveScope::enter_slow(Coll coll, TensorView* data, std::int64_t count, int op, int root) {
+  if (monitor_->fast_ok()) {
+    // A nonblocking collective: its request needs the record and t_monitor (watch_request).
+    monitor_->enter_fast(coll);
+    monitor_->record_issuing(coll, data, count, op, root);
+    fast_ = true;
+  } else {
+    uncaught_ = std::uncaught_exceptions();
+    if (!monitor_->enter(coll, data, count, op, root)) {
+      skipped_ = true;
+      monitor_ = nullptr;
+      return;
+    }
+    if (monitor_->has_deadline()) {
+      deadline_ = true;
+      g_deadline_scopes.fetch_add(1);
+    }
   }
   outer_ = t_monitor;
   t_monitor = monitor_;
+  scoped_ = true;
 }
 
 CollectiveScope::~CollectiveScope() {
   if (monitor_ == nullptr) return;
+  if (fast_ && !scoped_) monitor_->leave_fast();
+  else leave_slow();
+}
+
+void CollectiveScope::leave_slow() noexcept {
   t_monitor = outer_;
-  monitor_->leave(std::uncaught_exceptions() == uncaught_);
+  if (deadline_) g_deadline_scopes.fetch_sub(1);
+  if (fast_) monitor_->leave_fast();
+  else monitor_->leave(std::uncaught_exceptions() == uncaught_);
 }
 
 namespace {
 // Runs a blocking MPI collective, or its nonblocking form polled against the deadline.
 template <class Blocking, class Nonblocking>
 int guarded(Blocking&& blocking, Nonblocking&& nonblocking) {
+  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return blocking();
   CommMonitor* m = t_monitor;
   if (m == nullptr || !m->has_deadline()) return blocking();
   MPI_Request req;
@@ -991,11 +1130,23 @@ int guarded(Blocking&& blocking, Nonblocking&& nonblocking) {
   if (rc != MPI_SUCCESS) return rc;
   return m->wait(&req);
 }
+
+// The polled form of guarded_allreduce, out of line (and with the same six arguments) so that
+// the common case, no deadline, compiles to a check and a tail call.
+[[gnu::noinline]] int polled_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
+                                       MPI_Comm comm) {
+  CommMonitor* m = t_monitor;
+  if (m == nullptr || !m->has_deadline()) return MPI_Allreduce(send, recv, count, dt, op, comm);
+  MPI_Request req;
+  int rc = MPI_Iallreduce(send, recv, count, dt, op, comm, &req);
+  if (rc != MPI_SUCCESS) return rc;
+  return m->wait(&req);
+}
 }  // namespace
 
 int guarded_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, MPI_Comm comm) {
-  return guarded([&] { return MPI_Allreduce(send, recv, count, dt, op, comm); },
-                 [&](MPI_Request* r) { return MPI_Iallreduce(send, recv, count, dt, op, comm, r); });
+  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return MPI_Allreduce(send, recv, count, dt, op, comm);
+  return polled_allreduce(send, recv, count, dt, op, comm);
 }
 int guarded_bcast(void* buf, int count, MPI_Datatype dt, int root, MPI_Comm comm) {
   return guarded([&] { return MPI_Bcast(buf, count, dt, root, comm); },
@@ -1018,6 +1169,11 @@ int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Da
 }
 int guarded_barrier(MPI_Comm comm) {
   return guarded([&] { return MPI_Barrier(comm); }, [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+}
+bool scope_has_deadline() noexcept {
+  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return false;
+  CommMonitor* m = t_monitor;
+  return m != nullptr && m->has_deadline();
 }
 
 }  // namespace detail

@@ -71,7 +71,9 @@ RequestWatch watch_request(const CommMonitorPtr& monitor);
 
 /// One collective on a monitored communicator, from entry to completion: assigns the sequence
 /// number, applies an injected fault, compares fingerprints if the check level says so, and lets
-/// the guarded_* calls below wait with a deadline. Throws MismatchError / TimeoutError.
+/// the guarded_* calls below wait with a deadline. Throws MismatchError / TimeoutError. With the
+/// check level off, no timeout and no fault to inject it takes a fast path: the sequence number
+/// and the stall check only, no lock and no clock read.
 class CollectiveScope {
  public:
   /// `data` is the view the collective sends (it may be changed by an injected fault); `count`
@@ -88,8 +90,14 @@ class CollectiveScope {
  private:
   CommMonitor* monitor_;
   CommMonitor* outer_;  // the monitor of an enclosing collective on this thread, if any
+  void enter_slow(Coll coll, TensorView* data, std::int64_t count, int op, int root);
+  void leave_slow() noexcept;
+
   bool skipped_ = false;
-  int uncaught_;
+  bool fast_ = false;      // entered through the fast path (nothing to check, no deadline)
+  bool scoped_ = false;    // set the thread's current monitor (all but blocking fast-path collectives)
+  bool deadline_ = false;  // counted among the collectives under a deadline
+  int uncaught_ = 0;       // std::uncaught_exceptions() at entry (slow path only)
 };
 
 // The blocking MPI collectives MPIBackend uses. Inside a CollectiveScope with a deadline they run
@@ -105,5 +113,8 @@ int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv
 int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
                                  MPI_Comm comm);
 int guarded_barrier(MPI_Comm comm);
+/// True when the collective of the current CollectiveScope on this thread has a deadline; such
+/// collectives must go through the guarded_* calls above (the shared-memory path cannot time out).
+bool scope_has_deadline() noexcept;
 
 }  // namespace lockstep::detail
