@@ -42,6 +42,7 @@ struct GradReducer::Impl {
     int remaining = 0;  // leaves not yet reported ready
     bool launched = false;
     bool staged = false;  // reduced in `work` and unpacked afterwards
+    bool finished = false;  // reduced, and unpacked or scaled
     std::vector<Request> requests;  // one per slice of at most bucket_bytes
   };
 
@@ -126,6 +127,7 @@ struct GradReducer::Impl {
       b.remaining = static_cast<int>(b.last - b.first);
       b.launched = false;
       b.staged = false;
+      b.finished = false;
     }
   }
 
@@ -145,7 +147,13 @@ struct GradReducer::Impl {
     }
   }
 
-  void launch(std::size_t bi) {
+  // Starts reducing bucket bi. Nonblocking (one request per slice) when backward reported it,
+  // so that the reduction overlaps the rest of backward; blocking, slice after slice, when
+  // update() reduces it itself and the bucket is in host memory: nothing is left to overlap
+  // then, and MPIBackend's blocking allreduce is the faster one (its shared-memory path on one
+  // machine; Open MPI's blocking algorithms elsewhere). Every rank takes the same branch for the
+  // same bucket as long as every rank reports the same gradients (the same model code does).
+  void launch(std::size_t bi, bool blocking = false) {
     Bucket& b = buckets[bi];
     b.launched = true;
     if (b.numel == 0) return;
@@ -174,6 +182,11 @@ struct GradReducer::Impl {
             ? target.numel
             : std::max<std::int64_t>(1, static_cast<std::int64_t>(options.bucket_bytes / size_of(b.dtype)));
     b.requests.clear();
+    if (blocking && b.device.is_cpu()) {
+      for (std::int64_t off = 0; off < target.numel; off += step)
+        backend->allreduce(target.slice(off, std::min(step, target.numel - off)), options.op);
+      return;
+    }
     for (std::int64_t off = 0; off < target.numel; off += step)
       b.requests.push_back(
           backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), options.op));
@@ -196,7 +209,9 @@ struct GradReducer::Impl {
   }
 
   void finish(Bucket& b) {
+    if (b.finished) return;
     for (auto& r : b.requests) r.wait();
+    b.finished = true;
     if (b.numel == 0) return;
     if (accumulated > 0) {
       if (options.op == ReduceOp::avg) {
@@ -307,11 +322,13 @@ void GradReducer::accumulate() {
 const std::vector<Tensor*>& GradReducer::reduce() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
-  // Launch what backward did not report, in bucket order, nudging the requests in flight
-  // between launches so that the packing of one bucket overlaps the reduction of the previous.
+  // Reduce what backward did not report, in bucket order, each bucket with blocking calls and
+  // unpacked right after, while it is still in cache (device buckets: nonblocking, see launch).
   while (m.next_launch < m.buckets.size()) {
-    m.launch(m.next_launch++);
-    m.poke();
+    const std::size_t bi = m.next_launch++;
+    m.launch(bi, /*blocking=*/true);
+    if (m.buckets[bi].requests.empty()) m.finish(m.buckets[bi]);
+    else m.poke();
   }
   for (auto& b : m.buckets) m.finish(b);
   if (m.accumulated > 0) {

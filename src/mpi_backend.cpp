@@ -18,6 +18,7 @@
 
 #include "lockstep/device_runtime.hpp"
 #include "reliability_mpi.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
+#include "shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
 
 namespace lockstep {
 
@@ -309,6 +310,18 @@ struct MPIBackend::Impl {
   // Reliability hook: sequence numbers, fingerprints, deadlines (src/reliability.cpp).
   detail::CommMonitorPtr monitor;
 
+  // Large host allreduce and broadcast when every rank is on this machine (null otherwise).
+  std::unique_ptr<detail::ShmCollectives> shm;
+
+  // Whether the shared-memory path takes this call. A collective under a deadline stays on MPI,
+  // whose nonblocking form the watchdog can time out.
+  bool shm_allreduce(std::int64_t n, DType t, ReduceOp op) const {
+    return shm && shm->handles_allreduce(n, t, op) && !detail::scope_has_deadline();
+  }
+  bool shm_broadcast(std::int64_t n, DType t) const {
+    return shm && shm->handles_broadcast(n, t) && !detail::scope_has_deadline();
+  }
+
   ~Impl() {
     // Reliability hook: after a stall or with requests still pending, MPI may still progress
     // operations on comm (MPI_Finalize does), so it is leaked rather than freed under them.
@@ -452,6 +465,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   impl_->cuda_aware = detect_cuda_aware();
   impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
+  impl_->shm = detail::ShmCollectives::create(impl_->comm);
 }
 
 MPIBackend::~MPIBackend() = default;
@@ -465,6 +479,7 @@ int MPIBackend::local_rank() const { return impl_->local_rank; }
 int MPIBackend::local_size() const { return impl_->local_size; }
 bool MPIBackend::cuda_aware() const noexcept { return impl_->cuda_aware; }
 void MPIBackend::set_cuda_aware(bool on) noexcept { impl_->cuda_aware = on; }
+bool MPIBackend::shared_memory() const noexcept { return impl_ && impl_->shm != nullptr; }
 
 void MPIBackend::broadcast(TensorView buf, int root) {
   check_view(buf, "broadcast");
@@ -472,7 +487,10 @@ void MPIBackend::broadcast(TensorView buf, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::broadcast, &buf, buf.numel, -1, root);  // reliability hook
   if (guard.skipped()) return;
   Staged s(*impl_, buf, impl_->rank == root);
-  do_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
+  if (s.host().device.is_cpu() && impl_->shm_broadcast(buf.numel, buf.dtype))
+    impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root);
+  else
+    do_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   s.copy_out();
 }
 
@@ -483,8 +501,16 @@ void MPIBackend::allreduce(TensorView buf, ReduceOp op) {
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
   Staged s(*impl_, buf, true);
-  do_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
-  if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
+  if (s.host().device.is_cpu() && impl_->shm_allreduce(buf.numel, buf.dtype, op)) {
+    impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op);  // avg included
+  } else {
+    if (buf.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop
+      LOCKSTEP_MPI_CHECK(detail::guarded_allreduce(MPI_IN_PLACE, s.host().data, static_cast<int>(buf.numel),
+                                                   mpi_type(buf.dtype), mpi_op(op, buf.dtype), impl_->comm));
+    else
+      do_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
+    if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
+  }
   s.copy_out();
 }
 
@@ -501,8 +527,16 @@ void MPIBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
   if (guard.skipped()) return;
   Staged ss(*impl_, send, true);
   Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
-  do_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
-  if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
+  if (rs.host().device.is_cpu() && impl_->shm_allreduce(send.numel, send.dtype, op)) {
+    impl_->shm->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op);  // avg included
+  } else {
+    if (send.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop
+      LOCKSTEP_MPI_CHECK(detail::guarded_allreduce(ss.host().data, rs.host().data, static_cast<int>(send.numel),
+                                                   mpi_type(send.dtype), mpi_op(op, send.dtype), impl_->comm));
+    else
+      do_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
+    if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
+  }
   rs.copy_out();
 }
 

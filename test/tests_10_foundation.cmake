@@ -37,3 +37,16 @@ foreach(mode IN ITEMS install subdir)
   set_tests_properties(package.${mode} PROPERTIES LABELS package TIMEOUT 600 PROCESSORS 2
     ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
 endforeach()
+
+# The shared-memory path of MPIBackend (large host allreduce and broadcast on one machine): the
+# default slice; 4 KiB slices with no threshold, so that every call crosses many slices; and the
+# MPI path (LOCKSTEP_SHM=0, the [shm] cases left out). The collective suite runs once more with
+# small slices, so that every dtype, op and size of it goes through shared memory.
+lockstep_test_executable(test_shm_collectives shm_collectives_test.cpp)
+lockstep_add_mpi_test(NAME shm_collectives TARGET test_shm_collectives RANKS 2 3 4 TIMEOUT 300)
+lockstep_add_mpi_test(NAME shm_collectives.small_slices TARGET test_shm_collectives RANKS 2 3
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)
+lockstep_add_mpi_test(NAME shm_collectives.off TARGET test_shm_collectives RANKS 1 2 3
+                      ARGS "~[shm]" ENV LOCKSTEP_SHM=0 TIMEOUT 300)
+lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 2 3
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)

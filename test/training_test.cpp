@@ -230,7 +230,9 @@ TEST_CASE("ready reports launch buckets in order and give the same result as non
   bool ok = true;
   std::string why;
   // Same training twice (one bucket per tensor), once reporting gradients ready in backward
-  // order and once not: bitwise equal parameters.
+  // order and once not. Reported buckets go as nonblocking allreduces, the others as blocking
+  // ones, and MPI may sum 3 or more ranks in another order in each: bitwise equal parameters at
+  // 1-2 ranks (a + b is commutative), equal to float rounding beyond.
   Mlp a = make_mlp(3), b = make_mlp(3);
   const ls::SGD rule{.lr = 0.1f, .momentum = 0.9f};
   auto opt = ls::DistributedOptimizer(backend, rule, ls::DistributedOptions{.bucket_bytes = 0});
@@ -247,7 +249,15 @@ TEST_CASE("ready reports launch buckets in order and give the same result as non
     backward(b, batch, rank % 8, 1, gb, 1.0);
     ls::update(sa, a, ga);
     ls::update(sb, b, gb);
-    if (content_hash(a) != content_hash(b)) ok = false, why = "reports changed the result";
+    if (backend.size() <= 2 && content_hash(a) != content_hash(b)) ok = false, why = "reports changed the result";
+    double worst = 0;
+    for (auto [x, y] : {std::pair{&a.w1, &b.w1}, std::pair{&a.b1, &b.b1}, std::pair{&a.w2, &b.w2},
+                        std::pair{&a.b2, &b.b2}})
+      for (std::int64_t i = 0; i < x->numel(); ++i) {
+        const double u = x->data<float>()[i], v = y->data<float>()[i];
+        worst = std::max(worst, std::abs(u - v) / (1e-6 + std::abs(v)));
+      }
+    if (worst > 1e-5) ok = false, why = ls::detail::concat("reports changed the result by ", worst, " (relative)");
   }
   // Misuse is reported clearly.
   bool threw = false;

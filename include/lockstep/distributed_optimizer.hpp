@@ -1,5 +1,5 @@
 // DistributedOptimizer: wraps any optimizer rule; before the rule's update, the gradients are
-// averaged (or summed) across ranks in buckets, each bucket one nonblocking allreduce.
+// averaged (or summed) across ranks in buckets.
 //
 //   auto opt   = ls::DistributedOptimizer(backend, ls::Adam{.lr = 1e-3f});
 //   auto state = ls::setup(opt, model);          // collective: checks all ranks agree
@@ -14,7 +14,12 @@
 // produces them), are grouped into buckets of at most options.bucket_bytes (a tensor larger than
 // that is a bucket of its own; dtype or device changes start a new bucket). Bucket 0 holds the
 // last layers. Buckets are launched strictly in index order on every rank, whatever order the
-// reports come in, so the collectives always match across ranks.
+// reports come in, so the collectives always match across ranks. A bucket that grad_ready()
+// completes during backward starts as nonblocking allreduces (overlapping the rest of backward);
+// the buckets update() reduces itself go as blocking allreduces in order, each unpacked right
+// after its reduction (device buckets stay nonblocking). Every rank must therefore report the
+// same gradients, as the same model code on every rank does; LOCKSTEP_CHECK catches ranks that
+// do not.
 //
 // Zero copy: a bucket whose gradients lie back to back in memory (as flat_zeros_like(model)
 // allocates them) is reduced in place; otherwise it is packed into a staging buffer and unpacked

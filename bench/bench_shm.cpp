@@ -1,0 +1,159 @@
+// bench_shm: MPIBackend's shared-memory path (src/shm_collectives.*) against the raw MPI call and
+// against MPIBackend with the path off (LOCKSTEP_SHM=0), for allreduce (sum, in place) and
+// broadcast of f32, over message sizes and slice sizes, all interleaved in one run. Each slice
+// size is its own MPIBackend, constructed with LOCKSTEP_SHM_SLICE_BYTES set (and
+// LOCKSTEP_SHM_MIN_BYTES=0, so that small messages take the path too). The tables choose the
+// defaults: the slice size (fastest over the sizes that matter for gradients) and the threshold
+// (the smallest size from which the path beats the raw call).
+//
+// Run: mpiexec -n 2 ./bench_shm [--json out.json] [--reps 7] [--max-bytes 67108864]
+//      [--slices 65536,131072,262144,524288,1048576,4194304] [--quick] [--target-ms 10]
+#include <lockstep/lockstep.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+float pattern(int rank, std::int64_t i) { return static_cast<float>((i % 13) + rank + 1); }
+
+// An MPIBackend built with the given environment (the settings are read in the constructor).
+std::unique_ptr<ls::MPIBackend> backend_with(const char* shm, const std::string& slice) {
+  setenv("LOCKSTEP_SHM", shm, 1);
+  setenv("LOCKSTEP_SHM_SLICE_BYTES", slice.c_str(), 1);
+  setenv("LOCKSTEP_SHM_MIN_BYTES", "0", 1);
+  auto b = std::make_unique<ls::MPIBackend>(MPI_COMM_WORLD);
+  unsetenv("LOCKSTEP_SHM");
+  unsetenv("LOCKSTEP_SHM_SLICE_BYTES");
+  unsetenv("LOCKSTEP_SHM_MIN_BYTES");
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ls::initialize<ls::MPIBackend>();
+  const int rank = bench::world_rank(), n = bench::world_size();
+  bench::Options opt;
+  try {
+    opt = bench::Options::parse(argc, argv);
+  } catch (const std::exception& e) {
+    if (rank == 0) std::fprintf(stderr, "bench_shm: %s\n", e.what());
+    return 2;
+  }
+  const std::size_t max_bytes = std::stoull(opt.get("max-bytes", opt.quick ? "16777216" : "67108864"));
+  const double target_s = std::stod(opt.get("target-ms", opt.quick ? "4" : "10")) / 1000.0;
+  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
+  std::vector<std::size_t> slices;
+  for (auto& s : bench::split_list(opt.get("slices", "65536,131072,262144,524288,1048576,4194304")))
+    slices.push_back(std::stoull(s));
+
+  auto mpi_only = backend_with("0", "262144");
+  std::vector<std::unique_ptr<ls::MPIBackend>> shm;
+  for (std::size_t s : slices) shm.push_back(backend_with("1", std::to_string(s)));
+  const bool on = !shm.empty() && shm.front()->shared_memory();
+  if (rank == 0 && !on)
+    std::printf("(the shared-memory path is off here: ranks not on one machine, or 1 rank; the "
+                "slice columns measure the MPI path)\n");
+
+  std::vector<std::size_t> sizes;
+  for (std::size_t b = 16 << 10; b <= max_bytes; b *= 4) sizes.push_back(b);
+  std::vector<float> buf(max_bytes / sizeof(float));
+  bench::Json jrows = bench::Json::array();
+  bool all_ok = true;
+
+  for (const std::string op : {"allreduce", "broadcast"}) {
+    const bool ar = op == "allreduce";
+    std::vector<std::string> head{"size", "raw MPI us", "MPIBackend, path off"};
+    for (std::size_t s : slices) head.push_back("slice " + bench::human_bytes(static_cast<double>(s)));
+    head.push_back("best slice / raw");
+    bench::Table t(head);
+    for (std::size_t bytes : sizes) {
+      const std::int64_t count = static_cast<std::int64_t>(bytes / sizeof(float));
+      ls::TensorView v{buf.data(), count, ls::DType::f32, ls::Device::cpu()};
+      auto fill = [&] {
+        for (std::int64_t i = 0; i < count; ++i) buf[i] = pattern(rank, i);
+      };
+      auto verify = [&] {
+        for (std::int64_t i = 0; i < count; ++i) {
+          float want = 0;
+          if (ar)
+            for (int r = 0; r < n; ++r) want += pattern(r, i);
+          else
+            want = pattern(0, i);
+          if (buf[i] != want) return false;
+        }
+        return true;
+      };
+      auto run = [&](ls::MPIBackend& b) {
+        if (ar) b.allreduce(v, ls::ReduceOp::sum);
+        else b.broadcast(v, 0);
+      };
+      // Correctness of every variant, untimed.
+      bool ok = true;
+      for (auto* b : {mpi_only.get()}) fill(), run(*b), ok = ok && verify();
+      for (auto& b : shm) fill(), run(*b), ok = ok && verify();
+      ok = bench::all_ranks(ok);
+      all_ok = all_ok && ok;
+
+      // Timed on zeros (repeated sums stay finite).
+      std::fill(buf.begin(), buf.begin() + count, 0.0f);
+      std::vector<bench::Variant> vs;
+      vs.push_back({"raw", [&] {
+                      if (ar)
+                        MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM,
+                                      MPI_COMM_WORLD);
+                      else
+                        MPI_Bcast(buf.data(), static_cast<int>(count), MPI_FLOAT, 0, MPI_COMM_WORLD);
+                    }});
+      vs.push_back({"off", [&] { run(*mpi_only); }});
+      for (auto& b : shm) {
+        ls::MPIBackend* p = b.get();
+        vs.push_back({"slice", [&run, p] { run(*p); }});
+      }
+      const double one = bench::time_collective(vs[0].body, 2);
+      auto m = bench::interleave(vs, reps, bench::iters_for(one, target_s));
+      std::vector<std::string> row{bench::human_bytes(static_cast<double>(bytes)),
+                                   bench::fmt(m[0].s.median * 1e6, 1)};
+      auto rel = [&](const bench::Measured& x) {
+        return bench::fmt(x.s.median * 1e6, 1) + " (" + bench::fmt(x.s.median / m[0].s.median, 2) + "x)";
+      };
+      row.push_back(rel(m[1]));
+      double best = 1e30;
+      bench::Json j = bench::Json::object();
+      j.set("op", op).set("bytes", static_cast<std::int64_t>(bytes)).set("correct", ok);
+      j.set("raw_median_s", m[0].s.median).set("off_median_s", m[1].s.median);
+      bench::Json js = bench::Json::array();
+      for (std::size_t k = 0; k < slices.size(); ++k) {
+        const auto& x = m[2 + k];
+        row.push_back(rel(x));
+        best = std::min(best, x.s.median);
+        js.push(bench::Json::object().set("slice_bytes", static_cast<std::int64_t>(slices[k])).set("median_s", x.s.median).set("min_s", x.s.min));
+      }
+      row.push_back(bench::fmt(best / m[0].s.median, 3) + (ok ? "" : " WRONG"));
+      j.set("slices", js);
+      jrows.push(j);
+      t.add(row);
+      if (rank == 0) std::fprintf(stderr, "  %s %s done\n", op.c_str(), bench::human_bytes(static_cast<double>(bytes)).c_str());
+    }
+    if (rank == 0) {
+      std::printf("\n## %s, f32, %d ranks: median us (and / raw MPI), median of %d\n\n", op.c_str(), n, reps);
+      t.print();
+    }
+  }
+  bench::Json doc = bench::run_info("shm");
+  doc.set("reps", reps).set("all_correct", all_ok).set("rows", jrows);
+  doc.write(opt.json);
+  shm.clear();
+  mpi_only.reset();
+  ls::finalize<ls::MPIBackend>();
+  if (rank == 0 && !all_ok) std::fprintf(stderr, "bench_shm: WRONG RESULTS\n");
+  return all_ok ? 0 : 1;
+}

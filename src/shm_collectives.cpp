@@ -1,0 +1,352 @@
+// Node-local collectives through a shared-memory segment (see shm_collectives.hpp).
+#include "shm_collectives.hpp"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "lockstep/errors.hpp"
+#include "lockstep/mpi_backend.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LOCKSTEP_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define LOCKSTEP_CPU_RELAX() asm volatile("yield" ::: "memory")
+#else
+#define LOCKSTEP_CPU_RELAX() ((void)0)
+#endif
+
+namespace lockstep::detail {
+
+namespace {
+
+constexpr std::size_t kPage = 4096;  // each rank's region starts on its own page
+constexpr std::size_t kLine = 64;
+// Defaults chosen from bench_collectives / bench_gradsync sweeps (docs/performance.md).
+constexpr std::size_t kDefaultSliceBytes = std::size_t{256} << 10;
+constexpr std::size_t kDefaultMinBytes = std::size_t{64} << 10;
+
+enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
+
+std::size_t env_bytes(const char* name, std::size_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v) return fallback;
+  if (*end == 'k' || *end == 'K') x <<= 10;
+  else if (*end == 'm' || *end == 'M') x <<= 20;
+  return static_cast<std::size_t>(x);
+}
+
+bool env_disabled() {
+  const char* v = std::getenv("LOCKSTEP_SHM");
+  if (v == nullptr) return false;
+  std::string s = v;
+  return s == "0" || s == "off" || s == "false" || s == "no";
+}
+
+// out[i] = (((s[0][i] op s[1][i]) op s[2][i]) ...), then / n for avg. The same order on every
+// rank, so every rank gets the same bits.
+template <class T, ReduceOp Op>
+void reduce_slots(T* __restrict out, const T* const* s, int n, std::size_t m) {
+  auto combine = [](T a, T b) {
+    if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) return static_cast<T>(a + b);
+    else if constexpr (Op == ReduceOp::prod) return static_cast<T>(a * b);
+    else if constexpr (Op == ReduceOp::min) return std::min(a, b);
+    else return std::max(a, b);
+  };
+  if (n == 2) {
+    const T* __restrict a = s[0];
+    const T* __restrict b = s[1];
+    if constexpr (Op == ReduceOp::avg) {
+      for (std::size_t i = 0; i < m; ++i) out[i] = (a[i] + b[i]) / T(2);
+    } else {
+      for (std::size_t i = 0; i < m; ++i) out[i] = combine(a[i], b[i]);
+    }
+    return;
+  }
+  {
+    const T* __restrict a = s[0];
+    const T* __restrict b = s[1];
+    for (std::size_t i = 0; i < m; ++i) out[i] = combine(a[i], b[i]);
+  }
+  for (int p = 2; p < n; ++p) {
+    const T* __restrict b = s[p];
+    for (std::size_t i = 0; i < m; ++i) out[i] = combine(out[i], b[i]);
+  }
+  if constexpr (Op == ReduceOp::avg) {
+    const T d = static_cast<T>(n);
+    for (std::size_t i = 0; i < m; ++i) out[i] /= d;
+  }
+}
+
+template <class T>
+void reduce_dispatch(ReduceOp op, T* out, const T* const* s, int n, std::size_t m) {
+  switch (op) {
+    case ReduceOp::sum: return reduce_slots<T, ReduceOp::sum>(out, s, n, m);
+    case ReduceOp::prod: return reduce_slots<T, ReduceOp::prod>(out, s, n, m);
+    case ReduceOp::min: return reduce_slots<T, ReduceOp::min>(out, s, n, m);
+    case ReduceOp::max: return reduce_slots<T, ReduceOp::max>(out, s, n, m);
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T>) return reduce_slots<T, ReduceOp::avg>(out, s, n, m);
+      else return;  // rejected before (avg needs a floating dtype)
+  }
+}
+
+}  // namespace
+
+// Per-rank flags, each on its own cache line: slices this rank has written into its slot, and
+// slices this rank has finished reading (from every slot).
+struct ShmCollectives::Control {
+  alignas(kLine) std::atomic<std::uint64_t> written{0};
+  alignas(kLine) std::atomic<std::uint64_t> done{0};
+};
+
+// What a rank was asked to do, stored with each slice so the peers can compare.
+struct ShmCollectives::SliceHeader {
+  std::uint64_t call;     // calls so far on this communicator
+  std::int64_t numel;     // the caller's element count
+  std::uint32_t kind;     // Kind
+  std::uint32_t dtype;    // DType
+  std::int32_t op_root;   // ReduceOp for allreduce, root for broadcast
+  std::uint32_t pad;
+};
+
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+              "shared-memory flags need lock-free 64-bit atomics");
+
+namespace {
+constexpr std::size_t kControlBytes = 2 * kLine;
+constexpr std::size_t kHeaderBytes = kLine;
+}  // namespace
+
+std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm) {
+  int size = 1, rank = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  if (size == 1) return nullptr;
+
+  // Every rank must agree: on one machine, within the rank limit, enabled everywhere; the slice
+  // size and threshold are rank 0's.
+  MPI_Comm node = MPI_COMM_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
+  int node_size = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
+  int ok = (node_size == size && size <= kMaxRanks && !env_disabled()) ? 1 : 0;
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
+  if (!ok) return nullptr;
+  unsigned long long cfg[2] = {env_bytes("LOCKSTEP_SHM_SLICE_BYTES", kDefaultSliceBytes),
+                               env_bytes("LOCKSTEP_SHM_MIN_BYTES", kDefaultMinBytes)};
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(cfg, 2, MPI_UNSIGNED_LONG_LONG, 0, comm));
+  std::size_t slice = std::clamp<std::size_t>(cfg[0], 4096, std::size_t{64} << 20) / kLine * kLine;
+
+  std::unique_ptr<ShmCollectives> self(new ShmCollectives());
+  self->rank_ = rank;
+  self->size_ = size;
+  self->slice_bytes_ = slice;
+  self->min_bytes_ = cfg[1];
+
+  // One POSIX shared-memory object for all ranks, created by rank 0 and removed from the name
+  // space as soon as every rank has mapped it: nothing is left behind if the job dies, and
+  // tearing down is a local munmap (no collective call in a destructor that may run on one rank
+  // only, while an exception unwinds).
+  const std::size_t region = (kControlBytes + 2 * (kHeaderBytes + slice) + kPage - 1) / kPage * kPage;
+  const std::size_t total = region * static_cast<std::size_t>(size);
+  char shm_name[64] = {};
+  int ok_local = 1;
+  int fd = -1;
+  if (rank == 0) {
+    static std::atomic<unsigned> counter{0};
+    std::snprintf(shm_name, sizeof shm_name, "/lockstep-%ld-%u-%lx", static_cast<long>(getpid()),
+                  counter.fetch_add(1), static_cast<unsigned long>(std::random_device{}()));
+    fd = shm_open(shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    ok_local = fd >= 0 && posix_fallocate(fd, 0, static_cast<off_t>(total)) == 0 ? 1 : 0;
+  }
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(shm_name, sizeof shm_name, MPI_CHAR, 0, comm));
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(&ok_local, 1, MPI_INT, 0, comm));
+  if (rank != 0 && ok_local) {
+    fd = shm_open(shm_name, O_RDWR, 0600);
+    ok_local = fd >= 0 ? 1 : 0;
+  }
+  void* map = MAP_FAILED;
+  if (ok_local) {
+    map = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ok_local = map != MAP_FAILED ? 1 : 0;
+  }
+  if (fd >= 0) close(fd);
+  int ok_all = ok_local;
+  // Also the barrier after which no rank needs the name any more.
+  const int rc = MPI_Allreduce(MPI_IN_PLACE, &ok_all, 1, MPI_INT, MPI_MIN, comm);
+  if (rank == 0 && shm_name[0] != '\0') shm_unlink(shm_name);
+  LOCKSTEP_MPI_CHECK(rc);
+  if (!ok_all) {
+    if (map != MAP_FAILED) munmap(map, total);
+    return nullptr;
+  }
+  self->map_ = map;
+  self->map_bytes_ = total;
+  for (int p = 0; p < size; ++p) self->base_[p] = static_cast<char*>(map) + region * static_cast<std::size_t>(p);
+  new (self->base_[rank]) Control();
+  // Every rank's control block is constructed before anyone reads it.
+  LOCKSTEP_MPI_CHECK(MPI_Barrier(comm));
+  return self;
+}
+
+ShmCollectives::~ShmCollectives() {
+  if (map_ != nullptr) munmap(map_, map_bytes_);
+}
+
+bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op) const noexcept {
+  (void)op;
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64) return false;
+  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+}
+
+bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype) const noexcept {
+  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+}
+
+ShmCollectives::SliceHeader* ShmCollectives::header(int peer, std::uint64_t k) const {
+  return reinterpret_cast<SliceHeader*>(base_[peer] + kControlBytes + (k & 1) * (kHeaderBytes + slice_bytes_));
+}
+
+char* ShmCollectives::slot(int peer, std::uint64_t k) const {
+  return reinterpret_cast<char*>(header(peer, k)) + kHeaderBytes;
+}
+
+namespace {
+inline void spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v) {
+  // Spin briefly (the peer is usually a few microseconds away), then yield the core: with more
+  // ranks than cores the peer may need this one to make progress.
+  int spins = 0;
+  while (a.load(std::memory_order_acquire) < v) {
+    if (++spins < 128) {
+      LOCKSTEP_CPU_RELAX();
+    } else {
+      sched_yield();
+      spins = 0;
+    }
+  }
+}
+}  // namespace
+
+void ShmCollectives::wait_written(int peer, std::uint64_t k) {
+  spin_until(reinterpret_cast<Control*>(base_[peer])->written, k + 1);
+}
+
+void ShmCollectives::wait_done_all(std::uint64_t k) {
+  // Slot k & 1 was last used by slice k - 2; every rank must have finished reading it.
+  if (k < 2) return;
+  for (int p = 0; p < size_; ++p) spin_until(reinterpret_cast<Control*>(base_[p])->done, k - 1);
+}
+
+std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, const char* what) const {
+  const SliceHeader& theirs = *header(peer, next_);
+  auto describe = [](const SliceHeader& h) {
+    std::string s = h.kind == static_cast<std::uint32_t>(Kind::allreduce) ? "allreduce" : "broadcast";
+    s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
+    if (h.kind == static_cast<std::uint32_t>(Kind::allreduce))
+      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
+    else
+      s += concat(" from root ", h.op_root);
+    s += concat(" (call number ", h.call, " on this communicator)");
+    return s;
+  };
+  return concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", describe(mine),
+                ", rank ", peer, " called ", describe(theirs), rank_suffix());
+}
+
+// One call, slice by slice: write this rank's header (and data, through `fill`) into its slot,
+// publish it, wait for every peer's slot of the same slice, compare the headers, then `use` the
+// slots. A disagreement is seen by every rank at the same slice; all of them mark the slice done
+// and throw, so the slice counters stay equal and the next call starts in step.
+template <class Fill, class Use>
+void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what,
+                         Fill&& fill, Use&& use) {
+  auto* me = reinterpret_cast<Control*>(base_[rank_]);
+  for (std::size_t off = 0; off < total; off += per, ++next_) {
+    const std::size_t m = std::min(per, total - off);
+    wait_done_all(next_);
+    *header(rank_, next_) = mine;
+    fill(slot(rank_, next_), off, m);
+    me->written.store(next_ + 1, std::memory_order_release);
+    int bad = -1;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      wait_written(p, next_);
+      const SliceHeader& h = *header(p, next_);
+      if (bad < 0 && (h.call != mine.call || h.numel != mine.numel || h.kind != mine.kind ||
+                      h.dtype != mine.dtype || h.op_root != mine.op_root))
+        bad = p;
+    }
+    if (bad >= 0) {
+      std::string msg = mismatch_message(bad, mine, what);
+      me->done.store(next_ + 1, std::memory_order_release);
+      ++next_;
+      throw MismatchError(msg);
+    }
+    use(off, m);
+    me->done.store(next_ + 1, std::memory_order_release);
+  }
+}
+
+void ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), 0};
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    std::memcpy(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    const void* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_);
+    char* out = static_cast<char*>(recv) + off * es;
+    switch (dtype) {
+      case DType::f32:
+        reduce_dispatch(op, reinterpret_cast<float*>(out), reinterpret_cast<const float* const*>(slots), size_, m);
+        break;
+      case DType::f64:
+        reduce_dispatch(op, reinterpret_cast<double*>(out), reinterpret_cast<const double* const*>(slots), size_, m);
+        break;
+      case DType::i32:
+        reduce_dispatch(op, reinterpret_cast<std::int32_t*>(out),
+                        reinterpret_cast<const std::int32_t* const*>(slots), size_, m);
+        break;
+      case DType::i64:
+        reduce_dispatch(op, reinterpret_cast<std::int64_t*>(out),
+                        reinterpret_cast<const std::int64_t* const*>(slots), size_, m);
+        break;
+      default: break;  // handles_allreduce() said no
+    }
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allreduce", fill, use);
+}
+
+void ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::broadcast),
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(root), 0};
+  const bool is_root = rank_ == root;
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    if (is_root) std::memcpy(dst, static_cast<const char*>(buf) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    if (!is_root) std::memcpy(static_cast<char*>(buf) + off * es, slot(root, next_), m * es);
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "broadcast", fill, use);
+}
+
+}  // namespace lockstep::detail
