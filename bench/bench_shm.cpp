@@ -8,8 +8,12 @@
 //
 // Run: mpiexec -n 2 ./bench_shm [--json out.json] [--reps 7] [--max-bytes 67108864]
 //      [--slices 65536,131072,262144,524288,1048576,4194304] [--quick] [--target-ms 10]
+//      [--default-slice 1048576]
+// A second table times allreduce on cold buffers (each call on the next region of a large pool),
+// the case of gradients, for the raw call, the path off, and the default slice.
 #include <lockstep/lockstep.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -64,7 +68,7 @@ int main(int argc, char** argv) {
                 "slice columns measure the MPI path)\n");
 
   std::vector<std::size_t> sizes;
-  for (std::size_t b = 16 << 10; b <= max_bytes; b *= 4) sizes.push_back(b);
+  for (std::size_t b = 4 << 10; b <= max_bytes; b *= 4) sizes.push_back(b);
   std::vector<float> buf(max_bytes / sizeof(float));
   bench::Json jrows = bench::Json::array();
   bool all_ok = true;
@@ -148,7 +152,47 @@ int main(int argc, char** argv) {
       t.print();
     }
   }
+  // Cold buffers: each call works on the next region of a pool much larger than the caches, as
+  // gradients do (backward wrote them long before, or they are too large to stay in cache). The
+  // table above reuses one buffer, which stays in cache up to a few MiB.
+  const std::size_t pool_bytes = std::max<std::size_t>(std::size_t{256} << 20, 4 * max_bytes);
+  std::vector<float> pool(pool_bytes / sizeof(float), 0.0f);
+  bench::Table tc({"size", "raw MPI us", "MPIBackend, path off", "shared memory (default slice)", "shared / raw"});
+  auto dflt = backend_with("1", opt.get("default-slice", "1048576"));
+  bench::Json jcold = bench::Json::array();
+  for (std::size_t bytes : sizes) {
+    if (bytes < (std::size_t{64} << 10)) continue;
+    const std::int64_t count = static_cast<std::int64_t>(bytes / sizeof(float));
+    const std::size_t regions = pool_bytes / bytes;
+    std::size_t next = 0;
+    auto region = [&] { return pool.data() + (next++ % regions) * static_cast<std::size_t>(count); };
+    std::vector<bench::Variant> vs;
+    vs.push_back({"raw", [&] {
+                    MPI_Allreduce(MPI_IN_PLACE, region(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                  }});
+    vs.push_back({"off", [&] { mpi_only->allreduce({region(), count, ls::DType::f32, ls::Device::cpu()}, ls::ReduceOp::sum); }});
+    vs.push_back({"shm", [&] { dflt->allreduce({region(), count, ls::DType::f32, ls::Device::cpu()}, ls::ReduceOp::sum); }});
+    const double one = bench::time_collective(vs[0].body, 2);
+    const int iters = std::max(bench::iters_for(one, target_s), static_cast<int>(std::min<std::size_t>(regions, 64)));
+    auto m = bench::interleave(vs, reps, iters);
+    tc.add({bench::human_bytes(static_cast<double>(bytes)), bench::fmt(m[0].s.median * 1e6, 1),
+            bench::fmt(m[1].s.median * 1e6, 1) + " (" + bench::fmt(m[1].s.median / m[0].s.median, 2) + "x)",
+            bench::fmt(m[2].s.median * 1e6, 1), bench::fmt(m[2].s.median / m[0].s.median, 3)});
+    jcold.push(bench::Json::object()
+                   .set("bytes", static_cast<std::int64_t>(bytes))
+                   .set("raw_median_s", m[0].s.median)
+                   .set("off_median_s", m[1].s.median)
+                   .set("shm_median_s", m[2].s.median));
+  }
+  if (rank == 0) {
+    std::printf("\n## allreduce on cold buffers (each call on the next region of a %s pool), f32, %d ranks, median of %d\n\n",
+                bench::human_bytes(static_cast<double>(pool_bytes)).c_str(), n, reps);
+    tc.print();
+  }
+  dflt.reset();
+
   bench::Json doc = bench::run_info("shm");
+  doc.set("cold", jcold);
   doc.set("reps", reps).set("all_correct", all_ok).set("rows", jrows);
   doc.write(opt.json);
   shm.clear();

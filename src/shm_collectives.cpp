@@ -18,14 +18,6 @@
 #include "lockstep/errors.hpp"
 #include "lockstep/mpi_backend.hpp"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define LOCKSTEP_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define LOCKSTEP_CPU_RELAX() asm volatile("yield" ::: "memory")
-#else
-#define LOCKSTEP_CPU_RELAX() ((void)0)
-#endif
 
 namespace lockstep::detail {
 
@@ -34,8 +26,8 @@ namespace {
 constexpr std::size_t kPage = 4096;  // each rank's region starts on its own page
 constexpr std::size_t kLine = 64;
 // Defaults chosen from bench_collectives / bench_gradsync sweeps (docs/performance.md).
-constexpr std::size_t kDefaultSliceBytes = std::size_t{256} << 10;
-constexpr std::size_t kDefaultMinBytes = std::size_t{64} << 10;
+constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
+constexpr std::size_t kDefaultMinBytes = std::size_t{4} << 10;
 
 enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
 
@@ -216,7 +208,9 @@ bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp
 }
 
 bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype) const noexcept {
-  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+  // From one slice up: below that there is no pipelining, and two copies (root into its slot,
+  // the others out of it) lose to MPI's single copy (bench_shm).
+  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= std::max(min_bytes_, slice_bytes_);
 }
 
 ShmCollectives::SliceHeader* ShmCollectives::header(int peer, std::uint64_t k) const {
@@ -229,15 +223,16 @@ char* ShmCollectives::slot(int peer, std::uint64_t k) const {
 
 namespace {
 inline void spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v) {
-  // Spin briefly (the peer is usually a few microseconds away), then yield the core: with more
-  // ranks than cores the peer may need this one to make progress.
-  int spins = 0;
+  // Poll (the peer is usually a few microseconds away), then yield the core: with more ranks
+  // than cores the peer may need this one to make progress. No PAUSE instruction in the loop:
+  // in a virtual machine a PAUSE loop makes the hypervisor deschedule the waiting vCPU
+  // (pause-loop exiting), which costs far more than the wait; Open MPI's polling does not pause
+  // either.
+  int polls = 0;
   while (a.load(std::memory_order_acquire) < v) {
-    if (++spins < 128) {
-      LOCKSTEP_CPU_RELAX();
-    } else {
+    if (++polls == 4096) {
       sched_yield();
-      spins = 0;
+      polls = 0;
     }
   }
 }

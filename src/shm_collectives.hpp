@@ -41,7 +41,7 @@ class ShmCollectives {
 
   /// Whether allreduce() handles this call (same answer on every rank for the same arguments).
   bool handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op) const noexcept;
-  /// Whether broadcast() handles this call.
+  /// Whether broadcast() handles this call (from one slice up).
   bool handles_broadcast(std::int64_t numel, DType dtype) const noexcept;
 
   /// recv = op over ranks of send (send may equal recv: in place). avg divides the sum by the

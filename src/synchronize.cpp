@@ -242,13 +242,19 @@ void broadcast_leaves(Backend& b, const std::vector<SyncLeaf>& leaves, int root,
       copy_bytes(pack.data() + off, Device::cpu(), l.data, l.device, l.bytes);
     });
 
+  // Host memory goes as blocking broadcasts, one after the other: nothing runs beside them, and
+  // the blocking call is the faster one (MPIBackend's shared-memory path on one machine).
+  // Device runs are started as nonblocking broadcasts (NCCL queues them on its stream) and
+  // waited for at the end. Every rank issues the same sequence: the runs are the same on every
+  // rank (the layouts were compared before).
   std::vector<Request> pending;
-  pending.reserve(runs.size() + 1);
-  if (packed > 0) pending.push_back(b.ibroadcast(bytes_view(pack.data(), packed, Device::cpu()), root));
-  for (const auto& r : runs)
-    if (r.in_place)
-      pending.push_back(
-          b.ibroadcast(bytes_view(leaves[r.first].data, r.bytes, leaves[r.first].device), root));
+  if (packed > 0) b.broadcast(bytes_view(pack.data(), packed, Device::cpu()), root);
+  for (const auto& r : runs) {
+    if (!r.in_place) continue;
+    const TensorView v = bytes_view(leaves[r.first].data, r.bytes, leaves[r.first].device);
+    if (v.device.is_cpu()) b.broadcast(v, root);
+    else pending.push_back(b.ibroadcast(v, root));
+  }
   for (auto& p : pending) p.wait();
 
   if (!is_root)

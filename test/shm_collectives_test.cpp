@@ -39,8 +39,8 @@ std::size_t env_size(const char* name, std::size_t fallback) {
 
 // Element counts around the slice boundaries (f32), all above the shared-memory threshold.
 std::vector<std::int64_t> boundary_sizes() {
-  const std::int64_t slice = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_SLICE_BYTES", 256 << 10)) / 4;
-  const std::int64_t floor = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_MIN_BYTES", 64 << 10)) / 4 + 1;
+  const std::int64_t slice = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_SLICE_BYTES", 1 << 20)) / 4;
+  const std::int64_t floor = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_MIN_BYTES", 4 << 10)) / 4 + 1;
   std::vector<std::int64_t> out;
   for (std::int64_t s : {slice - 1, slice, slice + 1, 2 * slice, 3 * slice + 5, std::int64_t{1} << 20})
     out.push_back(std::max(s, floor));

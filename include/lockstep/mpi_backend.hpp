@@ -30,9 +30,9 @@ class MPIBackend final : public Backend {
   void set_cuda_aware(bool on) noexcept;
   /// Whether large host-memory allreduce and broadcast go through a shared-memory segment instead
   /// of MPI: true when every rank of the communicator runs on this machine (2 to 8 ranks) and
-  /// LOCKSTEP_SHM=0 is not set. Calls of at least LOCKSTEP_SHM_MIN_BYTES (default 64 KiB) of
-  /// f32/f64/i32/i64 (allreduce) or any dtype (broadcast) take it, except under a deadline
-  /// (LOCKSTEP_TIMEOUT). See docs/architecture.md.
+  /// LOCKSTEP_SHM=0 is not set. Allreduces of at least LOCKSTEP_SHM_MIN_BYTES (default 4 KiB) of
+  /// f32/f64/i32/i64 and broadcasts of at least one slice (LOCKSTEP_SHM_SLICE_BYTES, default
+  /// 1 MiB) take it, except under a deadline (LOCKSTEP_TIMEOUT). See docs/architecture.md.
   bool shared_memory() const noexcept;
 
   struct Impl;
