@@ -42,12 +42,17 @@ std::size_t env_bytes(const char* name, std::size_t fallback) {
   return static_cast<std::size_t>(x);
 }
 
-bool env_disabled() {
+// LOCKSTEP_SHM: 0/off/false/no turns the path off; 1/on/true/yes or unset leaves it on.
+enum class Mode { off, on, automatic };
+Mode env_mode() {
   const char* v = std::getenv("LOCKSTEP_SHM");
-  if (v == nullptr) return false;
+  if (v == nullptr) return Mode::automatic;
   std::string s = v;
-  return s == "0" || s == "off" || s == "false" || s == "no";
+  if (s == "0" || s == "off" || s == "false" || s == "no") return Mode::off;
+  if (s == "1" || s == "on" || s == "true" || s == "yes") return Mode::on;
+  return Mode::automatic;
 }
+
 
 // out[i] = (((s[0][i] op s[1][i]) op s[2][i]) ...), then / n for avg. The same order on every
 // rank, so every rank gets the same bits.
@@ -137,7 +142,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm) {
   int node_size = 0;
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_size));
   LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
-  int ok = (node_size == size && size <= kMaxRanks && !env_disabled()) ? 1 : 0;
+  int ok = (node_size == size && size <= kMaxRanks && env_mode() != Mode::off) ? 1 : 0;
   LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
   if (!ok) return nullptr;
   unsigned long long cfg[2] = {env_bytes("LOCKSTEP_SHM_SLICE_BYTES", kDefaultSliceBytes),

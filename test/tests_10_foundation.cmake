@@ -39,7 +39,7 @@ foreach(mode IN ITEMS install subdir)
 endforeach()
 
 # The shared-memory path of MPIBackend (large host allreduce and broadcast on one machine): the
-# default slice; 4 KiB slices with no threshold, so that every call crosses many slices; and the
+# default slice; 4 KiB slices and no threshold, so that every call crosses many slices; and the
 # MPI path (LOCKSTEP_SHM=0, the [shm] cases left out). The collective suite runs once more with
 # small slices, so that every dtype, op and size of it goes through shared memory.
 lockstep_test_executable(test_shm_collectives shm_collectives_test.cpp)
