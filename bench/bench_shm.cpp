@@ -8,7 +8,7 @@
 //
 // Run: mpiexec -n 2 ./bench_shm [--json out.json] [--reps 7] [--max-bytes 67108864]
 //      [--slices 65536,131072,262144,524288,1048576,4194304] [--quick] [--target-ms 10]
-//      [--default-slice 1048576]
+//      [--default-slice 1048576] [--watch SECONDS]
 // A second table times allreduce on cold buffers (each call on the next region of a large pool),
 // the case of gradients, for the raw call, the path off, and the default slice.
 #include <lockstep/lockstep.hpp>
@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
+#include <unistd.h>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +60,47 @@ int main(int argc, char** argv) {
   std::vector<std::size_t> slices;
   for (auto& s : bench::split_list(opt.get("slices", "65536,131072,262144,524288,1048576,4194304")))
     slices.push_back(std::stoull(s));
+
+  // --watch SECONDS: one line a second, the shared-memory path against MPI on 64 MiB, to see how
+  // both move over time on a shared machine (docs/performance.md, "Phases").
+  if (const int watch = std::stoi(opt.get("watch", "0")); watch > 0) {
+    auto shm_backend = backend_with("1", opt.get("default-slice", "1048576"));
+    const std::int64_t count = std::int64_t{64} << 18;  // 64 MiB of f32
+    std::vector<float> x(static_cast<std::size_t>(count), 0.0f);
+    ls::TensorView v{x.data(), count, ls::DType::f32, ls::Device::cpu()};
+    int slow_b = 0, slow_a = 0;
+    if (rank == 0) std::printf("time      shm bcast  MPI_Bcast  shm allreduce  MPI_Allreduce  (GB/s, 64 MiB)\n");
+    for (int s = 0; s < watch; ++s) {
+      double gbs[4];
+      for (int k = 0; k < 4; ++k) {
+        const double t = bench::time_collective(
+            [&] {
+              if (k == 0) shm_backend->broadcast(v, 0);
+              else if (k == 1) MPI_Bcast(x.data(), static_cast<int>(count), MPI_FLOAT, 0, MPI_COMM_WORLD);
+              else if (k == 2) shm_backend->allreduce(v, ls::ReduceOp::sum);
+              else MPI_Allreduce(MPI_IN_PLACE, x.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            },
+            1);
+        gbs[k] = static_cast<double>(count) * 4 / t / 1e9;
+      }
+      slow_b += gbs[0] < gbs[1] ? 1 : 0;
+      slow_a += gbs[2] < gbs[3] ? 1 : 0;
+      if (rank == 0) {
+        char when[16];
+        const std::time_t now = std::time(nullptr);
+        std::strftime(when, sizeof when, "%H:%M:%S", std::gmtime(&now));
+        std::printf("%s  %9.2f  %9.2f  %13.2f  %13.2f\n", when, gbs[0], gbs[1], gbs[2], gbs[3]);
+        std::fflush(stdout);
+      }
+      sleep(1);
+    }
+    if (rank == 0)
+      std::printf("seconds in which the shared-memory path was slower than MPI: broadcast %d of %d, allreduce %d of %d\n",
+                  slow_b, watch, slow_a, watch);
+    shm_backend.reset();
+    ls::finalize<ls::MPIBackend>();
+    return 0;
+  }
 
   auto mpi_only = backend_with("0", "262144");
   std::vector<std::unique_ptr<ls::MPIBackend>> shm;

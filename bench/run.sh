@@ -75,10 +75,14 @@ cat "$results/machine.md"
 # Many short timed blocks: on a loaded machine the least disturbed of them (min-of-N) is more
 # likely to be undisturbed than one long block.
 run_mpi collectives "$np" --dat "$results/collectives.dat" --reps 15 --target-ms 5
-# The same allreduce sizes with libnbc's ring algorithm for the nonblocking allreduce (Open MPI's
-# default for 2 ranks is slower than its blocking allreduce, see docs/performance.md).
-BENCH_EXE=bench_collectives OMPI_MCA_coll_libnbc_iallreduce_algorithm=1 run_mpi collectives_nbring "$np" --max-bytes 33554432 \
+# The same sizes with MPIBackend's shared-memory path off: what the layer over MPI costs.
+BENCH_EXE=bench_collectives LOCKSTEP_SHM=0 run_mpi collectives_mpi "$np" --max-bytes 33554432 \
   --reps 15 --target-ms 5
+# The shared-memory path against MPI: slice sizes, small sizes, and cold buffers.
+run_mpi shm "$np"
+# One minute of one-second samples: how both paths move over time on this machine.
+echo "== shm --watch 60 ($np rank(s))" >&2
+"$mpiexec" -n "$np" "${mpiflags[@]}" "$bin/bench_shm" --watch 60 | tee "$results/shm_watch.md"
 run_mpi gradsync "$np"
 if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
 if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi
