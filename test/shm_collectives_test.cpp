@@ -120,7 +120,8 @@ TEST_CASE("allreduce: every op at the slice boundaries, in place and out of plac
         }
         if (!in_place)
           for (std::int64_t i = 0; i < count; ++i) wrong += px[i] == input(rank, i) ? 0 : 1;  // send untouched
-        if (wrong != 0 || (bitwise && !same_on_every_rank(got, count * 4)))
+        const bool same = same_on_every_rank(got, count * 4);  // collective: every rank calls it
+        if (wrong != 0 || (bitwise && !same))
           bad.push_back(ls::detail::concat(ls::name(op), " count ", count, in_place ? " in place" : " out of place",
                                            ": ", wrong, " wrong elements"));
       }
