@@ -83,6 +83,11 @@ run_mpi shm "$np"
 # One minute of one-second samples: how both paths move over time on this machine.
 echo "== shm --watch 60 ($np rank(s))" >&2
 "$mpiexec" -n "$np" "${mpiflags[@]}" "$bin/bench_shm" --watch 60 | tee "$results/shm_watch.md"
+# Why the slots are written with streaming stores: cache-to-cache reads against reads from memory.
+if [ -x "$bin/bench_phases" ]; then
+  echo "== phases (2 ranks, 30 s)" >&2
+  "$mpiexec" -n 2 "${mpiflags[@]}" "$bin/bench_phases" 30 | tee "$results/phases.md"
+fi
 run_mpi gradsync "$np"
 if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
 if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi

@@ -146,6 +146,7 @@ def main():
               ("collectives_mpi", "Collectives again, shared-memory path off (LOCKSTEP_SHM=0)"),
               ("shm", "The shared-memory path against MPI (bench_shm)"),
               ("shm_watch", "The shared-memory path against MPI over one minute (bench_shm --watch 60)"),
+              ("phases", "Cache-to-cache reads against reads from memory (bench_phases, 30 s)"),
               ("gradsync", "Gradient averaging (bench_gradsync)"),
               ("synchronize", "synchronize (bench_synchronize)"),
               ("overhead", "What Lockstep adds to one small allreduce"),
