@@ -106,7 +106,9 @@ void reduce_slots(T* out, const T* const* s, int n, std::size_t m) {
     const T* a = s[0];
     const T* b = s[1];
     if constexpr (Op == ReduceOp::avg) {
-      for (std::size_t i = 0; i < m; ++i) out[i] = (a[i] + b[i]) / T(2);
+      // x * 0.5 is x / 2 exactly (a power of two), and a multiplication is several times
+      // cheaper than a division: at 1 MiB slices the division alone took as long as the copy.
+      for (std::size_t i = 0; i < m; ++i) out[i] = (a[i] + b[i]) * T(0.5);
     } else {
       for (std::size_t i = 0; i < m; ++i) out[i] = combine(a[i], b[i]);
     }
@@ -122,8 +124,13 @@ void reduce_slots(T* out, const T* const* s, int n, std::size_t m) {
     for (std::size_t i = 0; i < m; ++i) out[i] = combine(out[i], b[i]);
   }
   if constexpr (Op == ReduceOp::avg) {
-    const T d = static_cast<T>(n);
-    for (std::size_t i = 0; i < m; ++i) out[i] /= d;
+    if ((n & (n - 1)) == 0) {  // a power of two: multiplying by 1/n is exact, the same bits as / n
+      const T inv = T(1) / static_cast<T>(n);
+      for (std::size_t i = 0; i < m; ++i) out[i] *= inv;
+    } else {
+      const T d = static_cast<T>(n);
+      for (std::size_t i = 0; i < m; ++i) out[i] /= d;
+    }
   }
 }
 

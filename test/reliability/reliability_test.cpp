@@ -138,6 +138,30 @@ TEST_CASE("a fingerprint mismatch throws on every rank before data moves, and th
   CHECK(z.data<float>()[3] == static_cast<float>(b.size()));
 }
 
+TEST_CASE("collectives run without checks keep the sequence numbers in step for a later check") {
+  // With the check level off and no deadline, collectives take the reliability hook's fast path
+  // (no fingerprint); their sequence numbers must still agree when checks are switched on, so a
+  // later mismatch is reported for what differs and not as a sequence-number disagreement.
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  if (b.size() < 2) return;
+  SettingsGuard keep;
+  ls::set_check_level(ls::CheckLevel::off);
+  ls::set_timeout(0);
+  ls::Tensor w = ls::Tensor::full({16}, 1.0);
+  for (int i = 0; i < 5; ++i) ls::allreduce(b, w, ls::ReduceOp::sum);
+  b.barrier();
+  ls::set_check_level(ls::CheckLevel::always);
+  ls::Tensor x = ls::Tensor::full({b.rank() == 0 ? 7 : 8}, 2.0);
+  const std::string msg = mismatch_text([&] { ls::allreduce(b, x, ls::ReduceOp::sum); });
+  CHECK(contains(msg, "disagree on the element count"));
+  CHECK_FALSE(contains(msg, "sequence number"));
+  // And back to the fast path: results still right.
+  ls::set_check_level(ls::CheckLevel::off);
+  ls::Tensor z = ls::Tensor::full({4}, 1.0);
+  ls::allreduce(b, z, ls::ReduceOp::sum);
+  CHECK(z.data<float>()[0] == static_cast<float>(b.size()));
+}
+
 TEST_CASE("level first checks the first N calls of each call site") {
   auto& b = ls::get_distributed_backend<ls::MPIBackend>();
   if (b.size() < 2) return;
