@@ -472,7 +472,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   impl_->cuda_aware = detect_cuda_aware();
   impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
-  impl_->shm = detail::ShmCollectives::create(impl_->comm);
+  impl_->shm = detail::ShmCollectives::create(impl_->comm, impl_->local_size);
 }
 
 MPIBackend::~MPIBackend() = default;

@@ -45,15 +45,12 @@ std::size_t env_bytes(const char* name, std::size_t fallback) {
   return static_cast<std::size_t>(x);
 }
 
-// LOCKSTEP_SHM: 0/off/false/no turns the path off; 1/on/true/yes or unset leaves it on.
-enum class Mode { off, on, automatic };
-Mode env_mode() {
+// LOCKSTEP_SHM=0 (or off, false, no) turns the path off; unset or anything else leaves it on.
+bool env_off() {
   const char* v = std::getenv("LOCKSTEP_SHM");
-  if (v == nullptr) return Mode::automatic;
-  std::string s = v;
-  if (s == "0" || s == "off" || s == "false" || s == "no") return Mode::off;
-  if (s == "1" || s == "on" || s == "true" || s == "yes") return Mode::on;
-  return Mode::automatic;
+  if (v == nullptr) return false;
+  const std::string s = v;
+  return s == "0" || s == "off" || s == "false" || s == "no";
 }
 
 
@@ -174,7 +171,7 @@ constexpr std::size_t kControlBytes = 2 * kLine;
 constexpr std::size_t kHeaderBytes = kLine;
 }  // namespace
 
-std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm) {
+std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm, int node_size) {
   int size = 1, rank = 0;
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
@@ -182,12 +179,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm) {
 
   // Every rank must agree: on one machine, within the rank limit, enabled everywhere; the slice
   // size and threshold are rank 0's.
-  MPI_Comm node = MPI_COMM_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node));
-  int node_size = 0;
-  LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_size));
-  LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
-  int ok = (node_size == size && size <= kMaxRanks && env_mode() != Mode::off) ? 1 : 0;
+  int ok = (node_size == size && size <= kMaxRanks && !env_off()) ? 1 : 0;
   LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
   if (!ok) return nullptr;
   unsigned long long cfg[2] = {env_bytes("LOCKSTEP_SHM_SLICE_BYTES", kDefaultSliceBytes),

@@ -29,10 +29,11 @@ namespace lockstep::detail {
 
 class ShmCollectives {
  public:
-  /// Collective over `comm`. Returns nullptr (on every rank) when the ranks are not all on one
+  /// Collective over `comm`; `node_size` is the number of its ranks on this machine (from
+  /// MPI_Comm_split_type). Returns nullptr (on every rank) when the ranks are not all on one
   /// machine, when there is only one rank, when there are more than kMaxRanks ranks, when the
   /// segment cannot be created, or when LOCKSTEP_SHM=0 on any rank.
-  static std::unique_ptr<ShmCollectives> create(MPI_Comm comm);
+  static std::unique_ptr<ShmCollectives> create(MPI_Comm comm, int node_size);
   ~ShmCollectives();
   ShmCollectives(const ShmCollectives&) = delete;
   ShmCollectives& operator=(const ShmCollectives&) = delete;
