@@ -45,29 +45,20 @@ def lockstep_row(rows):
 def targets(results):
     out = []  # (target, measured, limit, met)
 
-    coll = load(results, "collectives")
-    if coll:
-        ar = [r for r in coll["rows"] if r["op"] == "allreduce"]
-        if ar:
-            worst = max(ar, key=lambda r: r["ratio_median"])
-            over = [r for r in ar if r["ratio_median"] > 1.05]
-            worst_min = max(ar, key=lambda r: r["ratio_min"])
-            out.append((
-                "allreduce, Lockstep/raw time at every size (%d sizes)" % len(ar),
-                "max %.3f at %d B, %d size(s) above 1.05 (min-of-N: max %.3f at %d B)" % (
-                    worst["ratio_median"], worst["bytes"], len(over), worst_min["ratio_min"], worst_min["bytes"]),
-                "<= 1.05", not over))
-
-    cm = load(results, "collectives_mpi")
-    if cm:
-        ar = [r for r in cm["rows"] if r["op"] == "allreduce"]
-        if ar:
-            worst = max(ar, key=lambda r: r["ratio_median"])
-            over = [r for r in ar if r["ratio_median"] > 1.05]
-            out.append((
-                "allreduce with the shared-memory path off (LOCKSTEP_SHM=0), Lockstep/raw (%d sizes)" % len(ar),
-                "max %.3f at %d B, %d size(s) above 1.05" % (worst["ratio_median"], worst["bytes"], len(over)),
-                "<= 1.05", not over))
+    for name, title in (("collectives", "allreduce, Lockstep/raw time at every size"),
+                        ("collectives_mpi", "allreduce with the shared-memory path off (LOCKSTEP_SHM=0), Lockstep/raw")):
+        coll = load(results, name)
+        ar = [r for r in coll["rows"] if r["op"] == "allreduce"] if coll else []
+        if not ar:
+            continue
+        worst = max(ar, key=lambda r: r["ratio_median"])
+        over = [r for r in ar if r["ratio_median"] > 1.05]
+        worst_min = max(ar, key=lambda r: r["ratio_min"])
+        out.append((
+            "%s (%d sizes)" % (title, len(ar)),
+            "max %.3f at %d B, %d size(s) above 1.05 (min-of-N: max %.3f at %d B)" % (
+                worst["ratio_median"], worst["bytes"], len(over), worst_min["ratio_min"], worst_min["bytes"]),
+            "<= 1.05", not over))
 
     gs = load(results, "gradsync")
     if gs:
