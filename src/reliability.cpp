@@ -303,6 +303,18 @@ struct Fingerprint {
   std::int64_t v[kFields] = {-1, -1, -1, -1, -1, -1};  // coll, dtype, count, root, op, seq
 };
 
+Fingerprint fingerprint_of(Coll coll, const TensorView* data, std::int64_t count, int root, int op,
+                           std::int64_t seq) noexcept {
+  Fingerprint fp;
+  fp.v[0] = static_cast<std::int64_t>(coll);
+  fp.v[1] = data != nullptr ? static_cast<std::int64_t>(data->dtype) : -1;
+  fp.v[2] = count;
+  fp.v[3] = root;
+  fp.v[4] = op;
+  fp.v[5] = seq;
+  return fp;
+}
+
 std::string site_string(const CallSite& s) {
   if (!s.known) return "an unrecorded call site (Backend member called directly)";
   return where(s.loc);
@@ -527,13 +539,7 @@ class CommMonitor {
     }
     throw_if_stalled();
 
-    Fingerprint fp;
-    fp.v[0] = static_cast<std::int64_t>(coll);
-    fp.v[1] = data != nullptr ? static_cast<std::int64_t>(data->dtype) : -1;
-    fp.v[2] = count;
-    fp.v[3] = root;
-    fp.v[4] = op;
-    fp.v[5] = seq;
+    Fingerprint fp = fingerprint_of(coll, data, count, root, op, seq);
     const CallSite site = t_call_site;
     const bool check = should_check(site);
     deadline_ = timeout() > 0;
@@ -608,12 +614,8 @@ class CommMonitor {
   /// Records the nonblocking collective just entered by enter_fast() for its request.
   void record_issuing(Coll coll, const TensorView* data, std::int64_t count, int op, int root) noexcept {
     const std::int64_t seq = started_.load(std::memory_order_relaxed) - 1;
-    issuing_.v[0] = static_cast<std::int64_t>(coll);
-    issuing_.v[1] = data != nullptr ? static_cast<std::int64_t>(data->dtype) : -1;
-    issuing_.v[2] = count;
-    issuing_.v[3] = root;
-    issuing_.v[4] = op;
-    issuing_.v[5] = seq;
+    const Fingerprint fp = fingerprint_of(coll, data, count, root, op, seq);
+    std::copy(std::begin(fp.v), std::end(fp.v), issuing_.v);
     issuing_.site = t_call_site;
   }
 
