@@ -8,6 +8,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
+#include <exception>
+#include <thread>
 #include <iostream>
 #include <mutex>
 #include <vector>
@@ -17,6 +20,7 @@
 #endif
 
 #include "lockstep/device_runtime.hpp"
+#include "lockstep/world.hpp"
 #include "reliability_mpi.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 #include "shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
 
@@ -35,67 +39,15 @@ void check_mpi(int code, const char* call, const std::source_location& loc) {
   MPI_Error_class(code, &cls);
   char cls_text[MPI_MAX_ERROR_STRING] = {};
   MPI_Error_string(cls, cls_text, &len);
-  throw MpiError(concat(where(loc), ": ", call, " failed: ", cls_text, ": ", text, rank_suffix()),
-                 code);
+  // MPI's text once (Open MPI's error string already starts with its class's).
+  std::string what = text;
+  if (what.find(cls_text) == std::string::npos) what = concat(cls_text, ": ", text);
+  // What the user called and where (recorded by the Backend front end); the internal call only
+  // when no collective is running.
+  const std::string site = t_call_site.known ? describe_call_site() : concat(call, " at ", where(loc));
+  throw MpiError(concat(site, " failed in MPI: ", what, rank_suffix()), code);
 }
 }  // namespace detail
-
-const char* name(ReduceOp op) noexcept {
-  switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::prod: return "prod";
-    case ReduceOp::min: return "min";
-    case ReduceOp::max: return "max";
-    case ReduceOp::avg: return "avg";
-  }
-  return "?";
-}
-
-void check_op_for_dtype(ReduceOp op, DType dtype) {
-  LOCKSTEP_CHECK_ARG(static_cast<int>(op) <= static_cast<int>(ReduceOp::avg), "invalid ReduceOp value ",
-                     static_cast<int>(op));
-  LOCKSTEP_CHECK_ARG(op != ReduceOp::avg || is_floating(dtype), "ReduceOp::avg needs a floating dtype, got ",
-                     name(dtype), " (use sum and divide yourself for integers)");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Request
-// ---------------------------------------------------------------------------------------------
-Request& Request::operator=(Request&& other) noexcept {
-  if (this != &other) {
-    if (impl_) {
-      try {
-        impl_->wait();
-      } catch (const std::exception& e) {
-        std::cerr << "lockstep: pending request failed while being replaced: " << e.what() << "\n";
-      }
-    }
-    impl_ = std::move(other.impl_);
-  }
-  return *this;
-}
-
-Request::~Request() {
-  if (!impl_) return;
-  try {
-    impl_->wait();
-  } catch (const std::exception& e) {
-    std::cerr << "lockstep: request destroyed while pending and its wait failed: " << e.what() << "\n";
-  }
-}
-
-void Request::wait() {
-  if (!impl_) return;
-  auto impl = std::move(impl_);
-  impl->wait();
-}
-
-bool Request::test() {
-  if (!impl_) return true;
-  if (!impl_->test()) return false;
-  impl_.reset();
-  return true;
-}
 
 namespace {
 
@@ -213,43 +165,19 @@ void scale_host(TensorView v, int n) {
   }
 }
 
+// Whether MPI reduces this dtype itself (f16 and bf16 go through user-defined operators that
+// run on the host, so their device buffers are staged even with CUDA-aware MPI).
+bool is_mpi_native(DType t) { return t != DType::f16 && t != DType::bf16; }
+
 // Largest element count handed to one MPI call (MPI counts are int).
 constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
-
-void check_view(const TensorView& v, const char* what) {
-  LOCKSTEP_CHECK_ARG(v.numel >= 0, what, ": negative element count ", v.numel);
-  LOCKSTEP_CHECK_ARG(v.data != nullptr || v.numel == 0, what, ": null data pointer for ", v.numel,
-                     " elements");
-  LOCKSTEP_CHECK_ARG(static_cast<int>(v.dtype) <= static_cast<int>(DType::u8), what, ": invalid dtype value");
-}
-
-bool overlaps(const TensorView& a, const TensorView& b) {
-  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-  auto a0 = reinterpret_cast<std::uintptr_t>(a.data), b0 = reinterpret_cast<std::uintptr_t>(b.data);
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-}
-
-void check_pair(const TensorView& send, const TensorView& recv, const char* what) {
-  check_view(send, what);
-  check_view(recv, what);
-  LOCKSTEP_CHECK_ARG(send.dtype == recv.dtype, what, ": send dtype ", name(send.dtype),
-                     " differs from recv dtype ", name(recv.dtype));
-  LOCKSTEP_CHECK_ARG(send.device == recv.device, what, ": send is on ", to_string(send.device),
-                     " but recv is on ", to_string(recv.device));
-  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), what,
-                     ": send and recv overlap in memory; use the in-place form instead");
-}
 
 // ---------------------------------------------------------------------------------------------
 // Device memory: handed to MPI directly when MPI is CUDA-aware, else staged through a reusable
 // pinned host buffer. The producing stream is synchronised first either way.
 // ---------------------------------------------------------------------------------------------
+// What MPI says about itself; LOCKSTEP_CUDA_AWARE_MPI overrides it (read with the settings).
 bool detect_cuda_aware() {
-  if (const char* env = std::getenv("LOCKSTEP_CUDA_AWARE_MPI")) {
-    std::string v = env;
-    if (v == "1" || v == "true" || v == "on") return true;
-    if (v == "0" || v == "false" || v == "off") return false;
-  }
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
   return MPIX_Query_cuda_support() == 1;
 #else
@@ -320,14 +248,6 @@ struct MPIBackend::Impl {
   // Large host allreduce and broadcast when every rank is on this machine (null otherwise).
   std::unique_ptr<detail::ShmCollectives> shm;
 
-  // Whether the shared-memory path takes this call. A collective under a deadline stays on MPI,
-  // whose nonblocking form the watchdog can time out.
-  bool shm_allreduce(std::int64_t n, DType t, ReduceOp op) const {
-    return shm && shm->handles_allreduce(n, t, op) && !detail::scope_has_deadline();
-  }
-  bool shm_broadcast(std::int64_t n, DType t) const {
-    return shm && shm->handles_broadcast(n, t) && !detail::scope_has_deadline();
-  }
 
   ~Impl() {
     // Reliability hook: after a stall or with requests still pending, MPI may still progress
@@ -342,10 +262,6 @@ struct MPIBackend::Impl {
     int fin = 0;
     MPI_Finalized(&fin);
     if (comm != MPI_COMM_NULL && !fin && !keep_comm) MPI_Comm_free(&comm);
-  }
-
-  void check_root(int root, const char* what) const {
-    LOCKSTEP_CHECK_ARG(root >= 0 && root < size, what, ": root ", root, " is out of range [0, ", size, ")");
   }
 
   // Grows the staging buffer to at least `bytes`, keeping its contents: the send region of a
@@ -374,14 +290,16 @@ namespace {
 // `offset_bytes`; the second Staged of a call passes an offset past the first one's region.
 class Staged {
  public:
-  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, std::size_t offset_bytes = 0)
+  /// `host_work`: the call does work of its own on the buffer on the host (the avg division,
+  /// the f16/bf16 operators, a local copy), so device memory is staged even with CUDA-aware MPI.
+  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, std::size_t offset_bytes = 0, bool host_work = false)
       : impl_(&impl), orig_(v), host_(v), offset_(offset_bytes) {
     if (v.device.is_cpu()) return;
     DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
     // The whole device: the producer's writes, on whatever stream, must be complete before MPI
     // (or the copy below) reads the buffer (Flux.jl issue #2591: wrong averages without it).
     rt.synchronize(v.device.index);
-    if (impl.cuda_aware) return;
+    if (impl.cuda_aware && !host_work) return;
     staged_ = true;
     host_.device = Device::cpu();
     impl.staging(offset_ + v.nbytes());
@@ -409,7 +327,7 @@ class Staged {
 
 std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
-void do_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
+void chunked_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
   MPI_Datatype dt = mpi_type(t);
   MPI_Op mop = mpi_op(op, t);
   const std::size_t es = size_of(t);
@@ -421,7 +339,7 @@ void do_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, D
   }
 }
 
-void do_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root) {
+void chunked_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root) {
   const std::size_t es = size_of(t);
   for (std::int64_t off = 0; off < n; off += kMaxChunk) {
     int c = static_cast<int>(std::min(kMaxChunk, n - off));
@@ -429,7 +347,7 @@ void do_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root) {
   }
 }
 
-void do_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op,
+void chunked_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op,
                int root, int rank) {
   MPI_Datatype dt = mpi_type(t);
   MPI_Op mop = mpi_op(op, t);
@@ -464,144 +382,142 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(impl_->comm, &impl_->rank));
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(impl_->comm, &impl_->size));
+  // Every LOCKSTEP_* setting, parsed on each rank and then agreed: a value that is malformed or
+  // differs on any rank is the same InvalidArgument on every rank (no rank is left waiting).
+  detail::agree_on_settings(impl_->comm);
   MPI_Comm node = MPI_COMM_NULL;
   LOCKSTEP_MPI_CHECK(
       MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->rank, MPI_INFO_NULL, &node));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(node, &impl_->local_rank));
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &impl_->local_size));
   LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
-  impl_->cuda_aware = detect_cuda_aware();
+  impl_->cuda_aware = detail::settings_cuda_aware_mpi().value_or(detect_cuda_aware());
   impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
   impl_->shm = detail::ShmCollectives::create(impl_->comm, impl_->local_size);
+  // Every wait of the shared-memory path is bounded: it polls the reliability hook (stall
+  // notices from other ranks, this collective's deadline).
+  if (impl_->shm) impl_->shm->set_wait_hook(&detail::wait_point, impl_->monitor.get());
 }
 
 MPIBackend::~MPIBackend() = default;
-MPIBackend::MPIBackend(MPIBackend&&) noexcept = default;
-MPIBackend& MPIBackend::operator=(MPIBackend&&) noexcept = default;
+// A moved-from backend holds no Impl: usable() is false and every collective throws.
+MPIBackend::MPIBackend(MPIBackend&& other) noexcept : impl_(std::move(other.impl_)) {}
+MPIBackend& MPIBackend::operator=(MPIBackend&& other) noexcept {
+  if (this != &other) impl_ = std::move(other.impl_);
+  return *this;
+}
 
 MPI_Comm MPIBackend::comm() const noexcept { return impl_ ? impl_->comm : MPI_COMM_NULL; }
-int MPIBackend::rank() const { return impl_->rank; }
-int MPIBackend::size() const { return impl_->size; }
-int MPIBackend::local_rank() const { return impl_->local_rank; }
-int MPIBackend::local_size() const { return impl_->local_size; }
-bool MPIBackend::cuda_aware() const noexcept { return impl_->cuda_aware; }
-void MPIBackend::set_cuda_aware(bool on) noexcept { impl_->cuda_aware = on; }
+int MPIBackend::rank() const { return impl_ ? impl_->rank : 0; }
+int MPIBackend::size() const { return impl_ ? impl_->size : 0; }
+int MPIBackend::local_rank() const { return impl_ ? impl_->local_rank : 0; }
+int MPIBackend::local_size() const { return impl_ ? impl_->local_size : 0; }
+bool MPIBackend::cuda_aware() const noexcept { return impl_ && impl_->cuda_aware; }
+void MPIBackend::set_cuda_aware(bool on) noexcept {
+  if (impl_) impl_->cuda_aware = on;
+}
 bool MPIBackend::shared_memory() const noexcept { return impl_ && impl_->shm != nullptr; }
+bool MPIBackend::usable() const noexcept { return impl_ && detail::monitor_usable(*impl_->monitor); }
 
-void MPIBackend::broadcast(TensorView buf, int root) {
-  check_view(buf, "broadcast");
-  impl_->check_root(root, "broadcast");
+void MPIBackend::check_usable() const {
+  if (!impl_)
+    throw InvalidArgument(detail::concat(detail::describe_call_site(),
+                                         ": this MPIBackend was moved from; use the backend it was moved into"));
+}
+
+void MPIBackend::abandon(const CallInfo& call, const std::exception& error) {
+  if (impl_) detail::abandon_collective(impl_->monitor.get(), call.op, call.count, call.dtype, call.reduce_op,
+                                        call.root, error.what());
+}
+
+void MPIBackend::do_broadcast(TensorView buf, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::broadcast, &buf, buf.numel, -1, root);  // reliability hook
   if (guard.skipped()) return;
   Staged s(*impl_, buf, impl_->rank == root);
-  if (s.host().device.is_cpu() && impl_->shm_broadcast(buf.numel, buf.dtype))
-    impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root);
-  else
-    do_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
+  // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
+  // returns false, on every rank alike, when the call goes to MPI instead).
+  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, s.host().device.is_cpu())))
+    chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   s.copy_out();
 }
 
-void MPIBackend::allreduce(TensorView buf, ReduceOp op) {
-  check_view(buf, "allreduce");
-  check_op_for_dtype(op, buf.dtype);
+void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
-  Staged s(*impl_, buf, true);
-  if (s.host().device.is_cpu() && impl_->shm_allreduce(buf.numel, buf.dtype, op)) {
-    impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op);  // avg included
+  Staged s(*impl_, buf, true, 0, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  const bool host = s.host().device.is_cpu();
+  if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
+    // avg included
   } else {
     if (buf.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop
       LOCKSTEP_MPI_CHECK(detail::guarded_allreduce(MPI_IN_PLACE, s.host().data, static_cast<int>(buf.numel),
                                                    mpi_type(buf.dtype), mpi_op(op, buf.dtype), impl_->comm));
     else
-      do_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
+      chunked_allreduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op);
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
   }
   s.copy_out();
 }
 
-void MPIBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
-  if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype &&
-      send.device == recv.device)
-    return allreduce(recv, op);
-  check_pair(send, recv, "allreduce");
-  LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "allreduce: send has ", send.numel,
-                     " elements but recv has ", recv.numel);
-  check_op_for_dtype(op, send.dtype);
+void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &send, send.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
-  Staged ss(*impl_, send, true);
-  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
-  if (rs.host().device.is_cpu() && impl_->shm_allreduce(send.numel, send.dtype, op)) {
-    impl_->shm->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op);  // avg included
+  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
+  Staged ss(*impl_, send, true, 0, host_work);
+  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  const bool host = rs.host().device.is_cpu();
+  if (impl_->shm && impl_->shm->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, host)) {
+    // avg included
   } else {
     if (send.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop
       LOCKSTEP_MPI_CHECK(detail::guarded_allreduce(ss.host().data, rs.host().data, static_cast<int>(send.numel),
                                                    mpi_type(send.dtype), mpi_op(op, send.dtype), impl_->comm));
     else
-      do_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
+      chunked_allreduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op);
     if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   }
   rs.copy_out();
 }
 
-void MPIBackend::reduce(TensorView buf, ReduceOp op, int root) {
-  check_view(buf, "reduce");
-  check_op_for_dtype(op, buf.dtype);
-  impl_->check_root(root, "reduce");
+void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &buf, buf.numel,
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
-  Staged s(*impl_, buf, true);
-  do_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
+  Staged s(*impl_, buf, true, 0, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  chunked_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
   if (impl_->rank == root) {
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
     s.copy_out();
   }
 }
 
-void MPIBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
-  impl_->check_root(root, "reduce");
-  check_view(send, "reduce");
-  check_op_for_dtype(op, send.dtype);
+void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
   const bool is_root = impl_->rank == root;
-  if (send.data == recv.data && send.numel == recv.numel && send.dtype == recv.dtype &&
-      send.device == recv.device)
-    return reduce(recv, op, root);  // the same buffer twice: the in-place form
-  // recv matters only on the root, but a non-root that passes one gets the same checks, so that
-  // a program passing the same wrong recv everywhere fails identically on every rank.
-  if (is_root || recv.numel != 0 || recv.data != nullptr) {
-    check_pair(send, recv, "reduce");
-    LOCKSTEP_CHECK_ARG(send.numel == recv.numel, "reduce: send has ", send.numel,
-                       " elements but recv has ", recv.numel);
-  }
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &send, send.numel,
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
-  Staged ss(*impl_, send, true);
+  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
+  Staged ss(*impl_, send, true, 0, host_work);
   if (!is_root) {
-    do_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
+    chunked_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
     return;
   }
-  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
-  do_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
+  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  chunked_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
 }
 
-void MPIBackend::allgather(TensorView send, TensorView recv) {
-  check_pair(send, recv, "allgather");
-  LOCKSTEP_CHECK_ARG(recv.numel == send.numel * impl_->size, "allgather: recv must hold size() x send = ",
-                     impl_->size, " x ", send.numel, " = ", send.numel * impl_->size,
-                     " elements, but holds ", recv.numel);
+void MPIBackend::do_allgather(TensorView send, TensorView recv) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allgather, &send, send.numel, -1,
                                 -1);  // reliability hook
   if (guard.skipped()) return;
-  Staged ss(*impl_, send, true);
-  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
   const std::int64_t n = send.numel;
+  const bool host_work = n > kMaxChunk;  // the large form copies this rank's block on the host
+  Staged ss(*impl_, send, true, 0, host_work);
+  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
     LOCKSTEP_MPI_CHECK(detail::guarded_allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
@@ -611,22 +527,18 @@ void MPIBackend::allgather(TensorView send, TensorView recv) {
     // Above the int count limit: each rank's block is broadcast from its owner, in chunks.
     std::memcpy(static_cast<char*>(rs.host().data) + impl_->rank * n * es, ss.host().data, n * es);
     for (int r = 0; r < impl_->size; ++r)
-      do_bcast(impl_->comm, static_cast<char*>(rs.host().data) + r * n * es, n, send.dtype, r);
+      chunked_bcast(impl_->comm, static_cast<char*>(rs.host().data) + r * n * es, n, send.dtype, r);
   }
   rs.copy_out();
 }
 
-void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
-  check_pair(send, recv, "reduce_scatter");
-  check_op_for_dtype(op, send.dtype);
-  LOCKSTEP_CHECK_ARG(send.numel == recv.numel * impl_->size,
-                     "reduce_scatter: send must hold size() x recv = ", impl_->size, " x ", recv.numel,
-                     " = ", recv.numel * impl_->size, " elements, but holds ", send.numel);
+void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &send, recv.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
-  Staged ss(*impl_, send, true);
-  Staged rs(*impl_, recv, false, align_up(send.device.is_cpu() ? 0 : send.nbytes()));
+  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
+  Staged ss(*impl_, send, true, 0, host_work);
+  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
   const std::int64_t n = recv.numel;
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
@@ -636,14 +548,14 @@ void MPIBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   } else {
     // Above the int count limit: block r is reduced onto rank r, in chunks.
     for (int r = 0; r < impl_->size; ++r)
-      do_reduce(impl_->comm, static_cast<const char*>(ss.host().data) + r * n * es,
+      chunked_reduce(impl_->comm, static_cast<const char*>(ss.host().data) + r * n * es,
                 r == impl_->rank ? rs.host().data : nullptr, n, send.dtype, op, r, impl_->rank);
   }
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
 }
 
-void MPIBackend::barrier() {
+void MPIBackend::do_barrier() {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::barrier, nullptr, 0, -1, -1);  // reliability hook
   if (guard.skipped()) return;
   LOCKSTEP_MPI_CHECK(detail::guarded_barrier(impl_->comm));
@@ -733,7 +645,9 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
   if (buf.device.is_cpu()) return nullptr;
   DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
   rt.synchronize(buf.device.index);  // see Staged
-  if (impl.cuda_aware) return nullptr;
+  // Always staged, CUDA-aware MPI or not: Open MPI's CUDA support covers only some blocking
+  // calls, and the request's finish (the avg division) runs on the host.
+  (void)impl.cuda_aware;
   auto pinned = std::make_unique<OwnedPinned>(impl.pinned_pool, buf.nbytes());
   host.data = pinned->get();
   host.device = Device::cpu();
@@ -743,9 +657,7 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
 
 }  // namespace
 
-Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
-  check_view(buf, "iallreduce");
-  check_op_for_dtype(op, buf.dtype);
+Request MPIBackend::do_iallreduce(TensorView buf, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::iallreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return Request();
@@ -762,9 +674,7 @@ Request MPIBackend::iallreduce(TensorView buf, ReduceOp op) {
                                               detail::watch_request(impl_->monitor)));
 }
 
-Request MPIBackend::ibroadcast(TensorView buf, int root) {
-  check_view(buf, "ibroadcast");
-  impl_->check_root(root, "ibroadcast");
+Request MPIBackend::do_ibroadcast(TensorView buf, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::ibroadcast, &buf, buf.numel, -1,
                                 root);  // reliability hook
   if (guard.skipped()) return Request();
@@ -785,6 +695,32 @@ Request MPIBackend::ibroadcast(TensorView buf, int root) {
 namespace {
 std::mutex g_mutex;
 std::unique_ptr<MPIBackend> g_backend;
+
+std::string rank_suffix_noexcept() noexcept {
+  try {
+    return detail::rank_suffix();
+  } catch (...) {
+    return "";
+  }
+}
+
+// An exception that escapes main (or any thread) on one rank would leave the others waiting in
+// their next collective: instead the whole job ends, with the rank and the message.
+std::terminate_handler g_previous_terminate = nullptr;
+[[noreturn]] void terminate_job() noexcept {
+  std::string what = "an unknown exception";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = ex.what();
+    } catch (...) {
+    }
+  } else {
+    what = "std::terminate was called without an exception";
+  }
+  abort_job(detail::concat("uncaught exception: ", what), 1);
+}
 bool g_we_initialised_mpi = false;
 bool g_atexit_registered = false;
 
@@ -816,6 +752,15 @@ void MPIBackend::initialize_global() {
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);
     g_we_initialised_mpi = true;
   }
+  // Errors of requests that MPI cannot attribute to a communicator (Open MPI raises those of
+  // nonblocking collectives on MPI_COMM_WORLD) must come back as codes, so that they become an
+  // MpiError instead of ending the job. Only when Lockstep started MPI: a program that owns MPI
+  // keeps its own handlers (docs/reliability.md).
+  if (g_we_initialised_mpi) {
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
+  }
+  if (g_previous_terminate == nullptr) g_previous_terminate = std::set_terminate(terminate_job);
   g_backend = std::make_unique<MPIBackend>(MPI_COMM_WORLD);
   if (!g_atexit_registered) {
     std::atexit(finalize_at_exit);
@@ -841,14 +786,56 @@ void MPIBackend::finalize_global() {
   std::lock_guard lock(g_mutex);
   // Reliability hook: finalising under pending requests would crash inside MPI_Finalize.
   if (g_backend) detail::check_no_pending_requests(g_backend->impl_->monitor.get(), "finalize<MPIBackend>");
+  if (g_backend && g_backend->impl_ && g_backend->impl_->monitor) detail::announce_leaving(*g_backend->impl_->monitor);
   g_backend.reset();
   int init = 0, fin = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (init && !fin) {
     g_half_ops.free_all();
-    if (g_we_initialised_mpi) MPI_Finalize();
+    if (g_we_initialised_mpi) {
+      if (detail::any_stall()) {
+        // MPI_Finalize synchronises with every rank, so it would wait for the stalled one
+        // (forever, if it never comes back). The process ends without it; mpiexec then ends the
+        // rest of the job.
+        std::cerr << "lockstep: not calling MPI_Finalize after a stall or a refused collective (it would wait for "
+                     "the other ranks); this process exits without it, which ends the job"
+                  << rank_suffix_noexcept() << std::endl;
+        return;
+      }
+      // MPI_Finalize synchronises with every rank and, in Open MPI, cannot be interrupted: a
+      // rank inside it is not ended even by another rank's MPI_Abort. So the ranks first meet
+      // in a barrier that this rank polls (a rank still inside a collective has been told that
+      // this one left, and throws or ends the job), for at most the deadline.
+      MPI_Request req = MPI_REQUEST_NULL;
+      if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
+        const double limit = timeout() > 0 ? timeout() : 1e18;
+        const auto start = std::chrono::steady_clock::now();
+        int done = 0;
+        while (!done) {
+          if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+          if (done) break;
+          if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit) {
+            std::cerr << "lockstep: the other ranks did not finalise within " << limit
+                      << " s; this process exits without MPI_Finalize, which ends the job" << rank_suffix_noexcept()
+                      << std::endl;
+            return;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      }
+      MPI_Finalize();
+    }
   }
+}
+
+void abort_job(const std::string& message, int code) noexcept {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  std::cerr << "lockstep: ending the job" << rank_suffix_noexcept() << ": " << message << std::endl;
+  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, code == 0 ? 1 : code);
+  std::_Exit(code == 0 ? 1 : code);
 }
 
 }  // namespace lockstep

@@ -19,6 +19,9 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <set>
+#include <climits>
+#include <optional>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -30,6 +33,7 @@
 #include "lockstep/errors.hpp"
 #include "lockstep/reliability.hpp"
 #include "lockstep/replicas.hpp"
+#include "env.hpp"
 #include "reliability_mpi.hpp"
 
 namespace lockstep {
@@ -39,71 +43,113 @@ namespace lockstep {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
+// The default deadline (seconds) when LOCKSTEP_TIMEOUT is not set: PyTorch's collectives give up
+// after 10 minutes by default too. Long enough for a rank that loads data or writes a checkpoint
+// while the others wait; short enough that a dead job does not hold its machines for a night.
+// It is enforced by the watchdog thread, which reads no clock on the collective's path (so it
+// costs nothing per call) and ends the job with the blame report when it passes.
+constexpr double kDefaultTimeout = 600.0;
+
 struct Settings {
   std::atomic<CheckLevel> level{CheckLevel::off};
   std::atomic<int> first_calls{3};
-  std::atomic<double> timeout_s{0.0};
+  // The deadline of every blocking wait, in seconds (0: none).
+  std::atomic<double> timeout_s{kDefaultTimeout};
+  // True when timeout_s was chosen (LOCKSTEP_TIMEOUT or set_timeout): collectives then poll
+  // against it and throw TimeoutError (or abort, per action). False for the default, which the
+  // watchdog enforces by ending the job.
+  std::atomic<bool> timeout_chosen{false};
   std::atomic<TimeoutAction> action{TimeoutAction::throw_error};
-  // True while the check level is off and there is no deadline: collectives then take the
-  // hook's fast path (see CommMonitor::enter_fast). Derived from level and timeout_s by
+  // True while the check level is off and no deadline is polled: collectives then take the
+  // hook's fast path (see CommMonitor::enter_fast). Derived from level and timeout by
   // update_quiet(), under quiet_mutex so that two setters on two threads cannot leave it stale.
   std::atomic<bool> quiet{true};
   std::mutex quiet_mutex;
+
+  // Read once from the environment; agreed across ranks by agree_on_settings().
+  std::optional<bool> shm;                // LOCKSTEP_SHM
+  std::optional<std::uint64_t> shm_slice; // LOCKSTEP_SHM_SLICE_BYTES
+  std::optional<std::uint64_t> shm_min;   // LOCKSTEP_SHM_MIN_BYTES
+  std::optional<bool> cuda_aware;         // LOCKSTEP_CUDA_AWARE_MPI
+  std::string env_error;                  // the first malformed variable, if any
+  std::string canonical;                  // what must agree, as text
 };
 
 // A namespace-scope object (constant-initialised), so that the per-collective fast path reads
 // `quiet` without a function-local static guard or std::call_once; settings() fills it from the
-// environment on first use, and every CommMonitor calls settings() when it is created.
+// environment on first use, and every MPIBackend agrees on it when it is created.
 Settings g_settings;
 
 void update_quiet(Settings& s) {
   std::lock_guard lock(s.quiet_mutex);
-  s.quiet.store(s.level.load() == CheckLevel::off && !(s.timeout_s.load() > 0));
+  s.quiet.store(s.level.load() == CheckLevel::off && !(s.timeout_chosen.load() && s.timeout_s.load() > 0));
 }
 
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+void read_environment(Settings& s) {
+  namespace env = detail::env;
+  if (auto v = env::get("LOCKSTEP_CHECK")) {
+    std::string low = *v;
+    for (auto& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const std::string level = low.substr(0, low.find(':'));
+    const bool has_n = low.find(':') != std::string::npos;
+    if (level == "off" && !has_n) s.level = CheckLevel::off;
+    else if (level == "first") s.level = CheckLevel::first;
+    else if (level == "always" && !has_n) s.level = CheckLevel::always;
+    else
+      throw InvalidArgument(detail::concat("LOCKSTEP_CHECK=\"", *v, "\": expected off, first, first:N or always"));
+    if (has_n)
+      s.first_calls = static_cast<int>(env::parse_int("LOCKSTEP_CHECK (N of first:N)", low.substr(low.find(':') + 1),
+                                                      1, 1000000));
+  }
+  if (auto t = env::get_seconds("LOCKSTEP_TIMEOUT")) {
+    s.timeout_s = *t;
+    s.timeout_chosen = *t > 0;
+  }
+  if (auto v = env::get("LOCKSTEP_TIMEOUT_ACTION")) {
+    if (*v == "throw") s.action = TimeoutAction::throw_error;
+    else if (*v == "abort") s.action = TimeoutAction::abort;
+    else throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT_ACTION=\"", *v, "\": expected throw or abort"));
+  }
+  s.shm = env::get_bool("LOCKSTEP_SHM");
+  s.shm_slice = env::get_bytes("LOCKSTEP_SHM_SLICE_BYTES", 4096, std::uint64_t{64} << 20);
+  if (s.shm_slice && *s.shm_slice % 64 != 0)
+    throw InvalidArgument(detail::concat("LOCKSTEP_SHM_SLICE_BYTES=\"", *env::get("LOCKSTEP_SHM_SLICE_BYTES"),
+                                         "\": expected a multiple of 64 bytes"));
+  s.shm_min = env::get_bytes("LOCKSTEP_SHM_MIN_BYTES", 0, std::uint64_t{1} << 40);
+  s.cuda_aware = env::get_bool("LOCKSTEP_CUDA_AWARE_MPI");
+}
+
+std::string canonical_settings(const Settings& s) {
+  auto opt = [](const auto& o) { return o ? detail::concat(*o) : std::string("unset"); };
+  return detail::concat("LOCKSTEP_CHECK=", name(s.level.load()), ":", s.first_calls.load(),
+                        " LOCKSTEP_TIMEOUT=", s.timeout_s.load(), s.timeout_chosen ? "" : "(default)",
+                        " LOCKSTEP_TIMEOUT_ACTION=", s.action == TimeoutAction::abort ? "abort" : "throw",
+                        " LOCKSTEP_SHM=", opt(s.shm), " LOCKSTEP_SHM_SLICE_BYTES=", opt(s.shm_slice),
+                        " LOCKSTEP_SHM_MIN_BYTES=", opt(s.shm_min), " LOCKSTEP_CUDA_AWARE_MPI=", opt(s.cuda_aware));
+}
+
+// Fills g_settings from the environment, once. A malformed variable is remembered rather than
+// thrown here, so that agree_on_settings() can make every rank throw it together; the accessors
+// below throw it on the rank that has it.
+Settings& loaded_settings() {
+  Settings& s = g_settings;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Settings& g = g_settings;
+    try {
+      read_environment(g);
+    } catch (const InvalidArgument& e) {
+      g.env_error = e.what();
+    }
+    g.canonical = canonical_settings(g);
+    update_quiet(g);
+  });
   return s;
 }
 
 Settings& settings() {
-  Settings& s = g_settings;
-  static std::once_flag once;
-  // The environment is read once, on first use; a bad value is an error rather than a silent
-  // default, because a user who asked for checks believes they are on.
-  std::call_once(once, [] {
-    if (const char* env = std::getenv("LOCKSTEP_CHECK"); env != nullptr && *env != '\0') {
-      std::string v = lower(env);
-      std::string level = v.substr(0, v.find(':'));
-      if (level == "off" || level == "0" || level == "none") s.level = CheckLevel::off;
-      else if (level == "first") s.level = CheckLevel::first;
-      else if (level == "always" || level == "1" || level == "on") s.level = CheckLevel::always;
-      else
-        throw InvalidArgument(detail::concat("LOCKSTEP_CHECK=", env,
-                                             ": expected off, first, first:N or always"));
-      if (auto colon = v.find(':'); colon != std::string::npos) {
-        char* end = nullptr;
-        long n = std::strtol(v.c_str() + colon + 1, &end, 10);
-        if (end == v.c_str() + colon + 1 || *end != '\0' || n < 1 || n > 1000000)
-          throw InvalidArgument(detail::concat("LOCKSTEP_CHECK=", env, ": N in first:N must be a positive integer"));
-        s.first_calls = static_cast<int>(n);
-      }
-    }
-    if (const char* env = std::getenv("LOCKSTEP_TIMEOUT"); env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      double t = std::strtod(env, &end);
-      if (end == env || *end != '\0' || !(t >= 0) || !std::isfinite(t))
-        throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT=", env, ": expected a number of seconds >= 0"));
-      s.timeout_s = t;
-    }
-    if (const char* env = std::getenv("LOCKSTEP_TIMEOUT_ACTION"); env != nullptr && *env != '\0') {
-      std::string v = lower(env);
-      if (v == "throw") s.action = TimeoutAction::throw_error;
-      else if (v == "abort") s.action = TimeoutAction::abort;
-      else throw InvalidArgument(detail::concat("LOCKSTEP_TIMEOUT_ACTION=", env, ": expected throw or abort"));
-    }
-    update_quiet(s);
-  });
+  Settings& s = loaded_settings();
+  if (!s.env_error.empty()) throw InvalidArgument(s.env_error);
   return s;
 }
 
@@ -124,15 +170,33 @@ void set_timeout(double seconds) {
   LOCKSTEP_CHECK_ARG(seconds >= 0 && std::isfinite(seconds),
                      "set_timeout: seconds must be finite and >= 0 (0 disables), got ", seconds);
   settings().timeout_s = seconds;
+  settings().timeout_chosen = seconds > 0;
   update_quiet(settings());
 }
 double timeout() { return settings().timeout_s; }
+bool timeout_is_default() { return !settings().timeout_chosen && settings().timeout_s > 0; }
+
+namespace {
+// The deadline collectives poll against (and throw at): the chosen timeout, 0 for the default
+// one (the watchdog enforces that) or none.
+double polled_timeout() {
+  Settings& s = g_settings;
+  return s.timeout_chosen.load(std::memory_order_relaxed) ? s.timeout_s.load(std::memory_order_relaxed) : 0.0;
+}
+// The deadline the watchdog enforces by ending the job: the default one when no other was
+// chosen (0: none).
+double watchdog_timeout() {
+  Settings& s = g_settings;
+  return s.timeout_chosen.load(std::memory_order_relaxed) ? 0.0 : s.timeout_s.load(std::memory_order_relaxed);
+}
+}  // namespace
 void set_timeout_action(TimeoutAction action) {
   LOCKSTEP_CHECK_ARG(static_cast<int>(action) <= static_cast<int>(TimeoutAction::abort),
                      "set_timeout_action: invalid TimeoutAction value ", static_cast<int>(action));
   settings().action = action;
 }
 TimeoutAction timeout_action() { return settings().action; }
+
 
 const char* name(CheckLevel level) noexcept {
   switch (level) {
@@ -295,12 +359,13 @@ const char* name_of(Coll c) {
 }
 
 // What must agree across ranks, in the order compared.
-constexpr int kFields = 6;
+constexpr int kFields = 7;
 const char* const kFieldNames[kFields] = {"operation", "dtype", "element count", "root", "reduce op",
-                                          "sequence number"};
+                                          "sequence number", "validity of the arguments"};
 
 struct Fingerprint {
-  std::int64_t v[kFields] = {-1, -1, -1, -1, -1, -1};  // coll, dtype, count, root, op, seq
+  // coll, dtype, count, root, op, seq, arguments accepted (1) or refused (0) by the front end
+  std::int64_t v[kFields] = {-1, -1, -1, -1, -1, -1, 1};
 };
 
 Fingerprint fingerprint_of(Coll coll, const TensorView* data, std::int64_t count, int root, int op,
@@ -316,7 +381,8 @@ Fingerprint fingerprint_of(Coll coll, const TensorView* data, std::int64_t count
 }
 
 std::string site_string(const CallSite& s) {
-  if (!s.known) return "an unrecorded call site (Backend member called directly)";
+  if (!s.known) return "an unrecorded call site";
+  if (s.has_outer) return concat(where(s.loc), " (inside the call at ", where(s.outer), ")");
   return where(s.loc);
 }
 
@@ -349,7 +415,7 @@ std::string seconds_string(double s) {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103;
+constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105;
 constexpr int kTextBytes = 480;
 
 // A rank's answer to a status query.
@@ -376,10 +442,71 @@ void copy_text(char (&dst)[kTextBytes], const std::string& s) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
+// Settings agreed across ranks
+// ---------------------------------------------------------------------------------------------
+
+std::string describe_call_site() {
+  const CallSite& s = t_call_site;
+  if (!s.known) return "lockstep";
+  std::string out = concat(s.op != nullptr ? s.op : "collective", " called at ", where(s.loc));
+  if (s.has_outer) out += concat(" (inside the call at ", where(s.outer), ")");
+  return out;
+}
+
+std::optional<bool> settings_shm() { return settings().shm; }
+std::optional<std::uint64_t> settings_shm_slice_bytes() { return settings().shm_slice; }
+std::optional<std::uint64_t> settings_shm_min_bytes() { return settings().shm_min; }
+std::optional<bool> settings_cuda_aware_mpi() { return settings().cuda_aware; }
+
+void agree_on_settings(MPI_Comm comm) {
+  Settings& s = loaded_settings();
+  // What this rank has: its error, or its settings; both as text, with a hash to compare.
+  struct Entry {
+    std::int32_t ok;
+    std::int32_t pad;
+    std::uint64_t hash;
+    char text[kTextBytes];
+  };
+  Entry mine{};
+  mine.ok = s.env_error.empty() ? 1 : 0;
+  const std::string& text = mine.ok ? s.canonical : s.env_error;
+  mine.hash = hash_bytes(text.data(), text.size());
+  copy_text(mine.text, text);
+  int size = 1, rank = 0;
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &rank);
+  std::vector<Entry> all(static_cast<std::size_t>(size));
+  if (int rc = MPI_Allgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, comm);
+      rc != MPI_SUCCESS)
+    throw MpiError(concat("lockstep: MPI_Allgather of the settings failed", rank_suffix()), rc);
+  std::vector<int> bad;
+  for (int r = 0; r < size; ++r)
+    if (!all[r].ok) bad.push_back(r);
+  if (!bad.empty()) {
+    std::ostringstream os;
+    os << "lockstep: a LOCKSTEP_* setting is malformed on " << rank_list(bad) << ", so every rank stops here:";
+    for (int r : bad) os << "\n  rank " << r << ": " << all[r].text;
+    throw InvalidArgument(os.str() + rank_suffix());
+  }
+  bool same = true;
+  for (int r = 1; r < size; ++r) same = same && all[r].hash == all[0].hash;
+  if (!same) {
+    std::ostringstream os;
+    os << "lockstep: the ranks disagree on their LOCKSTEP_* settings (they must be the same on every rank; set "
+          "them for the whole job, e.g. mpiexec -x VAR):";
+    for (int r = 0; r < size; ++r) os << "\n  rank " << r << ": " << all[r].text;
+    throw InvalidArgument(os.str() + rank_suffix());
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
 // CommMonitor
 // ---------------------------------------------------------------------------------------------
 
 namespace {
+// Set once any communicator of this process saw a stall or a refused collective (any_stall()).
+std::atomic<bool> g_any_stall{false};
 // CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
 // its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
 // thread_local access is a call); while it is not, collectives take the slow path.
@@ -441,8 +568,15 @@ class CommMonitor {
   /// blocking one (the deadline counts from the start of the wait).
   int wait_request(std::vector<MPI_Request>& reqs, const OpRecord& op) {
     throw_if_stalled();
-    const double t = timeout();
-    if (t <= 0) return MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+    const double t = polled_timeout();
+    if (t <= 0) {
+      // No polled deadline: a plain wait, which the watchdog times (the default deadline).
+      waits_.fetch_add(1, std::memory_order_relaxed);
+      in_plain_wait_.store(true, std::memory_order_relaxed);
+      const int rc = MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+      in_plain_wait_.store(false, std::memory_order_relaxed);
+      return rc;
+    }
     {
       std::lock_guard lock(mutex_);
       in_collective_ = true;
@@ -483,10 +617,12 @@ class CommMonitor {
     // Only the thread running collectives on this communicator writes started_ and completed_
     // (one collective at a time, as MPI requires); the watchdog only reads them.
     const std::int64_t seq = started_.load(std::memory_order_relaxed);
+    if (seq >= pending_min_seq_.load(std::memory_order_relaxed)) [[unlikely]] check_pending_refusal(seq);
     fast_current_.store(pack(seq, coll), std::memory_order_relaxed);
     started_.store(seq + 1, std::memory_order_relaxed);
     in_collective_.store(true, std::memory_order_relaxed);
     deadline_ = false;
+    deadline_flag_.store(false, std::memory_order_relaxed);
   }
 
   /// The fast path of leave(), for a collective entered by enter_fast(). It counts the
@@ -539,10 +675,12 @@ class CommMonitor {
     }
     throw_if_stalled();
 
+    if (seq >= pending_min_seq_.load(std::memory_order_relaxed)) check_pending_refusal(seq);
     Fingerprint fp = fingerprint_of(coll, data, count, root, op, seq);
     const CallSite site = t_call_site;
     const bool check = should_check(site);
-    deadline_ = timeout() > 0;
+    deadline_ = polled_timeout() > 0;
+    deadline_flag_.store(deadline_, std::memory_order_relaxed);
     if (coll == Coll::iallreduce || coll == Coll::ibroadcast) {
       std::copy(std::begin(fp.v), std::end(fp.v), issuing_.v);
       issuing_.site = site;
@@ -557,6 +695,8 @@ class CommMonitor {
       current_site_ = site;
       since_ = Clock::now();
       entered_ = since_;
+      deadline_at_ = entered_ + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(deadline_ ? polled_timeout() : 0.0));
     }
     if (check) {
       if (coll == Coll::iallreduce || coll == Coll::ibroadcast) start_deferred(fp, site);
@@ -591,7 +731,7 @@ class CommMonitor {
 
   template <class Test>
   int poll(Test&& test) {
-    const double t = timeout();
+    const double t = polled_timeout();
     Clock::time_point deadline;
     {
       std::lock_guard lock(mutex_);
@@ -624,11 +764,135 @@ class CommMonitor {
   }
   [[noreturn, gnu::noinline]] void throw_stalled() {
     std::string msg;
+    bool refused;
     {
       std::lock_guard lock(mutex_);
       msg = stall_message_;
+      refused = refused_;
     }
+    if (refused) throw MismatchError(msg);
     throw TimeoutError(msg);
+  }
+
+  /// See detail::wait_point().
+  void wait_point() {
+    wait_points_.fetch_add(1, std::memory_order_relaxed);
+    throw_if_stalled();
+    if (deadline_ && Clock::now() > deadline_at_) on_deadline(polled_timeout());
+  }
+
+  /// Marks this communicator unusable: every later collective throws `msg` (a MismatchError
+  /// when `refused`, a TimeoutError otherwise). `stall`: a rank stopped answering (then finalize
+  /// must not wait for it: any_stall()).
+  void mark_unusable(const std::string& msg, bool refused, bool stall = true) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!stalled_) {
+        stall_message_ = msg;
+        refused_ = refused;
+      }
+    }
+    stalled_.store(true, std::memory_order_release);
+    if (stall) g_any_stall.store(true);
+  }
+
+  /// Tells every other rank that this one is finalising: a rank still waiting in a collective
+  /// on this communicator would wait for it forever.
+  void announce_leaving() {
+    if (size_ == 1) return;
+    notify_all(concat("lockstep: rank ", rank_, " has left (it finalised Lockstep or returned from main) "
+                      "while this rank still uses the communicator; collectives on it can no longer complete"),
+               kTagLeft);
+  }
+
+  /// See detail::abandon_collective().
+  void abandon(Coll coll, std::int64_t count, int dtype, int reduce_op, int root, const char* message) {
+    if (stalled_.load()) return;  // already unusable: the caller's own error is what matters
+    const std::int64_t seq = started_.load(std::memory_order_relaxed);
+    Fingerprint fp;
+    fp.v[0] = static_cast<std::int64_t>(coll);
+    fp.v[1] = dtype;
+    fp.v[2] = count;
+    fp.v[3] = root;
+    fp.v[4] = reduce_op;
+    fp.v[5] = seq;
+    fp.v[6] = 0;
+    const CallSite site = t_call_site;
+    if (size_ > 1 && should_check(site)) {
+      // A checked call: the peers are about to compare fingerprints with this one; this rank's
+      // is marked refused, so every rank throws the same MismatchError and no data moves.
+      {
+        std::lock_guard lock(mutex_);
+        started_.store(seq + 1, std::memory_order_relaxed);
+        in_collective_ = true;
+        fast_current_ = -1;
+        checking_ = true;
+        current_ = fp;
+        current_site_ = site;
+        since_ = entered_ = Clock::now();
+        refusal_ = message;
+      }
+      compare_fingerprints(fp, site);
+      std::lock_guard lock(mutex_);
+      in_collective_ = checking_ = false;
+      refusal_.clear();
+      return;
+    }
+    if (size_ == 1) return;
+    // Unchecked: this rank takes the collective's sequence number without communicating and
+    // tells the others which collective it refused. A rank that refused the same one (the same
+    // bad arguments everywhere) ignores the notice, and the backend stays usable; a rank that
+    // accepted it cannot complete it (and may have sent data that would be read by a later
+    // collective), so that rank's communicator becomes unusable (see on_refusal_notice).
+    {
+      std::lock_guard lock(mutex_);
+      started_.store(seq + 1, std::memory_order_relaxed);
+      completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+      refused_by_me_.insert(seq);
+      if (refused_by_me_.size() > 4096) refused_by_me_.erase(refused_by_me_.begin());
+      pending_refusals_.erase(seq);
+      update_pending_min();
+    }
+    std::string msg = concat("lockstep: rank ", rank_, " refused its arguments to ", describe(fp, site), ": ",
+                             message);
+    notify_all(concat(seq, "\n", msg), kTagRefused);
+  }
+
+  /// The watchdog received "rank R refused collective #seq".
+  void on_refusal_notice(const std::string& text) {
+    const auto nl = text.find('\n');
+    const std::int64_t seq = nl == std::string::npos ? -1 : std::strtoll(text.c_str(), nullptr, 10);
+    const std::string msg = nl == std::string::npos ? text : text.substr(nl + 1);
+    {
+      std::lock_guard lock(mutex_);
+      if (refused_by_me_.count(seq) != 0) return;  // refused here too: nothing moved anywhere
+      if (seq >= started_.load()) {                // not reached yet: refuse it when it comes
+        pending_refusals_.emplace(seq, msg);
+        update_pending_min();
+        return;
+      }
+    }
+    mark_unusable(concat("lockstep: this communicator is unusable: ", msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)),
+                  true, false);
+  }
+
+  void update_pending_min() {  // under mutex_
+    pending_min_seq_.store(pending_refusals_.empty() ? INT64_MAX : pending_refusals_.begin()->first,
+                           std::memory_order_relaxed);
+  }
+
+  /// This rank is about to enter collective #seq (or a later one) that another rank refused.
+  [[gnu::noinline]] void check_pending_refusal(std::int64_t seq) {
+    std::string msg;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = pending_refusals_.begin();
+      if (it == pending_refusals_.end() || it->first > seq) return;
+      msg = it->second;
+    }
+    mark_unusable(concat("lockstep: this communicator is unusable: ", msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)),
+                  true, false);
+    throw MismatchError(msg + rank_suffix());
   }
 
  private:
@@ -638,11 +902,16 @@ class CommMonitor {
       case CheckLevel::always: return true;
       case CheckLevel::first: break;
     }
+    // Per call site: the collective's own line and, for one issued inside the library, the
+    // user's call of the library function, so first:N counts each of synchronize's, update's and
+    // a checkpoint's collectives for each place they are called from.
+    auto hash_loc = [](const std::source_location& l) {
+      const char* file = l.file_name();
+      return hash_bytes(file, std::strlen(file)) ^ (std::uint64_t{l.line()} << 20) ^ l.column();
+    };
     std::uint64_t key = 0;
-    if (site.known) {
-      const char* file = site.loc.file_name();
-      key = hash_bytes(file, std::strlen(file)) ^ (std::uint64_t{site.loc.line()} << 20) ^ site.loc.column();
-    }
+    if (site.known) key = hash_loc(site.loc);
+    if (site.has_outer) key = key * 0x9E3779B97F4A7C15ull ^ hash_loc(site.outer);
     std::lock_guard lock(mutex_);
     return site_calls_[key]++ < check_first_calls();
   }
@@ -696,13 +965,8 @@ class CommMonitor {
     try {
       report_mismatch(d.fp, d.site, false);
     } catch (const MismatchError& e) {
-      {
-        std::lock_guard lock(mutex_);
-        if (!stalled_)
-          stall_message_ = std::string("lockstep: this communicator is unusable after a mismatched nonblocking "
-                                       "collective: ") + e.what();
-      }
-      stalled_.store(true, std::memory_order_release);
+      mark_unusable(std::string("lockstep: this communicator is unusable after a mismatched nonblocking "
+                                "collective: ") + e.what(), true, false);
       throw;
     }
   }
@@ -725,7 +989,8 @@ class CommMonitor {
     // Slow path, only on a mismatch: gather every rank's fingerprint and description.
     MismatchMsg mine;
     mine.fp = fp;
-    copy_text(mine.text, describe(fp, site));
+    copy_text(mine.text, fp.v[6] == 0 ? concat(describe(fp, site), "; its arguments were refused: ", refusal_)
+                                      : describe(fp, site));
     std::vector<MismatchMsg> all(static_cast<std::size_t>(size_));
     MPI_Request req;
     check_mpi(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, check_, &req),
@@ -873,9 +1138,8 @@ class CommMonitor {
       std::lock_guard lock(mutex_);
       in_collective_ = false;
       waiting_request_ = false;
-      if (!stalled_) stall_message_ = "lockstep: this communicator is unusable after a stall: " + msg;
     }
-    stalled_.store(true, std::memory_order_release);
+    mark_unusable("lockstep: this communicator is unusable after a stall: " + msg, false);
     throw TimeoutError(msg);
   }
 
@@ -915,16 +1179,79 @@ class CommMonitor {
 
   // Tells every other rank about the stall, so that ranks waiting elsewhere or outside any
   // collective throw too instead of hanging.
-  void notify_all(const std::string& msg) {
-    std::string note = "lockstep: rank " + std::to_string(rank_) + " reported a stall, so this rank stops too: " +
-                       msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0);
-    notice_ = note;  // must outlive the sends
+  void notify_all(const std::string& msg, int tag = kTagStall) {
+    std::string note = tag == kTagStall ? "lockstep: rank " + std::to_string(rank_) +
+                                              " reported a stall, so this rank stops too: " +
+                                              msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)
+                                        : msg;
+    // The text must outlive the sends, which are not waited for: the one of a rank leaving is
+    // sent just before its monitor goes, so it is kept for the life of the process.
+    std::string* text = &notice_;
+    if (tag == kTagLeft) text = new std::string;  // intentionally never freed (one per finalize)
+    *text = note;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       MPI_Request req;
-      if (MPI_Isend(notice_.data(), static_cast<int>(notice_.size()), MPI_CHAR, r, kTagStall, ctrl_, &req) ==
+      if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, r, tag, ctrl_, &req) ==
           MPI_SUCCESS)
         MPI_Request_free(&req);
+    }
+  }
+
+  // The statuses of every rank, as report lines, with the ranks that did not answer named.
+  std::string status_lines() {
+    std::vector<StatusMsg> st(static_cast<std::size_t>(size_));
+    std::vector<bool> answered(static_cast<std::size_t>(size_), false);
+    st[rank_] = my_status();
+    answered[rank_] = true;
+    query_all(st, answered);
+    std::ostringstream lines;
+    for (int r = 0; r < size_; ++r) {
+      lines << "\n  rank " << r << ": "
+            << (answered[r] ? st[r].text : "did not answer (exited, finalised, killed, stopped, or no thread support)");
+    }
+    return lines.str();
+  }
+
+  // Run by the watchdog thread every few milliseconds: ends the job when the thread running
+  // collectives has been blocked inside one collective past the default deadline, or, after
+  // another rank reported a stall or a refused collective, inside a wait that cannot be
+  // interrupted (a blocking MPI call without a polled deadline).
+  void check_blocked() {
+    const bool inside = in_collective_.load(std::memory_order_relaxed) || in_plain_wait_.load(std::memory_order_relaxed);
+    const std::int64_t st = started_.load(std::memory_order_relaxed), co = completed_.load(std::memory_order_relaxed);
+    const std::int64_t wt = waits_.load(std::memory_order_relaxed), wp = wait_points_.load(std::memory_order_relaxed);
+    const auto now = Clock::now();
+    if (!inside || st != wd_started_ || co != wd_completed_ || wt != wd_waits_ || wp != wd_points_) {
+      wd_started_ = st;
+      wd_completed_ = co;
+      wd_waits_ = wt;
+      wd_points_ = wp;
+      wd_since_ = now;
+      return;
+    }
+    const double blocked = std::chrono::duration<double>(now - wd_since_).count();
+    const double limit = watchdog_timeout();
+    if (limit > 0 && blocked > limit && !deadline_flag_.load(std::memory_order_relaxed)) {
+      std::string msg = concat("lockstep: stall: rank ", rank_, "/", size_, " has been inside one collective for ",
+                               seconds_string(blocked), ", past the default deadline of ", limit,
+                               " s (LOCKSTEP_TIMEOUT=seconds chooses another and makes it a TimeoutError; "
+                               "LOCKSTEP_TIMEOUT=0 turns it off). State of each rank:",
+                               status_lines(), "\nlockstep: ending the job");
+      std::cerr << msg << std::endl;
+      MPI_Abort(MPI_COMM_WORLD, 124);
+    }
+    if (stalled_.load() && !deadline_flag_.load(std::memory_order_relaxed) && blocked > 2.0) {
+      std::string why;
+      {
+        std::lock_guard lock(mutex_);
+        why = stall_message_;
+      }
+      std::cerr << "lockstep: rank " << rank_ << "/" << size_
+                << " is blocked inside a collective that cannot be interrupted (no polled deadline: "
+                   "LOCKSTEP_TIMEOUT not set) after this: "
+                << why << "\nlockstep: ending the job" << std::endl;
+      MPI_Abort(MPI_COMM_WORLD, 124);
     }
   }
 
@@ -953,18 +1280,22 @@ class CommMonitor {
         }
         continue;
       }
-      if (MPI_Iprobe(MPI_ANY_SOURCE, kTagStall, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
-        int n = 0;
-        MPI_Get_count(&status, MPI_CHAR, &n);
-        std::string text(static_cast<std::size_t>(std::max(n, 0)), '\0');
-        MPI_Recv(text.data(), n, MPI_CHAR, status.MPI_SOURCE, kTagStall, ctrl_, MPI_STATUS_IGNORE);
-        {
-          std::lock_guard lock(mutex_);
-          if (!stalled_) stall_message_ = text.substr(0, text.find('\0'));
+      bool got = false;
+      for (int tag : {kTagStall, kTagRefused, kTagLeft}) {
+        if (MPI_Iprobe(MPI_ANY_SOURCE, tag, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
+          int n = 0;
+          MPI_Get_count(&status, MPI_CHAR, &n);
+          std::string text(static_cast<std::size_t>(std::max(n, 0)), '\0');
+          MPI_Recv(text.data(), n, MPI_CHAR, status.MPI_SOURCE, tag, ctrl_, MPI_STATUS_IGNORE);
+          text = text.substr(0, text.find('\0'));
+          if (tag == kTagRefused) on_refusal_notice(text);
+          // A rank that left is not a stall of this one: this rank still finalises normally.
+          else mark_unusable(text, false, tag != kTagLeft);
+          got = true;
         }
-        stalled_.store(true, std::memory_order_release);
-        continue;
       }
+      if (got) continue;
+      check_blocked();
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -991,6 +1322,16 @@ class CommMonitor {
   // pack(seq, coll) of the collective entered / last completed on the fast path, or -1 when the
   // record under the mutex (current_ / last_) describes it.
   std::atomic<std::int64_t> fast_current_{-1}, fast_last_{-1};
+  // For the watchdog's check_blocked(): plain waits of nonblocking requests (count, and whether
+  // one is in progress), wait points passed (the shared-memory path's polls), and whether the
+  // current collective has a polled deadline (it then throws by itself).
+  std::atomic<std::int64_t> waits_{0}, wait_points_{0};
+  std::atomic<bool> in_plain_wait_{false}, deadline_flag_{false};
+  // Touched only by the watchdog thread.
+  std::int64_t wd_started_ = -1, wd_completed_ = -1, wd_waits_ = -1, wd_points_ = -1;
+  Clock::time_point wd_since_ = Clock::now();
+  // Touched only by the thread running the collective.
+  Clock::time_point deadline_at_{};
 
   std::mutex mutex_;  // guards everything below (read by the watchdog thread)
   bool checking_ = false, waiting_request_ = false;
@@ -999,6 +1340,11 @@ class CommMonitor {
   Clock::time_point since_ = Clock::now(), entered_ = Clock::now();
   std::unordered_map<std::uint64_t, int> site_calls_;
   std::string stall_message_;
+  std::set<std::int64_t> refused_by_me_;                  // collectives this rank refused
+  std::map<std::int64_t, std::string> pending_refusals_;  // refused elsewhere, not reached here
+  std::atomic<std::int64_t> pending_min_seq_{INT64_MAX};  // first key of pending_refusals_
+  bool refused_ = false;   // the communicator became unusable through a refused collective
+  std::string refusal_;    // this rank's refusal message during abandon()'s fingerprint exchange
   std::string notice_;
   StatusMsg reply_;
   std::unique_ptr<DeferredCheck> deferred_;  // the check of the nonblocking collective being issued
@@ -1008,6 +1354,31 @@ CommMonitorPtr make_comm_monitor(MPI_Comm comm) { return std::make_shared<CommMo
 
 int pending_requests(const CommMonitor& m) noexcept { return m.pending(); }
 bool safe_to_free(const CommMonitor& m) noexcept { return !m.stalled() && m.pending() == 0; }
+bool monitor_usable(const CommMonitor& m) noexcept { return !m.stalled(); }
+bool any_stall() noexcept { return g_any_stall.load(); }
+void announce_leaving(CommMonitor& m) noexcept {
+  try {
+    m.announce_leaving();
+  } catch (...) {
+  }
+}
+
+void wait_point(void* monitor) {
+  if (monitor != nullptr) static_cast<CommMonitor*>(monitor)->wait_point();
+}
+
+void abandon_collective(CommMonitor* m, const char* op, std::int64_t count, int dtype, int reduce_op, int root,
+                        const char* message) {
+  if (m == nullptr) return;
+  static const std::pair<const char*, Coll> names[] = {
+      {"broadcast", Coll::broadcast}, {"allreduce", Coll::allreduce},   {"reduce", Coll::reduce},
+      {"allgather", Coll::allgather}, {"reduce_scatter", Coll::reduce_scatter}, {"barrier", Coll::barrier},
+      {"iallreduce", Coll::iallreduce}, {"ibroadcast", Coll::ibroadcast}};
+  Coll coll = Coll::allreduce;
+  for (const auto& [n, c] : names)
+    if (std::strcmp(n, op) == 0) coll = c;
+  m->abandon(coll, count, dtype, reduce_op, root, message);
+}
 
 void check_no_pending_requests(const CommMonitor* m, const char* what) {
   // After a stall nothing can be waited for any more; the communicator is leaked instead.

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "lockstep/backend.hpp"
@@ -39,7 +40,7 @@ void check_no_pending_requests(const CommMonitor* m, const char* what);
 
 /// What must agree across ranks for one collective, and where it was called.
 struct OpRecord {
-  std::int64_t v[6] = {-1, -1, -1, -1, -1, -1};  // operation, dtype, count, root, reduce op, seq
+  std::int64_t v[7] = {-1, -1, -1, -1, -1, -1, 1};  // operation, dtype, count, root, reduce op, seq, valid
   CallSite site;
 };
 
@@ -113,8 +114,43 @@ int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv
 int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
                                  MPI_Comm comm);
 int guarded_barrier(MPI_Comm comm);
-/// True when the collective of the current CollectiveScope on this thread has a deadline; such
-/// collectives must go through the guarded_* calls above (the shared-memory path cannot time out).
+/// True when the collective of the current CollectiveScope on this thread has a deadline.
 bool scope_has_deadline() noexcept;
+
+/// A point inside a long wait of the collective running on this thread (the shared-memory path
+/// calls it while it waits for its peers): throws TimeoutError / MismatchError if another rank
+/// reported a stall or a refused collective, or if this collective's deadline passed (with the
+/// blame report). `monitor` is the CommMonitor* of the communicator.
+void wait_point(void* monitor);
+
+/// False after a stall or a refused collective on this communicator (every collective throws).
+bool monitor_usable(const CommMonitor& m) noexcept;
+
+/// Called on a rank whose arguments to a collective were refused by the front end. At a checked
+/// call (LOCKSTEP_CHECK) it takes part in the fingerprint exchange with its arguments marked
+/// refused, so that every rank throws the same MismatchError naming this rank's error, and no
+/// data moves. Otherwise it tells every other rank (which then throw, or, blocked inside a
+/// collective that cannot be interrupted, end the job) and marks the communicator unusable; the
+/// caller then throws its own error.
+void abandon_collective(CommMonitor* m, const char* op, std::int64_t count, int dtype, int reduce_op, int root,
+                        const char* message);
+
+/// Every LOCKSTEP_* setting of this process, checked against every other rank of comm (a
+/// collective): throws the same InvalidArgument on every rank when one is malformed anywhere or
+/// the ranks differ.
+void agree_on_settings(MPI_Comm comm);
+/// LOCKSTEP_SHM, LOCKSTEP_SHM_SLICE_BYTES, LOCKSTEP_SHM_MIN_BYTES, LOCKSTEP_CUDA_AWARE_MPI as
+/// parsed (nullopt: unset).
+std::optional<bool> settings_shm();
+std::optional<std::uint64_t> settings_shm_slice_bytes();
+std::optional<std::uint64_t> settings_shm_min_bytes();
+std::optional<bool> settings_cuda_aware_mpi();
+
+/// True once any communicator of this process saw a stall: MPI_Finalize would then wait for the
+/// stalled rank, so finalize skips it.
+bool any_stall() noexcept;
+/// Tells the other ranks of m's communicator that this rank is leaving (finalize): those still
+/// waiting in a collective on it throw, or end the job, instead of waiting forever.
+void announce_leaving(CommMonitor& m) noexcept;
 
 }  // namespace lockstep::detail

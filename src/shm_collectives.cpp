@@ -20,6 +20,7 @@
 
 #include "lockstep/errors.hpp"
 #include "lockstep/mpi_backend.hpp"
+#include "reliability_mpi.hpp"
 
 
 namespace lockstep::detail {
@@ -33,26 +34,6 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 constexpr std::size_t kDefaultMinBytes = std::size_t{4} << 10;
 
 enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
-
-std::size_t env_bytes(const char* name, std::size_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v, &end, 10);
-  if (end == v) return fallback;
-  if (*end == 'k' || *end == 'K') x <<= 10;
-  else if (*end == 'm' || *end == 'M') x <<= 20;
-  return static_cast<std::size_t>(x);
-}
-
-// LOCKSTEP_SHM=0 (or off, false, no) turns the path off; unset or anything else leaves it on.
-bool env_off() {
-  const char* v = std::getenv("LOCKSTEP_SHM");
-  if (v == nullptr) return false;
-  const std::string s = v;
-  return s == "0" || s == "off" || s == "false" || s == "no";
-}
-
 
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
@@ -160,7 +141,7 @@ struct ShmCollectives::SliceHeader {
   std::uint32_t kind;     // Kind
   std::uint32_t dtype;    // DType
   std::int32_t op_root;   // ReduceOp for allreduce, root for broadcast
-  std::uint32_t pad;
+  std::uint32_t host;     // 1: host memory; 0: device memory handed to MPI directly
 };
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
@@ -179,19 +160,19 @@ std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm, int node_s
 
   // Every rank must agree: on one machine, within the rank limit, enabled everywhere; the slice
   // size and threshold are rank 0's.
-  int ok = (node_size == size && size <= kMaxRanks && !env_off()) ? 1 : 0;
+  // The settings were parsed strictly and agreed by every rank (agree_on_settings, in the
+  // MPIBackend constructor); the placement is checked here.
+  int ok = (node_size == size && size <= kMaxRanks && settings_shm().value_or(true)) ? 1 : 0;
   LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
   if (!ok) return nullptr;
-  unsigned long long cfg[2] = {env_bytes("LOCKSTEP_SHM_SLICE_BYTES", kDefaultSliceBytes),
-                               env_bytes("LOCKSTEP_SHM_MIN_BYTES", kDefaultMinBytes)};
-  LOCKSTEP_MPI_CHECK(MPI_Bcast(cfg, 2, MPI_UNSIGNED_LONG_LONG, 0, comm));
-  std::size_t slice = std::clamp<std::size_t>(cfg[0], 4096, std::size_t{64} << 20) / kLine * kLine;
+  const std::size_t slice = settings_shm_slice_bytes().value_or(kDefaultSliceBytes);
+  const std::size_t min_bytes = settings_shm_min_bytes().value_or(kDefaultMinBytes);
 
   std::unique_ptr<ShmCollectives> self(new ShmCollectives());
   self->rank_ = rank;
   self->size_ = size;
   self->slice_bytes_ = slice;
-  self->min_bytes_ = cfg[1];
+  self->min_bytes_ = min_bytes;
 
   // One POSIX shared-memory object for all ranks, created by rank 0 and removed from the name
   // space as soon as every rank has mapped it: nothing is left behind if the job dies, and
@@ -243,13 +224,15 @@ ShmCollectives::~ShmCollectives() {
   if (map_ != nullptr) munmap(map_, map_bytes_);
 }
 
-bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op) const noexcept {
+bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept {
   (void)op;
+  if (!host) return false;
   if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64) return false;
   return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
 }
 
-bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype) const noexcept {
+bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept {
+  if (!host) return false;
   // From one slice up: below that there is no pipelining, and two copies (root into its slot,
   // the others out of it) lose to MPI's single copy (bench_shm).
   return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= std::max(min_bytes_, slice_bytes_);
@@ -263,22 +246,22 @@ char* ShmCollectives::slot(int peer, std::uint64_t k) const {
   return reinterpret_cast<char*>(header(peer, k)) + kHeaderBytes;
 }
 
-namespace {
-inline void spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v) {
+void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v) {
   // Poll (the peer is usually a few microseconds away), then yield the core: with more ranks
   // than cores the peer may need this one to make progress. No PAUSE instruction in the loop:
   // in a virtual machine a PAUSE loop makes the hypervisor deschedule the waiting vCPU
   // (pause-loop exiting), which costs far more than the wait; Open MPI's polling does not pause
-  // either.
+  // either. At every yield the hook runs (stall notices, the deadline): it may throw, so no wait
+  // here outlives a stall, a dead peer past the deadline, or a refused collective elsewhere.
   int polls = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++polls == 4096) {
+      if (hook_ != nullptr) hook_(hook_ctx_);
       sched_yield();
       polls = 0;
     }
   }
 }
-}  // namespace
 
 void ShmCollectives::wait_written(int peer, std::uint64_t k) {
   spin_until(reinterpret_cast<Control*>(base_[peer])->written, k + 1);
@@ -299,6 +282,7 @@ std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, 
       s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
     else
       s += concat(" from root ", h.op_root);
+    if (!h.host) s += " in device memory";
     s += concat(" (call number ", h.call, " on this communicator)");
     return s;
   };
@@ -326,7 +310,7 @@ void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t
       wait_written(p, next_);
       const SliceHeader& h = *header(p, next_);
       if (bad < 0 && (h.call != mine.call || h.numel != mine.numel || h.kind != mine.kind ||
-                      h.dtype != mine.dtype || h.op_root != mine.op_root))
+                      h.dtype != mine.dtype || h.op_root != mine.op_root || h.host != mine.host))
         bad = p;
     }
     if (bad >= 0) {
@@ -340,10 +324,21 @@ void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t
   }
 }
 
-void ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op) {
+// A call that goes to MPI: its header alone is exchanged (one slice with no data), so that every
+// rank knows every other rank made the same call, and so takes MPI too.
+void ShmCollectives::agree(const SliceHeader& mine, const char* what) {
+  run(mine, 1, 1, what, [](char*, std::size_t, std::size_t) {}, [](std::size_t, std::size_t) {});
+}
+
+bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                               bool host) {
   const std::size_t es = size_of(dtype);
   const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
-                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), 0};
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  if (!handles_allreduce(numel, dtype, op, host)) {
+    agree(mine, "allreduce");
+    return false;
+  }
   auto fill = [&](char* dst, std::size_t off, std::size_t m) {
     copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
   };
@@ -376,12 +371,17 @@ void ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
     }
   };
   run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allreduce", fill, use);
+  return true;
 }
 
-void ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root) {
+bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
   const std::size_t es = size_of(dtype);
   const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::broadcast),
-                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(root), 0};
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(root), host ? 1u : 0u};
+  if (!handles_broadcast(numel, dtype, host)) {
+    agree(mine, "broadcast");
+    return false;
+  }
   const bool is_root = rank_ == root;
   auto fill = [&](char* dst, std::size_t off, std::size_t m) {
     if (is_root) copy_to_slot(dst, static_cast<const char*>(buf) + off * es, m * es);
@@ -390,6 +390,7 @@ void ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int r
     if (!is_root) std::memcpy(static_cast<char*>(buf) + off * es, slot(root, next_), m * es);
   };
   run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "broadcast", fill, use);
+  return true;
 }
 
 }  // namespace lockstep::detail

@@ -7,18 +7,25 @@
 // ranks on a machine whose memcpy reaches ~20 GB/s; docs/performance.md). Here each rank copies
 // a slice of its buffer into its own slot of a shared segment, waits until every rank has done
 // the same, and computes the reduction of that slice itself, reading every rank's slot in rank
-// order and writing the result straight into its own buffer. Slices are small enough to stay in
-// cache, and two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k.
-// Every rank sums in the same order, so all ranks get bitwise identical results.
+// order and writing the result straight into its own buffer. The copy into the slot uses
+// streaming stores, so the peers read it from memory rather than out of the writer's cache, and
+// two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k. Every rank
+// sums in the same order, so all ranks get bitwise identical results.
 //
-// Each slot carries the caller's count, dtype and op; a rank whose call differs from a peer's
-// throws MismatchError at the first slice, on every rank, instead of exchanging garbage.
+// The ranks agree before they choose a path: every blocking allreduce and broadcast on such a
+// communicator, whatever its size, dtype or memory, first publishes its call (count, dtype, op or
+// root, host or device memory) in its slot; only when every rank published the same call does
+// any rank act, and then all of them take the same path (this one, or MPI after the header-only
+// exchange). A rank whose call differs from a peer's throws MismatchError, on every rank, before
+// any buffer is written. Every wait polls a hook (stall notices, the collective's deadline), so
+// no wait here is unbounded.
 #pragma once
 
 #include <mpi.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -40,16 +47,26 @@ class ShmCollectives {
 
   static constexpr int kMaxRanks = 8;
 
-  /// Whether allreduce() handles this call (same answer on every rank for the same arguments).
-  bool handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op) const noexcept;
-  /// Whether broadcast() handles this call (from one slice up).
-  bool handles_broadcast(std::int64_t numel, DType dtype) const noexcept;
+  /// Whether allreduce() moves this call's data itself (same answer on every rank for the same
+  /// arguments): host memory, f32/f64/i32/i64, at least min_bytes().
+  bool handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
+  /// Whether broadcast() moves this call's data itself (host memory, from one slice up).
+  bool handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept;
 
-  /// recv = op over ranks of send (send may equal recv: in place). avg divides the sum by the
-  /// rank count. Host memory only.
-  void allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op);
-  /// buf on every rank = buf on root. Host memory only.
-  void broadcast(void* buf, std::int64_t numel, DType dtype, int root);
+  /// Agrees on the call with every rank, then, if handles_allreduce(), computes recv = op over
+  /// ranks of send (send may equal recv: in place; avg divides the sum by the rank count) and
+  /// returns true; returns false (on every rank alike) when the caller must run it over MPI.
+  /// Throws MismatchError on every rank when the ranks' calls differ.
+  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  /// The same for broadcast: buf on every rank = buf on root.
+  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
+
+  /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
+  /// (the communicator is then unusable, which the hook's owner knows).
+  void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
+    hook_ = hook;
+    hook_ctx_ = ctx;
+  }
 
   std::size_t slice_bytes() const noexcept { return slice_bytes_; }
   std::size_t min_bytes() const noexcept { return min_bytes_; }
@@ -60,6 +77,8 @@ class ShmCollectives {
   struct SliceHeader;
   void wait_written(int peer, std::uint64_t k);
   void wait_done_all(std::uint64_t k);
+  void spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v);
+  void agree(const SliceHeader& mine, const char* what);
   SliceHeader* header(int peer, std::uint64_t k) const;
   char* slot(int peer, std::uint64_t k) const;
   std::string mismatch_message(int peer, const SliceHeader& mine, const char* what) const;
@@ -74,6 +93,8 @@ class ShmCollectives {
   char* base_[kMaxRanks] = {};  // each rank's segment, mapped into this process
   std::uint64_t next_ = 0;      // slices completed so far, the same on every rank
   std::uint64_t calls_ = 0;     // calls so far, the same on every rank
+  void (*hook_)(void*) = nullptr;
+  void* hook_ctx_ = nullptr;
 };
 
 }  // namespace lockstep::detail

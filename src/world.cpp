@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <exception>
 #include <iostream>
 
 #include "lockstep/mpi_backend.hpp"
@@ -39,7 +40,7 @@ WorldInfo world_info() {
   return w;
 }
 
-AutoInit::AutoInit(std::function<void()> worker_init) {
+AutoInit::AutoInit(std::function<void()> worker_init) : uncaught_(std::uncaught_exceptions()) {
   owns_ = !MPIBackend::initialized_global();
   initialize<MPIBackend>();
   if (worker_init) worker_init();
@@ -47,6 +48,10 @@ AutoInit::AutoInit(std::function<void()> worker_init) {
 }
 
 AutoInit::~AutoInit() {
+  // Left by an exception: the other ranks are not at this barrier (they may be inside any
+  // collective), and MPI_Finalize would wait for them. The exception goes on; if nothing catches
+  // it, the terminate handler ends the whole job with its message.
+  if (std::uncaught_exceptions() > uncaught_) return;
   try {
     if (MPIBackend::initialized_global()) MPIBackend::global().barrier();
     if (owns_) finalize<MPIBackend>();

@@ -14,7 +14,7 @@ set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 # lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]
 #                         [STEPS n] EXPECT pattern...)
 function(lockstep_add_fault_test)
-  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE" "RANKS;ENV;EXPECT" ${ARGN})
+  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE;ENDED_RANK" "RANKS;ENV;EXPECT" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 60)
   endif()
@@ -30,6 +30,9 @@ function(lockstep_add_fault_test)
   set(abort_flag "")
   if(T_ABORT)
     set(abort_flag --abort)
+  endif()
+  if(DEFINED T_ENDED_RANK)
+    list(APPEND abort_flag --ended-rank ${T_ENDED_RANK})
   endif()
   if(T_MAX_MS_AFTER_FAULT)
     list(APPEND abort_flag --max-ms-after-fault ${T_MAX_MS_AFTER_FAULT})
@@ -78,22 +81,22 @@ lockstep_add_fault_test(NAME skip
   EXPECT "MismatchError" "disagree on the operation" "rank 1: broadcast #7 (f32 x 8, root 0)"
          "rank 0: allreduce #7 (f32 x 16, op sum)")
 
-# A rank is late (6 s) and the others give up after 2 s: TimeoutError on every rank, blaming
-# rank 1; rank 1 throws at its next collective.
-lockstep_add_fault_test(NAME delay
+# A rank is late (6 s) and the others give up after 2 s: TimeoutError on every other rank,
+# blaming rank 1. They then skip MPI_Finalize (it would wait for rank 1), so the job ends
+# without waiting for the late rank, which is ended with it (before it could report).
+lockstep_add_fault_test(NAME delay ENDED_RANK 1 MAX_MS_AFTER_FAULT 5000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=6"
   EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1." "allreduce #3 (f32 x 16, op sum)"
-         "rank 1: not inside any collective" "r1:reported a stall")
+         "rank 1: not inside any collective")
 
 # The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
 # deadline and the blame apply to Request::wait too.
-lockstep_add_fault_test(NAME delay_nonblocking MODE nonblocking
+lockstep_add_fault_test(NAME delay_nonblocking MODE nonblocking ENDED_RANK 1 MAX_MS_AFTER_FAULT 5000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=6"
-  EXPECT "TimeoutError" "the wait for iallreduce #3 (f32 x 16, op sum)" "Behind (not yet in collective #3): rank 1."
-         "r1:reported a stall")
+  EXPECT "TimeoutError" "the wait for iallreduce #3 (f32 x 16, op sum)" "Behind (not yet in collective #3): rank 1.")
 
 # The same with fingerprint checks on: the others wait in the fingerprint check.
-lockstep_add_fault_test(NAME delay_checked RANKS 3
+lockstep_add_fault_test(NAME delay_checked RANKS 3 ENDED_RANK 1
   ENV LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=5,seconds=6"
   EXPECT "TimeoutError" "Behind (not yet in collective #5): rank 1." "the fingerprint check of allreduce #5")
 
@@ -118,7 +121,7 @@ lockstep_add_fault_test(NAME sigkill ABORT MAX_MS_AFTER_FAULT 10000 STEPS 200
 # A bad setting is an InvalidArgument at initialisation on every rank, not a silent default.
 lockstep_add_fault_test(NAME bad_setting RANKS 2
   ENV LOCKSTEP_CHECK=sometimes
-  EXPECT "InvalidArgument" "LOCKSTEP_CHECK=sometimes: expected off, first, first:N or always")
+  EXPECT "InvalidArgument" "LOCKSTEP_CHECK=\"sometimes\": expected off, first, first:N or always")
 lockstep_add_fault_test(NAME bad_fault_spec RANKS 2
   ENV "LOCKSTEP_FAULT=rank=1,kind=explode"
   EXPECT "InvalidArgument" "unknown kind 'explode'")
@@ -173,3 +176,81 @@ if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CB
     PROCESSORS 3 TIMEOUT 300 LABELS "mpi;reliability;examples" SKIP_RETURN_CODE 77
     ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
 endif()
+
+# Trust (issue 11): checks above every backend, the shared-memory path agreeing on its calls,
+# settings agreed across ranks, and the job ending instead of hanging. In-process cases:
+lockstep_test_executable(test_trust reliability/trust_test.cpp)
+lockstep_add_mpi_test(NAME trust TARGET test_trust RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)
+# The same with the shared-memory path off (the calls go to MPI, the checks must not change).
+lockstep_add_mpi_test(NAME trust.noshm TARGET test_trust RANKS 2 3 TIMEOUT 120 LABELS reliability
+                      ENV LOCKSTEP_SHM=0)
+
+# Cases that end a process or the job: run_trust.sh checks every rank's line and the time taken.
+add_executable(lockstep_trust_program reliability/trust_program.cpp)
+target_link_libraries(lockstep_trust_program PRIVATE lockstep::core lockstep_build_flags)
+set(LOCKSTEP_RUN_TRUST ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_trust.sh)
+
+# lockstep_add_trust_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT pattern...)
+function(lockstep_add_trust_test)
+  cmake_parse_arguments(T "" "NAME;SCENARIO;MAX" "RANKS;ARGS;EXPECT" ${ARGN})
+  if(NOT T_RANKS)
+    set(T_RANKS 2 3)
+  endif()
+  foreach(n IN LISTS T_RANKS)
+    set(test_name reliability.trust.${T_NAME}.np${n})
+    add_test(NAME ${test_name}
+      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:lockstep_trust_program>
+              ${T_SCENARIO} ${n} ${T_MAX} ${T_ARGS} -- ${T_EXPECT})
+    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "mpi;reliability"
+      SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE}")
+  endforeach()
+endfunction()
+
+# A malformed setting on one rank: every rank stops with the same error, nobody waits.
+lockstep_add_trust_test(NAME settings_bogus_check SCENARIO settings MAX 20
+  ARGS --rank-env 1 LOCKSTEP_CHECK=bogus
+  EXPECT "rank {rank}: InvalidArgument: lockstep: a LOCKSTEP_* setting is malformed on rank 1"
+         "LOCKSTEP_CHECK=\"bogus\"" "!rank 0: OK")
+lockstep_add_trust_test(NAME settings_negative_timeout SCENARIO settings MAX 20
+  ARGS --rank-env 0 LOCKSTEP_TIMEOUT=-1
+  EXPECT "rank {rank}: InvalidArgument" "LOCKSTEP_TIMEOUT=\"-1\"" "!: OK")
+foreach(bad "LOCKSTEP_SHM=maybe" "LOCKSTEP_SHM_MIN_BYTES=lots" "LOCKSTEP_SHM_SLICE_BYTES=1G"
+            "LOCKSTEP_CUDA_AWARE_MPI=yes please")
+  string(REGEX REPLACE "=.*" "" var "${bad}")
+  string(TOLOWER "${var}" lvar)
+  lockstep_add_trust_test(NAME settings_${lvar} SCENARIO settings MAX 20 RANKS 2
+    ARGS --env "${bad}" EXPECT "rank {rank}: InvalidArgument" "${var}=" "!: OK")
+endforeach()
+# Settings that differ between ranks (each valid) are refused too.
+lockstep_add_trust_test(NAME settings_differ SCENARIO settings MAX 20 RANKS 2
+  ARGS --rank-env 1 LOCKSTEP_SHM=0
+  EXPECT "rank {rank}: InvalidArgument: lockstep: the ranks disagree on their LOCKSTEP_* settings" "!: OK")
+
+# After a stall, the rank that caught its TimeoutError returns from main and the job ends then
+# (MPI_Finalize is skipped), not when the stalled rank comes back 60 s later.
+lockstep_add_trust_test(NAME finalize_after_stall SCENARIO finalize_after_stall MAX 25
+  ARGS --env LOCKSTEP_TIMEOUT=3
+  EXPECT "r0:rank 0: TimeoutError" "not calling MPI_Finalize" "!rank 1: OK")
+# An exception that escapes main on one rank ends the job in seconds, naming rank and message.
+lockstep_add_trust_test(NAME uncaught_exception SCENARIO uncaught MAX 20
+  EXPECT "lockstep: ending the job" "rank 1/" "uncaught exception: cannot open data.bin" "!rank 0: OK")
+# SIGSTOP and kill -9 of a rank inside a large shared-memory allreduce.
+lockstep_add_trust_test(NAME stop_in_shm SCENARIO stop_in_shm MAX 30
+  ARGS --env LOCKSTEP_TIMEOUT=4
+  EXPECT "r0:rank 0: TimeoutError" "r0:did not complete within 4 s" "!rank 0: OK")
+lockstep_add_trust_test(NAME kill_in_shm SCENARIO kill_in_shm MAX 20
+  EXPECT "r1:rank 1: killing myself" "!rank 0: OK")
+# Refused arguments on one rank, unchecked: the others are told, nobody hangs (shared memory:
+# an exception; MPI without a polled deadline: the job ends).
+lockstep_add_trust_test(NAME refused_shm SCENARIO refused MAX 20
+  EXPECT "refused its arguments to allreduce" "!: OK")
+lockstep_add_trust_test(NAME refused_mpi SCENARIO refused MAX 20 ARGS --env LOCKSTEP_SHM=0
+  EXPECT "InvalidArgument: backend.cpp" "null data pointer" "!: OK")
+# A rank that returns from main early (a handled rank-local error): it tells the others as it
+# finalises, and a rank blocked in a collective ends the job within seconds.
+lockstep_add_trust_test(NAME returns_early SCENARIO returns_early MAX 20
+  EXPECT "r1:rank 1: returning early" "has left" "!rank 0: OK")
+# An MPI error inside a polled nonblocking collective is an exception, not an abort.
+lockstep_add_trust_test(NAME nonblocking_mpi_error SCENARIO nonblocking_mpi_error MAX 30 RANKS 2
+  ARGS --env LOCKSTEP_TIMEOUT=5 --env LOCKSTEP_SHM=0
+  EXPECT "r1:rank 1: MpiError" "!MPI_ERRORS_ARE_FATAL" "!: OK")

@@ -207,17 +207,19 @@ class CountingBackend final : public ls::Backend {
   int size() const override { return inner_.size(); }
   int local_rank() const override { return inner_.local_rank(); }
   int local_size() const override { return inner_.local_size(); }
-  void broadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); inner_.broadcast(buf, root); }
-  void allreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); inner_.allreduce(buf, op); }
-  void allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { note(allreduces, r); inner_.allreduce(s, r, op); }
-  void reduce(ls::TensorView buf, ls::ReduceOp op, int root) override { ++other; inner_.reduce(buf, op, root); }
-  void reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override { ++other; inner_.reduce(s, r, op, root); }
-  void allgather(ls::TensorView s, ls::TensorView r) override { note(allgathers, r); inner_.allgather(s, r); }
-  void reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { ++other; inner_.reduce_scatter(s, r, op); }
-  void barrier() override { ++other; inner_.barrier(); }
-  ls::Request iallreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); return inner_.iallreduce(buf, op); }
-  ls::Request ibroadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); return inner_.ibroadcast(buf, root); }
   void reset() { broadcasts = allreduces = allgathers = other = 0; largest_bytes = 0; }
+
+ protected:
+  void do_broadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); inner_.broadcast(buf, root); }
+  void do_allreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); inner_.allreduce(buf, op); }
+  void do_allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { note(allreduces, r); inner_.allreduce(s, r, op); }
+  void do_reduce(ls::TensorView buf, ls::ReduceOp op, int root) override { ++other; inner_.reduce(buf, op, root); }
+  void do_reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override { ++other; inner_.reduce(s, r, op, root); }
+  void do_allgather(ls::TensorView s, ls::TensorView r) override { note(allgathers, r); inner_.allgather(s, r); }
+  void do_reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { ++other; inner_.reduce_scatter(s, r, op); }
+  void do_barrier() override { ++other; inner_.barrier(); }
+  ls::Request do_iallreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); return inner_.iallreduce(buf, op); }
+  ls::Request do_ibroadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); return inner_.ibroadcast(buf, root); }
 
  private:
   void note(int& counter, const ls::TensorView& v) {

@@ -2,7 +2,10 @@
 // Training code depends on Backend& only, so MPI and NCCL are interchangeable at run time.
 #pragma once
 
+#include <cstdint>
+#include <exception>
 #include <memory>
+#include <source_location>
 #include <string>
 
 #include "lockstep/tensor.hpp"
@@ -55,6 +58,17 @@ class Request {
 
 /// Abstract communication backend. All collectives are blocking unless named i...; all
 /// element counts are in elements of the view's dtype.
+///
+/// The public collectives are a non-virtual front end (the same for every backend: MPIBackend,
+/// NCCLBackend, a user's own): it records the call site (the defaulted `loc`, which fingerprint
+/// mismatches, stall reports and MPI errors name), validates the arguments once (roots, counts,
+/// dtypes, devices, overlap), makes rank-asymmetric checks agree across ranks (the recv of an
+/// out-of-place reduce exists only on root: root's verdict is broadcast before any data moves),
+/// and then calls the backend's protected do_* hook. A subclass implements the hooks and may
+/// assume valid arguments. When a rank's arguments fail a check that its peers may pass, the
+/// front end calls abandon() before throwing, so that a backend can tell its peers (MPIBackend:
+/// at a checked call every rank throws the same MismatchError; otherwise the peers are told and
+/// the communicator is marked unusable, see docs/reliability.md).
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -67,27 +81,62 @@ class Backend {
   virtual int local_rank() const = 0;
   virtual int local_size() const = 0;
 
+  using Loc = std::source_location;
+
   /// Copies root's buffer into every rank's buffer.
-  virtual void broadcast(TensorView buf, int root) = 0;
+  void broadcast(TensorView buf, int root, Loc loc = Loc::current());
   /// In place: buf becomes the reduction of every rank's buf.
-  virtual void allreduce(TensorView buf, ReduceOp op) = 0;
+  void allreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Out of place: recv becomes the reduction of every rank's send (same dtype and numel).
-  virtual void allreduce(TensorView send, TensorView recv, ReduceOp op) = 0;
+  void allreduce(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
   /// In place on root; other ranks' buf is left unchanged.
-  virtual void reduce(TensorView buf, ReduceOp op, int root) = 0;
-  /// Out of place; recv is only written on root (other ranks may pass an empty view).
-  virtual void reduce(TensorView send, TensorView recv, ReduceOp op, int root) = 0;
+  void reduce(TensorView buf, ReduceOp op, int root, Loc loc = Loc::current());
+  /// Out of place; recv is only written on root (other ranks may pass an empty view). Root's
+  /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
+  /// recv is the same InvalidArgument on every rank and no contribution is left in flight.
+  void reduce(TensorView send, TensorView recv, ReduceOp op, int root, Loc loc = Loc::current());
   /// recv (numel = size() * send.numel) receives every rank's send, in rank order.
-  virtual void allgather(TensorView send, TensorView recv) = 0;
+  void allgather(TensorView send, TensorView recv, Loc loc = Loc::current());
   /// send (numel = size() * recv.numel) is reduced elementwise; rank r receives block r.
-  virtual void reduce_scatter(TensorView send, TensorView recv, ReduceOp op) = 0;
+  void reduce_scatter(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
   /// Blocks until every rank entered the barrier.
-  virtual void barrier() = 0;
+  void barrier(Loc loc = Loc::current());
 
   /// Nonblocking in-place allreduce; buf must stay alive and untouched until wait().
-  virtual Request iallreduce(TensorView buf, ReduceOp op) = 0;
+  Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Nonblocking broadcast.
-  virtual Request ibroadcast(TensorView buf, int root) = 0;
+  Request ibroadcast(TensorView buf, int root, Loc loc = Loc::current());
+
+ protected:
+  // The hooks a backend implements; the front end above has validated the arguments.
+  virtual void do_broadcast(TensorView buf, int root) = 0;
+  virtual void do_allreduce(TensorView buf, ReduceOp op) = 0;
+  /// send and recv do not overlap (the same buffer twice goes to the in-place hook).
+  virtual void do_allreduce(TensorView send, TensorView recv, ReduceOp op) = 0;
+  virtual void do_reduce(TensorView buf, ReduceOp op, int root) = 0;
+  /// recv is empty on ranks other than root.
+  virtual void do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) = 0;
+  virtual void do_allgather(TensorView send, TensorView recv) = 0;
+  virtual void do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) = 0;
+  virtual void do_barrier() = 0;
+  virtual Request do_iallreduce(TensorView buf, ReduceOp op) = 0;
+  virtual Request do_ibroadcast(TensorView buf, int root) = 0;
+
+  /// What a collective is, for abandon(): the operation's name and what must agree.
+  struct CallInfo {
+    const char* op;        ///< "allreduce", "broadcast", ...
+    std::int64_t count;    ///< element count
+    int dtype;             ///< static_cast<int>(DType), -1 if none
+    int reduce_op;         ///< static_cast<int>(ReduceOp), -1 if none
+    int root;              ///< -1 if none
+  };
+  /// Called by the front end on a rank whose arguments failed a check, before the error is
+  /// thrown. May throw an error of its own instead (for example the MismatchError every rank
+  /// throws at a checked call). The default does nothing.
+  virtual void abandon(const CallInfo& call, const std::exception& error);
+  /// Throws lockstep::Error if this backend cannot be used (for example a moved-from one). The
+  /// default does nothing.
+  virtual void check_usable() const {}
 };
 
 }  // namespace lockstep

@@ -32,6 +32,10 @@
 // accumulation the user's gradient tensors are not overwritten.
 #pragma once
 
+#include <source_location>
+
+#include "lockstep/reliability.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -216,7 +220,9 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
 /// Reduces the gradients across ranks (or, in an accumulate-only micro-step, only accumulates
 /// them) and applies the wrapped rule. Collective.
 template <OptimizerRule R, class M, class G>
-void update(DistributedState<R>& state, M& model, G& grads) {
+void update(DistributedState<R>& state, M& model, G& grads,
+            std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc, "update");  // its collectives name this call too
   auto [params, gs] = detail::aligned_leaves("update", model, grads);
   auto& red = state.reducer();
   if (!red.bound_to(gs)) red.bind(gs);

@@ -11,7 +11,10 @@ namespace lockstep {
 
 /// Backend over MPI. The constructor duplicates `comm` (MPI_Comm_dup), sets MPI_ERRORS_RETURN
 /// on the duplicate and frees it in the destructor; the caller keeps ownership of `comm`.
-/// Requires MPI to be initialised (initialize<MPIBackend>() does that).
+/// Requires MPI to be initialised (initialize<MPIBackend>() does that). The constructor is a
+/// collective: it reads every LOCKSTEP_* setting and checks that all ranks agree on them (a
+/// malformed or differing value is the same InvalidArgument on every rank). A moved-from
+/// MPIBackend is empty: rank() and size() return 0 and every collective throws.
 class MPIBackend final : public Backend {
  public:
   explicit MPIBackend(MPI_Comm comm = MPI_COMM_WORLD);
@@ -43,16 +46,25 @@ class MPIBackend final : public Backend {
   int local_rank() const override;
   int local_size() const override;
 
-  void broadcast(TensorView buf, int root) override;
-  void allreduce(TensorView buf, ReduceOp op) override;
-  void allreduce(TensorView send, TensorView recv, ReduceOp op) override;
-  void reduce(TensorView buf, ReduceOp op, int root) override;
-  void reduce(TensorView send, TensorView recv, ReduceOp op, int root) override;
-  void allgather(TensorView send, TensorView recv) override;
-  void reduce_scatter(TensorView send, TensorView recv, ReduceOp op) override;
-  void barrier() override;
-  Request iallreduce(TensorView buf, ReduceOp op) override;
-  Request ibroadcast(TensorView buf, int root) override;
+  // Every collective of Backend's front end (backend.hpp) lands in one of these.
+ protected:
+  void do_broadcast(TensorView buf, int root) override;
+  void do_allreduce(TensorView buf, ReduceOp op) override;
+  void do_allreduce(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_reduce(TensorView buf, ReduceOp op, int root) override;
+  void do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) override;
+  void do_allgather(TensorView send, TensorView recv) override;
+  void do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_barrier() override;
+  Request do_iallreduce(TensorView buf, ReduceOp op) override;
+  Request do_ibroadcast(TensorView buf, int root) override;
+  void abandon(const CallInfo& call, const std::exception& error) override;
+  void check_usable() const override;
+
+ public:
+  /// Whether this backend is usable: false for a moved-from one and after a stall or a refused
+  /// collective (docs/reliability.md), after which every collective throws.
+  bool usable() const noexcept;
 
   // Hooks used by initialize<MPIBackend>() and friends (see world.hpp).
   /// MPI_Init_thread(MPI_THREAD_MULTIPLE) if MPI is not initialised yet, then creates the

@@ -2,6 +2,10 @@
 // bitwise, to root's. Knows only Backend&.
 #pragma once
 
+#include <source_location>
+
+#include "lockstep/reliability.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -113,9 +117,11 @@ struct SyncLeafCollector {
 /// back to back in memory in place, everything else packed into one buffer with the scalars).
 /// x may be a tuple of references: synchronize(b, std::tie(model, state)).
 template <class X>
-void synchronize(Backend& backend, X&& x, int root = 0) {
+void synchronize(Backend& backend, X&& x, int root = 0,
+                 std::source_location loc = std::source_location::current()) {
   static_assert(!std::is_const_v<std::remove_reference_t<X>>,
                 "lockstep::synchronize writes into x: pass a non-const object");
+  detail::CallSiteScope site(loc, "synchronize");  // its collectives name this call too
   detail::check_root(backend, root, "synchronize");
   auto& ref = x;
   const auto sig = detail::describe(ref, false);

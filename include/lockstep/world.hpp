@@ -48,53 +48,45 @@ inline int local_rank(const Backend& b) { return b.local_rank(); }
 /// Number of processes on this node.
 inline int local_workers(const Backend& b) { return b.local_size(); }
 
-/// Free-function forms of the collectives (backend first, as in Flux). Each records its call
-/// site (the defaulted `loc`), which fingerprint mismatches and stall reports name.
+/// Free-function forms of the collectives (backend first, as in Flux). Each passes on its call
+/// site (the defaulted `loc`), which fingerprint mismatches, stall reports and MPI errors name.
 inline void broadcast(Backend& b, TensorView buf, int root = 0,
                       std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.broadcast(buf, root);
+  b.broadcast(buf, root, loc);
 }
 /// In-place allreduce; see Backend::allreduce.
 inline void allreduce(Backend& b, TensorView buf, ReduceOp op,
                       std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.allreduce(buf, op);
+  b.allreduce(buf, op, loc);
 }
 /// Out-of-place allreduce; see Backend::allreduce.
 inline void allreduce(Backend& b, TensorView send, TensorView recv, ReduceOp op,
                       std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.allreduce(send, recv, op);
+  b.allreduce(send, recv, op, loc);
 }
 /// In-place reduce onto root; see Backend::reduce.
 inline void reduce(Backend& b, TensorView buf, ReduceOp op, int root = 0,
                    std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.reduce(buf, op, root);
+  b.reduce(buf, op, root, loc);
 }
 /// Out-of-place reduce onto root; see Backend::reduce.
 inline void reduce(Backend& b, TensorView send, TensorView recv, ReduceOp op, int root = 0,
                    std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.reduce(send, recv, op, root);
+  b.reduce(send, recv, op, root, loc);
 }
 /// See Backend::allgather.
 inline void allgather(Backend& b, TensorView send, TensorView recv,
                       std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.allgather(send, recv);
+  b.allgather(send, recv, loc);
 }
 /// See Backend::reduce_scatter.
 inline void reduce_scatter(Backend& b, TensorView send, TensorView recv, ReduceOp op,
                            std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.reduce_scatter(send, recv, op);
+  b.reduce_scatter(send, recv, op, loc);
 }
 /// See Backend::barrier.
 inline void barrier(Backend& b, std::source_location loc = std::source_location::current()) {
-  detail::CallSiteScope site(loc);
-  b.barrier();
+  b.barrier(loc);
 }
 
 /// True when MPI is initialised, so that a distributed backend can be used.
@@ -171,8 +163,17 @@ auto rank_non_zero_only(F&& f) {
   return not_on_rank(std::vector<int>{0}, std::forward<F>(f));
 }
 
+/// Ends the whole job now, on purpose, from any one rank: prints the message with this rank's
+/// number and calls MPI_Abort, which ends every rank's process. For a rank-local error that the
+/// other ranks cannot see (a missing file on one node): without it they would wait for this rank
+/// until the deadline. initialize<MPIBackend>() also installs it as the std::terminate handler,
+/// so an exception that escapes main on any rank ends the job with its message.
+[[noreturn]] void abort_job(const std::string& message, int code = 1) noexcept;
+
 /// RAII guard after TorchOpt's auto_init_rpc: initialises MPIBackend, runs worker_init (if any),
-/// waits at a barrier, and on scope exit barriers again and finalises what it initialised.
+/// waits at a barrier, and on scope exit barriers again and finalises what it initialised. Left
+/// by an exception, it does neither (the other ranks are not at that barrier): the exception
+/// goes on, and if nothing catches it the job ends with its message.
 class AutoInit {
  public:
   explicit AutoInit(std::function<void()> worker_init = {});
@@ -182,6 +183,7 @@ class AutoInit {
 
  private:
   bool owns_ = false;
+  int uncaught_ = 0;
 };
 
 }  // namespace lockstep

@@ -8,15 +8,19 @@
 #   "r<K>:" applies to rank K only; one starting with "!" must NOT appear.
 #   --abort: the job is expected to end abnormally (MPI_Abort, a killed rank); the patterns are
 #   then checked against the combined output of mpiexec instead of per-rank files.
+#   --ended-rank K: rank K was stalled and is ended with the job (the others skip MPI_Finalize
+#   after the stall, so mpiexec ends it before it reports); it must write no report.
 #   --max-ms-after-fault MS: the job must end within MS milliseconds of the injected fault (the
 #   time the faulty rank printed just before it), e.g. a killed rank must not leave the others
 #   spinning.
 set -u
 abort=0
 max_ms=""
+ended_rank=""
 while [ "${1#--}" != "$1" ]; do
   case $1 in
     --abort) abort=1; shift ;;
+    --ended-rank) ended_rank=$2; shift 2 ;;
     --max-ms-after-fault) max_ms=$2; shift 2 ;;
     *) break ;;
   esac
@@ -69,6 +73,10 @@ if [ "$abort" = 1 ]; then
 else
   for ((r = 0; r < nprocs; ++r)); do
     f="$outdir/rank$r.txt"
+    if [ "$r" = "$ended_rank" ]; then
+      if [ -f "$f" ]; then echo "FAIL: rank $r reported, but the job should have ended while it was stalled"; fail=1; fi
+      continue
+    fi
     if [ ! -f "$f" ]; then echo "FAIL: rank $r wrote no report"; fail=1; continue; fi
     pats=()
     for pat in "$@"; do

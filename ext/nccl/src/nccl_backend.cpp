@@ -288,7 +288,7 @@ void NCCLBackend::abort() noexcept { impl_->do_abort(); }
 // ---------------------------------------------------------------------------------------------
 // Collectives: cpu tensors go to the host backend, cuda tensors to NCCL
 // ---------------------------------------------------------------------------------------------
-void NCCLBackend::broadcast(TensorView buf, int root) {
+void NCCLBackend::do_broadcast(TensorView buf, int root) {
   if (buf.device.is_cpu()) return impl_->host.broadcast(buf, root);
   Impl& im = *impl_;
   check_view(buf, "broadcast");
@@ -302,7 +302,7 @@ void NCCLBackend::broadcast(TensorView buf, int root) {
   im.finish_blocking();
 }
 
-void NCCLBackend::allreduce(TensorView buf, ReduceOp op) {
+void NCCLBackend::do_allreduce(TensorView buf, ReduceOp op) {
   if (buf.device.is_cpu()) return impl_->host.allreduce(buf, op);
   Impl& im = *impl_;
   check_view(buf, "allreduce");
@@ -316,8 +316,8 @@ void NCCLBackend::allreduce(TensorView buf, ReduceOp op) {
   im.finish_blocking();
 }
 
-void NCCLBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
-  if (same_buffer(send, recv)) return allreduce(recv, op);
+void NCCLBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
+  if (same_buffer(send, recv)) return do_allreduce(recv, op);
   if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.allreduce(send, recv, op);
   Impl& im = *impl_;
   check_view(send, "allreduce");
@@ -339,7 +339,7 @@ void NCCLBackend::allreduce(TensorView send, TensorView recv, ReduceOp op) {
   im.finish_blocking();
 }
 
-void NCCLBackend::reduce(TensorView buf, ReduceOp op, int root) {
+void NCCLBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
   if (buf.device.is_cpu()) return impl_->host.reduce(buf, op, root);
   Impl& im = *impl_;
   check_view(buf, "reduce");
@@ -355,8 +355,8 @@ void NCCLBackend::reduce(TensorView buf, ReduceOp op, int root) {
   im.finish_blocking();
 }
 
-void NCCLBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
-  if (same_buffer(send, recv)) return reduce(recv, op, root);
+void NCCLBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
+  if (same_buffer(send, recv)) return do_reduce(recv, op, root);
   if (send.device.is_cpu() && (recv.device.is_cpu() || recv.data == nullptr))
     return impl_->host.reduce(send, recv, op, root);
   Impl& im = *impl_;
@@ -385,7 +385,7 @@ void NCCLBackend::reduce(TensorView send, TensorView recv, ReduceOp op, int root
   im.finish_blocking();
 }
 
-void NCCLBackend::allgather(TensorView send, TensorView recv) {
+void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
   if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.allgather(send, recv);
   Impl& im = *impl_;
   check_view(send, "allgather");
@@ -406,7 +406,7 @@ void NCCLBackend::allgather(TensorView send, TensorView recv) {
   im.finish_blocking();
 }
 
-void NCCLBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
+void NCCLBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   if (send.device.is_cpu() && recv.device.is_cpu()) return impl_->host.reduce_scatter(send, recv, op);
   Impl& im = *impl_;
   check_view(send, "reduce_scatter");
@@ -428,12 +428,12 @@ void NCCLBackend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op) 
   im.finish_blocking();
 }
 
-void NCCLBackend::barrier() {
+void NCCLBackend::do_barrier() {
   impl_->check_usable("barrier");
   impl_->host.barrier();
 }
 
-Request NCCLBackend::iallreduce(TensorView buf, ReduceOp op) {
+Request NCCLBackend::do_iallreduce(TensorView buf, ReduceOp op) {
   if (buf.device.is_cpu()) return impl_->host.iallreduce(buf, op);
   Impl& im = *impl_;
   check_view(buf, "iallreduce");
@@ -447,7 +447,7 @@ Request NCCLBackend::iallreduce(TensorView buf, ReduceOp op) {
   return make_request(impl_);
 }
 
-Request NCCLBackend::ibroadcast(TensorView buf, int root) {
+Request NCCLBackend::do_ibroadcast(TensorView buf, int root) {
   if (buf.device.is_cpu()) return impl_->host.ibroadcast(buf, root);
   Impl& im = *impl_;
   check_view(buf, "ibroadcast");

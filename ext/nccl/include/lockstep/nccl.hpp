@@ -68,16 +68,19 @@ class NCCLBackend final : public Backend {
   /// Aborts the communicator (ncclCommAbort): pending and later operations fail. Never throws.
   void abort() noexcept;
 
-  void broadcast(TensorView buf, int root) override;
-  void allreduce(TensorView buf, ReduceOp op) override;
-  void allreduce(TensorView send, TensorView recv, ReduceOp op) override;
-  void reduce(TensorView buf, ReduceOp op, int root) override;
-  void reduce(TensorView send, TensorView recv, ReduceOp op, int root) override;
-  void allgather(TensorView send, TensorView recv) override;
-  void reduce_scatter(TensorView send, TensorView recv, ReduceOp op) override;
-  void barrier() override;
-  Request iallreduce(TensorView buf, ReduceOp op) override;
-  Request ibroadcast(TensorView buf, int root) override;
+ protected:
+  void do_broadcast(TensorView buf, int root) override;
+  void do_allreduce(TensorView buf, ReduceOp op) override;
+  void do_allreduce(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_reduce(TensorView buf, ReduceOp op, int root) override;
+  void do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) override;
+  void do_allgather(TensorView send, TensorView recv) override;
+  void do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_barrier() override;
+  Request do_iallreduce(TensorView buf, ReduceOp op) override;
+  Request do_ibroadcast(TensorView buf, int root) override;
+
+ public:
 
   /// In-place allreduce of several buffers (gradient buckets) in one NCCL group call, so NCCL
   /// fuses their launches; all on this backend's device (or all on the host).

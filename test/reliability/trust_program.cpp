@@ -1,0 +1,108 @@
+// Scenarios of the trust tests that end a process or the job (run by run_trust.sh, which checks
+// what every rank printed and how long the job took). Each rank prints one line
+// "rank R: <outcome>" per step, flushed, so that the script sees it even if the job is killed.
+#include <lockstep/lockstep.hpp>
+#include <lockstep/mpi_backend.hpp>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+namespace ls = lockstep;
+
+namespace {
+int g_rank = -1;
+void say(const std::string& s) {
+  std::printf("rank %d: %s\n", g_rank, s.c_str());
+  std::fflush(stdout);
+}
+const char* kind(const std::exception& e) {
+  if (dynamic_cast<const ls::TimeoutError*>(&e)) return "TimeoutError";
+  if (dynamic_cast<const ls::MismatchError*>(&e)) return "MismatchError";
+  if (dynamic_cast<const ls::InvalidArgument*>(&e)) return "InvalidArgument";
+  if (dynamic_cast<const ls::MpiError*>(&e)) return "MpiError";
+  if (dynamic_cast<const ls::Error*>(&e)) return "Error";
+  return "std::exception";
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string scenario = argc > 1 ? argv[1] : "";
+  try {
+    ls::initialize<ls::MPIBackend>();  // Lockstep starts MPI (and finalises it at exit)
+  } catch (const std::exception& e) {
+    g_rank = ls::detail::world_rank();
+    say(std::string(kind(e)) + ": " + e.what());
+    return 0;  // reported (a non-zero code would make mpiexec end the ranks still printing)
+  }
+  g_rank = ls::detail::world_rank();
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  const int r = b.rank();
+  say("started");
+  if (scenario == "uncaught" && r == 1) throw std::runtime_error("cannot open data.bin: no such file");
+  if (scenario == "returns_early") {
+    // A rank-local error that the program handles by returning from main: the others must not
+    // wait for it until the deadline.
+    if (r == 1) {
+      say("returning early");
+      return 1;
+    }
+    b.barrier();
+    say("OK");
+    return 0;
+  }
+  try {
+    if (scenario == "settings") {
+      say("OK");
+    } else if (scenario == "finalize_after_stall") {
+      // Rank 1 stops calling collectives for a long time; rank 0's deadline passes, it catches the
+      // TimeoutError and returns from main: the job must end soon after, not when rank 1 is back.
+      if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+      b.barrier();
+      say("OK");
+    } else if (scenario == "uncaught") {
+      b.barrier();
+      say("OK");
+    } else if (scenario == "stop_in_shm" || scenario == "kill_in_shm") {
+      ls::Tensor x = ls::Tensor::ones({std::int64_t{16} << 20});  // 64 MiB: the shared-memory path
+      b.allreduce(x, ls::ReduceOp::sum);
+      say(b.shared_memory() ? "shared memory on" : "shared memory off");
+      if (r == 1) {
+        std::thread([scenario] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(30));
+          say(scenario == "kill_in_shm" ? "killing myself" : "stopping myself");
+          raise(scenario == "kill_in_shm" ? SIGKILL : SIGSTOP);
+        }).detach();
+      }
+      for (int i = 0; i < 100000; ++i) b.allreduce(x, ls::ReduceOp::sum);
+      say("OK");
+    } else if (scenario == "refused") {
+      // The last rank passes a null pointer: the front end refuses it there. Unchecked (the
+      // default), the others are told; nobody waits forever.
+      ls::Tensor x = ls::Tensor::ones({8});
+      ls::TensorView bad{nullptr, 8, ls::DType::f32, ls::Device::cpu()};
+      b.allreduce(r == b.size() - 1 ? bad : x.view(), ls::ReduceOp::sum);
+      say("OK");
+    } else if (scenario == "nonblocking_mpi_error") {
+      // Counts that differ in a nonblocking allreduce (600 against 500) under a deadline: MPI
+      // reports an error through MPI_Test, which must come back as an exception.
+      ls::Tensor x = ls::Tensor::ones({r == 0 ? 600 : 500});
+      ls::Request req = b.iallreduce(x, ls::ReduceOp::sum);
+      req.wait();
+      say("OK");
+    } else {
+      say("unknown scenario " + scenario);
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    say(std::string(kind(e)) + ": " + e.what());
+    return 0;  // handled: returns from main (finalize must not then wait for the others)
+  }
+  return 0;
+}
