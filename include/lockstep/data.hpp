@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -159,20 +160,25 @@ inline constexpr DimPartitioner exclusive_batch_partitioner{0, true, false};
 struct MeanReducer {};
 /// Combines results as their sum.
 struct SumReducer {};
+/// Concatenates the results along the partitioned dimension, in partition order (which is sample
+/// order), and returns the whole on every rank: for a function with a value per sample (a
+/// result shaped by its partition), the result over the whole batch. With keepdim = false
+/// (exclusive_batch_partitioner) the per-sample results are stacked along a new dimension at
+/// the partitioner's dimension. Results must be (structures of) host tensors, of any dtype,
+/// that agree on everything but the partitioned dimension.
+struct ConcatReducer {};
 inline constexpr MeanReducer mean_reducer{};
 inline constexpr SumReducer sum_reducer{};
+inline constexpr ConcatReducer concat_reducer{};
 
 /// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
 /// dimension (count must be 1). A zero-copy view for dim 0 (borrows t's memory), a copy otherwise.
 Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
 
 namespace detail {
-/// A leaf of a result, for the cross-rank reduction in parallelize.
-struct ResultLeaf {
-  Tensor* tensor = nullptr;  // or
-  double* f = nullptr;       // floating scalar, converted
-  std::int64_t* i = nullptr; // integer scalar, converted
-};
+
+enum class ReducerKind : std::uint8_t { mean, sum, concat };
+const char* reducer_name(ReducerKind k) noexcept;
 
 /// Adds `src` (times `weight`) into `dst` elementwise (same structure); floating leaves only
 /// are weighted. Tensors: same dtype and numel.
@@ -187,6 +193,82 @@ void reduce_results(Backend& b, std::vector<Tensor*>& tensors, std::vector<doubl
 /// Broadcasts root's result layout (dtypes and shapes of its tensor leaves) and shapes the
 /// tensors of a rank that ran no partition accordingly. Collective among all ranks.
 void share_result_layout(Backend& b, std::vector<Tensor*>& tensors, bool have_result, int root);
+
+/// Describes one result of f, for the comparison across partitions and ranks (a walk visitor):
+/// `sig` is what must agree (structure, dtypes, shapes; with concat_dim >= 0 that dimension is
+/// left out), `text` names the leaves for messages, `concat_problem` the first leaf that
+/// concat_reducer cannot concatenate.
+class ResultDescriber {
+ public:
+  /// dim, keepdim: the partitioner's; for_concat: describe for concat_reducer (leave dimension
+  /// dim out of the signature when keepdim, and note leaves that cannot be concatenated).
+  ResultDescriber(int dim, bool keepdim, bool for_concat)
+      : dim_(dim), keepdim_(keepdim), for_concat_(for_concat) {}
+  void leaf(const std::string& path, const Tensor& t);
+  template <class S>
+    requires std::is_arithmetic_v<S>
+  void leaf(const std::string& path, const S&) {
+    scalar(path, std::is_floating_point_v<S>, std::is_signed_v<S>, sizeof(S));
+  }
+  void node(const std::string& path, const char* kind, std::size_t n);
+  void key(const std::string& path, const std::string& k);
+
+  std::string sig, text, concat_problem;
+  std::int64_t tensors = 0, fscalars = 0, iscalars = 0;
+
+ private:
+  void scalar(const std::string& path, bool floating, bool is_signed, std::size_t bytes);
+  void add_text(const std::string& path, const std::string& desc);
+  int dim_;
+  bool keepdim_, for_concat_;
+  bool text_full_ = false;
+};
+
+template <class R>
+ResultDescriber describe_result(const R& r, ReducerKind kind, const DimPartitioner& p) {
+  ResultDescriber d(p.dim, p.keepdim, kind == ReducerKind::concat);
+  PathBuilder path;
+  walk<true>(r, d, path);
+  return d;
+}
+
+/// What one rank did in one call of a parallelized function, before anything is combined.
+struct ParallelCall {
+  ParallelCall(ReducerKind k, const DimPartitioner& p) : kind(k), partitioner(p) {}
+  ReducerKind kind;
+  DimPartitioner partitioner;
+  std::string args;                  // the arguments' shapes, the partitioner, the reducer
+  bool have = false;                 // ran at least one partition
+  std::string result_sig, result_text;  // of this rank's first result
+  std::size_t first_index = 0;           // its partition
+  std::int64_t tensors = 0, fscalars = 0, iscalars = 0;  // leaves of this rank's result
+  std::vector<std::int64_t> extents;  // concat: per local partition, per tensor leaf
+  std::vector<std::byte> bytes;       // concat: those pieces, back to back
+  std::exception_ptr error;           // what this rank threw, if anything
+  int error_kind = 0;                 // 0 none, 1 InvalidArgument, 2 MismatchError, 3 Error, 4 other
+  std::string error_text;
+
+  /// Records the exception in flight (call from a catch block).
+  void fail(std::exception_ptr e);
+  /// Appends a tensor argument's dtype and shape (or a placeholder for other arguments) to args.
+  void describe_arg(const Tensor* t);
+  /// Records the result of partition `index` (described by d); MismatchError when it does not
+  /// agree with this rank's earlier partitions.
+  void add_result(const ResultDescriber& d, std::size_t index, const std::vector<Partition>& parts);
+  /// concat: appends a tensor leaf of a partition's result.
+  void pack(const Tensor& t);
+};
+
+/// Collective, one small allgather when all is well: every rank learns whether any rank
+/// failed, called with other arguments, or got results of another structure, and then every
+/// rank throws the same error (a rank whose own f threw an exception other than Lockstep's
+/// rethrows that). Returns every rank's concat payload size.
+std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c);
+
+/// Collective: gathers every rank's concat pieces and assembles, into each of `tensors` (shaped
+/// like one partition's result), the concatenation over all partitions in partition order.
+void concat_results(Backend& b, const ParallelCall& c, const std::vector<std::int64_t>& sizes,
+                    std::vector<Tensor*>& tensors, const std::vector<Partition>& parts);
 
 template <class T>
 auto slice_arg(T& arg, const DimPartitioner& p, const Partition& part) {
@@ -251,76 +333,123 @@ void scale_into(R& acc, const R& r, double w, bool first) {
 /// partitions the partitioner assigns to it (Tensor arguments sliced, others passed as they
 /// are), and the results (a Tensor, an arithmetic scalar, or a traversable structure of them)
 /// are combined across ranks by the reducer and returned on every rank. Collective.
+///
+/// Before combining anything the ranks compare, in one small allgather, what they did: the
+/// arguments' shapes and dtypes (hence the batch size), the partitioner, the reducer, the
+/// structure of their results (leaves, dtypes, shapes; for concat_reducer all but the
+/// partitioned dimension) and whether f or a local check threw. Any difference, or an exception
+/// on any rank, is an error on every rank naming each rank's part (MismatchError, or the
+/// exception's own type), never a hang or a reduction of mismatched buffers. mean_reducer and
+/// sum_reducer need results of one shape on every partition: a value per sample (a result
+/// shaped by its partition) needs concat_reducer.
 template <class Partitioner, class Reducer, class F>
 auto parallelize(Backend& backend, Partitioner partitioner, Reducer /*reducer: a tag*/, F f) {
   static_assert(std::is_same_v<Partitioner, DimPartitioner>,
                 "parallelize: the partitioner must be a DimPartitioner (dim_partitioner(...), "
                 "batch_partitioner, exclusive_batch_partitioner)");
-  static_assert(std::is_same_v<Reducer, MeanReducer> || std::is_same_v<Reducer, SumReducer>,
-                "parallelize: the reducer must be mean_reducer or sum_reducer");
+  static_assert(std::is_same_v<Reducer, MeanReducer> || std::is_same_v<Reducer, SumReducer> ||
+                    std::is_same_v<Reducer, ConcatReducer>,
+                "parallelize: the reducer must be mean_reducer, sum_reducer or concat_reducer");
   return [&backend, partitioner, f = std::move(f)](auto&&... args) mutable {
-    constexpr bool kMean = std::is_same_v<Reducer, MeanReducer>;
-    std::int64_t batch = -1;
-    bool consistent = true;
-    (
-        [&](const auto& a) {
-          const auto bs = detail::batch_size_of(a, partitioner.dim);
-          if (bs < 0) return;
-          if (batch >= 0 && bs != batch) consistent = false;
-          if (batch < 0) batch = bs;
-        }(args),
-        ...);
-    LOCKSTEP_CHECK_ARG(batch >= 0, "parallelize: no Tensor argument to partition");
-    LOCKSTEP_CHECK_ARG(consistent, "parallelize: Tensor arguments differ in size along dimension ",
-                       partitioner.dim);
-    LOCKSTEP_CHECK_ARG(batch > 0, "parallelize: empty batch");
-    const auto parts = partitioner.partitions(batch, backend.size());
+    constexpr detail::ReducerKind kKind = std::is_same_v<Reducer, MeanReducer>  ? detail::ReducerKind::mean
+                                          : std::is_same_v<Reducer, SumReducer> ? detail::ReducerKind::sum
+                                                                                : detail::ReducerKind::concat;
+    constexpr bool kMean = kKind == detail::ReducerKind::mean;
+    constexpr bool kConcat = kKind == detail::ReducerKind::concat;
     using Result = std::remove_cvref_t<decltype(std::invoke(
-        f, detail::slice_arg(args, partitioner, parts[0])...))>;
+        f, detail::slice_arg(args, partitioner, std::declval<const Partition&>())...))>;
     static_assert(std::is_default_constructible_v<Result>,
                   "parallelize: the result type must be default-constructible");
+    static_assert(!(kConcat && std::is_arithmetic_v<Result>),
+                  "parallelize: concat_reducer concatenates tensors; return a Tensor (a scalar "
+                  "per sample: a 0-d or 1-element tensor), or use mean_reducer or sum_reducer");
+    detail::ParallelCall call(kKind, partitioner);
     Result acc{};
+    std::vector<Partition> parts;
     double weight = 0.0;
-    bool have = false;
-    for (const auto& part : parts) {
-      if (part.rank != backend.rank()) continue;
-      Result r = std::invoke(f, detail::slice_arg(args, partitioner, part)...);
-      const double w = kMean ? static_cast<double>(part.count) : 1.0;
-      if (!have) {
-        acc = clone_tree(r);
-        detail::scale_into(acc, r, w, true);
-      } else {
-        detail::scale_into(acc, r, w, false);
+    // Everything a rank does alone happens in here; what it throws is reported to every rank
+    // by agree_on_call, so that no rank is left waiting in a collective the others never reach.
+    try {
+      std::int64_t batch = -1;
+      bool consistent = true;
+      (
+          [&](const auto& a) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(a)>, Tensor>)
+              call.describe_arg(&a);
+            else
+              call.describe_arg(nullptr);
+            const auto bs = detail::batch_size_of(a, partitioner.dim);
+            if (bs < 0) return;
+            if (batch >= 0 && bs != batch) consistent = false;
+            if (batch < 0) batch = bs;
+          }(args),
+          ...);
+      LOCKSTEP_CHECK_ARG(batch >= 0, "parallelize: no Tensor argument to partition");
+      LOCKSTEP_CHECK_ARG(consistent, "parallelize: Tensor arguments differ in size along dimension ",
+                         partitioner.dim);
+      LOCKSTEP_CHECK_ARG(batch > 0, "parallelize: empty batch");
+      parts = partitioner.partitions(batch, backend.size());
+      for (std::size_t p = 0; p < parts.size(); ++p) {
+        const auto& part = parts[p];
+        if (part.rank != backend.rank()) continue;
+        Result r = std::invoke(f, detail::slice_arg(args, partitioner, part)...);
+        call.add_result(detail::describe_result(r, kKind, partitioner), p, parts);
+        if constexpr (kConcat) {
+          for_each_tensor(r, [&](const Tensor& t) { call.pack(t); });
+          if (!call.have) acc = std::move(r);  // the template of the result's structure
+        } else {
+          const double w = kMean ? static_cast<double>(part.count) : 1.0;
+          if (!call.have) {
+            acc = clone_tree(r);
+            detail::scale_into(acc, r, w, true);
+          } else {
+            detail::scale_into(acc, r, w, false);
+          }
+          weight += w;
+        }
+        call.have = true;
       }
-      weight += w;
-      have = true;
+      for_each_leaf(acc, [&](const auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_same_v<L, Tensor>) ++call.tensors;
+        else if constexpr (std::is_floating_point_v<L>) ++call.fscalars;
+        else ++call.iscalars;
+      });
+    } catch (...) {
+      call.fail(std::current_exception());
     }
-    std::vector<Tensor*> tensors;
-    std::vector<double> fvals;
-    std::vector<std::int64_t> ivals;
+    const auto sizes = detail::agree_on_call(backend, call);
+    // From here on every rank holds the same arguments, partitions and result structure.
+    std::vector<Tensor*> tensors = tensor_leaves(acc);
     // Ranks without a partition learn the result's shapes from rank 0 (which always has one).
     if (static_cast<std::int64_t>(parts.size()) < backend.size()) {
+      detail::share_result_layout(backend, tensors, call.have, 0);
       tensors = tensor_leaves(acc);
-      detail::share_result_layout(backend, tensors, have, 0);
     }
-    tensors = tensor_leaves(acc);
-    for_each_leaf(acc, [&](auto& l) {
-      using L = std::remove_cvref_t<decltype(l)>;
-      if constexpr (std::is_floating_point_v<L>) fvals.push_back(static_cast<double>(l));
-      else if constexpr (std::is_arithmetic_v<L>) ivals.push_back(static_cast<std::int64_t>(l));
-    });
-    std::vector<double*> fptr;
-    std::vector<std::int64_t*> iptr;
-    for (auto& v : fvals) fptr.push_back(&v);
-    for (auto& v : ivals) iptr.push_back(&v);
-    detail::reduce_results(backend, tensors, fptr, iptr, weight, kMean);
-    std::size_t fi = 0, ii = 0;
-    for_each_leaf(acc, [&](auto& l) {
-      using L = std::remove_cvref_t<decltype(l)>;
-      if constexpr (std::is_floating_point_v<L>) l = static_cast<L>(fvals[fi++]);
-      else if constexpr (std::is_arithmetic_v<L>) l = static_cast<L>(ivals[ii++]);
-    });
-    return acc;
+    if constexpr (kConcat) {
+      detail::concat_results(backend, call, sizes, tensors, parts);
+      return acc;
+    } else {
+      std::vector<double> fvals;
+      std::vector<std::int64_t> ivals;
+      for_each_leaf(acc, [&](auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_floating_point_v<L>) fvals.push_back(static_cast<double>(l));
+        else if constexpr (std::is_arithmetic_v<L>) ivals.push_back(static_cast<std::int64_t>(l));
+      });
+      std::vector<double*> fptr;
+      std::vector<std::int64_t*> iptr;
+      for (auto& v : fvals) fptr.push_back(&v);
+      for (auto& v : ivals) iptr.push_back(&v);
+      detail::reduce_results(backend, tensors, fptr, iptr, weight, kMean);
+      std::size_t fi = 0, ii = 0;
+      for_each_leaf(acc, [&](auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_floating_point_v<L>) l = static_cast<L>(fvals[fi++]);
+        else if constexpr (std::is_arithmetic_v<L>) l = static_cast<L>(ivals[ii++]);
+      });
+      return acc;
+    }
   };
 }
 
