@@ -34,18 +34,33 @@ std::uint64_t bounded(std::uint64_t& s, std::uint64_t bound) {
 }  // namespace
 
 DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::int64_t n_samples,
-                                                         DataOptions options)
-    : rank_(backend.rank()), ranks_(backend.size()), n_(n_samples), options_(options) {
-  LOCKSTEP_CHECK_ARG(n_samples >= 0, "DistributedDataContainer: n_samples must be >= 0, got ",
-                     n_samples);
-  // Ranks that disagree on the dataset would run different numbers of batches and deadlock
-  // later; catch it here, on every rank.
-  const std::string sig = detail::concat("n_samples=", n_samples, " shuffle=", options.shuffle,
-                                         " seed=", options.seed,
-                                         " remainder=", options.remainder == Remainder::pad ? "pad" : "drop");
+                                                         DataOptions options, std::int64_t data_size)
+    : backend_(&backend), rank_(backend.rank()), ranks_(backend.size()), n_(n_samples), options_(options) {
+  // Nothing is thrown before every rank has compared its arguments: a rank that threw alone
+  // would leave the others waiting in the comparison. Ranks that disagree on the dataset would
+  // run different numbers of batches and deadlock later; catch it here, on every rank.
+  std::string problem;
+  if (n_samples < 0)
+    problem = concat("n_samples must be >= 0, got ", n_samples);
+  else if (data_size >= 0 && n_samples > data_size)
+    problem = concat("n_samples ", n_samples, " is more than the dataset holds (", data_size, ")");
+  else if (options.batch_size < 0)
+    problem = concat("DataOptions::batch_size must be >= 0 (0: not set), got ", options.batch_size);
+  else if (options.remainder != Remainder::pad && options.remainder != Remainder::drop)
+    problem = concat("DataOptions::remainder is not a Remainder (",
+                     static_cast<int>(options.remainder), ")");
+  const char* rem = options.remainder == Remainder::pad    ? "pad"
+                    : options.remainder == Remainder::drop ? "drop"
+                                                           : "invalid";
+  const std::string sig =
+      concat("n_samples=", n_samples, " shuffle=", options.shuffle, " seed=", options.seed,
+             " remainder=", rem, " batch_size=", options.batch_size, " drop_last=", options.drop_last,
+             problem.empty() ? std::string() : concat(" (", problem, ")"));
   detail::check_same_structure(backend, sig, 0, 0, "DistributedDataContainer", [&] {
     return std::vector<detail::StructureEntry>{{"dataset", sig}};
   });
+  // Every rank has the same arguments, hence the same problem.
+  LOCKSTEP_CHECK_ARG(problem.empty(), "DistributedDataContainer: ", problem);
   rebuild();
 }
 
@@ -53,14 +68,14 @@ void DistributedDataContainer<void>::rebuild() {
   std::vector<std::int64_t> perm(static_cast<std::size_t>(n_));
   for (std::int64_t i = 0; i < n_; ++i) perm[static_cast<std::size_t>(i)] = i;
   if (options_.shuffle && n_ > 1) {
-    std::uint64_t s = options_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(epoch_ + 1));
+    std::uint64_t s = options_.seed ^ (0xD1B54A32D192ED03ull * (static_cast<std::uint64_t>(epoch_) + 1));
     for (std::int64_t i = n_ - 1; i > 0; --i) {
       const auto j = static_cast<std::int64_t>(bounded(s, static_cast<std::uint64_t>(i + 1)));
       std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(j)]);
     }
   }
   std::int64_t per_rank = 0;
-  if (n_ > 0) per_rank = options_.remainder == Remainder::pad ? (n_ + ranks_ - 1) / ranks_ : n_ / ranks_;
+  if (n_ > 0) per_rank = options_.remainder == Remainder::pad ? n_ / ranks_ + (n_ % ranks_ != 0) : n_ / ranks_;
   indices_.resize(static_cast<std::size_t>(per_rank));
   for (std::int64_t k = 0; k < per_rank; ++k) {
     const std::int64_t pos = rank_ + k * ranks_;  // position in the padded permutation
@@ -75,24 +90,54 @@ std::int64_t DistributedDataContainer<void>::global_index(std::int64_t i) const 
 }
 
 void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
+  // Collective: ranks in different epochs would visit different permutations (samples seen
+  // twice or never) without any error.
+  const int n = backend_->size();
+  std::int64_t mine = e;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+  backend_->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
+                      TensorView{all.data(), n, DType::i64, Device::cpu()});
+  if (std::any_of(all.begin(), all.end(), [&](std::int64_t v) { return v != all[0]; })) {
+    std::string msg = "DistributedDataContainer::set_epoch: the ranks passed different epochs:";
+    for (int r = 0; r < n && r < 8; ++r)
+      msg += concat(r == 0 ? " " : ", ", "rank ", r, ": ", all[static_cast<std::size_t>(r)]);
+    if (n > 8) msg += ", ...";
+    throw MismatchError(msg + detail::rank_suffix());
+  }
   epoch_ = e;
   rebuild();
 }
 
 std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size, bool drop_last) const {
   LOCKSTEP_CHECK_ARG(batch_size > 0, "num_batches: batch_size must be > 0, got ", batch_size);
-  return drop_last ? size() / batch_size : (size() + batch_size - 1) / batch_size;
+  // No size() + batch_size - 1: that overflows for a batch_size near the int64 maximum.
+  return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
+}
+
+std::int64_t DistributedDataContainer<void>::num_batches() const {
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
+                     "num_batches(): DataOptions::batch_size is not set; set it, or pass the batch size");
+  return num_batches(options_.batch_size, options_.drop_last);
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,
                                                                     std::int64_t batch_size) const {
-  LOCKSTEP_CHECK_ARG(batch_size > 0 && b >= 0 && b * batch_size < std::max<std::int64_t>(size(), 1),
+  // b < ceil(size / batch_size), written without b * batch_size (which can overflow); batch 0
+  // of an empty share is the empty span.
+  LOCKSTEP_CHECK_ARG(batch_size > 0 && b >= 0 && (b == 0 || b < num_batches(batch_size)),
                      "batch: batch ", b, " of size ", batch_size, " is out of range (", size(),
                      " samples)");
+  if (size() == 0) return {};
   const std::int64_t start = b * batch_size;
   const std::int64_t count = std::min(batch_size, size() - start);
   return std::span<const std::int64_t>(indices_).subspan(static_cast<std::size_t>(start),
-                                                         static_cast<std::size_t>(std::max<std::int64_t>(count, 0)));
+                                                         static_cast<std::size_t>(count));
+}
+
+std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b) const {
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
+                     "batch(b): DataOptions::batch_size is not set; set it, or pass the batch size");
+  return batch(b, options_.batch_size);
 }
 
 std::vector<Partition> DimPartitioner::partitions(std::int64_t batch_size, int ranks) const {
@@ -119,9 +164,10 @@ Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t co
   LOCKSTEP_CHECK_ARG(dim >= 0 && static_cast<std::size_t>(dim) < t.ndim(), "slice_along: dimension ",
                      dim, " of a tensor of shape ", to_string(t.shape()));
   const std::int64_t extent = t.dim(static_cast<std::size_t>(dim));
-  LOCKSTEP_CHECK_ARG(start >= 0 && count >= 0 && start + count <= extent, "slice_along: [", start,
-                     ", ", start + count, ") out of range for dimension ", dim, " of shape ",
-                     to_string(t.shape()));
+  // count <= extent - start, not start + count <= extent: the sum can overflow.
+  LOCKSTEP_CHECK_ARG(start >= 0 && count >= 0 && start <= extent && count <= extent - start,
+                     "slice_along: ", count, " elements from ", start, " are out of range for dimension ",
+                     dim, " of shape ", to_string(t.shape()));
   LOCKSTEP_CHECK_ARG(keepdim || count == 1, "slice_along: keepdim = false needs count 1, got ", count);
   Shape shape = t.shape();
   shape[static_cast<std::size_t>(dim)] = count;

@@ -541,3 +541,69 @@ TEST_CASE("parallelize: variable and empty result structures", "[data][agreement
   INFO(why);
   CHECK(all_ranks(b, ok));
 }
+
+TEST_CASE("DistributedDataContainer: ranks deciding alone get the error on every rank", "[data][agreement]") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  const int n = b.size();
+  const bool last = b.rank() == n - 1;
+  bool ok = true;
+  std::string why;
+  auto expect = [&](const std::string& err, const char* kind, const char* part, const char* what) {
+    if (!has(err, kind) || !has(err, part)) ok = false, why = std::string(what) + ": " + err;
+  };
+  // The same bad argument everywhere: InvalidArgument everywhere.
+  expect(thrown_by([&] { ls::DistributedDataContainer c(b, -1); }), "InvalidArgument:", "n_samples must be >= 0",
+         "negative everywhere");
+  std::vector<int> five(5);
+  expect(thrown_by([&] { ls::DistributedDataContainer c(b, five, 6); }), "InvalidArgument:",
+         "more than the dataset holds (5)", "short dataset");
+  expect(thrown_by([&] { ls::DistributedDataContainer c(b, 5, ls::DataOptions{.batch_size = -2}); }),
+         "InvalidArgument:", "batch_size must be >= 0", "negative batch_size");
+  if (n >= 2) {
+    // On one rank only (before: that rank threw alone and the others waited forever).
+    expect(thrown_by([&] { ls::DistributedDataContainer c(b, last ? -1 : 5); }), "MismatchError:", "n_samples",
+           "negative on one rank");
+    std::vector<int> four(4);
+    expect(thrown_by([&] { ls::DistributedDataContainer c(b, last ? four : five, 5); }), "MismatchError:",
+           "more than the dataset holds", "short dataset on one rank");
+    expect(thrown_by([&] { ls::DistributedDataContainer c(b, 10, ls::DataOptions{.seed = last ? 2u : 1u}); }),
+           "MismatchError:", "seed", "seed");
+    expect(thrown_by([&] { ls::DistributedDataContainer c(b, 10, ls::DataOptions{.batch_size = last ? 3 : 2}); }),
+           "MismatchError:", "batch_size", "batch_size");
+  }
+  // Batch size in the options: num_batches() and batch(b) use it.
+  ls::DistributedDataContainer c(b, 10, ls::DataOptions{.shuffle = false, .batch_size = 2});
+  if (c.num_batches() != c.num_batches(2) || c.batch(0).size() != c.batch(0, 2).size()) ok = false, why = "batch_size option";
+  ls::DistributedDataContainer unset(b, 10);
+  expect(thrown_by([&] { (void)unset.num_batches(); }), "InvalidArgument:", "batch_size is not set", "unset");
+  // Epochs: set_epoch compares them.
+  ls::DistributedDataContainer shuffled(b, 12, ls::DataOptions{.seed = 7});
+  if (n >= 2) {
+    expect(thrown_by([&] { shuffled.set_epoch(last ? 2 : 1); }), "MismatchError:", "different epochs", "epoch");
+    const std::string err = thrown_by([&] { shuffled.set_epoch(last ? 2 : 1); });
+    if (!has(err, "rank 0: 1") || !has(err, "rank " + std::to_string(n - 1) + ": 2")) ok = false, why = "epoch names: " + err;
+  }
+  shuffled.set_epoch(3);
+  ok = ok && shuffled.epoch() == 3 && same_on_all_ranks(b, fnv_of(gather_indices(b, shuffled.indices())));
+  // Sizes near the int64 limit: no overflow.
+  constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
+  if (c.num_batches(kMax) != 1 || c.num_batches(kMax, true) != 0) ok = false, why = "num_batches(max)";
+  expect(thrown_by([&] { (void)c.batch(std::int64_t{1} << 62, 4); }), "InvalidArgument:", "out of range", "batch overflow");
+  expect(thrown_by([&] { (void)c.batch(1, kMax); }), "InvalidArgument:", "out of range", "batch past the end");
+  INFO(why);
+  CHECK(all_ranks(b, ok));
+}
+
+TEST_CASE("partitioners and slice_along refuse zero, negative and overflowing sizes", "[data][agreement]") {
+  CHECK_THROWS_AS(ls::batch_partitioner.partitions(-1, 2), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::batch_partitioner.partitions(4, 0), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::exclusive_batch_partitioner.partitions(4, -3), ls::InvalidArgument);
+  CHECK(ls::batch_partitioner.partitions(0, 3).empty());
+  const ls::Tensor t = ls::Tensor::from(std::vector<float>{0, 1, 2, 3, 4, 5}, {3, 2});
+  constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
+  CHECK_THROWS_AS(ls::slice_along(t, 0, kMax, 1, true), ls::InvalidArgument);  // start + count overflows
+  CHECK_THROWS_AS(ls::slice_along(t, 0, 1, kMax, true), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::slice_along(t, 0, -1, 1, true), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::slice_along(t, 2, 0, 1, true), ls::InvalidArgument);
+  CHECK(ls::slice_along(t, 0, 3, 0, true).shape() == ls::Shape{0, 2});
+}

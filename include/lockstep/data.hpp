@@ -32,6 +32,11 @@ struct DataOptions {
   bool shuffle = true;            ///< a new permutation each epoch (same on every rank)
   std::uint64_t seed = 0;         ///< shared seed of the shuffle; must be equal on every rank
   Remainder remainder = Remainder::pad;
+  /// Samples per batch of num_batches() and batch(b) (0: not set; then pass it to
+  /// num_batches(batch_size) and batch(b, batch_size)). Given here, the constructor checks that
+  /// every rank has the same, so no rank runs more batches than another.
+  std::int64_t batch_size = 0;
+  bool drop_last = false;         ///< num_batches() leaves out a partial last batch
 };
 
 template <class Dataset = void>
@@ -45,8 +50,10 @@ template <>
 class DistributedDataContainer<void> {
  public:
   /// Collective: checks that every rank passes the same n_samples and options
-  /// (MismatchError otherwise). n_samples >= 0.
-  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {});
+  /// (MismatchError on every rank otherwise). n_samples >= 0, options.batch_size >= 0
+  /// (InvalidArgument on every rank otherwise). The backend must outlive the container.
+  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {})
+      : DistributedDataContainer(backend, n_samples, options, -1) {}
 
   /// Number of samples this rank visits per epoch (equal on every rank).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
@@ -57,20 +64,35 @@ class DistributedDataContainer<void> {
   /// This rank's dataset indices for the current epoch.
   const std::vector<std::int64_t>& indices() const noexcept { return indices_; }
   /// Reshuffles for epoch e (the same permutation on every rank; a no-op without shuffle).
+  /// Collective (one small allgather): ranks passing different epochs would visit different
+  /// permutations, so that is a MismatchError on every rank naming each rank's epoch.
   void set_epoch(std::int64_t e);
   std::int64_t epoch() const noexcept { return epoch_; }
   const DataOptions& options() const noexcept { return options_; }
   /// Number of batches of batch_size samples per epoch (the last may be partial unless
-  /// drop_last); equal on every rank.
+  /// drop_last); equal on every rank when every rank passes the same batch_size (which this
+  /// local call cannot check: prefer DataOptions::batch_size and num_batches()).
   std::int64_t num_batches(std::int64_t batch_size, bool drop_last = false) const;
+  /// The same with DataOptions::batch_size and drop_last (checked equal on every rank at
+  /// construction); InvalidArgument if batch_size was not set.
+  std::int64_t num_batches() const;
   /// Dataset indices of batch b (of batch_size samples) of this rank.
   std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
+  /// The same with DataOptions::batch_size.
+  std::span<const std::int64_t> batch(std::int64_t b) const;
 
   auto begin() const noexcept { return indices_.begin(); }
   auto end() const noexcept { return indices_.end(); }
 
+ protected:
+  /// data_size: the number of samples the dataset holds (-1: unknown); n_samples must not
+  /// exceed it (checked on every rank together with the options).
+  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options,
+                           std::int64_t data_size);
+
  private:
   void rebuild();
+  Backend* backend_ = nullptr;
   int rank_ = 0, ranks_ = 1;
   std::int64_t n_ = 0;
   std::int64_t epoch_ = 0;
@@ -84,9 +106,10 @@ class DistributedDataContainer<void> {
 template <class Dataset>
 class DistributedDataContainer : public DistributedDataContainer<void> {
  public:
+  /// n_samples must not exceed data.size() when the dataset has one.
   DistributedDataContainer(Backend& backend, Dataset&& data, std::int64_t n_samples,
                            DataOptions options = {})
-      : DistributedDataContainer<void>(backend, n_samples, options),
+      : DistributedDataContainer<void>(backend, n_samples, options, size_of_dataset(data)),
         data_(std::forward<Dataset>(data)) {}
   template <class D = Dataset>
     requires requires(const std::remove_reference_t<D>& d) { d.size(); }
@@ -101,6 +124,12 @@ class DistributedDataContainer : public DistributedDataContainer<void> {
   decltype(auto) data() noexcept { return (data_); }
 
  private:
+  static std::int64_t size_of_dataset(const std::remove_reference_t<Dataset>& d) {
+    if constexpr (requires { d.size(); })
+      return static_cast<std::int64_t>(d.size());
+    else
+      return -1;
+  }
   Dataset data_;
 };
 
