@@ -504,6 +504,16 @@ TEST_CASE("parallelize: ranks that pass different batches, partitioners or reduc
     (void)ls::parallelize(b, ls::dim_partitioner(-1), ls::sum_reducer, sum_first)(rows_tensor(3));
   });
   if (!has(err, "InvalidArgument:") || !has(err, "along dimension -1")) ok = false, why = "dim -1: " + err;
+  err = thrown_by([&] {
+    (void)ls::parallelize(b, ls::batch_partitioner, ls::mean_reducer,
+                          [](const ls::Tensor&) { return std::int64_t{1}; })(rows_tensor(5));
+  });
+  if (!has(err, "InvalidArgument:") || !has(err, "mean_reducer needs floating-point results")) ok = false, why = "int mean: " + err;
+  err = thrown_by([&] {
+    (void)ls::parallelize(b, ls::batch_partitioner, ls::sum_reducer,
+                          [](const ls::Tensor&) { return ls::Tensor::zeros({2}, ls::DType::f16); })(rows_tensor(5));
+  });
+  if (!has(err, "InvalidArgument:") || !has(err, "dtype f16 are not supported")) ok = false, why = "f16 sum: " + err;
   ok = still_usable(b) && ok;
   INFO(why);
   CHECK(all_ranks(b, ok));
