@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -31,6 +32,11 @@ struct DataOptions {
   bool shuffle = true;            ///< a new permutation each epoch (same on every rank)
   std::uint64_t seed = 0;         ///< shared seed of the shuffle; must be equal on every rank
   Remainder remainder = Remainder::pad;
+  /// Samples per batch of num_batches() and batch(b) (0: not set; then pass it to
+  /// num_batches(batch_size) and batch(b, batch_size)). Given here, the constructor checks that
+  /// every rank has the same, so no rank runs more batches than another.
+  std::int64_t batch_size = 0;
+  bool drop_last = false;         ///< num_batches() leaves out a partial last batch
 };
 
 template <class Dataset = void>
@@ -44,8 +50,10 @@ template <>
 class DistributedDataContainer<void> {
  public:
   /// Collective: checks that every rank passes the same n_samples and options
-  /// (MismatchError otherwise). n_samples >= 0.
-  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {});
+  /// (MismatchError on every rank otherwise). n_samples >= 0, options.batch_size >= 0
+  /// (InvalidArgument on every rank otherwise). The backend must outlive the container.
+  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {})
+      : DistributedDataContainer(backend, n_samples, options, -1) {}
 
   /// Number of samples this rank visits per epoch (equal on every rank).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
@@ -56,20 +64,35 @@ class DistributedDataContainer<void> {
   /// This rank's dataset indices for the current epoch.
   const std::vector<std::int64_t>& indices() const noexcept { return indices_; }
   /// Reshuffles for epoch e (the same permutation on every rank; a no-op without shuffle).
+  /// Collective (one small allgather): ranks passing different epochs would visit different
+  /// permutations, so that is a MismatchError on every rank naming each rank's epoch.
   void set_epoch(std::int64_t e);
   std::int64_t epoch() const noexcept { return epoch_; }
   const DataOptions& options() const noexcept { return options_; }
   /// Number of batches of batch_size samples per epoch (the last may be partial unless
-  /// drop_last); equal on every rank.
+  /// drop_last); equal on every rank when every rank passes the same batch_size (which this
+  /// local call cannot check: prefer DataOptions::batch_size and num_batches()).
   std::int64_t num_batches(std::int64_t batch_size, bool drop_last = false) const;
+  /// The same with DataOptions::batch_size and drop_last (checked equal on every rank at
+  /// construction); InvalidArgument if batch_size was not set.
+  std::int64_t num_batches() const;
   /// Dataset indices of batch b (of batch_size samples) of this rank.
   std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
+  /// The same with DataOptions::batch_size.
+  std::span<const std::int64_t> batch(std::int64_t b) const;
 
   auto begin() const noexcept { return indices_.begin(); }
   auto end() const noexcept { return indices_.end(); }
 
+ protected:
+  /// data_size: the number of samples the dataset holds (-1: unknown); n_samples must not
+  /// exceed it (checked on every rank together with the options).
+  DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options,
+                           std::int64_t data_size);
+
  private:
   void rebuild();
+  Backend* backend_ = nullptr;
   int rank_ = 0, ranks_ = 1;
   std::int64_t n_ = 0;
   std::int64_t epoch_ = 0;
@@ -83,9 +106,10 @@ class DistributedDataContainer<void> {
 template <class Dataset>
 class DistributedDataContainer : public DistributedDataContainer<void> {
  public:
+  /// n_samples must not exceed data.size() when the dataset has one.
   DistributedDataContainer(Backend& backend, Dataset&& data, std::int64_t n_samples,
                            DataOptions options = {})
-      : DistributedDataContainer<void>(backend, n_samples, options),
+      : DistributedDataContainer<void>(backend, n_samples, options, size_of_dataset(data)),
         data_(std::forward<Dataset>(data)) {}
   template <class D = Dataset>
     requires requires(const std::remove_reference_t<D>& d) { d.size(); }
@@ -100,6 +124,12 @@ class DistributedDataContainer : public DistributedDataContainer<void> {
   decltype(auto) data() noexcept { return (data_); }
 
  private:
+  static std::int64_t size_of_dataset(const std::remove_reference_t<Dataset>& d) {
+    if constexpr (requires { d.size(); })
+      return static_cast<std::int64_t>(d.size());
+    else
+      return -1;
+  }
   Dataset data_;
 };
 
@@ -159,20 +189,25 @@ inline constexpr DimPartitioner exclusive_batch_partitioner{0, true, false};
 struct MeanReducer {};
 /// Combines results as their sum.
 struct SumReducer {};
+/// Concatenates the results along the partitioned dimension, in partition order (which is sample
+/// order), and returns the whole on every rank: for a function with a value per sample (a
+/// result shaped by its partition), the result over the whole batch. With keepdim = false
+/// (exclusive_batch_partitioner) the per-sample results are stacked along a new dimension at
+/// the partitioner's dimension. Results must be (structures of) host tensors, of any dtype,
+/// that agree on everything but the partitioned dimension.
+struct ConcatReducer {};
 inline constexpr MeanReducer mean_reducer{};
 inline constexpr SumReducer sum_reducer{};
+inline constexpr ConcatReducer concat_reducer{};
 
 /// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
 /// dimension (count must be 1). A zero-copy view for dim 0 (borrows t's memory), a copy otherwise.
 Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
 
 namespace detail {
-/// A leaf of a result, for the cross-rank reduction in parallelize.
-struct ResultLeaf {
-  Tensor* tensor = nullptr;  // or
-  double* f = nullptr;       // floating scalar, converted
-  std::int64_t* i = nullptr; // integer scalar, converted
-};
+
+enum class ReducerKind : std::uint8_t { mean, sum, concat };
+const char* reducer_name(ReducerKind k) noexcept;
 
 /// Adds `src` (times `weight`) into `dst` elementwise (same structure); floating leaves only
 /// are weighted. Tensors: same dtype and numel.
@@ -187,6 +222,82 @@ void reduce_results(Backend& b, std::vector<Tensor*>& tensors, std::vector<doubl
 /// Broadcasts root's result layout (dtypes and shapes of its tensor leaves) and shapes the
 /// tensors of a rank that ran no partition accordingly. Collective among all ranks.
 void share_result_layout(Backend& b, std::vector<Tensor*>& tensors, bool have_result, int root);
+
+/// Describes one result of f, for the comparison across partitions and ranks (a walk visitor):
+/// `sig` is what must agree (structure, dtypes, shapes; with concat_dim >= 0 that dimension is
+/// left out), `text` names the leaves for messages, `concat_problem` the first leaf that
+/// concat_reducer cannot concatenate.
+class ResultDescriber {
+ public:
+  /// dim, keepdim: the partitioner's; for_concat: describe for concat_reducer (leave dimension
+  /// dim out of the signature when keepdim, and note leaves that cannot be concatenated).
+  ResultDescriber(int dim, bool keepdim, bool for_concat)
+      : dim_(dim), keepdim_(keepdim), for_concat_(for_concat) {}
+  void leaf(const std::string& path, const Tensor& t);
+  template <class S>
+    requires std::is_arithmetic_v<S>
+  void leaf(const std::string& path, const S&) {
+    scalar(path, std::is_floating_point_v<S>, std::is_signed_v<S>, sizeof(S));
+  }
+  void node(const std::string& path, const char* kind, std::size_t n);
+  void key(const std::string& path, const std::string& k);
+
+  std::string sig, text, concat_problem;
+  std::int64_t tensors = 0, fscalars = 0, iscalars = 0;
+
+ private:
+  void scalar(const std::string& path, bool floating, bool is_signed, std::size_t bytes);
+  void add_text(const std::string& path, const std::string& desc);
+  int dim_;
+  bool keepdim_, for_concat_;
+  bool text_full_ = false;
+};
+
+template <class R>
+ResultDescriber describe_result(const R& r, ReducerKind kind, const DimPartitioner& p) {
+  ResultDescriber d(p.dim, p.keepdim, kind == ReducerKind::concat);
+  PathBuilder path;
+  walk<true>(r, d, path);
+  return d;
+}
+
+/// What one rank did in one call of a parallelized function, before anything is combined.
+struct ParallelCall {
+  ParallelCall(ReducerKind k, const DimPartitioner& p) : kind(k), partitioner(p) {}
+  ReducerKind kind;
+  DimPartitioner partitioner;
+  std::string args;                  // the arguments' shapes, the partitioner, the reducer
+  bool have = false;                 // ran at least one partition
+  std::string result_sig, result_text;  // of this rank's first result
+  std::size_t first_index = 0;           // its partition
+  std::int64_t tensors = 0, fscalars = 0, iscalars = 0;  // leaves of this rank's result
+  std::vector<std::int64_t> extents;  // concat: per local partition, per tensor leaf
+  std::vector<std::byte> bytes;       // concat: those pieces, back to back
+  std::exception_ptr error;           // what this rank threw, if anything
+  int error_kind = 0;                 // 0 none, 1 InvalidArgument, 2 MismatchError, 3 Error, 4 other
+  std::string error_text;
+
+  /// Records the exception in flight (call from a catch block).
+  void fail(std::exception_ptr e);
+  /// Appends a tensor argument's dtype and shape (or a placeholder for other arguments) to args.
+  void describe_arg(const Tensor* t);
+  /// Records the result of partition `index` (described by d); MismatchError when it does not
+  /// agree with this rank's earlier partitions.
+  void add_result(const ResultDescriber& d, std::size_t index, const std::vector<Partition>& parts);
+  /// concat: appends a tensor leaf of a partition's result.
+  void pack(const Tensor& t);
+};
+
+/// Collective, one small allgather when all is well: every rank learns whether any rank
+/// failed, called with other arguments, or got results of another structure, and then every
+/// rank throws the same error (a rank whose own f threw an exception other than Lockstep's
+/// rethrows that). Returns every rank's concat payload size.
+std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c);
+
+/// Collective: gathers every rank's concat pieces and assembles, into each of `tensors` (shaped
+/// like one partition's result), the concatenation over all partitions in partition order.
+void concat_results(Backend& b, const ParallelCall& c, const std::vector<std::int64_t>& sizes,
+                    std::vector<Tensor*>& tensors, const std::vector<Partition>& parts);
 
 template <class T>
 auto slice_arg(T& arg, const DimPartitioner& p, const Partition& part) {
@@ -251,76 +362,123 @@ void scale_into(R& acc, const R& r, double w, bool first) {
 /// partitions the partitioner assigns to it (Tensor arguments sliced, others passed as they
 /// are), and the results (a Tensor, an arithmetic scalar, or a traversable structure of them)
 /// are combined across ranks by the reducer and returned on every rank. Collective.
+///
+/// Before combining anything the ranks compare, in one small allgather, what they did: the
+/// arguments' shapes and dtypes (hence the batch size), the partitioner, the reducer, the
+/// structure of their results (leaves, dtypes, shapes; for concat_reducer all but the
+/// partitioned dimension) and whether f or a local check threw. Any difference, or an exception
+/// on any rank, is an error on every rank naming each rank's part (MismatchError, or the
+/// exception's own type), never a hang or a reduction of mismatched buffers. mean_reducer and
+/// sum_reducer need results of one shape on every partition: a value per sample (a result
+/// shaped by its partition) needs concat_reducer.
 template <class Partitioner, class Reducer, class F>
 auto parallelize(Backend& backend, Partitioner partitioner, Reducer /*reducer: a tag*/, F f) {
   static_assert(std::is_same_v<Partitioner, DimPartitioner>,
                 "parallelize: the partitioner must be a DimPartitioner (dim_partitioner(...), "
                 "batch_partitioner, exclusive_batch_partitioner)");
-  static_assert(std::is_same_v<Reducer, MeanReducer> || std::is_same_v<Reducer, SumReducer>,
-                "parallelize: the reducer must be mean_reducer or sum_reducer");
+  static_assert(std::is_same_v<Reducer, MeanReducer> || std::is_same_v<Reducer, SumReducer> ||
+                    std::is_same_v<Reducer, ConcatReducer>,
+                "parallelize: the reducer must be mean_reducer, sum_reducer or concat_reducer");
   return [&backend, partitioner, f = std::move(f)](auto&&... args) mutable {
-    constexpr bool kMean = std::is_same_v<Reducer, MeanReducer>;
-    std::int64_t batch = -1;
-    bool consistent = true;
-    (
-        [&](const auto& a) {
-          const auto bs = detail::batch_size_of(a, partitioner.dim);
-          if (bs < 0) return;
-          if (batch >= 0 && bs != batch) consistent = false;
-          if (batch < 0) batch = bs;
-        }(args),
-        ...);
-    LOCKSTEP_CHECK_ARG(batch >= 0, "parallelize: no Tensor argument to partition");
-    LOCKSTEP_CHECK_ARG(consistent, "parallelize: Tensor arguments differ in size along dimension ",
-                       partitioner.dim);
-    LOCKSTEP_CHECK_ARG(batch > 0, "parallelize: empty batch");
-    const auto parts = partitioner.partitions(batch, backend.size());
+    constexpr detail::ReducerKind kKind = std::is_same_v<Reducer, MeanReducer>  ? detail::ReducerKind::mean
+                                          : std::is_same_v<Reducer, SumReducer> ? detail::ReducerKind::sum
+                                                                                : detail::ReducerKind::concat;
+    constexpr bool kMean = kKind == detail::ReducerKind::mean;
+    constexpr bool kConcat = kKind == detail::ReducerKind::concat;
     using Result = std::remove_cvref_t<decltype(std::invoke(
-        f, detail::slice_arg(args, partitioner, parts[0])...))>;
+        f, detail::slice_arg(args, partitioner, std::declval<const Partition&>())...))>;
     static_assert(std::is_default_constructible_v<Result>,
                   "parallelize: the result type must be default-constructible");
+    static_assert(!(kConcat && std::is_arithmetic_v<Result>),
+                  "parallelize: concat_reducer concatenates tensors; return a Tensor (a scalar "
+                  "per sample: a 0-d or 1-element tensor), or use mean_reducer or sum_reducer");
+    detail::ParallelCall call(kKind, partitioner);
     Result acc{};
+    std::vector<Partition> parts;
     double weight = 0.0;
-    bool have = false;
-    for (const auto& part : parts) {
-      if (part.rank != backend.rank()) continue;
-      Result r = std::invoke(f, detail::slice_arg(args, partitioner, part)...);
-      const double w = kMean ? static_cast<double>(part.count) : 1.0;
-      if (!have) {
-        acc = clone_tree(r);
-        detail::scale_into(acc, r, w, true);
-      } else {
-        detail::scale_into(acc, r, w, false);
+    // Everything a rank does alone happens in here; what it throws is reported to every rank
+    // by agree_on_call, so that no rank is left waiting in a collective the others never reach.
+    try {
+      std::int64_t batch = -1;
+      bool consistent = true;
+      (
+          [&](const auto& a) {
+            if constexpr (std::is_same_v<std::remove_cvref_t<decltype(a)>, Tensor>)
+              call.describe_arg(&a);
+            else
+              call.describe_arg(nullptr);
+            const auto bs = detail::batch_size_of(a, partitioner.dim);
+            if (bs < 0) return;
+            if (batch >= 0 && bs != batch) consistent = false;
+            if (batch < 0) batch = bs;
+          }(args),
+          ...);
+      LOCKSTEP_CHECK_ARG(batch >= 0, "parallelize: no Tensor argument to partition");
+      LOCKSTEP_CHECK_ARG(consistent, "parallelize: Tensor arguments differ in size along dimension ",
+                         partitioner.dim);
+      LOCKSTEP_CHECK_ARG(batch > 0, "parallelize: empty batch");
+      parts = partitioner.partitions(batch, backend.size());
+      for (std::size_t p = 0; p < parts.size(); ++p) {
+        const auto& part = parts[p];
+        if (part.rank != backend.rank()) continue;
+        Result r = std::invoke(f, detail::slice_arg(args, partitioner, part)...);
+        call.add_result(detail::describe_result(r, kKind, partitioner), p, parts);
+        if constexpr (kConcat) {
+          for_each_tensor(r, [&](const Tensor& t) { call.pack(t); });
+          if (!call.have) acc = std::move(r);  // the template of the result's structure
+        } else {
+          const double w = kMean ? static_cast<double>(part.count) : 1.0;
+          if (!call.have) {
+            acc = clone_tree(r);
+            detail::scale_into(acc, r, w, true);
+          } else {
+            detail::scale_into(acc, r, w, false);
+          }
+          weight += w;
+        }
+        call.have = true;
       }
-      weight += w;
-      have = true;
+      for_each_leaf(acc, [&](const auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_same_v<L, Tensor>) ++call.tensors;
+        else if constexpr (std::is_floating_point_v<L>) ++call.fscalars;
+        else ++call.iscalars;
+      });
+    } catch (...) {
+      call.fail(std::current_exception());
     }
-    std::vector<Tensor*> tensors;
-    std::vector<double> fvals;
-    std::vector<std::int64_t> ivals;
+    const auto sizes = detail::agree_on_call(backend, call);
+    // From here on every rank holds the same arguments, partitions and result structure.
+    std::vector<Tensor*> tensors = tensor_leaves(acc);
     // Ranks without a partition learn the result's shapes from rank 0 (which always has one).
     if (static_cast<std::int64_t>(parts.size()) < backend.size()) {
+      detail::share_result_layout(backend, tensors, call.have, 0);
       tensors = tensor_leaves(acc);
-      detail::share_result_layout(backend, tensors, have, 0);
     }
-    tensors = tensor_leaves(acc);
-    for_each_leaf(acc, [&](auto& l) {
-      using L = std::remove_cvref_t<decltype(l)>;
-      if constexpr (std::is_floating_point_v<L>) fvals.push_back(static_cast<double>(l));
-      else if constexpr (std::is_arithmetic_v<L>) ivals.push_back(static_cast<std::int64_t>(l));
-    });
-    std::vector<double*> fptr;
-    std::vector<std::int64_t*> iptr;
-    for (auto& v : fvals) fptr.push_back(&v);
-    for (auto& v : ivals) iptr.push_back(&v);
-    detail::reduce_results(backend, tensors, fptr, iptr, weight, kMean);
-    std::size_t fi = 0, ii = 0;
-    for_each_leaf(acc, [&](auto& l) {
-      using L = std::remove_cvref_t<decltype(l)>;
-      if constexpr (std::is_floating_point_v<L>) l = static_cast<L>(fvals[fi++]);
-      else if constexpr (std::is_arithmetic_v<L>) l = static_cast<L>(ivals[ii++]);
-    });
-    return acc;
+    if constexpr (kConcat) {
+      detail::concat_results(backend, call, sizes, tensors, parts);
+      return acc;
+    } else {
+      std::vector<double> fvals;
+      std::vector<std::int64_t> ivals;
+      for_each_leaf(acc, [&](auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_floating_point_v<L>) fvals.push_back(static_cast<double>(l));
+        else if constexpr (std::is_arithmetic_v<L>) ivals.push_back(static_cast<std::int64_t>(l));
+      });
+      std::vector<double*> fptr;
+      std::vector<std::int64_t*> iptr;
+      for (auto& v : fvals) fptr.push_back(&v);
+      for (auto& v : ivals) iptr.push_back(&v);
+      detail::reduce_results(backend, tensors, fptr, iptr, weight, kMean);
+      std::size_t fi = 0, ii = 0;
+      for_each_leaf(acc, [&](auto& l) {
+        using L = std::remove_cvref_t<decltype(l)>;
+        if constexpr (std::is_floating_point_v<L>) l = static_cast<L>(fvals[fi++]);
+        else if constexpr (std::is_arithmetic_v<L>) l = static_cast<L>(ivals[ii++]);
+      });
+      return acc;
+    }
   };
 }
 
