@@ -5,7 +5,8 @@
 #                 components: one targets file per built component, CUDA and NCCL not even
 #                 looked for unless asked, a missing required component fails with its reason,
 #                 an optional one does not; with CUDA, lockstep::nccl links where CUDA is seen;
-#                 subdir: build subdir/, which add_subdirectory()s SOURCE_DIR.
+#                 subdir: build subdir/, which add_subdirectory()s SOURCE_DIR, and check the
+#                 configure summary.
 #   SOURCE_DIR    Lockstep's source tree.   BUILD_DIR   its (built) build tree (install mode).
 #   WORK_DIR      scratch directory, emptied first.
 #   CXX_COMPILER, WITH_CUDA, WITH_NCCL    passed on so the test builds what the main build did.
@@ -211,6 +212,9 @@ elseif(MODE STREQUAL "subdir")
   run_step("configure subdir" ${CMAKE_COMMAND} -S "${SOURCE_DIR}/test/package/subdir"
            -B "${WORK_DIR}/build" "-DLOCKSTEP_SOURCE_DIR=${SOURCE_DIR}"
            "-DLOCKSTEP_WITH_CUDA=${WITH_CUDA}" "-DLOCKSTEP_WITH_NCCL=${WITH_NCCL}" ${common_args})
+  # The configure summary, with a line for every component.
+  expect_output("configure summary" "Lockstep [0-9.]+ configuration summary" "build type +Release"
+    "MPI +" "core +yes" "cuda +(yes|no: )" "nccl +(yes|no: )" "torch +no: " "tests +OFF" "examples +OFF")
 else()
   message(FATAL_ERROR "run_package_test.cmake: MODE must be install or subdir, not '${MODE}'")
 endif()
