@@ -1,5 +1,6 @@
 // hello_world: each rank prints its world info and the result of an allreduce.
-// Run: mpiexec -n 4 ./build/examples/hello_world
+// Run: mpiexec -n 4 --oversubscribe ./build/examples/hello_world   (--oversubscribe: more ranks
+// than cores; as root, export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 first)
 #include <lockstep/lockstep.hpp>
 
 #include <cstdio>

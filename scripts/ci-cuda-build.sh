@@ -9,8 +9,9 @@
 # runs ctest -L nccl twice: without DIST_TEST_NCCL (skipped by the gate) and with
 # DIST_TEST_NCCL=true (the programs start, find no GPU and exit 77 = skipped), then runs the
 # tests labelled nogpu (registration, argument checks and clean errors without a device, which
-# do run here). Fails if any GPU test reports "passed" or "failed" on a machine without a GPU:
-# a pass there would be a lie.
+# do run here), and the package test (the install used from a machine without CUDA). Fails if
+# any GPU test reports "passed" or "failed" on a machine without a GPU: a pass there would be a
+# lie.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +38,12 @@ echo "== ctest -L nccl with DIST_TEST_NCCL=true"
 
 echo "== ctest -L nogpu (the extensions' behaviour without a GPU, really run)"
 (cd "$build" && DIST_TEST_MPI=true timeout 300 ctest -L nogpu --output-on-failure)
+
+# The package of this CUDA + NCCL build: installed, then a core-only user configured, built and
+# run with CUDA and NCCL hidden (neither may even be looked for), a missing component refused
+# with its reason, and lockstep::nccl linked where CUDA is visible (test/package/).
+echo "== package.install: find_package(lockstep) of a CUDA + NCCL install, with and without CUDA"
+(cd "$build" && timeout 600 ctest -R '^package\.install$' --output-on-failure)
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
   # Without a GPU every GPU test must be skipped, none passed.

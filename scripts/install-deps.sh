@@ -4,24 +4,31 @@
 # a clear message when neither is possible.
 #
 # Usage: bash scripts/install-deps.sh [extra-package...]
+# Extra packages (scripts/run-main.sh and scripts/test.sh ask for gnuplot-nox, which draws the
+# loss plot) come without their recommended packages: gnuplot-nox's would bring ImageMagick and
+# Ghostscript.
 set -euo pipefail
 
-packages=(
+base=(
   g++ make cmake                 # compiler and build (CMake >= 3.25: Debian 12's is 3.25.1)
   libopenmpi-dev openmpi-bin     # MPI headers, libraries, mpiexec
   catch2                         # the test framework (v2)
   libopenblas-dev                # BLAS for the examples' matrix products
   clang libclang-rt-14-dev       # the sanitizer and fuzz builds
-  "$@"
 )
+extra=("$@")
+packages=("${base[@]}" "${extra[@]}")
 
-missing=()
-for p in "${packages[@]}"; do
-  # dpkg -s succeeds for a package that is installed (not merely known or removed).
-  if ! dpkg -s "$p" 2>/dev/null | grep -q '^Status: install ok installed'; then
-    missing+=("$p")
-  fi
+# is_installed P: dpkg -s succeeds for a package that is installed (not merely known or removed).
+is_installed() { dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed'; }
+missing=() missing_base=() missing_extra=()
+for p in "${base[@]}"; do
+  is_installed "$p" || missing_base+=("$p")
 done
+for p in "${extra[@]}"; do
+  is_installed "$p" || missing_extra+=("$p")
+done
+missing=("${missing_base[@]}" "${missing_extra[@]}")
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages already installed"
@@ -45,5 +52,10 @@ fi
 
 export DEBIAN_FRONTEND=noninteractive
 "${apt[@]}" update -q
-"${apt[@]}" install -y -q "${missing[@]}"
+if [ ${#missing_base[@]} -gt 0 ]; then
+  "${apt[@]}" install -y -q "${missing_base[@]}"
+fi
+if [ ${#missing_extra[@]} -gt 0 ]; then
+  "${apt[@]}" install -y -q --no-install-recommends "${missing_extra[@]}"
+fi
 echo "install-deps: done"

@@ -2,8 +2,8 @@
 # The main job, from a fresh Debian machine: installs what is missing, configures (Release),
 # builds the train example, and runs it under mpiexec with 4 ranks: data-parallel training of
 # Flux's DistributedUtils example (Dense(1=>256, tanh), Dense(256=>1) on y = x^3, Adam, 100
-# epochs), ending with where the loss CSV went. Extra arguments go to train (see
-# docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
+# epochs), ending with where the loss CSV and its plot (a PNG, drawn by gnuplot) went. Extra
+# arguments go to train (see docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
 #
 # Usage: bash scripts/run-main.sh [train flags...]
 # Environment: LOCKSTEP_BUILD_DIR (default build), LOCKSTEP_JOBS (default nproc).
@@ -17,7 +17,8 @@ JOBS=${LOCKSTEP_JOBS:-$(nproc)}
 # Open MPI refuses to run as root without these, and 4 ranks may exceed the machine's cores.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-bash scripts/install-deps.sh
+# gnuplot-nox: train --log CSV draws the loss curve into CSV.png with it.
+bash scripts/install-deps.sh gnuplot-nox
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
 # Only what the main job runs (the library and the example); scripts/test.sh builds the rest.
 cmake --build "$BUILD_DIR" --parallel "$JOBS" --target train
@@ -27,6 +28,12 @@ cmake --build "$BUILD_DIR" --parallel "$JOBS" --target train
 main_job() {
   local log="$BUILD_DIR/train_loss.csv"
   mpiexec -n 4 --oversubscribe --bind-to none "$BUILD_DIR/examples/train/train" --log "$log" "$@"
-  echo "main job done: per-epoch loss in $(cd "$(dirname "$log")" && pwd)/$(basename "$log")"
+  log="$(cd "$(dirname "$log")" && pwd)/$(basename "$log")"
+  # train removes an earlier run's picture before plotting: a PNG there is this run's.
+  if [ -f "$log.png" ]; then
+    echo "main job done: per-epoch loss in $log, its plot in $log.png"
+  else
+    echo "main job done: per-epoch loss in $log (no plot: see the 'loss plot' line above)"
+  fi
 }
 main_job "$@"

@@ -32,9 +32,13 @@ without_cuda() {
 
 # --- stages -------------------------------------------------------------------------------
 
+# gnuplot-nox as scripts/run-main.sh installs it: the loss-plot test (example_train_plot) and
+# stage main need it, and LOCKSTEP_REQUIRE_GNUPLOT=1 makes that test fail rather than skip
+# where it is missing.
 stage_deps() {
-  bash scripts/install-deps.sh
+  bash scripts/install-deps.sh gnuplot-nox
 }
+export LOCKSTEP_REQUIRE_GNUPLOT=1
 
 # The core with CUDA hidden: configure, build everything, run every test.
 stage_core() {
@@ -43,6 +47,26 @@ stage_core() {
   without_cuda cmake --build "$BUILD_DIR" --parallel "$JOBS" || return 1
   # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
   (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" ${LOCKSTEP_CTEST_ARGS:-})
+}
+
+# The README's main job as a user runs it, scripts/run-main.sh, in the core stage's build
+# directory (so it only reconfigures; train is built): 100 epochs at 4 ranks, a final loss below
+# 1e-3, and the loss CSV and its plot (a PNG) at the absolute paths it prints. A few seconds.
+stage_main() {
+  local out="$BUILD_DIR/run-main.out" csv png loss
+  LOCKSTEP_BUILD_DIR=$BUILD_DIR LOCKSTEP_JOBS=$JOBS without_cuda bash scripts/run-main.sh >"$out" 2>&1
+  local rc=$?
+  tail -8 "$out"
+  [ "$rc" -eq 0 ] || { echo "stage main: scripts/run-main.sh exited with $rc"; return 1; }
+  csv=$(sed -n 's/^loss CSV: //p' "$out")
+  png=$(sed -n 's/^loss plot: //p' "$out")
+  loss=$(awk '/^final loss/ {print $3}' "$out")
+  awk -v l="$loss" 'BEGIN { exit !(l != "" && l + 0 < 1e-3) }' || { echo "stage main: final loss '$loss' not below 1e-3"; return 1; }
+  [[ $csv == /* ]] && [ "$(wc -l <"$csv")" -eq 101 ] || { echo "stage main: no 100-epoch CSV at an absolute path: '$csv'"; return 1; }
+  [[ $png == /* ]] && [ "$(head -c 8 "$png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] ||
+    { echo "stage main: no PNG plot at an absolute path: '$png'"; return 1; }
+  grep -qxF "main job done: per-epoch loss in $csv, its plot in $png" "$out" ||
+    { echo "stage main: the last line does not name the CSV and the plot"; return 1; }
 }
 
 # CUDA and NCCL, compile only (CI has the toolkit but no GPU): builds every target with both
@@ -67,7 +91,7 @@ stage_fuzz() {
   BUILD_DIR="$ROOT/${LOCKSTEP_FUZZ_BUILD_DIR:-build-fuzz}" JOBS=$JOBS bash scripts/ci-fuzz.sh
 }
 
-STAGES=(deps core cuda sanitize fuzz)
+STAGES=(deps core main cuda sanitize fuzz)
 
 # --- driver -------------------------------------------------------------------------------
 # In a function, called on the last line: bash then reads the whole file before running any of

@@ -25,14 +25,23 @@ lockstep_test_executable(test_collective_large collective_large_test.cpp)
 lockstep_add_mpi_test(NAME collective_large TARGET test_collective_large RANKS 2 LABELS large
                       TIMEOUT 180)
 
-# Package tests: a downstream project against the installed tree (find_package), and one that
-# add_subdirectory()s the source tree. Each builds in its own scratch directory.
+# Package tests: a downstream project against the installed tree (find_package, its components,
+# with CUDA and NCCL hidden), and one that add_subdirectory()s the source tree. Each builds in
+# its own scratch directory. HIDE_DIRS: the CUDA and NCCL this build used, for the hidden runs.
+set(_lockstep_hide_dirs "")
+foreach(_dir IN ITEMS "${CUDAToolkit_BIN_DIR}" "${NCCL_INCLUDE_DIR}")
+  if(_dir AND EXISTS "${_dir}")
+    get_filename_component(_dir "${_dir}" DIRECTORY)
+    list(APPEND _lockstep_hide_dirs "${_dir}")
+  endif()
+endforeach()
+string(REPLACE ";" ":" _lockstep_hide_dirs "${_lockstep_hide_dirs}")
 foreach(mode IN ITEMS install subdir)
   add_test(NAME package.${mode}
     COMMAND ${CMAKE_COMMAND} -DMODE=${mode} -DSOURCE_DIR=${PROJECT_SOURCE_DIR}
             -DBUILD_DIR=${PROJECT_BINARY_DIR} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/package-${mode}
             -DCXX_COMPILER=${CMAKE_CXX_COMPILER} -DWITH_CUDA=${LOCKSTEP_WITH_CUDA}
-            -DWITH_NCCL=${LOCKSTEP_WITH_NCCL}
+            -DWITH_NCCL=${LOCKSTEP_WITH_NCCL} "-DHIDE_DIRS=${_lockstep_hide_dirs}"
             -P ${CMAKE_CURRENT_SOURCE_DIR}/package/run_package_test.cmake)
   set_tests_properties(package.${mode} PROPERTIES LABELS package TIMEOUT 600 PROCESSORS 2
     ENVIRONMENT "${LOCKSTEP_TEST_ENV}")

@@ -44,8 +44,19 @@ if(LOCKSTEP_BUILD_EXAMPLES)
     lockstep_add_example_test(NAME example_train_corrupt_checkpoint SCRIPT train_corrupt.sh TARGET train RANKS 3 TIMEOUT 240)
     lockstep_add_example_test(NAME example_train_bad_flags SCRIPT train_bad_flags.sh TARGET train RANKS 2 TIMEOUT 240)
     lockstep_add_example_test(NAME example_train_tcp SCRIPT train_tcp.sh TARGET train RANKS 2 TIMEOUT 120)
+    lockstep_add_example_test(NAME example_train_plot SCRIPT train_plot.sh TARGET train RANKS 2 TIMEOUT 120)
   endif()
 endif()
 if(LOCKSTEP_BUILD_EXAMPLES)
   lockstep_add_example_test(NAME example_maml SCRIPT maml_improves.sh TARGET maml RANKS 3 TIMEOUT 120)
 endif()
+
+# The docs a new user follows, as written (test/docs/check_docs.sh): getting-started's build and
+# install (the core only), its CMakeLists.txt, and every C++ program of README.md and
+# getting-started built against that install and run under the doc's own mpiexec lines, whose
+# stated output must match. Builds the core once more (about a minute on 2 cores).
+add_test(NAME docs
+  COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
+          bash ${CMAKE_CURRENT_SOURCE_DIR}/docs/check_docs.sh ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR}
+          ${CMAKE_CURRENT_BINARY_DIR}/docs-work)
+set_tests_properties(docs PROPERTIES LABELS "mpi;docs" PROCESSORS 2 TIMEOUT 900 SKIP_RETURN_CODE 77)

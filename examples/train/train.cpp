@@ -11,7 +11,7 @@
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --log loss.csv
 //   # stop and resume: save every 10 epochs, then continue from the last checkpoint
-//   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 30 --checkpoint ck.safetensors
+//   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 30 --checkpoint-every 10 --checkpoint ck.safetensors
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --checkpoint ck.safetensors --resume
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
 #include <lockstep/checkpoint.hpp>
@@ -43,6 +43,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 namespace ls = lockstep;
@@ -95,7 +96,7 @@ constexpr const char* kUsage =
     "  --checkpoint PATH     write a checkpoint there at the end (and every K epochs)\n"
     "  --checkpoint-every K  also write it after every K-th epoch (default 0: only at the end)\n"
     "  --resume              continue from --checkpoint PATH (same seed, samples and batch)\n"
-    "  --log CSV             write the per-epoch loss there (and CSV.png if gnuplot is installed)\n"
+    "  --log CSV             write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)\n"
     "  --help                print this and exit\n";
 
 /// A bad command line: the same on every rank, since every rank parses the same arguments.
@@ -287,18 +288,21 @@ bool gnuplot_available() {
   return false;
 }
 
-/// Plots the loss curve of `csv` into `png` with gnuplot; false if that did not work.
-bool plot_losses(const std::string& csv, const std::string& png) {
-  if (!gnuplot_available()) return false;
-  FILE* gp = ::popen("gnuplot 2>/dev/null", "w");
-  if (gp == nullptr) return false;
+/// Plots the loss curve of `csv` into `png` with gnuplot; returns "" when it did, else why not.
+std::string plot_losses(const std::string& csv, const std::string& png) {
+  if (!gnuplot_available()) return "gnuplot is not installed (Debian: apt-get install gnuplot-nox)";
+  std::error_code ec;
+  std::filesystem::remove(png, ec);  // a picture left by an earlier run is not this run's
+  FILE* gp = ::popen("gnuplot >/dev/null 2>&1", "w");  // a PNG it cannot write would go to stdout
+  if (gp == nullptr) return "gnuplot could not be started";
   std::fprintf(gp,
                "set terminal png size 800,500\nset output '%s'\nset datafile separator ','\n"
                "set logscale y\nset xlabel 'epoch'\nset ylabel 'training loss (MSE)'\n"
                "set title 'lockstep train: Dense(1=>256, tanh), Dense(256=>1) on y = x^3'\n"
                "set key off\nplot '%s' using 1:2 skip 1 with lines lw 2\n",
                png.c_str(), csv.c_str());
-  return ::pclose(gp) == 0 && std::filesystem::exists(png);
+  if (::pclose(gp) != 0 || !std::filesystem::exists(png)) return "gnuplot failed to write the PNG";
+  return "";
 }
 
 int run(const Options& o, ls::Backend& backend) {
@@ -451,10 +455,11 @@ int run(const Options& o, ls::Backend& backend) {
       const bool ok = std::fclose(f) == 0;
       std::printf("loss CSV: %s%s\n", std::filesystem::absolute(o.log).c_str(), ok ? "" : " (write failed)");
       const std::string png = o.log + ".png";
-      if (plot_losses(o.log, png))
+      const std::string why_not = plot_losses(o.log, png);
+      if (why_not.empty())
         std::printf("loss plot: %s\n", std::filesystem::absolute(png).c_str());
       else
-        std::printf("loss plot: skipped (gnuplot not installed or failed)\n");
+        std::printf("loss plot: skipped: %s\n", why_not.c_str());
     }
     std::fflush(stdout);
   }
