@@ -31,11 +31,12 @@ class MPIBackend final : public Backend {
   /// environment variable LOCKSTEP_CUDA_AWARE_MPI=0/1 or set_cuda_aware() forces either way.
   bool cuda_aware() const noexcept;
   void set_cuda_aware(bool on) noexcept;
-  /// Whether large host-memory allreduce and broadcast go through a shared-memory segment instead
-  /// of MPI: true when every rank of the communicator runs on this machine (2 to 8 ranks) and
-  /// LOCKSTEP_SHM=0 is not set. Allreduces of at least LOCKSTEP_SHM_MIN_BYTES (default 4 KiB) of
-  /// f32/f64/i32/i64 and broadcasts of at least one slice (LOCKSTEP_SHM_SLICE_BYTES, default
-  /// 1 MiB) take it, except under a deadline (LOCKSTEP_TIMEOUT). See docs/architecture.md.
+  /// Whether host-memory allreduce and broadcast go through a shared-memory segment instead of
+  /// MPI: true when every rank of the communicator runs on this machine (2 to 8 ranks) and
+  /// LOCKSTEP_SHM=0 is not set. Then every blocking host allreduce of f32/f64/i32/i64 and every
+  /// blocking host broadcast takes it (from LOCKSTEP_SHM_MIN_BYTES, default 0), deadlines
+  /// included; the other blocking host allreduces and broadcasts first agree on the call through
+  /// it and then go to MPI. See docs/architecture.md.
   bool shared_memory() const noexcept;
 
   struct Impl;
