@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <unordered_set>
 
 namespace lockstep {
 namespace {
@@ -169,18 +170,39 @@ class JsonParser {
     ++pos_;  // '{'
     skip_ws();
     if (peek() == '}') { ++pos_; return; }
+    // Duplicate keys: a linear scan while the object is small (a tensor's three fields), a hash
+    // set of key indices once it is large (the top level of a header with many tensors), so
+    // that a header of n keys costs O(n), not O(n^2). Indices, not views: v.keys reallocates.
+    constexpr std::size_t kScanKeys = 16;
+    const auto& keys = v.keys;
+    std::vector<std::size_t> hashes;  // of keys[i], computed once
+    auto hash = [&hashes](std::size_t i) { return hashes[i]; };
+    auto same = [&keys](std::size_t a, std::size_t b) { return keys[a] == keys[b]; };
+    std::unordered_set<std::size_t, decltype(hash), decltype(same)> seen(0, hash, same);
     for (;;) {
       skip_ws();
       if (peek() != '"') error("expected a string key");
-      std::string key = parse_string();
-      if (std::find(v.keys.begin(), v.keys.end(), key) != v.keys.end())
-        error("duplicate key \"" + key + "\"");
+      v.keys.push_back(parse_string());
+      const std::size_t k = v.keys.size() - 1;
+      bool duplicate;
+      if (k < kScanKeys) {
+        duplicate = std::find(v.keys.begin(), v.keys.begin() + static_cast<std::ptrdiff_t>(k), v.keys[k]) !=
+                    v.keys.begin() + static_cast<std::ptrdiff_t>(k);
+      } else {
+        if (seen.empty())
+          for (std::size_t i = 0; i < k; ++i) {
+            hashes.push_back(std::hash<std::string>{}(keys[i]));
+            seen.insert(i);
+          }
+        hashes.push_back(std::hash<std::string>{}(keys[k]));
+        duplicate = !seen.insert(k).second;
+      }
+      if (duplicate) error("duplicate key \"" + v.keys[k] + "\"");
       skip_ws();
       if (peek() != ':') error("expected ':'");
       ++pos_;
       skip_ws();
       v.items.push_back(parse_value(depth + 1));
-      v.keys.push_back(std::move(key));
       skip_ws();
       if (peek() == ',') { ++pos_; continue; }
       if (peek() == '}') { ++pos_; return; }
@@ -291,17 +313,19 @@ class JsonParser {
   std::size_t pos_ = 0;
 };
 
-/// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets).
-std::uint64_t as_index(const Json& v, const std::string& what) {
-  if (v.kind != Json::Kind::number) fail(what + " must be a number, not " + kind_name(v.kind));
+/// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets); `what` and
+/// `field` name it in the error (joined only when there is one: this runs for every extent).
+std::uint64_t as_index(const Json& v, const std::string& what, const char* field) {
+  auto name = [&] { return what + " " + field; };
+  if (v.kind != Json::Kind::number) fail(name() + " must be a number, not " + kind_name(v.kind));
   const std::string& t = v.text;
   if (t.empty() || t.find_first_not_of("0123456789") != std::string::npos)
-    fail(what + " must be a non-negative integer, got " + t);
+    fail(name() + " must be a non-negative integer, got " + t);
   std::uint64_t x = 0;
   for (char c : t) {
     const auto d = static_cast<std::uint64_t>(c - '0');
     if (x > (static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) - d) / 10)
-      fail(what + " is too large: " + t);
+      fail(name() + " is too large: " + t);
     x = x * 10 + d;
   }
   return x;
@@ -375,6 +399,20 @@ std::uint32_t full_checksum(std::span<const std::byte> data, const std::vector<H
 
 std::string os_error(const std::string& what, const std::filesystem::path& p) {
   return "checkpoint: " + what + " " + p.string() + ": " + std::strerror(errno);
+}
+
+const char* file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "of an unknown type";
+}
+
+[[noreturn]] void not_regular(const std::filesystem::path& path, mode_t m) {
+  throw CheckpointError("checkpoint: " + path.string() + " is not a regular file (it is " + file_kind(m) +
+                        "); a checkpoint is read only from a regular file");
 }
 
 /// Closes a file descriptor on scope exit (errors at close are checked explicitly where they
@@ -531,17 +569,26 @@ std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
   return out;
 }
 
-Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts) {
-  constexpr std::uint64_t kMaxHeader = 100u << 20;  // as safetensors: a header is never this big
-  if (bytes.size() < 8)
-    fail("file is truncated: " + std::to_string(bytes.size()) +
-         " bytes, shorter than the 8-byte header length");
+namespace {
+constexpr std::uint64_t kMaxHeader = 100u << 20;  // as safetensors: a header is never this big
+
+/// The length prefix of a file of `size` bytes starting with `first8`; throws CheckpointError
+/// if it cannot be a header (the file is truncated, or the header is over the limit).
+std::uint64_t checked_header_length(const std::byte* first8, std::uint64_t size) {
+  if (size < 8)
+    fail("file is truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   std::uint64_t n = 0;
-  for (int k = 0; k < 8; ++k) n |= std::uint64_t(std::to_integer<unsigned char>(bytes[k])) << (8 * k);
-  if (n > bytes.size() - 8)
+  for (int k = 0; k < 8; ++k) n |= std::uint64_t(std::to_integer<unsigned char>(first8[k])) << (8 * k);
+  if (n > size - 8)
     fail("file is truncated or not a checkpoint: header length " + std::to_string(n) +
-         " exceeds the " + std::to_string(bytes.size() - 8) + " bytes after it");
+         " exceeds the " + std::to_string(size - 8) + " bytes after it");
   if (n > kMaxHeader) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
+  return n;
+}
+}  // namespace
+
+Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts) {
+  const std::uint64_t n = checked_header_length(bytes.data(), bytes.size());
   if (n < 2) fail("header length " + std::to_string(n) + " is too small for a JSON object");
   const std::string_view header(reinterpret_cast<const char*>(bytes.data() + 8), n);
   if (header.front() != '{') fail("header does not start with '{': not a safetensors file");
@@ -595,23 +642,26 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     Entry e{&key, *dt, {}, 0, 0};
     std::uint64_t numel = 1;
     for (const Json& d : shape->items) {
-      const std::uint64_t x = as_index(d, what + " shape extent");
+      const std::uint64_t x = as_index(d, what, "shape extent");
       if (x != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / x)
         fail(what + " has a shape with too many elements");
       numel *= x;
       e.shape.push_back(static_cast<std::int64_t>(x));
     }
-    e.begin = as_index(offsets->items[0], what + " data_offsets begin");
-    e.end = as_index(offsets->items[1], what + " data_offsets end");
+    e.begin = as_index(offsets->items[0], what, "data_offsets begin");
+    e.end = as_index(offsets->items[1], what, "data_offsets end");
     if (e.end < e.begin) fail(what + " has data_offsets end < begin");
     if (e.end > data.size())
       fail(what + " ends at byte " + std::to_string(e.end) + " but the data holds only " +
            std::to_string(data.size()) + " bytes (file truncated?)");
     const std::uint64_t elem = size_of(*dt);
-    if (numel > std::numeric_limits<std::uint64_t>::max() / elem || e.end - e.begin != numel * elem)
+    // numel * elem may not fit in 64 bits (2^62 F32 elements): say so rather than print the
+    // wrapped product.
+    const bool fits = numel <= std::numeric_limits<std::uint64_t>::max() / elem;
+    if (!fits || e.end - e.begin != numel * elem)
       fail(what + ": shape " + to_string(e.shape) + " of " + dtype->text + " needs " +
-           std::to_string(numel * elem) + " bytes but data_offsets span " +
-           std::to_string(e.end - e.begin));
+           (fits ? std::to_string(numel * elem) : std::string("more than 2^64")) +
+           " bytes but data_offsets span " + std::to_string(e.end - e.begin));
     entries.push_back(std::move(e));
   }
 
@@ -720,25 +770,42 @@ void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck) {
 }
 
 Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointReadOptions& opts) {
-  Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY);
-  if (f.fd < 0) throw CheckpointError(os_error("cannot open", path));
+  // The type first: open() of a FIFO waits for a writer forever, and of a device may block or
+  // have side effects. Then open without blocking, and check again what was opened (the path
+  // may have been replaced in between).
   struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw CheckpointError(os_error("cannot open", path));
+  if (!S_ISREG(st.st_mode)) not_regular(path, st.st_mode);
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (f.fd < 0) throw CheckpointError(os_error("cannot open", path));
   if (::fstat(f.fd, &st) != 0) throw CheckpointError(os_error("cannot stat", path));
-  if (!S_ISREG(st.st_mode)) throw CheckpointError("checkpoint: " + path.string() + " is not a regular file");
-  std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
-  std::size_t got = 0;
-  while (got < bytes.size()) {
-    const ssize_t r = ::read(f.fd, bytes.data() + got, bytes.size() - got);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      throw CheckpointError(os_error("cannot read", path));
+  if (!S_ISREG(st.st_mode)) not_regular(path, st.st_mode);
+  const int flags = ::fcntl(f.fd, F_GETFL);
+  if (flags < 0 || ::fcntl(f.fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+    throw CheckpointError(os_error("cannot clear O_NONBLOCK on", path));
+  auto read_at = [&](std::byte* dst, std::size_t n, std::size_t offset) {
+    std::size_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::pread(f.fd, dst + got, n - got, static_cast<off_t>(offset + got));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        throw CheckpointError(os_error("cannot read", path));
+      }
+      if (r == 0) break;  // the file shrank while we read it; the parser reports the truncation
+      got += static_cast<std::size_t>(r);
     }
-    if (r == 0) break;  // the file shrank while we read it; the parser reports the truncation
-    got += static_cast<std::size_t>(r);
-  }
-  bytes.resize(got);
+    return got;
+  };
   try {
+    // The length prefix first: a file whose header cannot be valid is refused before the whole
+    // file is read into memory.
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    std::byte first8[8] = {};
+    const std::size_t got8 = read_at(first8, std::min<std::uint64_t>(8, size), 0);
+    (void)checked_header_length(first8, got8 < 8 ? got8 : size);
+    std::vector<std::byte> bytes(static_cast<std::size_t>(size));
+    bytes.resize(read_at(bytes.data(), bytes.size(), 0));
     return parse_checkpoint(bytes, opts);
   } catch (const CheckpointError& e) {
     throw CheckpointError(std::string(e.what()) + " [" + path.string() + "]");

@@ -4,12 +4,21 @@
 // combined across ranks, so no rank leaves a collective early.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/checkpoint.hpp"
@@ -202,6 +211,61 @@ TEST_CASE("a failure on the root is an error on every rank", "[checkpoint][mpi]"
   CHECK(all_ranks(throws_checkpoint_error(
       [&] { ls::save_checkpoint(backend(), dir / "no" / "such" / "dir.safetensors", saved); },
       "cannot create a temporary file")));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
+
+// ---- Defects found by adversarial testing (docs/reliability.md, checkpoint catalogue) ---------
+
+namespace {
+
+/// Runs f (a collective); true on a rank if it threw E whose message contains every one of
+/// `expect`.
+template <class E, class F>
+bool throws_with(F&& f, const std::vector<std::string>& expect) {
+  try {
+    f();
+  } catch (const E& e) {
+    bool ok = true;
+    for (const auto& x : expect) ok = ok && std::string(e.what()).find(x) != std::string::npos;
+    if (!ok) std::fprintf(stderr, "rank %d: unexpected message: %s\n", backend().rank(), e.what());
+    return ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: wrong exception type: %s\n", backend().rank(), e.what());
+    return false;
+  }
+  std::fprintf(stderr, "rank %d: no exception\n", backend().rank());
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("a FIFO at the path is refused on every rank without blocking the root", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path fifo = dir / "ck.fifo";
+  const int r = backend().rank();
+  bool made = true;
+  if (r == 0) made = ::mkfifo(fifo.c_str(), 0644) == 0;
+  backend().barrier();
+  // A rescue on the root: if the load is still blocked in open() after 5 s (the defect), a
+  // writer end is opened and closed, which releases it, and the test fails on the message.
+  std::atomic<bool> done{false}, rescued{false};
+  std::thread rescue;
+  if (r == 0)
+    rescue = std::thread([&] {
+      for (int i = 0; i < 50 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (done) return;
+      rescued = true;
+      const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (w >= 0) ::close(w);
+    });
+  cktest::Net target = cktest::make_net({1, 4, 2}, 1.f + r);
+  const bool threw = throws_with<ls::CheckpointError>([&] { ls::load_checkpoint(backend(), fifo, target); },
+                                                      {fifo.string(), "is not a regular file", "FIFO"});
+  done = true;
+  if (rescue.joinable()) rescue.join();
+  const bool unchanged = cktest::same_net(target, cktest::make_net({1, 4, 2}, 1.f + r));
+  CHECK(all_ranks(made && threw && unchanged && !rescued));
   backend().barrier();
   if (r == 0) fs::remove_all(dir);
 }

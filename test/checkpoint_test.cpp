@@ -2,11 +2,22 @@
 // reader must refuse (truncation at every length, every byte flipped, hand-made bad headers).
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "lockstep/checkpoint.hpp"
 
@@ -280,4 +291,115 @@ TEST_CASE("hand-made bad headers get a message naming the problem", "[checkpoint
   bad[7] = static_cast<char>(0xFF);
   CHECK_THAT(parse_error(as_span(bad)), Catch::Contains("exceeds"));
   CHECK_THAT(parse_error(as_span(make_file("{"))), Catch::Contains("too small"));
+}
+
+// ---- Defects found by adversarial testing (docs/reliability.md, checkpoint catalogue) ---------
+
+namespace {
+
+/// A scratch directory of this process, removed at scope exit.
+struct ScratchDir {
+  fs::path path;
+  explicit ScratchDir(const std::string& tag)
+      : path(fs::temp_directory_path() / ("lockstep-ck-" + tag + "-" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+/// Runs f (which may block in open() on a FIFO) with a rescue: if it has not returned after
+/// `seconds`, the FIFO is opened for writing and closed, which ends a blocked open() (the reader
+/// then sees an empty file). Returns f's CheckpointError message, "" if it returned, and sets
+/// `blocked` if the rescue was needed.
+template <class F>
+std::string without_blocking(const fs::path& fifo, F&& f, bool& blocked, int seconds = 5) {
+  std::promise<std::string> done;
+  auto result = done.get_future();
+  std::thread t([&] {
+    try {
+      f();
+      done.set_value("");
+    } catch (const std::exception& e) {
+      done.set_value(e.what());
+    }
+  });
+  blocked = result.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready;
+  if (blocked) {
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (w >= 0) ::close(w);
+  }
+  std::string msg = result.get();
+  t.join();
+  return msg;
+}
+
+}  // namespace
+
+TEST_CASE("a FIFO, a device or a directory is refused at once, naming the path", "[checkpoint]") {
+  ScratchDir dir("fifo");
+  const fs::path fifo = dir.path / "ck.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const fs::path link = dir.path / "link-to-fifo";
+  fs::create_symlink(fifo, link);
+  for (const fs::path& p : {fifo, link}) {
+    INFO("path " << p);
+    bool blocked = false;
+    const std::string msg = without_blocking(p, [&] { (void)ls::load_checkpoint(p); }, blocked);
+    CHECK_FALSE(blocked);  // before the fix, open() waited for a writer forever
+    CHECK_THAT(msg, Catch::Contains("is not a regular file") && Catch::Contains("FIFO") &&
+                        Catch::Contains(p.string()));
+  }
+  CHECK_THROWS_WITH(ls::load_checkpoint("/dev/null"),
+                    Catch::Contains("/dev/null is not a regular file") && Catch::Contains("character device"));
+  CHECK_THROWS_WITH(ls::load_checkpoint(dir.path), Catch::Contains("not a regular file") &&
+                                                      Catch::Contains("a directory"));
+}
+
+TEST_CASE("a header length beyond the limit is refused before the file is read", "[checkpoint]") {
+  ScratchDir dir("bighdr");
+  const fs::path p = dir.path / "big.safetensors";
+  {
+    // 300 MiB, sparse: a length prefix of 200 MiB and nothing else.
+    std::ofstream out(p, std::ios::binary);
+    const std::uint64_t n = 200ull << 20;
+    char prefix[8];
+    for (int k = 0; k < 8; ++k) prefix[k] = static_cast<char>((n >> (8 * k)) & 0xFF);
+    out.write(prefix, 8);
+  }
+  fs::resize_file(p, 300ull << 20);
+  CHECK_THROWS_WITH(ls::load_checkpoint(p), Catch::Contains("exceeds the 100 MiB limit") && Catch::Contains(p.string()));
+}
+
+TEST_CASE("a header with 250k tensors is parsed or refused in linear time", "[checkpoint]") {
+  constexpr int kKeys = 250000;
+  std::string header = "{";
+  for (int i = 0; i < kKeys; ++i) {
+    if (i) header += ',';
+    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  }
+  const std::string good = make_file(header + "}");
+  const ls::Checkpoint ck = ls::parse_checkpoint(as_span(good), {.require_checksum = false});
+  CHECK(ck.tensors.size() == static_cast<std::size_t>(kKeys));
+  // The same with the first name repeated at the end: refused, naming it.
+  const std::string dup = make_file(header + ",\"t0\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}");
+  CHECK_THAT(parse_error(as_span(dup)), Catch::Contains("duplicate key \"t0\""));
+}
+
+TEST_CASE("sizes near the integer limits are refused with the right numbers", "[checkpoint]") {
+  auto err = [&](const std::string& header) { return parse_error(as_span(make_file(header, std::string(4, '\0')))); };
+  // 2^62 f32 elements need 2^64 bytes: not "0 bytes" (the wrapped product).
+  CHECK_THAT(err(R"({"x":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,4]}})"),
+             Catch::Contains("needs more than 2^64 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,4]}})"),
+             Catch::Contains("needs more than 2^64 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[0],"data_offsets":[9223372036854775807,9223372036854775807]}})"),
+             Catch::Contains("but the data holds only 4 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,9223372036854775808]}})"),
+             Catch::Contains("too large"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[3037000500,3037000500,0],"data_offsets":[0,4]}})"),
+             Catch::Contains("too many elements"));
 }
