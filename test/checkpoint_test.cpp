@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -337,6 +338,14 @@ std::string without_blocking(const fs::path& fifo, F&& f, bool& blocked, int sec
   return msg;
 }
 
+ls::Checkpoint filled_checkpoint(float value, std::int64_t n) {
+  ls::Checkpoint ck;
+  ck.add("w", ls::Tensor::full({n}, value));
+  ck.add("b", ls::Tensor::full({3}, value));
+  ck.metadata["value"] = std::to_string(value);
+  return ck;
+}
+
 }  // namespace
 
 TEST_CASE("a FIFO, a device or a directory is refused at once, naming the path", "[checkpoint]") {
@@ -374,6 +383,79 @@ TEST_CASE("a header length beyond the limit is refused before the file is read",
   CHECK_THROWS_WITH(ls::load_checkpoint(p), Catch::Contains("exceeds the 100 MiB limit") && Catch::Contains(p.string()));
 }
 
+TEST_CASE("two threads saving the same path at once both succeed, and the file is one of theirs",
+          "[checkpoint]") {
+  ScratchDir dir("threads");
+  const fs::path p = dir.path / "ck.safetensors";
+  const ls::Checkpoint a = filled_checkpoint(1.f, 1 << 14), b = filled_checkpoint(2.f, 1 << 14);
+  std::atomic<int> failures{0};
+  std::string first_error;
+  std::mutex m;
+  auto writer = [&](const ls::Checkpoint& ck) {
+    for (int i = 0; i < 40; ++i) {
+      try {
+        ls::save_checkpoint(p, ck);
+      } catch (const std::exception& e) {
+        ++failures;
+        std::lock_guard<std::mutex> g(m);
+        if (first_error.empty()) first_error = e.what();
+      }
+    }
+  };
+  std::thread t1(writer, std::cref(a)), t2(writer, std::cref(b));
+  t1.join();
+  t2.join();
+  INFO("first failure: " << first_error);
+  CHECK(failures == 0);
+  const ls::Checkpoint got = ls::load_checkpoint(p);
+  const std::string v = got.metadata.at("value");
+  CHECK((v == a.metadata.at("value") || v == b.metadata.at("value")));
+  const ls::Checkpoint& want = v == a.metadata.at("value") ? a : b;
+  CHECK(ls::bitwise_equal(got.at("w"), want.at("w")));
+  CHECK(ls::bitwise_equal(got.at("b"), want.at("b")));
+  int others = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) others += e.path() != p ? 1 : 0;
+  CHECK(others == 0);  // each writer's temporary file became the checkpoint
+}
+
+TEST_CASE("a file name as long as the file system allows still saves", "[checkpoint]") {
+  ScratchDir dir("longname");
+  const fs::path p = dir.path / (std::string(250, 'n') + ".ckpt");  // 255 bytes, the limit
+  ls::save_checkpoint(p, filled_checkpoint(3.f, 4));
+  ls::save_checkpoint(p, filled_checkpoint(4.f, 4));
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(4.f));
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) files += e.is_regular_file() ? 1 : 0;
+  CHECK(files == 1);
+}
+
+TEST_CASE("a leftover temporary file is removed only when its writer is dead", "[checkpoint]") {
+  ScratchDir dir("leftover");
+  const fs::path p = dir.path / "ck.safetensors";
+  // A process of this host that has exited (and been reaped): its file goes.
+  const pid_t child = ::fork();
+  if (child == 0) std::_Exit(0);
+  REQUIRE(child > 0);
+  ::waitpid(child, nullptr, 0);
+  const std::string dead = ls::detail::temporary_file_prefix(p, child) + "AbC123";
+  // A live process (this one's parent), another host, and an older form without a writer: all
+  // left alone.
+  const std::string prefix = ".ck.safetensors.tmp.";
+  const std::vector<std::string> kept = {
+      ls::detail::temporary_file_prefix(p, ::getppid()) + "AbC123",
+      prefix + "12345.some-other-host.AbC123",
+      prefix + "Zz9Yy8",
+  };
+  for (const auto& n : kept) std::ofstream(dir.path / n) << "partial";
+  std::ofstream(dir.path / dead) << "partial";
+  ls::save_checkpoint(p, filled_checkpoint(5.f, 4));
+  CHECK_FALSE(fs::exists(dir.path / dead));
+  for (const auto& n : kept) {
+    INFO(n);
+    CHECK(fs::exists(dir.path / n));
+  }
+}
+
 TEST_CASE("a header with 250k tensors is parsed or refused in linear time", "[checkpoint]") {
   constexpr int kKeys = 250000;
   std::string header = "{";
@@ -402,4 +484,30 @@ TEST_CASE("sizes near the integer limits are refused with the right numbers", "[
              Catch::Contains("too large"));
   CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[3037000500,3037000500,0],"data_offsets":[0,4]}})"),
              Catch::Contains("too many elements"));
+}
+
+TEST_CASE("a write that fails midway leaves the old checkpoint and no temporary file", "[checkpoint]") {
+  ScratchDir dir("partial");
+  const fs::path p = dir.path / "ck.safetensors";
+  ls::save_checkpoint(p, filled_checkpoint(7.f, 4));
+  // The file size limit makes write() fail with EFBIG after 64 KiB, as a full disk would.
+  struct rlimit old {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 64 * 1024;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::string msg;
+  try {
+    ls::save_checkpoint(p, filled_checkpoint(8.f, 1 << 20));
+  } catch (const ls::CheckpointError& e) {
+    msg = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK_THAT(msg, Catch::Contains("cannot write"));
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(7.f));
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) files += 1;
+  CHECK(files == 1);
 }

@@ -91,6 +91,13 @@ Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointRe
 /// Writes `bytes` to `path` atomically (the primitive behind save_checkpoint).
 void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes);
 
+namespace detail {
+/// What the temporary file of `path` written by process `pid` of this host is called, before
+/// mkstemp's six characters: ".NAME.tmp.PID.HOST." (NAME shortened when long). A save removes
+/// only such leftovers of this host whose process is gone and whose flock is free.
+std::string temporary_file_prefix(const std::filesystem::path& path, long pid);
+}  // namespace detail
+
 /// "F32", "BF16", ...: the safetensors name of a dtype.
 const char* safetensors_dtype_name(DType t) noexcept;
 /// The dtype for a safetensors name, or nullopt for one Lockstep does not support.
