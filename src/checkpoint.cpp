@@ -499,17 +499,19 @@ Tensor& Checkpoint::at(std::string_view name) {
 
 std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
   // Names are checked here too: a Checkpoint's fields are public, so add() may have been bypassed.
-  std::vector<std::string_view> seen;
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(ck.tensors.size());
   std::size_t data_bytes = 0;
   for (const auto& [name, t] : ck.tensors) {
     LOCKSTEP_CHECK_ARG(!name.empty() && !name.starts_with("__") && valid_utf8(name),
                        "serialize_checkpoint: invalid tensor name \"", name, "\"");
-    LOCKSTEP_CHECK_ARG(std::find(seen.begin(), seen.end(), name) == seen.end(),
-                       "serialize_checkpoint: duplicate tensor name \"", name, "\"");
-    seen.push_back(name);
+    LOCKSTEP_CHECK_ARG(seen.insert(name).second, "serialize_checkpoint: duplicate tensor name \"", name, "\"");
     if (t.device().is_cuda())
       throw InvalidArgument("serialize_checkpoint: tensor \"" + name + "\" is on " +
                             to_string(t.device()) + "; copy it to the CPU first");
+    // A tensor whose element count disagrees with its shape would be written as a header no
+    // reader accepts (and its bytes read from memory it may not own): refuse it here.
+    detail::check_tensor_usable("serialize_checkpoint", name, t);
     data_bytes += t.nbytes();
   }
   for (const auto& [k, v] : ck.metadata)
@@ -903,33 +905,211 @@ std::string join_leaf_name(std::string_view prefix, std::string_view path) {
   return std::string(prefix) + "." + std::string(path);
 }
 
-void check_checkpoint_leaf(const std::string& name, const Tensor& t, DType dtype, const Shape& shape) {
-  if (t.dtype() != dtype)
+void check_tensor_usable(const char* what, const std::string& name, const Tensor& t) {
+  const Shape& shape = t.shape();
+  std::int64_t n = 1;
+  bool counted = true;
+  for (const auto e : shape) {
+    if (e < 0 || (e != 0 && n > std::numeric_limits<std::int64_t>::max() / e)) {
+      counted = false;
+      break;
+    }
+    n *= e;
+  }
+  if (!counted || n != t.numel())
+    throw InvalidArgument(std::string(what) + ": tensor \"" + name + "\" is not usable: its shape " +
+                          to_string(shape) + " does not hold the " + std::to_string(t.numel()) +
+                          " elements it claims (a moved-from Tensor?)");
+  if (t.numel() > 0 && t.raw_data() == nullptr)
+    throw InvalidArgument(std::string(what) + ": tensor \"" + name + "\" is not usable: " +
+                          std::to_string(t.numel()) + " elements but no memory (a moved-from Tensor?)");
+}
+
+void throw_unstorable_scalar(const char* what, const std::string& name, const char* reason) {
+  throw InvalidArgument(std::string(what) + ": leaf '" + (name.empty() ? std::string("(root)") : name) +
+                        "' is " + reason);
+}
+
+void check_checkpoint_leaf(const std::string& name, DType file_dtype, const Shape& file_shape, DType dtype,
+                           const Shape& shape) {
+  if (file_dtype != dtype)
     throw CheckpointError("checkpoint: tensor \"" + name + "\" has dtype " +
-                          safetensors_dtype_name(t.dtype()) + " but the structure expects " +
+                          safetensors_dtype_name(file_dtype) + " but the structure expects " +
                           safetensors_dtype_name(dtype) + " (checkpoint from a different model?)");
-  if (t.shape() != shape)
-    throw CheckpointError("checkpoint: tensor \"" + name + "\" has shape " + to_string(t.shape()) +
+  if (file_shape != shape)
+    throw CheckpointError("checkpoint: tensor \"" + name + "\" has shape " + to_string(file_shape) +
                           " but the structure expects " + to_string(shape) +
                           " (checkpoint from a different model?)");
 }
 
-void check_no_extra_leaves(const Checkpoint& ck, std::string_view prefix,
-                           const std::vector<std::string>& used) {
-  for (const auto& [name, t] : ck.tensors) {
-    const bool under = prefix.empty() || name == prefix ||
-                       (name.size() > prefix.size() && name.starts_with(prefix) &&
-                        (name[prefix.size()] == '.' || name[prefix.size()] == '['));
-    if (!under) continue;
-    if (std::find(used.begin(), used.end(), name) == used.end())
-      throw CheckpointError("checkpoint: has tensor \"" + name +
-                            "\" that the structure being restored does not (checkpoint from a "
-                            "different model?)");
-  }
+void check_checkpoint_leaf(const std::string& name, const Tensor& t, DType dtype, const Shape& shape) {
+  check_checkpoint_leaf(name, t.dtype(), t.shape(), dtype, shape);
 }
 
 namespace {
-/// Root broadcasts a byte string; other ranks receive it.
+bool under_prefix(std::string_view name, std::string_view prefix) {
+  return prefix.empty() || name == prefix ||
+         (name.size() > prefix.size() && name.starts_with(prefix) &&
+          (name[prefix.size()] == '.' || name[prefix.size()] == '['));
+}
+
+[[noreturn]] void throw_extra(std::string_view name) {
+  throw CheckpointError("checkpoint: has tensor \"" + std::string(name) +
+                        "\" that the structure being restored does not (checkpoint from a "
+                        "different model?)");
+}
+}  // namespace
+
+void check_no_extra_leaves(const Checkpoint& ck, std::string_view prefix,
+                           const std::vector<std::string>& used) {
+  const std::unordered_set<std::string_view> u(used.begin(), used.end());
+  for (const auto& [name, t] : ck.tensors)
+    if (under_prefix(name, prefix) && u.count(name) == 0) throw_extra(name);
+}
+
+// ---- CheckpointIndex and the table of contents -------------------------------------------
+
+CheckpointIndex::CheckpointIndex(const Checkpoint& ck) {
+  order_.reserve(ck.tensors.size());
+  for (const auto& [name, t] : ck.tensors) order_.push_back({name, Entry{t.dtype(), &t.shape(), &t}});
+  build();
+}
+
+void CheckpointIndex::build() {
+  by_name_.reserve(order_.size());
+  // The first of two equal names wins, as a linear find would (a Checkpoint's fields are public).
+  for (std::size_t i = 0; i < order_.size(); ++i) by_name_.emplace(order_[i].first, i);
+}
+
+const CheckpointIndex::Entry* CheckpointIndex::find(std::string_view name) const {
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &order_[it->second].second;
+}
+
+void CheckpointIndex::check_no_extra(std::string_view prefix, const std::vector<std::string>& used) const {
+  const std::unordered_set<std::string_view> u(used.begin(), used.end());
+  for (const auto& [name, e] : order_)
+    if (under_prefix(name, prefix) && u.count(name) == 0) throw_extra(name);
+}
+
+// Table of contents: u64 count, then per tensor u64 name length, name, u8 dtype, u64 rank,
+// i64 extents; then u64 metadata count and per entry u64 length + key, u64 length + value.
+// Native byte order: it only travels between the ranks of one job.
+namespace {
+void put_u64(std::string& out, std::uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); }
+void put_text(std::string& out, std::string_view t) {
+  put_u64(out, t.size());
+  out.append(t);
+}
+
+struct ContentsReader {
+  std::string_view s;
+  std::size_t pos = 0;
+  [[noreturn]] static void bad() { fail("the table of contents received from the root is malformed"); }
+  std::uint64_t u64() {
+    if (s.size() - pos < 8) bad();
+    std::uint64_t v;
+    std::memcpy(&v, s.data() + pos, 8);
+    pos += 8;
+    return v;
+  }
+  std::uint8_t u8() {
+    if (s.size() - pos < 1) bad();
+    return static_cast<std::uint8_t>(s[pos++]);
+  }
+  std::string_view text() {
+    const std::uint64_t n = u64();
+    if (n > s.size() - pos) bad();
+    const std::string_view t = s.substr(pos, n);
+    pos += n;
+    return t;
+  }
+  /// Bounds a count read from the input by the bytes left (each item takes at least `min_bytes`).
+  std::uint64_t count(std::size_t min_bytes) {
+    const std::uint64_t n = u64();
+    if (n > (s.size() - pos) / min_bytes) bad();
+    return n;
+  }
+};
+}  // namespace
+
+std::string pack_contents(const Checkpoint& ck) {
+  std::string out;
+  put_u64(out, ck.tensors.size());
+  for (const auto& [name, t] : ck.tensors) {
+    put_text(out, name);
+    out += static_cast<char>(t.dtype());
+    put_u64(out, t.shape().size());
+    for (const auto e : t.shape()) put_u64(out, static_cast<std::uint64_t>(e));
+  }
+  put_u64(out, ck.metadata.size());
+  for (const auto& [k, v] : ck.metadata) {
+    put_text(out, k);
+    put_text(out, v);
+  }
+  return out;
+}
+
+CheckpointIndex CheckpointIndex::from_contents(std::string_view contents) {
+  ContentsReader r{contents};
+  CheckpointIndex idx;
+  const std::uint64_t n = r.count(17);
+  idx.owned_names_.reserve(n);
+  idx.owned_shapes_.reserve(n);
+  std::vector<DType> dtypes;
+  dtypes.reserve(n);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    idx.owned_names_.emplace_back(r.text());
+    const std::uint8_t dt = r.u8();
+    if (dt > static_cast<std::uint8_t>(DType::u8)) ContentsReader::bad();
+    dtypes.push_back(static_cast<DType>(dt));
+    const std::uint64_t rank = r.count(8);
+    Shape shape(rank);
+    for (auto& e : shape) e = static_cast<std::int64_t>(r.u64());
+    idx.owned_shapes_.push_back(std::move(shape));
+  }
+  // The vectors are complete: views into them stay valid from here on.
+  idx.order_.reserve(n);
+  for (std::uint64_t i = 0; i < n; ++i)
+    idx.order_.push_back({idx.owned_names_[i], Entry{dtypes[i], &idx.owned_shapes_[i], nullptr}});
+  idx.build();
+  return idx;
+}
+
+std::map<std::string, std::string> unpack_metadata(std::string_view contents) {
+  ContentsReader r{contents};
+  const std::uint64_t n = r.count(17);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    (void)r.text();
+    (void)r.u8();
+    const std::uint64_t rank = r.count(8);
+    r.pos += 8 * rank;
+  }
+  std::map<std::string, std::string> meta;
+  const std::uint64_t m = r.count(16);
+  for (std::uint64_t i = 0; i < m; ++i) {
+    std::string k(r.text());
+    meta[std::move(k)] = std::string(r.text());
+  }
+  return meta;
+}
+
+void append_tensors(Checkpoint& ck, std::vector<std::pair<std::string, Tensor>> add) {
+  std::unordered_set<std::string_view> names;
+  names.reserve(ck.tensors.size() + add.size());
+  for (const auto& [name, t] : ck.tensors) names.insert(name);
+  for (const auto& [name, t] : add) {
+    LOCKSTEP_CHECK_ARG(!name.empty(), "add_to_checkpoint: a tensor name must not be empty");
+    LOCKSTEP_CHECK_ARG(!name.starts_with("__"), "add_to_checkpoint: name \"", name,
+                       "\" starts with \"__\", which safetensors reserves");
+    LOCKSTEP_CHECK_ARG(valid_utf8(name), "add_to_checkpoint: name \"", name, "\" is not valid UTF-8");
+    LOCKSTEP_CHECK_ARG(names.insert(name).second, "add_to_checkpoint: duplicate tensor name \"", name,
+                       "\" (already in the checkpoint, or two leaves with one name)");
+  }
+  ck.tensors.reserve(ck.tensors.size() + add.size());
+  for (auto& item : add) ck.tensors.push_back(std::move(item));
+}
+
 std::string broadcast_string(Backend& backend, const std::string& s, int root) {
   std::int64_t n = static_cast<std::int64_t>(s.size());
   backend.broadcast(view_of(std::span<std::int64_t>(&n, 1)), root);
@@ -938,7 +1118,6 @@ std::string broadcast_string(Backend& backend, const std::string& s, int root) {
     backend.broadcast(TensorView{out.data(), n, DType::u8, Device::cpu()}, root);
   return out;
 }
-}  // namespace
 
 std::string broadcast_status(Backend& backend, std::string error, int root) {
   return broadcast_string(backend, error, root);
@@ -980,6 +1159,82 @@ std::string current_error_message() {
   } catch (...) {
     return "unknown non-standard exception";
   }
+}
+
+Verdict current_verdict() {
+  Verdict v;
+  v.message = current_error_message();
+  try {
+    throw;
+  } catch (const CheckpointError&) {
+    v.kind = Verdict::Kind::checkpoint;
+  } catch (const InvalidArgument&) {
+    v.kind = Verdict::Kind::invalid_argument;
+  } catch (const MismatchError&) {
+    v.kind = Verdict::Kind::mismatch;
+  } catch (...) {
+    v.kind = Verdict::Kind::other;
+  }
+  return v;
+}
+
+namespace {
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+[[noreturn]] void throw_of_kind(Verdict::Kind kind, const std::string& msg) {
+  switch (kind) {
+    case Verdict::Kind::checkpoint: throw CheckpointError(msg);
+    case Verdict::Kind::invalid_argument: throw InvalidArgument(msg);
+    case Verdict::Kind::mismatch: throw MismatchError(msg);
+    default: throw Error(msg);
+  }
+}
+}  // namespace
+
+bool agree(Backend& backend, const char* what, int root, const Verdict& mine, std::uint64_t signature,
+           const char* consequence) {
+  // One allgather of (root, verdict kind, message length, signature) per rank: every rank then
+  // sees the same table and takes the same branch.
+  const int n = backend.size();
+  std::int64_t me[4] = {root, static_cast<std::int64_t>(mine.kind),
+                        mine.kind == Verdict::Kind::none ? 0 : static_cast<std::int64_t>(mine.message.size()),
+                        static_cast<std::int64_t>(signature)};
+  std::vector<std::int64_t> all(4 * static_cast<std::size_t>(n));
+  backend.allgather(TensorView{me, 4, DType::i64, Device::cpu()},
+                    TensorView{all.data(), 4 * static_cast<std::int64_t>(n), DType::i64, Device::cpu()});
+  auto at = [&](int r, int k) { return all[4 * static_cast<std::size_t>(r) + static_cast<std::size_t>(k)]; };
+  bool same_root = true;
+  for (int r = 1; r < n; ++r) same_root = same_root && at(r, 0) == at(0, 0);
+  if (!same_root) {
+    std::string msg = std::string(what) + ": the ranks passed different roots (";
+    for (int r = 0; r < n; ++r) msg += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": " + std::to_string(at(r, 0));
+    msg += "); every rank must pass the same root; " + std::string(consequence);
+    throw InvalidArgument(msg);
+  }
+  if (at(0, 0) < 0 || at(0, 0) >= n)
+    throw InvalidArgument(std::string(what) + ": root " + std::to_string(at(0, 0)) +
+                          " is not a rank of this backend (size " + std::to_string(n) + "); " + consequence);
+  std::vector<int> failed;
+  for (int r = 0; r < n; ++r)
+    if (at(r, 1) != 0) failed.push_back(r);
+  if (failed.empty()) {
+    bool same = true;
+    for (int r = 0; r < n; ++r) same = same && at(r, 3) == at(root, 3);
+    return same;
+  }
+  // The lowest failing rank's error, broadcast from it, is every rank's error.
+  const int k = failed.front();
+  const auto len = at(k, 2);
+  std::string text = backend.rank() == k ? mine.message : std::string(static_cast<std::size_t>(len), '\0');
+  if (len > 0) backend.broadcast(TensorView{text.data(), len, DType::u8, Device::cpu()}, k);
+  std::string msg = text + " [on " + rank_list({k}) + " of " + std::to_string(n);
+  if (failed.size() > 1) msg += "; refused on " + rank_list(failed);
+  msg += "; " + std::string(consequence) + "]";
+  throw_of_kind(static_cast<Verdict::Kind>(at(k, 1)), msg);
 }
 
 void throw_root_error(const Backend& backend, const std::string& msg, int root) {

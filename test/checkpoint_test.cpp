@@ -456,7 +456,7 @@ TEST_CASE("a leftover temporary file is removed only when its writer is dead", "
   }
 }
 
-TEST_CASE("a header with 250k tensors is parsed or refused in linear time", "[checkpoint]") {
+TEST_CASE("a header with 250k tensors is parsed, refused or restored in linear time", "[checkpoint]") {
   constexpr int kKeys = 250000;
   std::string header = "{";
   for (int i = 0; i < kKeys; ++i) {
@@ -469,6 +469,84 @@ TEST_CASE("a header with 250k tensors is parsed or refused in linear time", "[ch
   // The same with the first name repeated at the end: refused, naming it.
   const std::string dup = make_file(header + ",\"t0\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}");
   CHECK_THAT(parse_error(as_span(dup)), Catch::Contains("duplicate key \"t0\""));
+  // A structure of 100k leaves through add_to_checkpoint, the bytes and restore_from_checkpoint
+  // (each of them was quadratic in the number of tensors too).
+  constexpr int kLeaves = 100000;
+  std::vector<ls::Tensor> many(kLeaves);
+  ls::Checkpoint out;
+  ls::add_to_checkpoint(out, many, "m");
+  const auto bytes = ls::serialize_checkpoint(out);
+  const ls::Checkpoint back = ls::parse_checkpoint(bytes);
+  std::vector<ls::Tensor> restored(kLeaves);
+  ls::restore_from_checkpoint(back, restored, "m");
+  CHECK(back.tensors.size() == static_cast<std::size_t>(kLeaves));
+  std::vector<ls::Tensor> one_more(kLeaves + 1);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, one_more, "m"), Catch::Contains("has no tensor \"m[100000]\""));
+}
+
+namespace cku {
+struct Mixed {
+  ls::Tensor w;
+  long double ld = 0;
+};
+LOCKSTEP_FIELDS(Mixed, w, ld)
+struct Wide {
+  ls::Tensor w;
+  __int128 big = 0;
+};
+LOCKSTEP_FIELDS(Wide, w, big)
+struct Pair {
+  ls::Tensor a, m;
+};
+LOCKSTEP_FIELDS(Pair, a, m)
+}  // namespace cku
+
+TEST_CASE("long double and 128-bit leaves are refused by name, and nothing is added", "[checkpoint]") {
+  cku::Mixed x{ls::Tensor::full({2}, 1.0), 0.1L};
+  ls::Checkpoint ck;
+  CHECK_THROWS_AS(ls::add_to_checkpoint(ck, x, "net"), ls::InvalidArgument);
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, x, "net"),
+                    Catch::Contains("leaf 'net.ld' is a long double") && Catch::Contains("store it as a double"));
+  CHECK(ck.tensors.empty());  // all or nothing: "net.w" was not added either
+  cku::Wide y{ls::Tensor::full({2}, 1.0), 1};
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, y), Catch::Contains("leaf 'big' is a 128-bit integer"));
+  CHECK(ck.tensors.empty());
+  // Restoring into one is refused the same way, before anything is written.
+  ls::Checkpoint file;
+  file.add("w", ls::Tensor::full({2}, 7.0));
+  file.add("ld", ls::Tensor::full(ls::Shape{}, 7.0, ls::DType::f64));
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("leaf 'ld' is a long double"));
+  CHECK(x.w.span<float>()[0] == 1.f);
+}
+
+TEST_CASE("a moved-from tensor is refused by name, at save and at restore, before any write",
+          "[checkpoint]") {
+  ScratchDir dir("moved");
+  const fs::path p = dir.path / "ck.safetensors";
+  ls::save_checkpoint(p, filled_checkpoint(6.f, 4));
+  cku::Pair x{ls::Tensor::full({3}, 1.0), ls::Tensor::full({4}, 2.0)};
+  ls::Tensor taken = std::move(x.m);  // x.m is now moved-from
+  ls::Checkpoint ck;
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, x), Catch::Contains("tensor \"m\" is not usable"));
+  CHECK(ck.tensors.empty());
+  ls::Checkpoint direct;
+  direct.add("m", std::move(taken));
+  ls::Tensor gone = std::move(direct.at("m"));
+  CHECK_THROWS_AS(ls::save_checkpoint(p, direct), ls::InvalidArgument);
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(6.f));  // old file intact
+  // Restore: "a" would be written first, then "m" found unusable; nothing may be written.
+  ls::Checkpoint file;
+  file.add("a", ls::Tensor::full({3}, 9.0));
+  file.add("m", ls::Tensor::full(ls::Shape{}, 9.0));
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("tensor \"m\" is not usable"));
+  CHECK(x.a.span<float>()[0] == 1.f);
+  // A moved-from Checkpoint is an empty one: restoring from it names the first missing tensor.
+  ls::Checkpoint taken_file = std::move(file);
+  x.m = ls::Tensor::full({4}, 2.0);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("has no tensor \"a\""));
+  cku::Pair y{ls::Tensor::full({3}, 1.0), ls::Tensor::full(ls::Shape{}, 2.0)};
+  ls::restore_from_checkpoint(taken_file, y);  // the moved-to one holds what file held
+  CHECK(y.a.span<float>()[0] == 9.f);
 }
 
 TEST_CASE("sizes near the integer limits are refused with the right numbers", "[checkpoint]") {
