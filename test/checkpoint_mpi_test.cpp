@@ -249,6 +249,12 @@ struct WithLongDouble {
 };
 LOCKSTEP_FIELDS(WithLongDouble, w, extra)
 
+struct Scalars {
+  long double v = 0;
+  double d = 0;
+};
+LOCKSTEP_FIELDS(Scalars, v, d)
+
 struct Two {
   ls::Tensor a, b;
 };
@@ -431,4 +437,36 @@ TEST_CASE("long double leaves are refused by name at save and load, on every ran
   CHECK(all_ranks(ok));
   backend().barrier();
   if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("check_replicas compares a long double's value, not its padding", "[checkpoint][mpi][replicas]") {
+  const int r = backend().rank(), last = backend().size() - 1;
+  constexpr std::size_t kValueBytes = std::numeric_limits<long double>::digits == 64 ? 10 : sizeof(long double);
+  // Identical values, different garbage in the padding bytes on each rank.
+  auto set = [&](cktest::Scalars& s, long double value) {
+    unsigned char buf[sizeof(long double)];
+    std::memset(buf, 0xA0 + r, sizeof buf);
+    std::memcpy(buf, &value, kValueBytes);
+    std::memcpy(&s.v, buf, sizeof buf);
+  };
+  cktest::Scalars s;
+  s.d = 2.5;
+  set(s, 0.1L);
+  bool padding_differs = true;
+  if (kValueBytes < sizeof(long double))
+    padding_differs = reinterpret_cast<const unsigned char*>(&s.v)[kValueBytes] == 0xA0 + r;
+  bool ok = padding_differs;
+  try {
+    ls::check_replicas(backend(), s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: identical replicas reported: %s\n", r, e.what());
+    ok = false;
+  }
+  // A difference in the last bit of the value is still a difference, shown with every digit.
+  const long double bumped = std::nextafter(0.1L, 1.0L);
+  set(s, r == last ? bumped : 0.1L);
+  ok = ok && throws_with<ls::MismatchError>([&] { ls::check_replicas(backend(), s); },
+                                            {"leaf 'v'", "long double scalar = 0.100000000000000000001",
+                                             "long double scalar = 0.100000000000000000008"});
+  CHECK(all_ranks(ok));
 }
