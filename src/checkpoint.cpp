@@ -181,6 +181,8 @@ class JsonParser {
     auto hash = [&hashes](std::size_t i) { return hashes[i]; };
     auto same = [&keys](std::size_t a, std::size_t b) { return keys[a] == keys[b]; };
     std::unordered_set<std::size_t, decltype(hash), decltype(same)> seen(0, hash, same);
+    v.keys.reserve(4);  // a tensor's three fields in one allocation each, not three
+    v.items.reserve(4);
     for (;;) {
       skip_ws();
       if (peek() != '"') error("expected a string key");
@@ -217,6 +219,7 @@ class JsonParser {
     ++pos_;  // '['
     skip_ws();
     if (peek() == ']') { ++pos_; return; }
+    v.items.reserve(4);  // shapes and offsets are short
     for (;;) {
       skip_ws();
       v.items.push_back(parse_value(depth + 1));
@@ -315,10 +318,10 @@ class JsonParser {
   std::size_t pos_ = 0;
 };
 
-/// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets); `what` and
-/// `field` name it in the error (joined only when there is one: this runs for every extent).
-std::uint64_t as_index(const Json& v, const std::string& what, const char* field) {
-  auto name = [&] { return what + " " + field; };
+/// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets); `field` of
+/// tensor `key` names it in the error (the text is built only then: this runs for every extent).
+std::uint64_t as_index(const Json& v, const std::string& key, const char* field) {
+  auto name = [&] { return "tensor \"" + key + "\" " + field; };
   if (v.kind != Json::Kind::number) fail(name() + " must be a number, not " + kind_name(v.kind));
   const std::string& t = v.text;
   if (t.empty() || t.find_first_not_of("0123456789") != std::string::npos)
@@ -608,6 +611,7 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     std::uint64_t begin, end;
   };
   std::vector<Entry> entries;
+  entries.reserve(root.keys.size());
   Checkpoint ck;
   for (std::size_t i = 0; i < root.keys.size(); ++i) {
     const std::string& key = root.keys[i];
@@ -621,12 +625,13 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
       }
       continue;
     }
-    const std::string what = "tensor \"" + key + "\"";
+    // The tensor's name for messages, built only for one.
+    auto what = [&key] { return "tensor \"" + key + "\""; };
     if (key.empty()) fail("a tensor has an empty name");
     // The writer refuses these names (safetensors reserves "__" for __metadata__), so a file
     // holding one is refused too: whatever parses can be written back unchanged.
-    if (key.starts_with("__")) fail(what + ": names starting with \"__\" are reserved for __metadata__");
-    if (v.kind != Json::Kind::object) fail(what + " must be an object, not " + kind_name(v.kind));
+    if (key.starts_with("__")) fail(what() + ": names starting with \"__\" are reserved for __metadata__");
+    if (v.kind != Json::Kind::object) fail(what() + " must be an object, not " + kind_name(v.kind));
     const Json* dtype = nullptr;
     const Json* shape = nullptr;
     const Json* offsets = nullptr;
@@ -634,36 +639,36 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
       if (v.keys[j] == "dtype") dtype = &v.items[j];
       else if (v.keys[j] == "shape") shape = &v.items[j];
       else if (v.keys[j] == "data_offsets") offsets = &v.items[j];
-      else fail(what + " has an unknown field \"" + v.keys[j] + "\"");
+      else fail(what() + " has an unknown field \"" + v.keys[j] + "\"");
     }
-    if (!dtype || !shape || !offsets) fail(what + " needs dtype, shape and data_offsets");
-    if (dtype->kind != Json::Kind::string) fail(what + ": dtype must be a string");
+    if (!dtype || !shape || !offsets) fail(what() + " needs dtype, shape and data_offsets");
+    if (dtype->kind != Json::Kind::string) fail(what() + ": dtype must be a string");
     const auto dt = dtype_from_safetensors_name(dtype->text);
-    if (!dt) fail(what + " has unsupported dtype \"" + dtype->text + "\" (supported: F16, BF16, F32, F64, I32, I64, U8)");
-    if (shape->kind != Json::Kind::array) fail(what + ": shape must be an array");
+    if (!dt) fail(what() + " has unsupported dtype \"" + dtype->text + "\" (supported: F16, BF16, F32, F64, I32, I64, U8)");
+    if (shape->kind != Json::Kind::array) fail(what() + ": shape must be an array");
     if (offsets->kind != Json::Kind::array || offsets->items.size() != 2)
-      fail(what + ": data_offsets must be an array [begin, end]");
+      fail(what() + ": data_offsets must be an array [begin, end]");
     Entry e{&key, *dt, {}, 0, 0};
     std::uint64_t numel = 1;
     for (const Json& d : shape->items) {
-      const std::uint64_t x = as_index(d, what, "shape extent");
+      const std::uint64_t x = as_index(d, key, "shape extent");
       if (x != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / x)
-        fail(what + " has a shape with too many elements");
+        fail(what() + " has a shape with too many elements");
       numel *= x;
       e.shape.push_back(static_cast<std::int64_t>(x));
     }
-    e.begin = as_index(offsets->items[0], what, "data_offsets begin");
-    e.end = as_index(offsets->items[1], what, "data_offsets end");
-    if (e.end < e.begin) fail(what + " has data_offsets end < begin");
+    e.begin = as_index(offsets->items[0], key, "data_offsets begin");
+    e.end = as_index(offsets->items[1], key, "data_offsets end");
+    if (e.end < e.begin) fail(what() + " has data_offsets end < begin");
     if (e.end > data.size())
-      fail(what + " ends at byte " + std::to_string(e.end) + " but the data holds only " +
+      fail(what() + " ends at byte " + std::to_string(e.end) + " but the data holds only " +
            std::to_string(data.size()) + " bytes (file truncated?)");
     const std::uint64_t elem = size_of(*dt);
     // numel * elem may not fit in 64 bits (2^62 F32 elements): say so rather than print the
     // wrapped product.
     const bool fits = numel <= std::numeric_limits<std::uint64_t>::max() / elem;
     if (!fits || e.end - e.begin != numel * elem)
-      fail(what + ": shape " + to_string(e.shape) + " of " + dtype->text + " needs " +
+      fail(what() + ": shape " + to_string(e.shape) + " of " + dtype->text + " needs " +
            (fits ? std::to_string(numel * elem) : std::string("more than 2^64")) +
            " bytes but data_offsets span " + std::to_string(e.end - e.begin));
     entries.push_back(std::move(e));
@@ -671,6 +676,7 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
 
   // safetensors requires the tensors to tile the data exactly: sorted, no gap, no overlap.
   std::vector<const Entry*> order;
+  order.reserve(entries.size());
   for (const auto& e : entries) order.push_back(&e);
   std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
     return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
@@ -695,6 +701,7 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     if (opts.require_checksum) fail("no lockstep.checksum in the metadata (not written by Lockstep?)");
   } else {
     std::vector<HeaderItem> items;
+    items.reserve(order.size());
     for (const Entry* e : order) items.push_back({*e->name, e->dtype, &e->shape, e->begin, e->end});
     const std::string actual = crc_text(full_checksum(data, items, ck.metadata));
     if (sum->second != actual)
@@ -702,20 +709,14 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
            actual + " (the file is corrupted)");
   }
 
-  for (const Entry& e : entries) {
-    Tensor t(e.shape, e.dtype);
-    copy_le(static_cast<std::byte*>(t.raw_data()), data.data() + e.begin, e.end - e.begin,
-            size_of(e.dtype));
-    ck.tensors.emplace_back(*e.name, std::move(t));
-  }
   // File order: the order of the data, which is the order the writer added them in.
-  std::vector<std::pair<std::string, Tensor>> sorted;
-  sorted.reserve(ck.tensors.size());
+  ck.tensors.reserve(order.size());
   for (const Entry* e : order) {
-    const auto idx = static_cast<std::size_t>(e - entries.data());
-    sorted.push_back(std::move(ck.tensors[idx]));
+    Tensor t(e->shape, e->dtype);
+    copy_le(static_cast<std::byte*>(t.raw_data()), data.data() + e->begin, e->end - e->begin,
+            size_of(e->dtype));
+    ck.tensors.emplace_back(*e->name, std::move(t));
   }
-  ck.tensors = std::move(sorted);
   return ck;
 }
 
