@@ -1571,6 +1571,12 @@ std::string describe_scalar(double v, bool floating, std::size_t bytes) {
   return os.str();
 }
 
+std::string describe_long_double(long double v) {
+  std::ostringstream os;
+  os << "long double scalar = " << std::setprecision(std::numeric_limits<long double>::max_digits10) << v;
+  return os.str();
+}
+
 std::string describe_leaf(const Tensor& t) {
   if (!t.device().is_cpu()) return describe_leaf(t.to(Device::cpu())) + " (on " + to_string(t.device()) + ")";
   std::ostringstream os;

@@ -4,12 +4,21 @@
 // combined across ranks, so no rank leaves a collective early.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/checkpoint.hpp"
@@ -204,4 +213,260 @@ TEST_CASE("a failure on the root is an error on every rank", "[checkpoint][mpi]"
       "cannot create a temporary file")));
   backend().barrier();
   if (r == 0) fs::remove_all(dir);
+}
+
+// ---- Defects found by adversarial testing (docs/reliability.md, checkpoint catalogue) ---------
+
+namespace cktest {
+/// Net with a 16-bit `small`: the same leaf names, dtypes and shapes in a checkpoint (both I32),
+/// but a different structure for synchronize.
+struct Net16 {
+  std::vector<Layer> layers;
+  std::int64_t epoch = 0;
+  double lr = 0;
+  bool flag = false;
+  std::uint64_t seed = 0;
+  float scale = 0;
+  std::int16_t small = 0;
+};
+LOCKSTEP_FIELDS(Net16, layers, epoch, lr, flag, seed, scale, small)
+
+Net16 make_net16(const std::vector<std::int64_t>& widths, float salt) {
+  Net n = make_net(widths, salt);
+  return Net16{std::move(n.layers), n.epoch, n.lr, n.flag, n.seed, n.scale, static_cast<std::int16_t>(n.small)};
+}
+bool same_net16(const Net16& a, const Net16& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (std::size_t i = 0; i < a.layers.size(); ++i)
+    if (!ls::bitwise_equal(a.layers[i].w, b.layers[i].w) || !ls::bitwise_equal(a.layers[i].b, b.layers[i].b))
+      return false;
+  return a.epoch == b.epoch && a.lr == b.lr && a.small == b.small;
+}
+
+struct WithLongDouble {
+  ls::Tensor w;
+  std::optional<long double> extra;
+};
+LOCKSTEP_FIELDS(WithLongDouble, w, extra)
+
+struct Scalars {
+  long double v = 0;
+  double d = 0;
+};
+LOCKSTEP_FIELDS(Scalars, v, d)
+
+struct Two {
+  ls::Tensor a, b;
+};
+LOCKSTEP_FIELDS(Two, a, b)
+}  // namespace cktest
+
+namespace {
+
+/// Runs f (a collective); true on a rank if it threw E whose message contains every one of
+/// `expect`.
+template <class E, class F>
+bool throws_with(F&& f, const std::vector<std::string>& expect) {
+  try {
+    f();
+  } catch (const E& e) {
+    bool ok = true;
+    for (const auto& x : expect) ok = ok && std::string(e.what()).find(x) != std::string::npos;
+    if (!ok) std::fprintf(stderr, "rank %d: unexpected message: %s\n", backend().rank(), e.what());
+    return ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: wrong exception type: %s\n", backend().rank(), e.what());
+    return false;
+  }
+  std::fprintf(stderr, "rank %d: no exception\n", backend().rank());
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("a rank whose structure does not fit the file leaves every rank's structure unchanged",
+          "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path p = dir / "net.safetensors";
+  const int r = backend().rank(), n = backend().size(), last = n - 1;
+  ls::save_checkpoint(backend(), p, cktest::make_net({1, 8, 3}, 0.f));
+  const std::string on_last = "[on rank " + std::to_string(last) + " of " + std::to_string(n);
+  struct Case {
+    std::vector<std::int64_t> widths;  // the last rank's structure
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{1, 8, 3, 2}, "has no tensor \"layers[2].w\""},              // an extra tensor
+      {{1, 8}, "has tensor \"layers[1].w\" that the structure"},     // a missing tensor
+      {{1, 9, 3}, "has shape [8, 1] but the structure expects [9, 1]"},  // another shape
+  };
+  bool ok = true;
+  for (const auto& c : cases) {
+    const auto widths = r == last ? c.widths : std::vector<std::int64_t>{1, 8, 3};
+    cktest::Net target = cktest::make_net(widths, 20.f + r);
+    const cktest::Net before = cktest::make_net(widths, 20.f + r);
+    const bool threw = throws_with<ls::CheckpointError>([&] { ls::load_checkpoint(backend(), p, target); },
+                                                        {c.expect, on_last, "nothing was restored on any rank"});
+    const bool unchanged = cktest::same_net(target, before);  // root's too
+    if (!threw || !unchanged)
+      std::fprintf(stderr, "rank %d: case '%s': threw %d, unchanged %d\n", r, c.expect.c_str(), threw, unchanged);
+    ok = ok && threw && unchanged;
+  }
+  // The same leaves in the file's eyes (both I32), but a 16-bit scalar where the others have a
+  // 32-bit one: synchronize would refuse it after the root had restored; now nobody restores.
+  {
+    bool threw = false, unchanged = false;
+    if (r == last) {
+      cktest::Net16 target = cktest::make_net16({1, 8, 3}, 20.f + r);
+      threw = throws_with<ls::CheckpointError>([&] { ls::load_checkpoint(backend(), p, target); },
+                                               {"different structures", "small"});
+      unchanged = cktest::same_net16(target, cktest::make_net16({1, 8, 3}, 20.f + r));
+    } else {
+      cktest::Net target = cktest::make_net({1, 8, 3}, 20.f + r);
+      threw = throws_with<ls::CheckpointError>([&] { ls::load_checkpoint(backend(), p, target); },
+                                               {"different structures", "small"});
+      unchanged = cktest::same_net(target, cktest::make_net({1, 8, 3}, 20.f + r));
+    }
+    if (!threw || !unchanged) std::fprintf(stderr, "rank %d: int16 case: threw %d, unchanged %d\n", r, threw, unchanged);
+    ok = ok && threw && unchanged;
+  }
+  // Root 1 and a mismatch on rank 0.
+  {
+    const auto widths = r == 0 ? std::vector<std::int64_t>{1, 8, 3, 2} : std::vector<std::int64_t>{1, 8, 3};
+    cktest::Net target = cktest::make_net(widths, 30.f + r);
+    const bool threw = throws_with<ls::CheckpointError>(
+        [&] { ls::load_checkpoint(backend(), p, target, /*root=*/1); },
+        {"has no tensor \"layers[2].w\"", "[on rank 0 of"});
+    const bool unchanged = cktest::same_net(target, cktest::make_net(widths, 30.f + r));
+    if (!threw || !unchanged) std::fprintf(stderr, "rank %d: root 1 case: threw %d, unchanged %d\n", r, threw, unchanged);
+    ok = ok && threw && unchanged;
+  }
+  // And a structure that fits still resumes everywhere.
+  cktest::Net target = cktest::make_net({1, 8, 3}, 40.f + r);
+  ls::load_checkpoint(backend(), p, target);
+  ok = ok && cktest::same_net(target, cktest::make_net({1, 8, 3}, 0.f));
+  CHECK(all_ranks(ok));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("a FIFO at the path is refused on every rank without blocking the root", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path fifo = dir / "ck.fifo";
+  const int r = backend().rank();
+  bool made = true;
+  if (r == 0) made = ::mkfifo(fifo.c_str(), 0644) == 0;
+  backend().barrier();
+  // A rescue on the root: if the load is still blocked in open() after 5 s (the defect), a
+  // writer end is opened and closed, which releases it, and the test fails on the message.
+  std::atomic<bool> done{false}, rescued{false};
+  std::thread rescue;
+  if (r == 0)
+    rescue = std::thread([&] {
+      for (int i = 0; i < 50 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (done) return;
+      rescued = true;
+      const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (w >= 0) ::close(w);
+    });
+  cktest::Net target = cktest::make_net({1, 4, 2}, 1.f + r);
+  const bool threw = throws_with<ls::CheckpointError>([&] { ls::load_checkpoint(backend(), fifo, target); },
+                                                      {fifo.string(), "is not a regular file", "FIFO"});
+  done = true;
+  if (rescue.joinable()) rescue.join();
+  const bool unchanged = cktest::same_net(target, cktest::make_net({1, 4, 2}, 1.f + r));
+  CHECK(all_ranks(made && threw && unchanged && !rescued));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("ranks that pass different or invalid roots are refused on every rank", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path p = dir / "net.safetensors";
+  const int r = backend().rank(), n = backend().size();
+  const cktest::Net net = cktest::make_net({1, 4, 2}, 0.f);
+  bool ok = true;
+  if (n > 1) {
+    const int root = r == 0 ? 0 : 1;  // rank 0 thinks it is the root, the others that rank 1 is
+    ok = ok && throws_with<ls::InvalidArgument>([&] { ls::save_checkpoint(backend(), p, net, {}, root); },
+                                                {"save_checkpoint: the ranks passed different roots", "rank 0: 0",
+                                                 "rank 1: 1", "nothing was written"});
+    cktest::Net target = cktest::make_net({1, 4, 2}, 5.f);
+    ok = ok && throws_with<ls::InvalidArgument>([&] { ls::load_checkpoint(backend(), p, target, root); },
+                                                {"load_checkpoint: the ranks passed different roots"});
+    ok = ok && cktest::same_net(target, cktest::make_net({1, 4, 2}, 5.f));
+    // One rank with a root out of range is a disagreement too, never a hang.
+    ok = ok && throws_with<ls::InvalidArgument>(
+                   [&] { ls::save_checkpoint(backend(), p, net, {}, r == n - 1 ? n + 5 : 0); },
+                   {"different roots"});
+  }
+  ok = ok && throws_with<ls::InvalidArgument>([&] { ls::save_checkpoint(backend(), p, net, {}, n); },
+                                              {"root " + std::to_string(n) + " is not a rank of this backend"});
+  ok = ok && !fs::exists(p);  // nothing was written by any of these
+  CHECK(all_ranks(ok));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("long double leaves are refused by name at save and load, on every rank", "[checkpoint][mpi]") {
+  const fs::path dir = shared_dir();
+  const fs::path p = dir / "ld.safetensors";
+  const int r = backend().rank(), last = backend().size() - 1;
+  bool ok = true;
+  // On every rank.
+  cktest::WithLongDouble all{ls::Tensor::full({2}, 1.0), 0.1L};
+  ok = ok && throws_with<ls::InvalidArgument>([&] { ls::save_checkpoint(backend(), p, all); },
+                                              {"save_checkpoint: leaf 'extra' is a long double", "nothing was written"});
+  // Only on the last rank (its optional is set): still every rank, and the root writes nothing.
+  cktest::WithLongDouble some{ls::Tensor::full({2}, 1.0), std::nullopt};
+  if (r == last) some.extra = 0.25L;
+  ok = ok && throws_with<ls::InvalidArgument>(
+                 [&] { ls::save_checkpoint(backend(), p, some); },
+                 {"leaf 'extra' is a long double", "[on rank " + std::to_string(last) + " of"});
+  ok = ok && !fs::exists(p);
+  // Loading into one: refused before the file is even read.
+  ok = ok && throws_with<ls::InvalidArgument>([&] { ls::load_checkpoint(backend(), p, all); },
+                                              {"load_checkpoint: leaf 'extra' is a long double"});
+  // A moved-from tensor on one rank: the same, by name.
+  cktest::Two two{ls::Tensor::full({2}, 1.0), ls::Tensor::full({3}, 2.0)};
+  ls::Tensor keep;
+  if (r == last) keep = std::move(two.b);
+  ok = ok && throws_with<ls::InvalidArgument>([&] { ls::save_checkpoint(backend(), p, two); },
+                                              {"tensor \"b\" is not usable"});
+  ok = ok && !fs::exists(p);
+  CHECK(all_ranks(ok));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("check_replicas compares a long double's value, not its padding", "[checkpoint][mpi][replicas]") {
+  const int r = backend().rank(), last = backend().size() - 1;
+  constexpr std::size_t kValueBytes = std::numeric_limits<long double>::digits == 64 ? 10 : sizeof(long double);
+  // Identical values, different garbage in the padding bytes on each rank.
+  auto set = [&](cktest::Scalars& s, long double value) {
+    unsigned char buf[sizeof(long double)];
+    std::memset(buf, 0xA0 + r, sizeof buf);
+    std::memcpy(buf, &value, kValueBytes);
+    std::memcpy(&s.v, buf, sizeof buf);
+  };
+  cktest::Scalars s;
+  s.d = 2.5;
+  set(s, 0.1L);
+  bool padding_differs = true;
+  if (kValueBytes < sizeof(long double))
+    padding_differs = reinterpret_cast<const unsigned char*>(&s.v)[kValueBytes] == 0xA0 + r;
+  bool ok = padding_differs;
+  try {
+    ls::check_replicas(backend(), s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: identical replicas reported: %s\n", r, e.what());
+    ok = false;
+  }
+  // A difference in the last bit of the value is still a difference, shown with every digit.
+  const long double bumped = std::nextafter(0.1L, 1.0L);
+  set(s, r == last ? bumped : 0.1L);
+  ok = ok && throws_with<ls::MismatchError>([&] { ls::check_replicas(backend(), s); },
+                                            {"leaf 'v'", "long double scalar = 0.100000000000000000001",
+                                             "long double scalar = 0.100000000000000000008"});
+  CHECK(all_ranks(ok));
 }

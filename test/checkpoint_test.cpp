@@ -2,11 +2,23 @@
 // reader must refuse (truncation at every length, every byte flipped, hand-made bad headers).
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "lockstep/checkpoint.hpp"
 
@@ -280,4 +292,315 @@ TEST_CASE("hand-made bad headers get a message naming the problem", "[checkpoint
   bad[7] = static_cast<char>(0xFF);
   CHECK_THAT(parse_error(as_span(bad)), Catch::Contains("exceeds"));
   CHECK_THAT(parse_error(as_span(make_file("{"))), Catch::Contains("too small"));
+}
+
+// ---- Defects found by adversarial testing (docs/reliability.md, checkpoint catalogue) ---------
+
+namespace {
+
+/// A scratch directory of this process, removed at scope exit.
+struct ScratchDir {
+  fs::path path;
+  explicit ScratchDir(const std::string& tag)
+      : path(fs::temp_directory_path() / ("lockstep-ck-" + tag + "-" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+/// Runs f (which may block in open() on a FIFO) with a rescue: if it has not returned after
+/// `seconds`, the FIFO is opened for writing and closed, which ends a blocked open() (the reader
+/// then sees an empty file). Returns f's CheckpointError message, "" if it returned, and sets
+/// `blocked` if the rescue was needed.
+template <class F>
+std::string without_blocking(const fs::path& fifo, F&& f, bool& blocked, int seconds = 5) {
+  std::promise<std::string> done;
+  auto result = done.get_future();
+  std::thread t([&] {
+    try {
+      f();
+      done.set_value("");
+    } catch (const std::exception& e) {
+      done.set_value(e.what());
+    }
+  });
+  blocked = result.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready;
+  if (blocked) {
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (w >= 0) ::close(w);
+  }
+  std::string msg = result.get();
+  t.join();
+  return msg;
+}
+
+ls::Checkpoint filled_checkpoint(float value, std::int64_t n) {
+  ls::Checkpoint ck;
+  ck.add("w", ls::Tensor::full({n}, value));
+  ck.add("b", ls::Tensor::full({3}, value));
+  ck.metadata["value"] = std::to_string(value);
+  return ck;
+}
+
+}  // namespace
+
+TEST_CASE("a FIFO, a device or a directory is refused at once, naming the path", "[checkpoint]") {
+  ScratchDir dir("fifo");
+  const fs::path fifo = dir.path / "ck.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const fs::path link = dir.path / "link-to-fifo";
+  fs::create_symlink(fifo, link);
+  for (const fs::path& p : {fifo, link}) {
+    INFO("path " << p);
+    bool blocked = false;
+    const std::string msg = without_blocking(p, [&] { (void)ls::load_checkpoint(p); }, blocked);
+    CHECK_FALSE(blocked);  // before the fix, open() waited for a writer forever
+    CHECK_THAT(msg, Catch::Contains("is not a regular file") && Catch::Contains("FIFO") &&
+                        Catch::Contains(p.string()));
+  }
+  CHECK_THROWS_WITH(ls::load_checkpoint("/dev/null"),
+                    Catch::Contains("/dev/null is not a regular file") && Catch::Contains("character device"));
+  CHECK_THROWS_WITH(ls::load_checkpoint(dir.path), Catch::Contains("not a regular file") &&
+                                                      Catch::Contains("a directory"));
+}
+
+TEST_CASE("a header length beyond the limit is refused before the file is read", "[checkpoint]") {
+  ScratchDir dir("bighdr");
+  const fs::path p = dir.path / "big.safetensors";
+  {
+    // 300 MiB, sparse: a length prefix of 200 MiB and nothing else.
+    std::ofstream out(p, std::ios::binary);
+    const std::uint64_t n = 200ull << 20;
+    char prefix[8];
+    for (int k = 0; k < 8; ++k) prefix[k] = static_cast<char>((n >> (8 * k)) & 0xFF);
+    out.write(prefix, 8);
+  }
+  fs::resize_file(p, 300ull << 20);
+  CHECK_THROWS_WITH(ls::load_checkpoint(p), Catch::Contains("exceeds the 100 MiB limit") && Catch::Contains(p.string()));
+}
+
+TEST_CASE("two threads saving the same path at once both succeed, and the file is one of theirs",
+          "[checkpoint]") {
+  ScratchDir dir("threads");
+  const fs::path p = dir.path / "ck.safetensors";
+  const ls::Checkpoint a = filled_checkpoint(1.f, 1 << 14), b = filled_checkpoint(2.f, 1 << 14);
+  std::atomic<int> failures{0};
+  std::string first_error;
+  std::mutex m;
+  auto writer = [&](const ls::Checkpoint& ck) {
+    for (int i = 0; i < 40; ++i) {
+      try {
+        ls::save_checkpoint(p, ck);
+      } catch (const std::exception& e) {
+        ++failures;
+        std::lock_guard<std::mutex> g(m);
+        if (first_error.empty()) first_error = e.what();
+      }
+    }
+  };
+  std::thread t1(writer, std::cref(a)), t2(writer, std::cref(b));
+  t1.join();
+  t2.join();
+  INFO("first failure: " << first_error);
+  CHECK(failures == 0);
+  const ls::Checkpoint got = ls::load_checkpoint(p);
+  const std::string v = got.metadata.at("value");
+  CHECK((v == a.metadata.at("value") || v == b.metadata.at("value")));
+  const ls::Checkpoint& want = v == a.metadata.at("value") ? a : b;
+  CHECK(ls::bitwise_equal(got.at("w"), want.at("w")));
+  CHECK(ls::bitwise_equal(got.at("b"), want.at("b")));
+  int others = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) others += e.path() != p ? 1 : 0;
+  CHECK(others == 0);  // each writer's temporary file became the checkpoint
+}
+
+TEST_CASE("a file name as long as the file system allows still saves", "[checkpoint]") {
+  ScratchDir dir("longname");
+  const fs::path p = dir.path / (std::string(250, 'n') + ".ckpt");  // 255 bytes, the limit
+  ls::save_checkpoint(p, filled_checkpoint(3.f, 4));
+  ls::save_checkpoint(p, filled_checkpoint(4.f, 4));
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(4.f));
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) files += e.is_regular_file() ? 1 : 0;
+  CHECK(files == 1);
+}
+
+TEST_CASE("a leftover temporary file is removed only when its writer is dead", "[checkpoint]") {
+  ScratchDir dir("leftover");
+  const fs::path p = dir.path / "ck.safetensors";
+  // A process of this host that has exited (and been reaped): its file goes.
+  const pid_t child = ::fork();
+  if (child == 0) std::_Exit(0);
+  REQUIRE(child > 0);
+  ::waitpid(child, nullptr, 0);
+  const std::string dead = ls::detail::temporary_file_prefix(p, child) + "AbC123";
+  // A live process (this one's parent), another host, and an older form without a writer: all
+  // left alone.
+  const std::string prefix = ".ck.safetensors.tmp.";
+  const std::vector<std::string> kept = {
+      ls::detail::temporary_file_prefix(p, ::getppid()) + "AbC123",
+      prefix + "12345.some-other-host.AbC123",
+      prefix + "Zz9Yy8",
+  };
+  for (const auto& n : kept) std::ofstream(dir.path / n) << "partial";
+  std::ofstream(dir.path / dead) << "partial";
+  ls::save_checkpoint(p, filled_checkpoint(5.f, 4));
+  CHECK_FALSE(fs::exists(dir.path / dead));
+  for (const auto& n : kept) {
+    INFO(n);
+    CHECK(fs::exists(dir.path / n));
+  }
+}
+
+// Under AddressSanitizer every allocation records a full stack (fast_unwind_on_malloc=0), which
+// makes the 250k-tensor case take minutes: there a tenth of the size still exercises the same
+// code (the hash sets take over from 16 keys).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kSizeDivisor = 10;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr int kSizeDivisor = 10;
+#else
+constexpr int kSizeDivisor = 1;
+#endif
+#else
+constexpr int kSizeDivisor = 1;
+#endif
+
+TEST_CASE("a header with 250k tensors is parsed, refused or restored in linear time", "[checkpoint]") {
+  constexpr int kKeys = 250000 / kSizeDivisor;
+  std::string header = "{";
+  for (int i = 0; i < kKeys; ++i) {
+    if (i) header += ',';
+    header += "\"t" + std::to_string(i) + "\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}";
+  }
+  const std::string good = make_file(header + "}");
+  const ls::Checkpoint ck = ls::parse_checkpoint(as_span(good), {.require_checksum = false});
+  CHECK(ck.tensors.size() == static_cast<std::size_t>(kKeys));
+  // The same with the first name repeated at the end: refused, naming it.
+  const std::string dup = make_file(header + ",\"t0\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}");
+  CHECK_THAT(parse_error(as_span(dup)), Catch::Contains("duplicate key \"t0\""));
+  // A structure of 50k leaves through add_to_checkpoint, the bytes and restore_from_checkpoint
+  // (each of them was quadratic in the number of tensors too).
+  constexpr int kLeaves = 50000 / kSizeDivisor;
+  std::vector<ls::Tensor> many(kLeaves);
+  ls::Checkpoint out;
+  ls::add_to_checkpoint(out, many, "m");
+  const auto bytes = ls::serialize_checkpoint(out);
+  const ls::Checkpoint back = ls::parse_checkpoint(bytes);
+  std::vector<ls::Tensor> restored(kLeaves);
+  ls::restore_from_checkpoint(back, restored, "m");
+  CHECK(back.tensors.size() == static_cast<std::size_t>(kLeaves));
+  std::vector<ls::Tensor> one_more(kLeaves + 1);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(back, one_more, "m"), Catch::Contains("has no tensor \"m[" + std::to_string(kLeaves) + "]\""));
+}
+
+namespace cku {
+struct Mixed {
+  ls::Tensor w;
+  long double ld = 0;
+};
+LOCKSTEP_FIELDS(Mixed, w, ld)
+struct Wide {
+  ls::Tensor w;
+  __int128 big = 0;
+};
+LOCKSTEP_FIELDS(Wide, w, big)
+struct Pair {
+  ls::Tensor a, m;
+};
+LOCKSTEP_FIELDS(Pair, a, m)
+}  // namespace cku
+
+TEST_CASE("long double and 128-bit leaves are refused by name, and nothing is added", "[checkpoint]") {
+  cku::Mixed x{ls::Tensor::full({2}, 1.0), 0.1L};
+  ls::Checkpoint ck;
+  CHECK_THROWS_AS(ls::add_to_checkpoint(ck, x, "net"), ls::InvalidArgument);
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, x, "net"),
+                    Catch::Contains("leaf 'net.ld' is a long double") && Catch::Contains("store it as a double"));
+  CHECK(ck.tensors.empty());  // all or nothing: "net.w" was not added either
+  cku::Wide y{ls::Tensor::full({2}, 1.0), 1};
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, y), Catch::Contains("leaf 'big' is a 128-bit integer"));
+  CHECK(ck.tensors.empty());
+  // Restoring into one is refused the same way, before anything is written.
+  ls::Checkpoint file;
+  file.add("w", ls::Tensor::full({2}, 7.0));
+  file.add("ld", ls::Tensor::full(ls::Shape{}, 7.0, ls::DType::f64));
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("leaf 'ld' is a long double"));
+  CHECK(x.w.span<float>()[0] == 1.f);
+}
+
+TEST_CASE("a moved-from tensor is refused by name, at save and at restore, before any write",
+          "[checkpoint]") {
+  ScratchDir dir("moved");
+  const fs::path p = dir.path / "ck.safetensors";
+  ls::save_checkpoint(p, filled_checkpoint(6.f, 4));
+  cku::Pair x{ls::Tensor::full({3}, 1.0), ls::Tensor::full({4}, 2.0)};
+  ls::Tensor taken = std::move(x.m);  // x.m is now moved-from
+  ls::Checkpoint ck;
+  CHECK_THROWS_WITH(ls::add_to_checkpoint(ck, x), Catch::Contains("tensor \"m\" is not usable"));
+  CHECK(ck.tensors.empty());
+  ls::Checkpoint direct;
+  direct.add("m", std::move(taken));
+  ls::Tensor gone = std::move(direct.at("m"));
+  CHECK_THROWS_AS(ls::save_checkpoint(p, direct), ls::InvalidArgument);
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(6.f));  // old file intact
+  // Restore: "a" would be written first, then "m" found unusable; nothing may be written.
+  ls::Checkpoint file;
+  file.add("a", ls::Tensor::full({3}, 9.0));
+  file.add("m", ls::Tensor::full(ls::Shape{}, 9.0));
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("tensor \"m\" is not usable"));
+  CHECK(x.a.span<float>()[0] == 1.f);
+  // A moved-from Checkpoint is an empty one: restoring from it names the first missing tensor.
+  ls::Checkpoint taken_file = std::move(file);
+  x.m = ls::Tensor::full({4}, 2.0);
+  CHECK_THROWS_WITH(ls::restore_from_checkpoint(file, x), Catch::Contains("has no tensor \"a\""));
+  cku::Pair y{ls::Tensor::full({3}, 1.0), ls::Tensor::full(ls::Shape{}, 2.0)};
+  ls::restore_from_checkpoint(taken_file, y);  // the moved-to one holds what file held
+  CHECK(y.a.span<float>()[0] == 9.f);
+}
+
+TEST_CASE("sizes near the integer limits are refused with the right numbers", "[checkpoint]") {
+  auto err = [&](const std::string& header) { return parse_error(as_span(make_file(header, std::string(4, '\0')))); };
+  // 2^62 f32 elements need 2^64 bytes: not "0 bytes" (the wrapped product).
+  CHECK_THAT(err(R"({"x":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,4]}})"),
+             Catch::Contains("needs more than 2^64 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,4]}})"),
+             Catch::Contains("needs more than 2^64 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[0],"data_offsets":[9223372036854775807,9223372036854775807]}})"),
+             Catch::Contains("but the data holds only 4 bytes"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[4],"data_offsets":[0,9223372036854775808]}})"),
+             Catch::Contains("too large"));
+  CHECK_THAT(err(R"({"x":{"dtype":"U8","shape":[3037000500,3037000500,0],"data_offsets":[0,4]}})"),
+             Catch::Contains("too many elements"));
+}
+
+TEST_CASE("a write that fails midway leaves the old checkpoint and no temporary file", "[checkpoint]") {
+  ScratchDir dir("partial");
+  const fs::path p = dir.path / "ck.safetensors";
+  ls::save_checkpoint(p, filled_checkpoint(7.f, 4));
+  // The file size limit makes write() fail with EFBIG after 64 KiB, as a full disk would.
+  struct rlimit old {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  auto* old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 64 * 1024;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::string msg;
+  try {
+    ls::save_checkpoint(p, filled_checkpoint(8.f, 1 << 20));
+  } catch (const ls::CheckpointError& e) {
+    msg = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK_THAT(msg, Catch::Contains("cannot write"));
+  CHECK(ls::load_checkpoint(p).metadata.at("value") == std::to_string(7.f));
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) files += 1;
+  CHECK(files == 1);
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <source_location>
 #include <string>
 #include <type_traits>
@@ -21,20 +22,35 @@ namespace detail {
 
 /// Hash of a tensor's dtype, shape and bytes (device tensors are copied to the host first).
 std::uint64_t hash_leaf(const Tensor& t);
-/// Hash of a scalar's type size and bytes.
+/// How many of a scalar's bytes hold its value. All of them, except for x86's 80-bit extended
+/// long double: 10 value bytes stored in 16 (12 on i386), the rest padding whose contents are
+/// whatever the stack held, and differ between identical replicas.
+template <class S>
+constexpr std::size_t scalar_value_bytes() {
+  if constexpr (std::is_floating_point_v<S> && std::numeric_limits<S>::digits == 64 && sizeof(S) > 10)
+    return 10;
+  else
+    return sizeof(S);
+}
+/// Hash of a scalar's type size and value bytes (never its padding).
 template <class S>
   requires std::is_arithmetic_v<S>
 std::uint64_t hash_leaf(const S& s) {
-  return hash_bytes(&s, sizeof s) ^ sizeof s;
+  return hash_bytes(&s, scalar_value_bytes<S>()) ^ sizeof s;
 }
 /// "f32 [2, 3] = 0.5, 1.5, ..." (the first few values).
 std::string describe_leaf(const Tensor& t);
 /// "f64 scalar = 0.25".
 std::string describe_scalar(double v, bool floating, std::size_t bytes);
+/// "long double scalar = 0.100000000000000000001" (every digit a long double holds).
+std::string describe_long_double(long double v);
 template <class S>
   requires std::is_arithmetic_v<S>
 std::string describe_leaf(const S& s) {
-  return describe_scalar(static_cast<double>(s), std::is_floating_point_v<S>, sizeof(S));
+  if constexpr (std::is_same_v<S, long double>)
+    return describe_long_double(s);
+  else
+    return describe_scalar(static_cast<double>(s), std::is_floating_point_v<S>, sizeof(S));
 }
 
 /// Index of the first tensor in `ts` holding a NaN or an infinity (ts.size() if none); `element`
