@@ -786,7 +786,10 @@ void MPIBackend::finalize_global() {
   std::lock_guard lock(g_mutex);
   // Reliability hook: finalising under pending requests would crash inside MPI_Finalize.
   if (g_backend) detail::check_no_pending_requests(g_backend->impl_->monitor.get(), "finalize<MPIBackend>");
-  if (g_backend && g_backend->impl_ && g_backend->impl_->monitor) detail::announce_leaving(*g_backend->impl_->monitor);
+  // Only when MPI ends with it: a program that owns MPI may create another backend, and a
+  // notice nobody received would then be read on a communicator it was not meant for.
+  if (g_we_initialised_mpi && g_backend && g_backend->impl_ && g_backend->impl_->monitor)
+    detail::announce_leaving(*g_backend->impl_->monitor);
   g_backend.reset();
   int init = 0, fin = 0;
   MPI_Initialized(&init);

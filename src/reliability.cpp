@@ -19,6 +19,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <random>
 #include <set>
 #include <climits>
 #include <optional>
@@ -531,6 +532,15 @@ class CommMonitor {
     check_mpi(MPI_Comm_dup(comm, &ctrl_), "MPI_Comm_dup(status communicator)");
     MPI_Comm_set_errhandler(check_, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(ctrl_, MPI_ERRORS_RETURN);
+    // An identity for this communicator's notices: a notice that no watchdog received before its
+    // communicator was freed can be matched on a later communicator that MPI gives the same
+    // context; the identity lets that watchdog drop it.
+    if (rank_ == 0) {
+      std::random_device rd;
+      comm_id_ = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^
+                 static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
+    }
+    check_mpi(MPI_Bcast(&comm_id_, 1, MPI_UINT64_T, 0, ctrl_), "MPI_Bcast(monitor identity)");
     (void)settings();  // a bad environment variable fails at creation, on every rank alike
     const FaultSpec& f = fault_spec();
     fault_pending_ = f.kind != FaultKind::none && f.rank == rank_;
@@ -1180,10 +1190,11 @@ class CommMonitor {
   // Tells every other rank about the stall, so that ranks waiting elsewhere or outside any
   // collective throw too instead of hanging.
   void notify_all(const std::string& msg, int tag = kTagStall) {
-    std::string note = tag == kTagStall ? "lockstep: rank " + std::to_string(rank_) +
-                                              " reported a stall, so this rank stops too: " +
-                                              msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)
-                                        : msg;
+    std::string note = concat(comm_id_, " ",
+                              tag == kTagStall ? "lockstep: rank " + std::to_string(rank_) +
+                                                     " reported a stall, so this rank stops too: " +
+                                                     msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)
+                                               : msg);
     // The text must outlive the sends, which are not waited for: the one of a rank leaving is
     // sent just before its monitor goes, so it is kept for the life of the process.
     std::string* text = &notice_;
@@ -1288,6 +1299,10 @@ class CommMonitor {
           std::string text(static_cast<std::size_t>(std::max(n, 0)), '\0');
           MPI_Recv(text.data(), n, MPI_CHAR, status.MPI_SOURCE, tag, ctrl_, MPI_STATUS_IGNORE);
           text = text.substr(0, text.find('\0'));
+          // "<identity> <text>": a notice meant for an earlier communicator is dropped.
+          const auto space = text.find(' ');
+          if (space == std::string::npos || std::strtoull(text.c_str(), nullptr, 10) != comm_id_) continue;
+          text = text.substr(space + 1);
           if (tag == kTagRefused) on_refusal_notice(text);
           // A rank that left is not a stall of this one: this rank still finalises normally.
           else mark_unusable(text, false, tag != kTagLeft);
@@ -1305,6 +1320,7 @@ class CommMonitor {
   }
 
   int rank_ = 0, size_ = 1;
+  std::uint64_t comm_id_ = 0;  // the same on every rank of the communicator (see the constructor)
   MPI_Comm check_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
   std::thread watchdog_;
   std::atomic<bool> stop_{false};

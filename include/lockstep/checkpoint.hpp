@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <source_location>
 #include <limits>
 #include <map>
 #include <optional>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "lockstep/backend.hpp"
+#include "lockstep/reliability.hpp"
 #include "lockstep/errors.hpp"
 #include "lockstep/synchronize.hpp"
 #include "lockstep/tensor.hpp"
@@ -401,7 +403,9 @@ template <class X>
 /// Then every rank returns, or every rank throws the same CheckpointError.
 template <class X>
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, const X& x,
-                     const std::map<std::string, std::string>& metadata = {}, int root = 0) {
+                     const std::map<std::string, std::string>& metadata = {}, int root = 0,
+                     std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc, "save_checkpoint");  // its collectives name this call too
   detail::agree(backend, "save_checkpoint", root,
                 detail::verdict_of([&] { detail::check_storable("save_checkpoint", x); }), 0,
                 "nothing was written");
@@ -430,7 +434,9 @@ void save_checkpoint(Backend& backend, const std::filesystem::path& path, const 
 template <class X>
 std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
                                                    X& x, int root = 0,
-                                                   const CheckpointReadOptions& opts = {}) {
+                                                   const CheckpointReadOptions& opts = {},
+                                                   std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc, "load_checkpoint");  // its collectives name this call too
   detail::agree(backend, "load_checkpoint", root,
                 detail::verdict_of([&] { detail::check_storable("load_checkpoint", std::as_const(x)); }), 0,
                 "nothing was restored on any rank");
