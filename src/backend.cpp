@@ -167,6 +167,16 @@ void Backend::reduce(TensorView buf, ReduceOp op, int root, Loc loc) {
   const CallInfo info{"reduce", buf.numel, static_cast<int>(buf.dtype), static_cast<int>(op), root};
   LOCKSTEP_FRONT_CHECKS(info, check_view(buf, "reduce", "buf"); check_op_for_dtype(op, buf.dtype);
                         check_root(root, size(), "reduce"));
+  // The same collectives as the out-of-place form below (whose root broadcasts its verdict on
+  // its recv first): a rank may call either form, whatever root calls (a non-root's recv is
+  // ignored), so both must issue the same calls, or an in-place rank's reduce would meet the
+  // out-of-place root's verdict broadcast (and a later broadcast would receive the verdict).
+  // Root's buf passed the checks above, so its verdict here is always empty.
+  char verdict[256] = {};
+  do_broadcast(TensorView{verdict, static_cast<std::int64_t>(sizeof verdict), DType::u8, Device::cpu()}, root);
+  if (verdict[0] != '\0')
+    throw InvalidArgument(detail::concat("reduce: the root (rank ", root, ") refused its recv, so no rank reduced: ",
+                                         verdict, detail::rank_suffix()));
   do_reduce(buf, op, root);
 }
 

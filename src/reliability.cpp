@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -416,6 +417,13 @@ std::string seconds_string(double s) {
 
 using Clock = std::chrono::steady_clock;
 
+// A deadline's distance as a clock duration. Capped at 10^9 s (about 32 years): a timeout the
+// parser accepts, such as LOCKSTEP_TIMEOUT=1e300, overflowed the clock's 64-bit nanosecond count
+// (the conversion gave a negative duration), so every collective timed out at once.
+Clock::duration after_seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
+}
+
 constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105;
 constexpr int kTextBytes = 480;
 
@@ -558,6 +566,13 @@ class CommMonitor {
     MPI_Finalized(&fin);
     // After a stall, requests abandoned on these communicators may still be progressed by MPI
     // (in MPI_Finalize too); they are leaked rather than freed under those requests.
+    // Notices still in flight are not waited for (their peer may be gone): their requests are
+    // freed and their text is leaked, as MPI may still read it.
+    for (auto& n : notices_) {
+      if (!fin)
+        for (auto& req : n.reqs) MPI_Request_free(&req);
+      (void)n.text.release();
+    }
     if (!fin && !stalled_) {
       MPI_Comm_free(&check_);
       MPI_Comm_free(&ctrl_);
@@ -705,8 +720,7 @@ class CommMonitor {
       current_site_ = site;
       since_ = Clock::now();
       entered_ = since_;
-      deadline_at_ = entered_ + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(deadline_ ? polled_timeout() : 0.0));
+      deadline_at_ = entered_ + after_seconds(deadline_ ? polled_timeout() : 0.0);
     }
     if (check) {
       if (coll == Coll::iallreduce || coll == Coll::ibroadcast) start_deferred(fp, site);
@@ -745,7 +759,7 @@ class CommMonitor {
     Clock::time_point deadline;
     {
       std::lock_guard lock(mutex_);
-      deadline = entered_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(t));
+      deadline = entered_ + after_seconds(t);
     }
     for (std::uint64_t i = 0;; ++i) {
       int flag = 0;
@@ -842,7 +856,24 @@ class CommMonitor {
         since_ = entered_ = Clock::now();
         refusal_ = message;
       }
-      compare_fingerprints(fp, site);
+      try {
+        compare_fingerprints(fp, site);
+      } catch (const MismatchError& e) {
+        {
+          std::lock_guard lock(mutex_);
+          in_collective_ = checking_ = false;
+          refusal_.clear();
+        }
+        // A nonblocking collective's peers issue their data operation right after the check
+        // (they see the mismatch only in wait()), so it is pending on their communicator, which
+        // they mark unusable: this rank's is no better (its next collective would meet that
+        // operation, or wait for peers that now throw at every collective).
+        if (coll == Coll::iallreduce || coll == Coll::ibroadcast)
+          mark_unusable(concat("lockstep: this communicator is unusable after a refused nonblocking collective "
+                               "(the other ranks had issued theirs): ", e.what()),
+                        true, false);
+        throw;
+      }
       std::lock_guard lock(mutex_);
       in_collective_ = checking_ = false;
       refusal_.clear();
@@ -858,7 +889,11 @@ class CommMonitor {
       std::lock_guard lock(mutex_);
       started_.store(seq + 1, std::memory_order_relaxed);
       completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-      refused_by_me_.insert(seq);
+      // Runs of consecutive refusals are one entry: after thousands of refusals in a row a late
+      // notice for an early one must still be recognised (a set of the last 4096 numbers forgot
+      // it, and the rank then marked its communicator unusable although nothing had moved).
+      if (!refused_by_me_.empty() && refused_by_me_.rbegin()->second + 1 == seq) refused_by_me_.rbegin()->second = seq;
+      else refused_by_me_.emplace(seq, seq);
       if (refused_by_me_.size() > 4096) refused_by_me_.erase(refused_by_me_.begin());
       pending_refusals_.erase(seq);
       update_pending_min();
@@ -875,7 +910,7 @@ class CommMonitor {
     const std::string msg = nl == std::string::npos ? text : text.substr(nl + 1);
     {
       std::lock_guard lock(mutex_);
-      if (refused_by_me_.count(seq) != 0) return;  // refused here too: nothing moved anywhere
+      if (refused_here(seq)) return;  // refused here too: nothing moved anywhere
       if (seq >= started_.load()) {                // not reached yet: refuse it when it comes
         pending_refusals_.emplace(seq, msg);
         update_pending_min();
@@ -884,6 +919,13 @@ class CommMonitor {
     }
     mark_unusable(concat("lockstep: this communicator is unusable: ", msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)),
                   true, false);
+  }
+
+  bool refused_here(std::int64_t seq) const {  // under mutex_
+    auto it = refused_by_me_.upper_bound(seq);
+    if (it == refused_by_me_.begin()) return false;
+    --it;
+    return seq >= it->first && seq <= it->second;
   }
 
   void update_pending_min() {  // under mutex_
@@ -1195,18 +1237,36 @@ class CommMonitor {
                                                      " reported a stall, so this rank stops too: " +
                                                      msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)
                                                : msg);
-    // The text must outlive the sends, which are not waited for: the one of a rank leaving is
+    // The text must outlive the sends, which are not waited for: MPI may read it after the
+    // MPI_Isend returned (under a flood of notices Open MPI queues the send and packs it later),
+    // so each notice has its own text, kept until its sends completed (one reused string was
+    // overwritten, or reallocated, under sends still in flight). The one of a rank leaving is
     // sent just before its monitor goes, so it is kept for the life of the process.
-    std::string* text = &notice_;
-    if (tag == kTagLeft) text = new std::string;  // intentionally never freed (one per finalize)
-    *text = note;
+    std::lock_guard lock(notices_mutex_);
+    // Oldest first, stopping at the first one still in flight: constant time per notice even
+    // under a flood of thousands (the sends complete in about the order they were made).
+    while (!notices_.empty()) {
+      int done = 0;
+      Notice& oldest = notices_.front();
+      MPI_Testall(static_cast<int>(oldest.reqs.size()), oldest.reqs.data(), &done, MPI_STATUSES_IGNORE);
+      if (!done) break;
+      notices_.pop_front();
+    }
+    auto text = std::make_unique<std::string>(note);
+    std::vector<MPI_Request> reqs;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
       MPI_Request req;
       if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, r, tag, ctrl_, &req) ==
           MPI_SUCCESS)
-        MPI_Request_free(&req);
+        reqs.push_back(req);
     }
+    if (tag == kTagLeft) {
+      for (auto& req : reqs) MPI_Request_free(&req);
+      (void)text.release();  // intentionally never freed (one per finalize)
+      return;
+    }
+    notices_.push_back(Notice{std::move(reqs), std::move(text)});
   }
 
   // The statuses of every rank, as report lines, with the ranks that did not answer named.
@@ -1356,12 +1416,18 @@ class CommMonitor {
   Clock::time_point since_ = Clock::now(), entered_ = Clock::now();
   std::unordered_map<std::uint64_t, int> site_calls_;
   std::string stall_message_;
-  std::set<std::int64_t> refused_by_me_;                  // collectives this rank refused
+  std::map<std::int64_t, std::int64_t> refused_by_me_;    // collectives this rank refused: runs first -> last
   std::map<std::int64_t, std::string> pending_refusals_;  // refused elsewhere, not reached here
   std::atomic<std::int64_t> pending_min_seq_{INT64_MAX};  // first key of pending_refusals_
   bool refused_ = false;   // the communicator became unusable through a refused collective
   std::string refusal_;    // this rank's refusal message during abandon()'s fingerprint exchange
-  std::string notice_;
+  // Notices sent and not yet known to be delivered, with their text (see notify_all).
+  struct Notice {
+    std::vector<MPI_Request> reqs;
+    std::unique_ptr<std::string> text;
+  };
+  std::mutex notices_mutex_;
+  std::deque<Notice> notices_;
   StatusMsg reply_;
   std::unique_ptr<DeferredCheck> deferred_;  // the check of the nonblocking collective being issued
 };

@@ -254,3 +254,71 @@ lockstep_add_trust_test(NAME returns_early SCENARIO returns_early MAX 20
 lockstep_add_trust_test(NAME nonblocking_mpi_error SCENARIO nonblocking_mpi_error MAX 30 RANKS 2
   ARGS --env LOCKSTEP_TIMEOUT=5 --env LOCKSTEP_SHM=0
   EXPECT "r1:rank 1: MpiError" "!MPI_ERRORS_ARE_FATAL" "!: OK")
+
+# Adversarial tests of the trust mechanisms (h-adv): in-process cases, and scenarios that may end
+# the job, run by run_trust.sh.
+lockstep_test_executable(test_adversarial reliability/adversarial_test.cpp)
+lockstep_add_mpi_test(NAME adversarial TARGET test_adversarial RANKS 2 3 4 TIMEOUT 120 LABELS reliability)
+lockstep_add_mpi_test(NAME adversarial.noshm TARGET test_adversarial RANKS 2 3 TIMEOUT 120 LABELS reliability
+                      ENV LOCKSTEP_SHM=0)
+lockstep_add_mpi_test(NAME adversarial.slice4k TARGET test_adversarial RANKS 3 4 TIMEOUT 120 LABELS reliability
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4k)
+add_executable(lockstep_adversarial_program reliability/adversarial_program.cpp)
+target_link_libraries(lockstep_adversarial_program PRIVATE lockstep::core lockstep_build_flags)
+
+# lockstep_add_adversarial_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT ...
+#                               [KNOWN_FAILURE]): run_trust.sh over lockstep_adversarial_program.
+# KNOWN_FAILURE: a defect left open (described in the scenario's comment): registered, labelled
+# known_failure and disabled, so that `ctest -L known_failure` lists them and CI stays green.
+function(lockstep_add_adversarial_test)
+  cmake_parse_arguments(T "KNOWN_FAILURE" "NAME;SCENARIO;MAX" "RANKS;ARGS;EXPECT" ${ARGN})
+  if(NOT T_RANKS)
+    set(T_RANKS 2 3)
+  endif()
+  foreach(n IN LISTS T_RANKS)
+    set(test_name reliability.adversarial.${T_NAME}.np${n})
+    add_test(NAME ${test_name}
+      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:lockstep_adversarial_program>
+              ${T_SCENARIO} ${n} ${T_MAX} ${T_ARGS} -- ${T_EXPECT})
+    set(labels "mpi;reliability")
+    if(T_KNOWN_FAILURE)
+      set(labels "mpi;reliability;known_failure")
+      set_tests_properties(${test_name} PROPERTIES DISABLED TRUE)
+    endif()
+    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "${labels}"
+      SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE}")
+  endforeach()
+endfunction()
+
+# Root reduces out of place, the others in place: the result is right and the next broadcast
+# carries root's data (it used to receive root's 256-byte verdict: silent wrong data over MPI,
+# a MismatchError later on the shared-memory path).
+lockstep_add_adversarial_test(NAME mixed_reduce SCENARIO mixed_reduce MAX 20
+  EXPECT "rank {rank}: broadcast gave 7" "rank {rank}: OK" "r0:reduce gave")
+lockstep_add_adversarial_test(NAME mixed_reduce_noshm SCENARIO mixed_reduce MAX 20 ARGS --env LOCKSTEP_SHM=0
+  EXPECT "rank {rank}: broadcast gave 7" "rank {rank}: OK")
+# Thousands of refusals of the same call on every rank, then correct collectives (a late notice
+# for an early refusal used to mark the backend unusable on every rank).
+lockstep_add_adversarial_test(NAME refuse_flood SCENARIO refuse_flood MAX 60 RANKS 2 4
+  EXPECT "rank {rank}: OK" "!unusable")
+# A refused iallreduce on one rank at a checked call: the others issued theirs, so every rank
+# ends unusable (the refusing rank used to stay usable, and its next collective waited for peers
+# that throw at every call).
+lockstep_add_adversarial_test(NAME refuse_iallreduce_checked SCENARIO refuse_iallreduce_checked MAX 20
+  ARGS --env LOCKSTEP_CHECK=always
+  EXPECT "rank {rank}: usable 0" "rank {rank}: next allreduce: MismatchError" "rank {rank}: DONE")
+# LOCKSTEP_TIMEOUT=1e300 is accepted; it used to overflow the deadline and time out at once.
+lockstep_add_adversarial_test(NAME huge_timeout SCENARIO huge_timeout MAX 20 ARGS --env LOCKSTEP_TIMEOUT=1e300
+  EXPECT "rank {rank}: allreduce: no exception" "!TimeoutError")
+
+# KNOWN FAILURE (open): unchecked, the last rank's allreduce #0 is refused; it catches the error
+# and calls allreduce #1 at once. The others, already inside #0, complete it against the refuser's
+# #1: rank 0 returns 101 from #0 with no error, the refuser returns 101 from #1 with no error and
+# stays usable (the notice reaches the others too late; nobody tells the refuser).
+lockstep_add_adversarial_test(NAME refuse_then_continue SCENARIO refuse_then_continue MAX 20 KNOWN_FAILURE
+  EXPECT "!first: no exception value 101" "!second: no exception value 101")
+# KNOWN FAILURE (open): a user's Backend wrapping MPIBackend (like CountingBackend) cannot forward
+# abandon() (protected on another object): a refusal by the wrapper's front end tells nobody, and
+# the other ranks wait until the refusing rank leaves or the default deadline (600 s).
+lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 10 KNOWN_FAILURE
+  EXPECT "r0:rank 0: wrapped allreduce: MismatchError" "r0:refused its arguments")

@@ -89,7 +89,8 @@ class Backend {
   void allreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Out of place: recv becomes the reduction of every rank's send (same dtype and numel).
   void allreduce(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
-  /// In place on root; other ranks' buf is left unchanged.
+  /// In place on root; other ranks' buf is left unchanged. Each rank may call either form of
+  /// reduce whatever the others call (both issue the same collectives, verdict broadcast included).
   void reduce(TensorView buf, ReduceOp op, int root, Loc loc = Loc::current());
   /// Out of place; recv is only written on root (other ranks may pass an empty view). Root's
   /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
