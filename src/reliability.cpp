@@ -424,7 +424,7 @@ Clock::duration after_seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
 }
 
-constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105;
+constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105, kTagAccepted = 7106;
 constexpr int kTextBytes = 480;
 
 // A rank's answer to a status query.
@@ -895,28 +895,93 @@ class CommMonitor {
       if (!refused_by_me_.empty() && refused_by_me_.rbegin()->second + 1 == seq) refused_by_me_.rbegin()->second = seq;
       else refused_by_me_.emplace(seq, seq);
       if (refused_by_me_.size() > 4096) refused_by_me_.erase(refused_by_me_.begin());
+      // Ranks whose notice for this collective came before this rank reached it refused it too.
+      for (int src : pending_sources_[seq]) confirmations_[seq].insert(src);
+      pending_sources_.erase(seq);
       pending_refusals_.erase(seq);
       update_pending_min();
     }
     std::string msg = concat("lockstep: rank ", rank_, " refused its arguments to ", describe(fp, site), ": ",
                              message);
     notify_all(concat(seq, "\n", msg), kTagRefused);
+    // Before this rank may communicate again, every other rank must have answered for this
+    // collective: refused it too (its own notice; then nothing moved anywhere and the backend
+    // stays usable), or accepted it (then it may be inside it, and this rank's next collective
+    // would complete it with the wrong data: the communicator becomes unusable here too).
+    const double limit = polled_timeout() > 0 ? polled_timeout() : watchdog_timeout() > 0 ? watchdog_timeout() : 1e9;
+    const auto give_up = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(std::min(limit, 1e9)));
+    std::string why;
+    urgent_.fetch_add(1);  // the watchdog polls fast while this rank waits for the answers
+    struct Calm {
+      std::atomic<int>& u;
+      ~Calm() { u.fetch_sub(1); }
+    } calm{urgent_};
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (accepted_by_peer_.count(seq) != 0) {
+          why = "another rank accepted its arguments to that collective";
+        } else if (static_cast<int>(confirmations_[seq].size()) == size_ - 1) {
+          confirmations_.erase(seq);
+          return;  // refused everywhere
+        }
+      }
+      if (why.empty() && stalled_.load()) return;  // unusable already (a stall or a notice)
+      if (why.empty() && Clock::now() > give_up) why = "not every rank answered within the deadline";
+      if (!why.empty()) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    {
+      std::lock_guard lock(mutex_);
+      confirmations_.erase(seq);
+      accepted_by_peer_.erase(seq);
+    }
+    mark_unusable(concat("lockstep: this communicator is unusable: this rank refused its arguments to ",
+                         describe(fp, site), " and ", why, " (", message, ")"),
+                  true, false);
+  }
+
+  /// The watchdog received "rank R accepted collective #seq, which this rank refused".
+  void on_accepted_reply(const std::string& text) {
+    const std::int64_t seq = std::strtoll(text.c_str(), nullptr, 10);
+    std::lock_guard lock(mutex_);
+    accepted_by_peer_.insert(seq);
+  }
+
+  /// Tells rank `to` that this rank accepted collective #seq, which `to` refused.
+  void reply_accepted(int to, std::int64_t seq) {
+    std::lock_guard lock(notices_mutex_);
+    auto text = std::make_unique<std::string>(concat(comm_id_, " ", seq));
+    MPI_Request req;
+    if (MPI_Isend(text->data(), static_cast<int>(text->size()), MPI_CHAR, to, kTagAccepted, ctrl_, &req) ==
+        MPI_SUCCESS) {
+      Notice n;
+      n.text = std::move(text);
+      n.reqs.push_back(req);
+      notices_.push_back(std::move(n));
+    }
   }
 
   /// The watchdog received "rank R refused collective #seq".
-  void on_refusal_notice(const std::string& text) {
+  void on_refusal_notice(const std::string& text, int source) {
     const auto nl = text.find('\n');
     const std::int64_t seq = nl == std::string::npos ? -1 : std::strtoll(text.c_str(), nullptr, 10);
     const std::string msg = nl == std::string::npos ? text : text.substr(nl + 1);
     {
       std::lock_guard lock(mutex_);
-      if (refused_here(seq)) return;  // refused here too: nothing moved anywhere
-      if (seq >= started_.load()) {                // not reached yet: refuse it when it comes
+      if (refused_here(seq)) {  // refused here too: nothing moved anywhere
+        confirmations_[seq].insert(source);
+        return;
+      }
+      if (seq >= started_.load()) {  // not reached yet: refuse it, or answer, when it comes
         pending_refusals_.emplace(seq, msg);
+        pending_sources_[seq].push_back(source);
         update_pending_min();
         return;
       }
     }
+    reply_accepted(source, seq);  // this rank is inside it or past it
     mark_unusable(concat("lockstep: this communicator is unusable: ", msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)),
                   true, false);
   }
@@ -936,12 +1001,17 @@ class CommMonitor {
   /// This rank is about to enter collective #seq (or a later one) that another rank refused.
   [[gnu::noinline]] void check_pending_refusal(std::int64_t seq) {
     std::string msg;
+    std::vector<int> sources;
+    std::int64_t refused_seq = seq;
     {
       std::lock_guard lock(mutex_);
       auto it = pending_refusals_.begin();
       if (it == pending_refusals_.end() || it->first > seq) return;
       msg = it->second;
+      sources = pending_sources_[it->first];
+      refused_seq = it->first;
     }
+    for (int src : sources) reply_accepted(src, refused_seq);  // this rank accepted that one
     mark_unusable(concat("lockstep: this communicator is unusable: ", msg.substr(msg.rfind("lockstep: ", 0) == 0 ? 10 : 0)),
                   true, false);
     throw MismatchError(msg + rank_suffix());
@@ -1352,7 +1422,7 @@ class CommMonitor {
         continue;
       }
       bool got = false;
-      for (int tag : {kTagStall, kTagRefused, kTagLeft}) {
+      for (int tag : {kTagStall, kTagRefused, kTagLeft, kTagAccepted}) {
         if (MPI_Iprobe(MPI_ANY_SOURCE, tag, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
           int n = 0;
           MPI_Get_count(&status, MPI_CHAR, &n);
@@ -1363,7 +1433,8 @@ class CommMonitor {
           const auto space = text.find(' ');
           if (space == std::string::npos || std::strtoull(text.c_str(), nullptr, 10) != comm_id_) continue;
           text = text.substr(space + 1);
-          if (tag == kTagRefused) on_refusal_notice(text);
+          if (tag == kTagRefused) on_refusal_notice(text, status.MPI_SOURCE);
+          else if (tag == kTagAccepted) on_accepted_reply(text);
           // A rank that left is not a stall of this one: this rank still finalises normally.
           else mark_unusable(text, false, tag != kTagLeft);
           got = true;
@@ -1371,7 +1442,8 @@ class CommMonitor {
       }
       if (got) continue;
       check_blocked();
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (urgent_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
 
@@ -1418,6 +1490,10 @@ class CommMonitor {
   std::string stall_message_;
   std::map<std::int64_t, std::int64_t> refused_by_me_;    // collectives this rank refused: runs first -> last
   std::map<std::int64_t, std::string> pending_refusals_;  // refused elsewhere, not reached here
+  std::map<std::int64_t, std::vector<int>> pending_sources_;  // who refused those
+  std::map<std::int64_t, std::set<int>> confirmations_;   // ranks that refused what this one refused
+  std::set<std::int64_t> accepted_by_peer_;                // refused here, accepted by another rank
+  std::atomic<int> urgent_{0};  // > 0 while the collective thread waits for answers to a refusal
   std::atomic<std::int64_t> pending_min_seq_{INT64_MAX};  // first key of pending_refusals_
   bool refused_ = false;   // the communicator became unusable through a refused collective
   std::string refusal_;    // this rank's refusal message during abandon()'s fingerprint exchange

@@ -311,14 +311,13 @@ lockstep_add_adversarial_test(NAME refuse_iallreduce_checked SCENARIO refuse_ial
 lockstep_add_adversarial_test(NAME huge_timeout SCENARIO huge_timeout MAX 20 ARGS --env LOCKSTEP_TIMEOUT=1e300
   EXPECT "rank {rank}: allreduce: no exception" "!TimeoutError")
 
-# KNOWN FAILURE (open): unchecked, the last rank's allreduce #0 is refused; it catches the error
-# and calls allreduce #1 at once. The others, already inside #0, complete it against the refuser's
-# #1: rank 0 returns 101 from #0 with no error, the refuser returns 101 from #1 with no error and
-# stays usable (the notice reaches the others too late; nobody tells the refuser).
-lockstep_add_adversarial_test(NAME refuse_then_continue SCENARIO refuse_then_continue MAX 20 KNOWN_FAILURE
+# Unchecked, the last rank's allreduce #0 is refused; it catches the error and calls allreduce #1
+# at once. The others, already inside #0, used to complete it against the refuser's #1 (101 with
+# no error on both sides). Now the refuser waits until every rank answered for #0: one accepted
+# it, so the refuser's communicator is unusable and its #1 throws.
+lockstep_add_adversarial_test(NAME refuse_then_continue SCENARIO refuse_then_continue MAX 20
   EXPECT "!first: no exception value 101" "!second: no exception value 101")
-# KNOWN FAILURE (open): a user's Backend wrapping MPIBackend (like CountingBackend) cannot forward
-# abandon() (protected on another object): a refusal by the wrapper's front end tells nobody, and
-# the other ranks wait until the refusing rank leaves or the default deadline (600 s).
-lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 10 KNOWN_FAILURE
+# A user's Backend wrapping MPIBackend forwards refusals with Backend::forward_abandon, so the
+# other ranks are told (they used to wait for the default deadline).
+lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 25
   EXPECT "r0:rank 0: wrapped allreduce: MismatchError" "r0:refused its arguments")

@@ -220,6 +220,7 @@ class CountingBackend final : public ls::Backend {
   void do_barrier() override { ++other; inner_.barrier(); }
   ls::Request do_iallreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); return inner_.iallreduce(buf, op); }
   ls::Request do_ibroadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); return inner_.ibroadcast(buf, root); }
+  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner_, call, e); }
 
  private:
   void note(int& counter, const ls::TensorView& v) {

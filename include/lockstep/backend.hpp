@@ -135,6 +135,11 @@ class Backend {
   /// thrown. May throw an error of its own instead (for example the MismatchError every rank
   /// throws at a checked call). The default does nothing.
   virtual void abandon(const CallInfo& call, const std::exception& error);
+  /// For a backend that forwards to another one (a wrapper): passes a refusal on to `inner`, so
+  /// that the ranks of inner's communicator are told. A wrapper overrides abandon() to call it.
+  static void forward_abandon(Backend& inner, const CallInfo& call, const std::exception& error) {
+    inner.abandon(call, error);
+  }
   /// Throws lockstep::Error if this backend cannot be used (for example a moved-from one). The
   /// default does nothing.
   virtual void check_usable() const {}

@@ -66,6 +66,8 @@ class Wrapper final : public ls::Backend {
   void do_barrier() override { inner_.barrier(); }
   ls::Request do_iallreduce(ls::TensorView buf, ls::ReduceOp op) override { return inner_.iallreduce(buf, op); }
   ls::Request do_ibroadcast(ls::TensorView buf, int root) override { return inner_.ibroadcast(buf, root); }
+  // A refusal by this wrapper's front end is told to the ranks of the inner backend.
+  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner_, call, e); }
 
  private:
   ls::Backend& inner_;
