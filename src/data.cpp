@@ -116,25 +116,27 @@ Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t co
   LOCKSTEP_CHECK_ARG(dim >= 0 && static_cast<std::size_t>(dim) < t.ndim(), "slice_along: dimension ",
                      dim, " of a tensor of shape ", to_string(t.shape()));
   const std::int64_t extent = t.dim(static_cast<std::size_t>(dim));
-  LOCKSTEP_CHECK_ARG(start >= 0 && count >= 0 && start + count <= extent, "slice_along: [", start,
-                     ", ", start + count, ") out of range for dimension ", dim, " of shape ",
-                     to_string(t.shape()));
+  // Compared without adding, so that no sum can overflow.
+  LOCKSTEP_CHECK_ARG(start >= 0 && count >= 0 && start <= extent && count <= extent - start,
+                     "slice_along: start ", start, " with count ", count,
+                     " out of range for dimension ", dim, " of shape ", to_string(t.shape()));
   LOCKSTEP_CHECK_ARG(keepdim || count == 1, "slice_along: keepdim = false needs count 1, got ", count);
-  Shape shape = t.shape();
-  shape[static_cast<std::size_t>(dim)] = count;
+  Shape out_shape = t.shape();
+  out_shape[static_cast<std::size_t>(dim)] = count;
+  if (!keepdim) out_shape.erase(out_shape.begin() + dim);
+  // No elements: nothing to point at or copy (and the products of the other extents, which a
+  // zero extent no longer bounds, are never formed).
+  if (t.numel() == 0 || count == 0) return Tensor(std::move(out_shape), t.dtype(), t.device());
+  // Every extent is now >= 1, so each partial product is at most t.numel(): no overflow.
   std::int64_t outer = 1, inner = 1;
   for (int d = 0; d < dim; ++d) outer *= t.dim(static_cast<std::size_t>(d));
   for (std::size_t d = static_cast<std::size_t>(dim) + 1; d < t.ndim(); ++d) inner *= t.dim(d);
-  const std::size_t es = size_of(t.dtype());
-  Shape out_shape = shape;
-  if (!keepdim) out_shape.erase(out_shape.begin() + dim);
   if (outer == 1) {
-    // Contiguous: borrow.
-    auto* base = static_cast<std::byte*>(const_cast<void*>(t.raw_data())) +
-                 static_cast<std::size_t>(start * inner) * es;
-    return Tensor::borrow(base, out_shape, t.dtype(), t.device());
+    // Contiguous: a view that shares t's memory and keeps it alive.
+    return t.slice_view(start * inner, std::move(out_shape));
   }
-  Tensor out(out_shape, t.dtype(), t.device());
+  const std::size_t es = size_of(t.dtype());
+  Tensor out(std::move(out_shape), t.dtype(), t.device());
   const auto* src = static_cast<const std::byte*>(t.raw_data());
   auto* dst = static_cast<std::byte*>(out.raw_data());
   const std::size_t row = static_cast<std::size_t>(count * inner) * es;

@@ -163,7 +163,8 @@ inline constexpr MeanReducer mean_reducer{};
 inline constexpr SumReducer sum_reducer{};
 
 /// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
-/// dimension (count must be 1). A zero-copy view for dim 0 (borrows t's memory), a copy otherwise.
+/// dimension (count must be 1). A zero-copy view when the part is contiguous (dim 0, or only
+/// extents of 1 before dim), which shares t's memory and keeps it alive; a copy otherwise.
 Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
 
 namespace detail {
