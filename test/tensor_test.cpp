@@ -663,3 +663,71 @@ TEST_CASE("copies with null or overlapping sources", "[tensor][alias]") {
   lo.copy_from(hi.view());  // destination before the source
   CHECK(std::vector<float>(base, base + 8) == std::vector<float>{0, 1, 2, 3, 4, 5, 4, 5});
 }
+
+namespace {
+struct TwoLeaves {
+  ls::Tensor w, b;
+  float lr = 0.5f;
+};
+LOCKSTEP_FIELDS(TwoLeaves, w, b, lr)
+
+TwoLeaves two_leaves(std::int64_t n) {
+  TwoLeaves x;
+  x.w = ls::Tensor::full({n}, 2.0);
+  x.b = ls::Tensor::full({3}, 4.0);
+  return x;
+}
+
+bool flat_intact(const ls::Flat<TwoLeaves>& f, std::int64_t n) {
+  if (f.buffers().size() != 1) return false;
+  const auto* base = static_cast<const float*>(f.buffers()[0].raw_data());
+  return f->w.raw_data() == base && f->b.raw_data() == base + n && f->w.numel() == n &&
+         f->w.data<float>()[n - 1] == 2.0f && f->b.data<float>()[2] == 4.0f;
+}
+}  // namespace
+
+TEST_CASE("a moved-from Flat is empty; moves and self-moves keep the tensors valid", "[flat][move]") {
+  const TwoLeaves model = two_leaves(5);
+  ls::Flat<TwoLeaves> f = ls::flat_copy(model);
+  REQUIRE(flat_intact(f, 5));
+  ls::Flat<TwoLeaves> g = std::move(f);
+  CHECK(flat_intact(g, 5));
+  CHECK(f.buffers().empty());
+  CHECK(f->w.numel() == 0);
+  CHECK(f->w.raw_data() == nullptr);
+  CHECK(f->b.raw_data() == nullptr);
+  CHECK(ls::tensor_leaves(f).size() == 2);
+  f->w.zero_();
+  CHECK(flat_intact(g, 5));
+
+  self_move(g);
+  CHECK(flat_intact(g, 5));
+
+  ls::Flat<TwoLeaves> h = ls::flat_copy(two_leaves(9));
+  h = std::move(g);
+  CHECK(flat_intact(h, 5));
+  CHECK(g.buffers().empty());
+  CHECK(g->w.raw_data() == nullptr);
+  f = std::move(h);
+  CHECK(flat_intact(f, 5));
+}
+
+TEST_CASE("the tensors of a Flat keep its allocations alive", "[flat][lifetime]") {
+  const TwoLeaves model = two_leaves(kUnmappedOnFree);
+  ls::Flat<TwoLeaves> f = ls::flat_copy(model);
+  REQUIRE(flat_intact(f, kUnmappedOnFree));
+  // Clearing the buffers, or destroying the Flat, leaves tensors moved out of it valid.
+  f.buffers().clear();
+  CHECK(f->w.data<float>()[kUnmappedOnFree - 1] == 2.0f);
+  ls::Tensor w = std::move(f->w);
+  f = ls::Flat<TwoLeaves>();
+  CHECK(w.data<float>()[kUnmappedOnFree - 1] == 2.0f);
+  // Same for flat_zeros_like.
+  ls::Tensor b;
+  {
+    auto z = ls::flat_zeros_like(model);
+    z->b.copy_from(model.b.view());
+    b = std::move(z->b);
+  }
+  CHECK(b.data<float>()[2] == 4.0f);
+}
