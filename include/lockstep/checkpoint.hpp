@@ -44,10 +44,29 @@ class CheckpointError : public Error {
 };
 
 /// Named tensors (in file order) and string metadata: what one checkpoint file holds.
-/// Move-only like Tensor.
+/// Move-only like Tensor. A moved-from Checkpoint is empty (no tensors, no metadata) and usable;
+/// self-move keeps it as it is.
 struct Checkpoint {
   std::vector<std::pair<std::string, Tensor>> tensors;
   std::map<std::string, std::string> metadata;
+
+  Checkpoint() = default;
+  Checkpoint(Checkpoint&& other) noexcept
+      : tensors(std::move(other.tensors)), metadata(std::move(other.metadata)) {
+    other.tensors.clear();
+    other.metadata.clear();
+  }
+  Checkpoint& operator=(Checkpoint&& other) noexcept {
+    if (this != &other) {
+      tensors = std::move(other.tensors);
+      metadata = std::move(other.metadata);
+      other.tensors.clear();
+      other.metadata.clear();
+    }
+    return *this;
+  }
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
 
   /// Appends a tensor; throws InvalidArgument if the name is empty, starts with "__" or is taken.
   void add(std::string name, Tensor t);
