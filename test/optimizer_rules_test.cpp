@@ -273,3 +273,46 @@ TEST_CASE("f16 parameters are rejected by the CPU rules", "[rules]") {
   ls::Tensor g = ls::Tensor::zeros({3}, ls::DType::f16);
   CHECK_THROWS_AS(ls::update(st, p, g), ls::InvalidArgument);
 }
+
+TEST_CASE("a moved-from OptState has no slots and is refused by update; self-move keeps it", "[rules][move]") {
+  app::Net net = app::make_net();
+  app::Net g = ls::zeros_like(net);
+  auto st = ls::setup(ls::Adam{.lr = 0.1f}, net);
+  ls::update(st, net, g);
+  REQUIRE(st.step == 1);
+  REQUIRE(st.slots.size() == 10);
+
+  auto moved = std::move(st);
+  CHECK(moved.step == 1);
+  CHECK(moved.slots.size() == 10);
+  CHECK(moved.rule.lr == 0.1f);
+  CHECK(st.step == 0);
+  CHECK(st.slots.empty());
+  CHECK(st.rule.lr == 0.1f);  // the hyperparameters stay
+  try {
+    ls::update(st, net, g);
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("0 slots") && Catch::Contains("moved from"));
+  }
+  CHECK(st.step == 0);  // nothing applied
+
+  // Self-move keeps the slots (a defaulted one emptied them: std::vector's self-move).
+  auto& alias = moved;
+  moved = std::move(alias);
+  CHECK(moved.slots.size() == 10);
+  CHECK(moved.step == 1);
+  ls::update(moved, net, g);
+  CHECK(moved.step == 2);
+
+  // Move-assignment onto a live state; brace initialisation still works.
+  auto other = ls::setup(ls::Adam{.lr = 0.5f}, net);
+  other = std::move(moved);
+  CHECK(other.step == 2);
+  CHECK(other.rule.lr == 0.1f);
+  CHECK(other.slots.size() == 10);
+  CHECK(moved.slots.empty());
+  ls::OptState<ls::SGD> braced{ls::SGD{.lr = 2.0f}, 7, {}};
+  CHECK(braced.step == 7);
+  CHECK(braced.rule.lr == 2.0f);
+}
