@@ -46,11 +46,41 @@ DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::
   rebuild();
 }
 
+DistributedDataContainer<void>::DistributedDataContainer(DistributedDataContainer&& other) noexcept
+    : rank_(other.rank_),
+      ranks_(other.ranks_),
+      n_(other.n_),
+      epoch_(other.epoch_),
+      options_(other.options_),
+      indices_(std::move(other.indices_)) {
+  other.n_ = 0;
+  other.epoch_ = 0;
+  other.indices_.clear();
+}
+
+DistributedDataContainer<void>& DistributedDataContainer<void>::operator=(
+    DistributedDataContainer&& other) noexcept {
+  if (this != &other) {
+    rank_ = other.rank_;
+    ranks_ = other.ranks_;
+    n_ = other.n_;
+    epoch_ = other.epoch_;
+    options_ = other.options_;
+    indices_ = std::move(other.indices_);
+    other.n_ = 0;
+    other.epoch_ = 0;
+    other.indices_.clear();
+  }
+  return *this;
+}
+
 void DistributedDataContainer<void>::rebuild() {
   std::vector<std::int64_t> perm(static_cast<std::size_t>(n_));
   for (std::int64_t i = 0; i < n_; ++i) perm[static_cast<std::size_t>(i)] = i;
   if (options_.shuffle && n_ > 1) {
-    std::uint64_t s = options_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(epoch_ + 1));
+    // epoch + 1 in unsigned arithmetic: the same value as before for every epoch that did not
+    // overflow, and defined for INT64_MAX.
+    std::uint64_t s = options_.seed ^ (0xD1B54A32D192ED03ull * (static_cast<std::uint64_t>(epoch_) + 1));
     for (std::int64_t i = n_ - 1; i > 0; --i) {
       const auto j = static_cast<std::int64_t>(bounded(s, static_cast<std::uint64_t>(i + 1)));
       std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(j)]);
@@ -78,12 +108,14 @@ void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
 
 std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size, bool drop_last) const {
   LOCKSTEP_CHECK_ARG(batch_size > 0, "num_batches: batch_size must be > 0, got ", batch_size);
-  return drop_last ? size() / batch_size : (size() + batch_size - 1) / batch_size;
+  // Rounded up without size() + batch_size - 1, which overflows for a large batch_size.
+  return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,
                                                                     std::int64_t batch_size) const {
-  LOCKSTEP_CHECK_ARG(batch_size > 0 && b >= 0 && b * batch_size < std::max<std::int64_t>(size(), 1),
+  // b * batch_size < max(size(), 1), without the product (it overflows for large arguments).
+  LOCKSTEP_CHECK_ARG(batch_size > 0 && b >= 0 && b <= (std::max<std::int64_t>(size(), 1) - 1) / batch_size,
                      "batch: batch ", b, " of size ", batch_size, " is out of range (", size(),
                      " samples)");
   const std::int64_t start = b * batch_size;

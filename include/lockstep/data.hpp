@@ -46,6 +46,12 @@ class DistributedDataContainer<void> {
   /// Collective: checks that every rank passes the same n_samples and options
   /// (MismatchError otherwise). n_samples >= 0.
   DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {});
+  DistributedDataContainer(const DistributedDataContainer&) = default;
+  DistributedDataContainer& operator=(const DistributedDataContainer&) = default;
+  /// A moved-from container holds no samples (size() and total_size() are 0, operator[] and
+  /// global_index throw InvalidArgument, set_epoch brings none back); self-move keeps it.
+  DistributedDataContainer(DistributedDataContainer&& other) noexcept;
+  DistributedDataContainer& operator=(DistributedDataContainer&& other) noexcept;
 
   /// Number of samples this rank visits per epoch (equal on every rank).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
@@ -92,6 +98,21 @@ class DistributedDataContainer : public DistributedDataContainer<void> {
   DistributedDataContainer(Backend& backend, Dataset&& data, DataOptions options = {})
       : DistributedDataContainer<void>(backend, static_cast<std::int64_t>(data.size()), options),
         data_(std::forward<Dataset>(data)) {}
+
+  DistributedDataContainer(const DistributedDataContainer&) = default;
+  DistributedDataContainer& operator=(const DistributedDataContainer&) = default;
+  DistributedDataContainer(DistributedDataContainer&&) = default;
+  /// Self-move keeps the container and its dataset (a dataset's own self-move may empty it).
+  DistributedDataContainer& operator=(DistributedDataContainer&& other) noexcept(
+      std::is_nothrow_move_assignable_v<Dataset>)
+    requires(!std::is_reference_v<Dataset> && std::is_move_assignable_v<Dataset>)
+  {
+    if (this != &other) {
+      DistributedDataContainer<void>::operator=(std::move(other));
+      data_ = std::move(other.data_);
+    }
+    return *this;
+  }
 
   /// This rank's i-th sample of the current epoch.
   decltype(auto) operator[](std::int64_t i) { return data_[global_index(i)]; }
