@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <utility>
 
@@ -48,6 +47,22 @@ void fill_host(void* p, std::int64_t n, T value) {
   for (std::int64_t i = 0; i < n; ++i) t[i] = value;
 }
 
+// Throws InvalidArgument if `v` cannot be converted to an integer dtype: converting a NaN, an
+// infinity or a value outside the type's range from double is undefined behaviour. Values in
+// range are truncated toward zero, as static_cast does.
+void check_fill_value(DType dtype, double v) {
+  double lo = 0, hi = 0;  // the open interval of doubles that truncate into the type
+  switch (dtype) {
+    case DType::i32: lo = -2147483649.0; hi = 2147483648.0; break;
+    // -2^63 - 2048 is the double just below -2^63.
+    case DType::i64: lo = -9223372036854777856.0; hi = 9223372036854775808.0; break;
+    case DType::u8: lo = -1.0; hi = 256.0; break;
+    default: return;  // floating dtypes: NaN and infinities are values
+  }
+  LOCKSTEP_CHECK_ARG(v > lo && v < hi, "Tensor::full: value ", v, " cannot be represented in ",
+                     name(dtype));
+}
+
 void fill_bytes(void* p, std::int64_t n, DType dtype, double v) {
   switch (dtype) {
     case DType::f16: fill_host(p, n, to_half(static_cast<float>(v))); break;
@@ -69,27 +84,24 @@ void copy_bytes(void* dst, Device dd, const void* src, Device sd, std::size_t by
   device_runtime("copy involving a cuda device").copy(dst, dd, src, sd, bytes);
 }
 
-// True if numel (>= 0) elements of dtype fit in kMaxBytes.
+// Throws InvalidArgument for a value outside the enumeration (size_of gives 0 for it).
+void check_dtype_value(const char* what, DType dtype) {
+  LOCKSTEP_CHECK_ARG(size_of(dtype) != 0, what, ": invalid DType value ",
+                     static_cast<int>(dtype));
+}
+
+// True if numel (>= 0) elements of dtype (a valid one) fit in kMaxBytes.
 bool fits(std::int64_t numel, DType dtype) {
   return static_cast<std::size_t>(numel) <= kMaxBytes / size_of(dtype);
 }
 
 // The byte size of a tensor about to be made; InvalidArgument naming the shape if too large.
 std::size_t tensor_bytes(const char* what, const Shape& shape, std::int64_t numel, DType dtype) {
+  check_dtype_value(what, dtype);
   LOCKSTEP_CHECK_ARG(fits(numel, dtype), what, ": shape ", to_string(shape), " of ", name(dtype),
                      " needs ", numel, " x ", size_of(dtype),
                      " bytes, more than memory can address (at most ", kMaxBytes, " bytes)");
   return static_cast<std::size_t>(numel) * size_of(dtype);
-}
-
-// True if [a, a + an) and [b, b + bn) share a byte (pointers of unrelated allocations are
-// compared through std::less, which is a total order).
-bool overlap(const void* a, std::size_t an, const void* b, std::size_t bn) {
-  if (an == 0 || bn == 0) return false;
-  const auto* pa = static_cast<const std::byte*>(a);
-  const auto* pb = static_cast<const std::byte*>(b);
-  std::less<const std::byte*> lt;
-  return lt(pa, pb + bn) && lt(pb, pa + an);
 }
 
 }  // namespace
@@ -121,10 +133,21 @@ std::int64_t numel_of(const Shape& s) {
 }
 
 std::size_t nbytes_of(std::int64_t numel, DType dtype) {
+  check_dtype_value("nbytes_of", dtype);
   LOCKSTEP_CHECK_ARG(numel >= 0, "negative element count ", numel);
   LOCKSTEP_CHECK_ARG(fits(numel, dtype), numel, " elements of ", name(dtype),
                      " need more bytes than memory can address (at most ", kMaxBytes, " bytes)");
   return static_cast<std::size_t>(numel) * size_of(dtype);
+}
+
+bool memory_overlaps(const TensorView& a, const TensorView& b) noexcept {
+  if (a.device != b.device || a.data == nullptr || b.data == nullptr || a.numel <= 0 || b.numel <= 0)
+    return false;
+  // Compared as addresses, by distance from the lower start: no pointer arithmetic outside
+  // either view, and no sum that could wrap.
+  const auto pa = reinterpret_cast<std::uintptr_t>(a.data);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b.data);
+  return pa <= pb ? pb - pa < a.nbytes() : pa - pb < b.nbytes();
 }
 
 void TensorView::check_dtype(DType expected) const {
@@ -137,6 +160,7 @@ void TensorView::check_dtype(DType expected) const {
 
 TensorView TensorView::slice(std::int64_t offset, std::int64_t count) const {
   // A view that cannot describe real memory is refused rather than sliced.
+  check_dtype_value("slice", dtype);
   LOCKSTEP_CHECK_ARG(numel >= 0 && fits(numel, dtype) && (data != nullptr || numel == 0),
                      "slice of a view of ", numel, " ", name(dtype), " elements at ", data,
                      ", which cannot exist");
@@ -208,6 +232,7 @@ Tensor Tensor::ones(Shape shape, DType dtype, Device device) {
 }
 
 Tensor Tensor::full(Shape shape, double value, DType dtype, Device device) {
+  check_fill_value(dtype, value);
   if (device.is_cuda()) {
     device_runtime("Tensor::full on a cuda device");
     Tensor host = full(shape, value, dtype, Device::cpu());
@@ -269,7 +294,7 @@ void Tensor::copy_from(const TensorView& src) {
                      src.numel, " elements");
   const std::size_t bytes = nbytes();
   if (bytes == 0 || src.data == data_) return;  // nothing to copy, or a copy onto itself
-  if (src.device == device_ && overlap(data_, bytes, src.data, bytes)) {
+  if (memory_overlaps(view(), src)) {
     LOCKSTEP_CHECK_ARG(device_.is_cpu(), "copy_from: source and destination overlap in memory on ",
                        to_string(device_));
     std::memmove(data_, src.data, bytes);

@@ -731,3 +731,62 @@ TEST_CASE("the tensors of a Flat keep its allocations alive", "[flat][lifetime]"
   }
   CHECK(b.data<float>()[2] == 4.0f);
 }
+
+TEST_CASE("invalid dtype values and fill values that an integer dtype cannot hold are refused",
+          "[tensor][dtype]") {
+  const auto bad = static_cast<ls::DType>(42);
+  const std::string msg = invalid_message([&] { ls::Tensor::zeros({2}, bad); });
+  CHECK(contains(msg, "invalid DType value 42"));
+  std::vector<float> mem(4);
+  CHECK_THROWS_AS(ls::Tensor::borrow(mem.data(), {4}, bad), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::nbytes_of(4, bad), ls::InvalidArgument);
+  CHECK_THROWS_AS((ls::TensorView{mem.data(), 4, bad, ls::Device::cpu()}.slice(0, 1)), ls::InvalidArgument);
+
+  // Converting NaN, an infinity or an out-of-range double to an integer is undefined behaviour.
+  using ls::DType;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType t : {DType::i32, DType::i64, DType::u8}) {
+    INFO(ls::name(t));
+    CHECK_THROWS_AS(ls::Tensor::full({2}, nan, t), ls::InvalidArgument);
+    CHECK_THROWS_AS(ls::Tensor::full({2}, inf, t), ls::InvalidArgument);
+    CHECK_THROWS_AS(ls::Tensor::full({2}, -inf, t), ls::InvalidArgument);
+    CHECK_THROWS_AS(ls::Tensor::full({2}, 1e300, t), ls::InvalidArgument);
+  }
+  CHECK_THROWS_AS(ls::Tensor::full({1}, 2147483648.0, DType::i32), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::Tensor::full({1}, -2147483649.0, DType::i32), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::Tensor::full({1}, 9223372036854775808.0, DType::i64), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::Tensor::full({1}, -1.0, DType::u8), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::Tensor::full({1}, 256.0, DType::u8), ls::InvalidArgument);
+  const std::string fill = invalid_message([] { ls::Tensor::full({1}, 300.0, DType::u8); });
+  CHECK(contains(fill, "300"));
+  CHECK(contains(fill, "u8"));
+  // The extremes that fit, and truncation toward zero as static_cast does.
+  CHECK(ls::Tensor::full({1}, 2147483647.0, DType::i32).data<std::int32_t>()[0] == 2147483647);
+  CHECK(ls::Tensor::full({1}, -2147483648.9, DType::i32).data<std::int32_t>()[0] == -2147483647 - 1);
+  CHECK(ls::Tensor::full({1}, -9223372036854775808.0, DType::i64).data<std::int64_t>()[0] == kMin);
+  CHECK(ls::Tensor::full({1}, 255.9, DType::u8).data<std::uint8_t>()[0] == 255);
+  CHECK(ls::Tensor::full({1}, -0.9, DType::u8).data<std::uint8_t>()[0] == 0);
+  // Floating dtypes take NaN and infinities as values.
+  CHECK(std::isnan(ls::Tensor::full({1}, nan, DType::f32).data<float>()[0]));
+  CHECK(std::isinf(ls::Tensor::full({1}, inf, DType::f64).data<double>()[0]));
+}
+
+TEST_CASE("memory_overlaps: views on one device sharing a byte", "[tensor][alias]") {
+  std::vector<float> mem(8);
+  auto v = [&](std::int64_t off, std::int64_t n) {
+    return ls::TensorView{mem.data() + off, n, ls::DType::f32, ls::Device::cpu()};
+  };
+  CHECK(ls::memory_overlaps(v(0, 4), v(3, 2)));
+  CHECK(ls::memory_overlaps(v(3, 2), v(0, 4)));
+  CHECK(ls::memory_overlaps(v(0, 8), v(0, 8)));
+  CHECK_FALSE(ls::memory_overlaps(v(0, 4), v(4, 4)));
+  CHECK_FALSE(ls::memory_overlaps(v(4, 4), v(0, 4)));
+  CHECK_FALSE(ls::memory_overlaps(v(2, 0), v(0, 8)));  // empty views share nothing
+  ls::TensorView other_device = v(0, 4);
+  other_device.device = ls::Device::cuda(0);
+  CHECK_FALSE(ls::memory_overlaps(v(0, 4), other_device));
+  // A hand-made view claiming almost all of memory: no wrap-around in the comparison.
+  ls::TensorView huge{mem.data(), kMax, ls::DType::f64, ls::Device::cpu()};
+  CHECK(ls::memory_overlaps(huge, v(7, 1)));
+}

@@ -49,6 +49,9 @@ struct TensorView {
   void check_dtype(DType expected) const;
 };
 
+/// True if a and b lie on the same device and share at least one byte of memory.
+bool memory_overlaps(const TensorView& a, const TensorView& b) noexcept;
+
 /// A view of a typed span on the host.
 template <class T>
 TensorView view_of(std::span<T> s) {
