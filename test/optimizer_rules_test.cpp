@@ -316,3 +316,36 @@ TEST_CASE("a moved-from OptState has no slots and is refused by update; self-mov
   CHECK(braced.step == 7);
   CHECK(braced.rule.lr == 2.0f);
 }
+
+TEST_CASE("parameters, gradients and optimizer state that share memory are refused", "[rules][alias]") {
+  // The update loops take restrict pointers: shared memory is undefined behaviour there.
+  ls::Tensor p = ls::Tensor::full({8}, 1.0);
+  auto sgd = ls::setup(ls::SGD{.lr = 0.5f}, p);
+  try {
+    ls::update(sgd, p, p);
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("shares memory"));
+  }
+  CHECK(sgd.step == 0);
+  CHECK(p.data<float>()[0] == 1.0f);
+
+  // A partial overlap through borrowed views, given to the rule directly.
+  ls::Tensor base = ls::Tensor::full({9}, 1.0);
+  ls::Tensor param = ls::Tensor::borrow(base.data<float>(), {8}, ls::DType::f32);
+  ls::Tensor grad = ls::Tensor::borrow(base.data<float>() + 1, {8}, ls::DType::f32);
+  ls::SGD::Slot none{};
+  CHECK_THROWS_WITH(ls::SGD{}.apply(none, param, grad, 1), Catch::Contains("overlap"));
+  ls::SGD momentum{.momentum = 0.9f};
+  ls::Tensor g = ls::Tensor::full({8}, 1.0);
+  ls::SGD::Slot shared{param.reshape_view({8})};
+  CHECK_THROWS_WITH(momentum.apply(shared, param, g, 1), Catch::Contains("momentum buffer"));
+
+  ls::Adam adam;
+  ls::Adam::Slot moments = adam.init(param);
+  moments.exp_avg_sq = moments.exp_avg.reshape_view({8});
+  CHECK_THROWS_WITH(adam.apply(moments, param, g, 1), Catch::Contains("exp_avg_sq"));
+  ls::Adam::Slot ok = adam.init(param);
+  adam.apply(ok, param, g, 1);  // disjoint buffers: fine
+  CHECK(param.data<float>()[0] < 1.0f);
+}

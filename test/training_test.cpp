@@ -495,3 +495,20 @@ TEST_CASE("a gradient moved from or reassigned after begin_step is refused befor
   CHECK(acc.applied_steps() == 1);
   CHECK(all_ranks(backend, st.applied_steps() == 2 && acc.applied_steps() == 1));
 }
+
+TEST_CASE("gradients that share memory with the parameters are refused before any communication",
+          "[training][alias]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  CountingBackend counting(backend);
+  Mlp model = make_mlp(5);
+  auto opt = ls::DistributedOptimizer(counting, ls::Adam{});
+  auto st = ls::setup(opt, model);
+  const float before = model.w1.data<float>()[0];
+  counting.reset();
+  const std::string msg = invalid_message([&] { ls::update(st, model, model); });
+  CHECK(mentions(msg, "shares memory"));
+  CHECK(mentions(msg, "w1"));
+  CHECK(counting.allreduces == 0);  // nothing was reduced (the parameters would have been averaged)
+  CHECK(model.w1.data<float>()[0] == before);
+  CHECK(all_ranks(backend, counting.allreduces == 0 && st.applied_steps() == 0));
+}

@@ -156,8 +156,9 @@ std::vector<Tensor*> trainable_leaves(X& x) {
 }
 
 namespace detail {
-/// Checks that grads has the model's trainable tensors (count, shape, dtype); throws
-/// InvalidArgument naming the first differing leaf. `what` prefixes the message.
+/// Checks that grads has the model's trainable tensors (count, shape, dtype, no gradient sharing
+/// memory with its parameter); throws InvalidArgument naming the first bad leaf. `what`
+/// prefixes the message.
 void check_grads_match(const char* what, const std::vector<Tensor*>& params,
                        const std::vector<Tensor*>& grads,
                        const std::vector<std::string>& param_paths,
@@ -181,7 +182,8 @@ std::pair<std::vector<Tensor*>, std::vector<Tensor*>> aligned_leaves(const char*
   auto gs = trainable_leaves(grads);
   bool ok = params.size() == gs.size();
   for (std::size_t i = 0; ok && i < params.size(); ++i)
-    ok = params[i]->shape() == gs[i]->shape() && params[i]->dtype() == gs[i]->dtype();
+    ok = params[i]->shape() == gs[i]->shape() && params[i]->dtype() == gs[i]->dtype() &&
+         !memory_overlaps(params[i]->view(), gs[i]->view());
   if (!ok) check_grads_match(what, params, gs, trainable_paths(model), trainable_paths(grads));
   return {std::move(params), std::move(gs)};
 }
