@@ -347,3 +347,18 @@ TEST_CASE("zero-element tensors round trip whatever their other extents", "[chec
   const std::string header = "{\"t\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,4],\"data_offsets\":[0,0]}}";
   CHECK(parse_error(as_span(make_file(header))).find("too many elements") != std::string::npos);
 }
+
+TEST_CASE("add_to_checkpoint shares host tensors without copying and keeps their memory alive",
+          "[checkpoint][lifetime]") {
+  // More than glibc's largest mmap threshold: freed memory is unmapped, so a dangling read faults.
+  constexpr std::int64_t n = std::int64_t{12} << 20;
+  ls::Checkpoint ck;
+  {
+    std::vector<ls::Tensor> model;
+    model.push_back(ls::Tensor::full({n}, 1.25));
+    ls::add_to_checkpoint(ck, model, "m");
+    CHECK(ck.at("m[0]").raw_data() == model[0].raw_data());  // a view, not a copy
+  }
+  CHECK(ck.at("m[0]").numel() == n);
+  CHECK(ck.at("m[0]").data<float>()[n - 1] == 1.25f);  // the model is gone; its memory is not
+}

@@ -154,8 +154,9 @@ std::map<std::string, std::string> broadcast_metadata(Backend& backend,
 
 }  // namespace detail
 
-/// Adds every leaf of x to ck as prefix.path. Host tensors are borrowed (x must outlive ck),
-/// device tensors copied to the host, scalars stored as 0-d tensors.
+/// Adds every leaf of x to ck as prefix.path. Host tensors are added as views that share their
+/// memory and keep it alive (a tensor that itself borrows memory is borrowed: that memory must
+/// outlive ck), device tensors copied to the host, scalars stored as 0-d tensors.
 template <class X>
 void add_to_checkpoint(Checkpoint& ck, const X& x, std::string_view prefix = "") {
   for_each_leaf_with_path(x, [&](const std::string& path, const auto& leaf) {
@@ -163,8 +164,7 @@ void add_to_checkpoint(Checkpoint& ck, const X& x, std::string_view prefix = "")
     std::string name = detail::join_leaf_name(prefix, path);
     if constexpr (std::is_same_v<L, Tensor>) {
       if (leaf.device().is_cpu())
-        ck.add(std::move(name), Tensor::borrow(const_cast<void*>(leaf.raw_data()), leaf.shape(),
-                                               leaf.dtype()));
+        ck.add(std::move(name), leaf.reshape_view(leaf.shape()));
       else
         ck.add(std::move(name), leaf.to(Device::cpu()));
     } else {
