@@ -790,3 +790,16 @@ TEST_CASE("memory_overlaps: views on one device sharing a byte", "[tensor][alias
   ls::TensorView huge{mem.data(), kMax, ls::DType::f64, ls::Device::cpu()};
   CHECK(ls::memory_overlaps(huge, v(7, 1)));
 }
+
+TEST_CASE("flat allocations whose element counts add up past int64 are refused", "[flat][bounds]") {
+  // Borrowed tensors can claim any size that fits in addressable memory; two of 2^62 bytes
+  // each are 2^63 elements of u8 together: the sum used to overflow (signed: undefined).
+  std::vector<std::uint8_t> mem(16);
+  std::vector<ls::Tensor> lying;
+  lying.push_back(ls::Tensor::borrow(mem.data(), {std::int64_t{1} << 62}, ls::DType::u8));
+  lying.push_back(ls::Tensor::borrow(mem.data(), {std::int64_t{1} << 62}, ls::DType::u8));
+  const std::string msg = invalid_message([&] { (void)ls::flat_zeros_like(lying); });
+  CHECK(contains(msg, "flat allocation"));
+  CHECK(contains(msg, "more elements than an int64 can count"));
+  CHECK_THROWS_AS(ls::flat_copy(lying), ls::InvalidArgument);
+}

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "training_common.hpp"
@@ -511,4 +512,20 @@ TEST_CASE("gradients that share memory with the parameters are refused before an
   CHECK(counting.allreduces == 0);  // nothing was reduced (the parameters would have been averaged)
   CHECK(model.w1.data<float>()[0] == before);
   CHECK(all_ranks(backend, counting.allreduces == 0 && st.applied_steps() == 0));
+}
+
+TEST_CASE("the bucket plan compares sizes without a sum that wraps", "[training][bounds]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  // Three borrowed f32 tensors of 2^63 - 4 bytes each (never read: SGD without momentum keeps
+  // no state, and nothing is reduced) with bucket_bytes = SIZE_MAX: two fit together, the
+  // third does not. The sum of all three wrapped to less than SIZE_MAX and made one bucket.
+  std::vector<float> mem(4);
+  const std::int64_t n = (std::int64_t{1} << 61) - 1;
+  std::vector<ls::Tensor> model;
+  for (int i = 0; i < 3; ++i) model.push_back(ls::Tensor::borrow(mem.data(), {n}, ls::DType::f32));
+  auto opt = ls::DistributedOptimizer(
+      backend, ls::SGD{}, ls::DistributedOptions{.bucket_bytes = std::numeric_limits<std::size_t>::max()});
+  auto st = ls::setup(opt, model);
+  CHECK(st.reducer().bucket_count() == 2);
+  CHECK(all_ranks(backend, st.reducer().bucket_count() == 2));
 }
