@@ -649,13 +649,19 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     if (offsets->kind != Json::Kind::array || offsets->items.size() != 2)
       fail(what() + ": data_offsets must be an array [begin, end]");
     Entry e{&key, *dt, {}, 0, 0};
-    std::uint64_t numel = 1;
+    // As numel_of: a zero extent anywhere gives zero elements, whatever the other extents.
+    bool zero = false;
     for (const Json& d : shape->items) {
       const std::uint64_t x = as_index(d, key, "shape extent");
-      if (x != 0 && numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / x)
+      zero = zero || x == 0;
+      e.shape.push_back(static_cast<std::int64_t>(x));
+    }
+    std::uint64_t numel = zero ? 0 : 1;
+    for (std::size_t k = 0; !zero && k < e.shape.size(); ++k) {
+      const auto x = static_cast<std::uint64_t>(e.shape[k]);
+      if (numel > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / x)
         fail(what() + " has a shape with too many elements");
       numel *= x;
-      e.shape.push_back(static_cast<std::int64_t>(x));
     }
     e.begin = as_index(offsets->items[0], key, "data_offsets begin");
     e.end = as_index(offsets->items[1], key, "data_offsets end");

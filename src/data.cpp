@@ -64,6 +64,36 @@ DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::
   rebuild();
 }
 
+DistributedDataContainer<void>::DistributedDataContainer(DistributedDataContainer&& other) noexcept
+    : backend_(other.backend_),
+      rank_(other.rank_),
+      ranks_(other.ranks_),
+      n_(other.n_),
+      epoch_(other.epoch_),
+      options_(other.options_),
+      indices_(std::move(other.indices_)) {
+  other.n_ = 0;
+  other.epoch_ = 0;
+  other.indices_.clear();
+}
+
+DistributedDataContainer<void>& DistributedDataContainer<void>::operator=(
+    DistributedDataContainer&& other) noexcept {
+  if (this != &other) {
+    backend_ = other.backend_;
+    rank_ = other.rank_;
+    ranks_ = other.ranks_;
+    n_ = other.n_;
+    epoch_ = other.epoch_;
+    options_ = other.options_;
+    indices_ = std::move(other.indices_);
+    other.n_ = 0;
+    other.epoch_ = 0;
+    other.indices_.clear();
+  }
+  return *this;
+}
+
 void DistributedDataContainer<void>::rebuild() {
   std::vector<std::int64_t> perm(static_cast<std::size_t>(n_));
   for (std::int64_t i = 0; i < n_; ++i) perm[static_cast<std::size_t>(i)] = i;
@@ -110,14 +140,8 @@ void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
 
 std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size, bool drop_last) const {
   LOCKSTEP_CHECK_ARG(batch_size > 0, "num_batches: batch_size must be > 0, got ", batch_size);
-  // No size() + batch_size - 1: that overflows for a batch_size near the int64 maximum.
+  // Rounded up without size() + batch_size - 1, which overflows for a large batch_size.
   return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
-}
-
-std::int64_t DistributedDataContainer<void>::num_batches() const {
-  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
-                     "num_batches(): DataOptions::batch_size is not set; set it, or pass the batch size");
-  return num_batches(options_.batch_size, options_.drop_last);
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,
@@ -169,21 +193,22 @@ Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t co
                      "slice_along: ", count, " elements from ", start, " are out of range for dimension ",
                      dim, " of shape ", to_string(t.shape()));
   LOCKSTEP_CHECK_ARG(keepdim || count == 1, "slice_along: keepdim = false needs count 1, got ", count);
-  Shape shape = t.shape();
-  shape[static_cast<std::size_t>(dim)] = count;
+  Shape out_shape = t.shape();
+  out_shape[static_cast<std::size_t>(dim)] = count;
+  if (!keepdim) out_shape.erase(out_shape.begin() + dim);
+  // No elements: nothing to point at or copy (and the products of the other extents, which a
+  // zero extent no longer bounds, are never formed).
+  if (t.numel() == 0 || count == 0) return Tensor(std::move(out_shape), t.dtype(), t.device());
+  // Every extent is now >= 1, so each partial product is at most t.numel(): no overflow.
   std::int64_t outer = 1, inner = 1;
   for (int d = 0; d < dim; ++d) outer *= t.dim(static_cast<std::size_t>(d));
   for (std::size_t d = static_cast<std::size_t>(dim) + 1; d < t.ndim(); ++d) inner *= t.dim(d);
-  const std::size_t es = size_of(t.dtype());
-  Shape out_shape = shape;
-  if (!keepdim) out_shape.erase(out_shape.begin() + dim);
   if (outer == 1) {
-    // Contiguous: borrow.
-    auto* base = static_cast<std::byte*>(const_cast<void*>(t.raw_data())) +
-                 static_cast<std::size_t>(start * inner) * es;
-    return Tensor::borrow(base, out_shape, t.dtype(), t.device());
+    // Contiguous: a view that shares t's memory and keeps it alive.
+    return t.slice_view(start * inner, std::move(out_shape));
   }
-  Tensor out(out_shape, t.dtype(), t.device());
+  const std::size_t es = size_of(t.dtype());
+  Tensor out(std::move(out_shape), t.dtype(), t.device());
   const auto* src = static_cast<const std::byte*>(t.raw_data());
   auto* dst = static_cast<std::byte*>(out.raw_data());
   const std::size_t row = static_cast<std::size_t>(count * inner) * es;

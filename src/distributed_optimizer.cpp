@@ -79,8 +79,9 @@ struct GradReducer::Impl {
       while (first > 0) {
         const auto& prev = leaves[first - 1];
         const std::size_t pb = static_cast<std::size_t>(prev.numel) * size_of(prev.dtype);
+        // bytes + pb > cap, without the sum (it could wrap with a bucket_bytes near SIZE_MAX).
         if (prev.dtype != leaves[first].dtype || prev.device != leaves[first].device ||
-            bytes + pb > cap)
+            bytes > cap || pb > cap - bytes)
           break;
         bytes += pb;
         --first;
@@ -116,6 +117,23 @@ struct GradReducer::Impl {
         return false;
     }
     return true;
+  }
+
+  // Throws InvalidArgument if a bound gradient of bucket b is no longer what bind() checked:
+  // moved from, or reassigned with another size, dtype or device, since it was bound. Called
+  // before the bucket is read or reduced, so nothing has been sent when it throws.
+  void verify_bound(const Bucket& b) const {
+    for (std::size_t j = b.first; j < b.last; ++j) {
+      const Tensor& g = *bound[j];
+      const GradLeaf& l = leaves[j];
+      LOCKSTEP_CHECK_ARG(g.numel() == l.numel && g.dtype() == l.dtype && g.device() == l.device &&
+                             (g.raw_data() != nullptr || l.numel == 0),
+                         "DistributedOptimizer: gradient '", paths[j], "' changed after it was bound ",
+                         "by begin_step/update: it is now ", name(g.dtype()), " ", to_string(g.shape()),
+                         " on ", to_string(g.device()), g.raw_data() == nullptr ? " with no memory" : "",
+                         ", expected ", name(l.dtype), " of ", l.numel, " elements on ",
+                         to_string(l.device), " (was it moved from or reassigned?)");
+    }
   }
 
   void reset_step() {
@@ -205,7 +223,10 @@ struct GradReducer::Impl {
   }
 
   void launch_ready() {
-    while (next_launch < buckets.size() && buckets[next_launch].remaining == 0) launch(next_launch++);
+    while (next_launch < buckets.size() && buckets[next_launch].remaining == 0) {
+      verify_bound(buckets[next_launch]);
+      launch(next_launch++);
+    }
   }
 
   void finish(Bucket& b) {
@@ -310,6 +331,7 @@ void GradReducer::accumulate() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound && m.next_launch == 0,
                      "accumulate: no gradients bound, or buckets already in flight");
+  for (const auto& b : m.buckets) m.verify_bound(b);
   for (auto& b : m.buckets) {
     m.ensure_work(b);
     if (m.accumulated == 0) b.work.zero_();
@@ -325,6 +347,7 @@ const std::vector<Tensor*>& GradReducer::reduce() {
   // Reduce what backward did not report, in bucket order, each bucket with blocking calls and
   // unpacked right after, while it is still in cache (device buckets: nonblocking, see launch).
   while (m.next_launch < m.buckets.size()) {
+    m.verify_bound(m.buckets[m.next_launch]);
     const std::size_t bi = m.next_launch++;
     m.launch(bi, /*blocking=*/true);
     if (m.buckets[bi].requests.empty()) m.finish(m.buckets[bi]);

@@ -4,6 +4,8 @@
 #include "lockstep/rules.hpp"
 
 #include <atomic>
+#include <initializer_list>
+#include <utility>
 #include <sstream>
 
 namespace lockstep {
@@ -28,6 +30,16 @@ void check_pair(const char* rule, const Tensor& p, const Tensor& g) {
   LOCKSTEP_CHECK_ARG(p.dtype() == DType::f32 || p.dtype() == DType::f64, rule,
                      ": only f32 and f64 parameters are supported, got ", name(p.dtype()));
 }
+
+// The update loops take their pointers as restrict (optim_math.hpp), so parameter, gradient
+// and state buffers must not share memory: that would be undefined behaviour, and a partial
+// overlap gives different results once the loop is vectorised.
+void check_disjoint(const char* rule, std::initializer_list<std::pair<const char*, const Tensor*>> ts) {
+  for (auto a = ts.begin(); a != ts.end(); ++a)
+    for (auto b = a + 1; b != ts.end(); ++b)
+      LOCKSTEP_CHECK_ARG(!memory_overlaps(a->second->view(), b->second->view()), rule, ": the ",
+                         a->first, " and the ", b->first, " overlap in memory");
+}
 }  // namespace
 
 void set_device_optimizer_kernels(DeviceOptimizerKernels* k) noexcept { g_device_kernels.store(k); }
@@ -45,6 +57,10 @@ void SGD::apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step
                        "SGD: momentum buffer has ", slot.momentum_buffer.numel(),
                        " elements, parameter ", param.numel(),
                        " (momentum was 0 when the state was set up?)");
+  if (momentum != 0.0f)
+    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}, {"momentum buffer", &slot.momentum_buffer}});
+  else
+    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}});
   if (!param.device().is_cpu()) {
     device_kernels("SGD").sgd(param.view(), grad.view(), slot.momentum_buffer.view(), *this, step);
     return;
@@ -71,6 +87,10 @@ void Adam::apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t ste
   LOCKSTEP_CHECK_ARG(slot.exp_avg.numel() == param.numel() && slot.exp_avg_sq.numel() == param.numel(),
                      "Adam: moments have ", slot.exp_avg.numel(), " and ", slot.exp_avg_sq.numel(),
                      " elements, parameter ", param.numel());
+  check_disjoint("Adam", {{"parameter", &param},
+                          {"gradient", &grad},
+                          {"first moment (exp_avg)", &slot.exp_avg},
+                          {"second moment (exp_avg_sq)", &slot.exp_avg_sq}});
   if (!param.device().is_cpu()) {
     device_kernels("Adam").adam(param.view(), grad.view(), slot.exp_avg.view(),
                                 slot.exp_avg_sq.view(), *this, step);
@@ -101,6 +121,9 @@ void check_grads_match(const char* what, const std::vector<Tensor*>& params,
                            name(grads[i]->dtype()), " ", to_string(grads[i]->shape()),
                            " but parameter '", shown(param_paths.at(i)), "' is ",
                            name(params[i]->dtype()), " ", to_string(params[i]->shape())));
+    if (memory_overlaps(params[i]->view(), grads[i]->view()))
+      throw_invalid(concat(what, ": gradient '", shown(grad_paths.at(i)), "' shares memory with parameter '",
+                           shown(param_paths.at(i)), "' (the gradients passed are the parameters?)"));
   }
   throw_invalid(concat(what, ": the model has ", params.size(),
                        " trainable tensors but the gradients have ", grads.size()));

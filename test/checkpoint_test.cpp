@@ -603,4 +603,84 @@ TEST_CASE("a write that fails midway leaves the old checkpoint and no temporary 
   int files = 0;
   for (const auto& e : fs::directory_iterator(dir.path)) files += 1;
   CHECK(files == 1);
+
+namespace {
+// x = std::move(x) through a reference, so that the compiler sees no self-move to warn about.
+template <class T>
+void self_move(T& x) {
+  T& alias = x;
+  x = std::move(alias);
+}
+}  // namespace
+
+TEST_CASE("a moved-from Checkpoint is empty and usable; self-move keeps it", "[checkpoint][move]") {
+  ls::Checkpoint a = sample_checkpoint();
+  const std::size_t n = a.tensors.size();
+  const std::size_t m = a.metadata.size();
+  REQUIRE(n > 0);
+  REQUIRE(m > 0);
+  const std::string first = a.tensors.front().first;
+  const void* data = a.tensors.front().second.raw_data();
+
+  ls::Checkpoint b = std::move(a);
+  CHECK(b.tensors.size() == n);
+  CHECK(b.metadata.size() == m);
+  CHECK(b.at(first).raw_data() == data);
+  // The moved-from checkpoint is empty, and behaves as an empty checkpoint.
+  CHECK(a.tensors.empty());
+  CHECK(a.metadata.empty());
+  CHECK(a.find(first) == nullptr);
+  CHECK_THROWS_AS(a.at(first), ls::CheckpointError);
+  const ls::Checkpoint back = ls::parse_checkpoint(ls::serialize_checkpoint(a));
+  CHECK(back.tensors.empty());
+  a.add(first, ls::Tensor::full({2}, 1.0));
+  CHECK(a.at(first).numel() == 2);
+
+  // Self-move keeps every tensor and every metadata entry (std::vector's self-move empties).
+  self_move(b);
+  CHECK(b.tensors.size() == n);
+  CHECK(b.metadata.size() == m);
+  CHECK(b.at(first).raw_data() == data);
+  CHECK(same(b, sample_checkpoint()));
+
+  // Move-assignment onto a live checkpoint replaces its contents.
+  a = std::move(b);
+  CHECK(a.tensors.size() == n);
+  CHECK(a.at(first).raw_data() == data);
+  CHECK(b.tensors.empty());
+  CHECK(b.metadata.empty());
+  CHECK(same(a, sample_checkpoint()));
+}
+
+TEST_CASE("zero-element tensors round trip whatever their other extents", "[checkpoint][bounds]") {
+  // numel_of gives 0 for a zero extent anywhere; the reader agrees, so what is written reads back.
+  constexpr std::int64_t big = std::int64_t{1} << 62;
+  ls::Checkpoint ck;
+  ck.add("zero_last", ls::Tensor::zeros({big, 4, 0}));
+  ck.add("zero_first", ls::Tensor::zeros({0, big, 4}));
+  ck.add("w", ls::Tensor::full({2}, 3.0));
+  const ls::Checkpoint back = ls::parse_checkpoint(ls::serialize_checkpoint(ck));
+  REQUIRE(back.tensors.size() == 3);
+  CHECK(back.at("zero_last").shape() == ls::Shape{big, 4, 0});
+  CHECK(back.at("zero_first").shape() == ls::Shape{0, big, 4});
+  CHECK(back.at("zero_last").numel() == 0);
+  CHECK(ls::bitwise_equal(back.at("w"), ck.at("w")));
+  // Without a zero, the same extents are too many elements.
+  const std::string header = "{\"t\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,4],\"data_offsets\":[0,0]}}";
+  CHECK(parse_error(as_span(make_file(header))).find("too many elements") != std::string::npos);
+}
+
+TEST_CASE("add_to_checkpoint shares host tensors without copying and keeps their memory alive",
+          "[checkpoint][lifetime]") {
+  // More than glibc's largest mmap threshold: freed memory is unmapped, so a dangling read faults.
+  constexpr std::int64_t n = std::int64_t{12} << 20;
+  ls::Checkpoint ck;
+  {
+    std::vector<ls::Tensor> model;
+    model.push_back(ls::Tensor::full({n}, 1.25));
+    ls::add_to_checkpoint(ck, model, "m");
+    CHECK(ck.at("m[0]").raw_data() == model[0].raw_data());  // a view, not a copy
+  }
+  CHECK(ck.at("m[0]").numel() == n);
+  CHECK(ck.at("m[0]").data<float>()[n - 1] == 1.25f);  // the model is gone; its memory is not
 }

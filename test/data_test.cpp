@@ -616,4 +616,69 @@ TEST_CASE("partitioners and slice_along refuse zero, negative and overflowing si
   CHECK_THROWS_AS(ls::slice_along(t, 0, -1, 1, true), ls::InvalidArgument);
   CHECK_THROWS_AS(ls::slice_along(t, 2, 0, 1, true), ls::InvalidArgument);
   CHECK(ls::slice_along(t, 0, 3, 0, true).shape() == ls::Shape{0, 2});
+
+// ---- Overflow in batch arithmetic, moved-from containers (adversarial cases) ----------------
+
+TEST_CASE("batch arithmetic does not overflow with huge batch sizes, batches and epochs", "[data][bounds]") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  ls::DistributedDataContainer c(b, 10, ls::DataOptions{.shuffle = true, .seed = 7});
+  const std::int64_t s = c.size();  // 10 / ranks, rounded up: at least 3 up to 4 ranks
+  REQUIRE(s >= 3);
+  CHECK(c.num_batches(kMax) == 1);
+  CHECK(c.num_batches(kMax, true) == 0);
+  CHECK(c.num_batches(s - 1) == 2);
+  CHECK(c.batch(0, kMax).size() == static_cast<std::size_t>(s));
+  CHECK_THROWS_AS(c.batch(1, kMax), ls::InvalidArgument);
+  CHECK_THROWS_AS(c.batch(kMax, 2), ls::InvalidArgument);
+  CHECK_THROWS_AS(c.batch(2, kMax), ls::InvalidArgument);
+  CHECK_THROWS_AS(c.batch(kMax, kMax), ls::InvalidArgument);
+  CHECK_THROWS_AS(c.batch(-1, 1), ls::InvalidArgument);
+  CHECK_THROWS_AS(c.batch(0, std::numeric_limits<std::int64_t>::min()), ls::InvalidArgument);
+  CHECK(c.batch(s - 1, 1).size() == 1);
+  CHECK_THROWS_AS(c.batch(s, 1), ls::InvalidArgument);
+  // The last epoch an int64 can number shuffles like any other (epoch + 1 overflowed).
+  c.set_epoch(kMax);
+  bool in_range = true;
+  for (auto i : c.indices()) in_range = in_range && i >= 0 && i < 10;
+  CHECK(in_range);
+  CHECK(all_ranks(b, in_range && same_on_all_ranks(b, fnv_of(gather_indices(b, c.indices())))));
+}
+
+TEST_CASE("a moved-from DistributedDataContainer holds no samples; self-move keeps it", "[data][move]") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  ls::DistributedDataContainer c(b, std::vector<double>{1.5, 2.5, 3.5, 4.5, 5.5}, ls::DataOptions{.shuffle = false});
+  const std::int64_t s = c.size();
+  REQUIRE(s >= 1);
+  auto d = std::move(c);
+  CHECK(d.size() == s);
+  CHECK(d.total_size() == 5);
+  CHECK(d[0] == 1.5 + static_cast<double>(d.global_index(0)));
+  CHECK(c.size() == 0);
+  CHECK(c.total_size() == 0);
+  CHECK_THROWS_AS(c[0], ls::InvalidArgument);
+  c.set_epoch(3);  // brings no samples back: it used to index the moved-from (empty) vector
+  CHECK(c.size() == 0);
+  CHECK_THROWS_AS(c[0], ls::InvalidArgument);
+  CHECK(c.num_batches(2) == 0);
+
+  auto& alias = d;
+  d = std::move(alias);
+  CHECK(d.size() == s);
+  CHECK(d.data().size() == 5);
+  CHECK(d[0] == 1.5 + static_cast<double>(d.global_index(0)));
+
+  ls::DistributedDataContainer e(b, std::vector<double>{9.0});
+  e = std::move(d);
+  CHECK(e.total_size() == 5);
+  CHECK(e.data().size() == 5);
+  CHECK(d.size() == 0);
+
+  // The index-only container is still copyable; a copy is independent.
+  ls::DistributedDataContainer idx(b, 6);
+  auto copy = idx;
+  idx.set_epoch(1);
+  CHECK(copy.size() == idx.size());
+  CHECK(copy.epoch() == 0);
+  CHECK(all_ranks(b, e.total_size() == 5 && c.size() == 0));
 }

@@ -273,3 +273,79 @@ TEST_CASE("f16 parameters are rejected by the CPU rules", "[rules]") {
   ls::Tensor g = ls::Tensor::zeros({3}, ls::DType::f16);
   CHECK_THROWS_AS(ls::update(st, p, g), ls::InvalidArgument);
 }
+
+TEST_CASE("a moved-from OptState has no slots and is refused by update; self-move keeps it", "[rules][move]") {
+  app::Net net = app::make_net();
+  app::Net g = ls::zeros_like(net);
+  auto st = ls::setup(ls::Adam{.lr = 0.1f}, net);
+  ls::update(st, net, g);
+  REQUIRE(st.step == 1);
+  REQUIRE(st.slots.size() == 10);
+
+  auto moved = std::move(st);
+  CHECK(moved.step == 1);
+  CHECK(moved.slots.size() == 10);
+  CHECK(moved.rule.lr == 0.1f);
+  CHECK(st.step == 0);
+  CHECK(st.slots.empty());
+  CHECK(st.rule.lr == 0.1f);  // the hyperparameters stay
+  try {
+    ls::update(st, net, g);
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("0 slots") && Catch::Contains("moved from"));
+  }
+  CHECK(st.step == 0);  // nothing applied
+
+  // Self-move keeps the slots (a defaulted one emptied them: std::vector's self-move).
+  auto& alias = moved;
+  moved = std::move(alias);
+  CHECK(moved.slots.size() == 10);
+  CHECK(moved.step == 1);
+  ls::update(moved, net, g);
+  CHECK(moved.step == 2);
+
+  // Move-assignment onto a live state; brace initialisation still works.
+  auto other = ls::setup(ls::Adam{.lr = 0.5f}, net);
+  other = std::move(moved);
+  CHECK(other.step == 2);
+  CHECK(other.rule.lr == 0.1f);
+  CHECK(other.slots.size() == 10);
+  CHECK(moved.slots.empty());
+  ls::OptState<ls::SGD> braced{ls::SGD{.lr = 2.0f}, 7, {}};
+  CHECK(braced.step == 7);
+  CHECK(braced.rule.lr == 2.0f);
+}
+
+TEST_CASE("parameters, gradients and optimizer state that share memory are refused", "[rules][alias]") {
+  // The update loops take restrict pointers: shared memory is undefined behaviour there.
+  ls::Tensor p = ls::Tensor::full({8}, 1.0);
+  auto sgd = ls::setup(ls::SGD{.lr = 0.5f}, p);
+  try {
+    ls::update(sgd, p, p);
+    FAIL("no exception");
+  } catch (const ls::InvalidArgument& e) {
+    CHECK_THAT(e.what(), Catch::Contains("shares memory"));
+  }
+  CHECK(sgd.step == 0);
+  CHECK(p.data<float>()[0] == 1.0f);
+
+  // A partial overlap through borrowed views, given to the rule directly.
+  ls::Tensor base = ls::Tensor::full({9}, 1.0);
+  ls::Tensor param = ls::Tensor::borrow(base.data<float>(), {8}, ls::DType::f32);
+  ls::Tensor grad = ls::Tensor::borrow(base.data<float>() + 1, {8}, ls::DType::f32);
+  ls::SGD::Slot none{};
+  CHECK_THROWS_WITH(ls::SGD{}.apply(none, param, grad, 1), Catch::Contains("overlap"));
+  ls::SGD momentum{.momentum = 0.9f};
+  ls::Tensor g = ls::Tensor::full({8}, 1.0);
+  ls::SGD::Slot shared{param.reshape_view({8})};
+  CHECK_THROWS_WITH(momentum.apply(shared, param, g, 1), Catch::Contains("momentum buffer"));
+
+  ls::Adam adam;
+  ls::Adam::Slot moments = adam.init(param);
+  moments.exp_avg_sq = moments.exp_avg.reshape_view({8});
+  CHECK_THROWS_WITH(adam.apply(moments, param, g, 1), Catch::Contains("exp_avg_sq"));
+  ls::Adam::Slot ok = adam.init(param);
+  adam.apply(ok, param, g, 1);  // disjoint buffers: fine
+  CHECK(param.data<float>()[0] < 1.0f);
+}

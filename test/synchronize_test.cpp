@@ -263,3 +263,22 @@ TEST_CASE("synchronize moves the data in few large broadcasts", "[synchronize]")
   ok = ok && b.allgathers == 1 && b.broadcasts == 2 && content_hash(*flat) == content_hash(make_outer(0));
   CHECK(all_ranks(mpi, ok));
 }
+
+TEST_CASE("a tensor moved from on one rank is a MismatchError on every rank, not a wrong broadcast",
+          "[synchronize][move]") {
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = b.rank(), n = b.size();
+  if (n < 2) {
+    SUCCEED("needs two ranks");
+    return;
+  }
+  // A moved-from tensor is empty (shape [0]), so the structure check sees it on every rank.
+  Outer x = make_outer(rank);
+  ls::Tensor taken;
+  if (rank == n - 1) taken = std::move(x.inner.a);
+  std::string msg;
+  const bool ok = throws_mismatch(b, x, 0, "inner.a", msg);
+  INFO(msg);
+  CHECK(all_ranks(b, ok));
+  if (rank == n - 1) CHECK(msg.find("[0]") != std::string::npos);
+}

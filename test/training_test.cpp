@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "training_common.hpp"
@@ -362,4 +363,169 @@ TEST_CASE("mixed f32/f64 gradients: buckets split by dtype, all averaged", "[tra
     if (layout == 1) ok = ok && st.reducer().zero_copy_buckets() == 4;
     CHECK(all_ranks(b, ok));
   }
+}
+
+// ---- Moved-from states and gradients changed after begin_step (adversarial cases) ----------
+
+namespace {
+// x = std::move(x) through a reference, so that the compiler sees no self-move to warn about.
+template <class T>
+void self_move(T& x) {
+  T& alias = x;
+  x = std::move(alias);
+}
+
+// The message of the InvalidArgument that f throws, or "" if it throws none.
+template <class F>
+std::string invalid_message(F&& f) {
+  try {
+    f();
+  } catch (const ls::InvalidArgument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+}  // namespace
+
+TEST_CASE("a moved-from DistributedState is empty and refuses every use with InvalidArgument",
+          "[training][move]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  auto opt = ls::DistributedOptimizer(backend, ls::SGD{.lr = 0.1f, .momentum = 0.9f});
+  Mlp model = make_mlp(3);
+  Mlp grads = ls::zeros_like(model);
+  auto st = ls::setup(opt, model);
+  ls::update(st, model, grads);
+  REQUIRE(st.applied_steps() == 1);
+
+  auto moved = std::move(st);
+  CHECK(moved.applied_steps() == 1);
+  CHECK(moved.inner.step == 1);
+  CHECK(moved.inner.slots.size() == 4);
+  // The moved-from state is empty...
+  CHECK(st.applied_steps() == 0);
+  CHECK(st.skipped_steps() == 0);
+  CHECK(st.inner.step == 0);
+  CHECK(st.inner.slots.empty());
+  CHECK(ls::leaf_count(st) == 1);  // only "step": a synchronize against live states mismatches
+  // ...and every use of it is a clear error, before any communication (it was a null deref).
+  const std::string msg = invalid_message([&] { ls::update(st, model, grads); });
+  CHECK(mentions(msg, "used after move"));
+  CHECK(mentions(msg, "DistributedState"));
+  CHECK(mentions(invalid_message([&] { st.begin_step(grads); }), "used after move"));
+  CHECK(mentions(invalid_message([&] { st.grad_ready(grads.w1); }), "used after move"));
+  CHECK(mentions(invalid_message([&] { ls::accumulate(st, grads); }), "used after move"));
+  CHECK(mentions(invalid_message([&] { (void)st.reducer().bucket_count(); }), "used after move"));
+  CHECK(mentions(invalid_message([&] { (void)std::as_const(st).reducer(); }), "used after move"));
+
+  // The state it moved to goes on where it was.
+  ls::update(moved, model, grads);
+  CHECK(moved.applied_steps() == 2);
+  CHECK(moved.inner.step == 2);
+
+  // Move-assignment onto a live state replaces it; the source is then empty.
+  auto other = ls::setup(opt, model);
+  other = std::move(moved);
+  CHECK(other.applied_steps() == 2);
+  CHECK(other.inner.step == 2);
+  CHECK(other.inner.slots.size() == 4);
+  CHECK(mentions(invalid_message([&] { (void)moved.reducer(); }), "used after move"));
+
+  // Self-move keeps everything (slots, counts, reducer).
+  self_move(other);
+  CHECK(other.applied_steps() == 2);
+  CHECK(other.inner.slots.size() == 4);
+  ls::update(other, model, grads);
+  CHECK(other.applied_steps() == 3);
+
+  // A moved-from state can be given a new one.
+  st = ls::setup(opt, model);
+  ls::update(st, model, grads);
+  CHECK(st.applied_steps() == 1);
+  CHECK(all_ranks(backend, other.applied_steps() == 3 && st.inner.slots.size() == 4));
+}
+
+TEST_CASE("a gradient moved from or reassigned after begin_step is refused before it is reduced",
+          "[training][move]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  Mlp model = make_mlp(4);
+  Mlp grads = ls::zeros_like(model);
+  for (auto* g : {&grads.w1, &grads.b1, &grads.w2, &grads.b2})
+    for (auto& v : g->span<float>()) v = 1.0f;
+  auto opt = ls::DistributedOptimizer(backend, ls::SGD{.lr = 1.0f});
+  auto st = ls::setup(opt, model);
+
+  // Ready reports: the bucket (all four gradients) would launch with a moved-from b2.
+  st.begin_step(grads);
+  ls::Tensor stolen = std::move(grads.b2);
+  st.grad_ready(grads.b2);
+  st.grad_ready(grads.w2);
+  st.grad_ready(grads.b1);
+  const std::string msg = invalid_message([&] { st.grad_ready(grads.w1); });
+  CHECK(mentions(msg, "'b2'"));
+  CHECK(mentions(msg, "moved from"));
+  // Nothing was sent: with b2 back in place, the same step completes on every rank.
+  grads.b2 = std::move(stolen);
+  const float before = model.b2.data<float>()[0];
+  ls::update(st, model, grads);
+  CHECK(st.applied_steps() == 1);
+  CHECK(model.b2.data<float>()[0] == before - 1.0f);
+
+  // Reassigned with another size after begin_step, reduced by update() itself.
+  st.begin_step(grads);
+  ls::Tensor saved = std::move(grads.w2);
+  grads.w2 = ls::Tensor::zeros({kHidden * kOut + 1});
+  const std::string viaupdate = invalid_message([&] { st.reducer().reduce(); });
+  CHECK(mentions(viaupdate, "'w2'"));
+  grads.w2 = std::move(saved);
+  ls::update(st, model, grads);
+  CHECK(st.applied_steps() == 2);
+
+  // Accumulation: adding a moved-from gradient into the accumulator (it read null memory).
+  auto acc_opt = ls::DistributedOptimizer(backend, ls::SGD{.lr = 1.0f},
+                                          ls::DistributedOptions{.accumulation_steps = 2});
+  auto acc = ls::setup(acc_opt, model);
+  acc.begin_step(grads);
+  ls::Tensor w1 = std::move(grads.w1);
+  CHECK(mentions(invalid_message([&] { ls::accumulate(acc, grads); }), "'w1'"));
+  grads.w1 = std::move(w1);
+  ls::accumulate(acc, grads);
+  CHECK(acc.reducer().accumulated() == 1);
+  ls::update(acc, model, grads);
+  CHECK(acc.applied_steps() == 1);
+  CHECK(all_ranks(backend, st.applied_steps() == 2 && acc.applied_steps() == 1));
+}
+
+TEST_CASE("gradients that share memory with the parameters are refused before any communication",
+          "[training][alias]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  CountingBackend counting(backend);
+  Mlp model = make_mlp(5);
+  auto opt = ls::DistributedOptimizer(counting, ls::Adam{});
+  auto st = ls::setup(opt, model);
+  const float before = model.w1.data<float>()[0];
+  counting.reset();
+  const std::string msg = invalid_message([&] { ls::update(st, model, model); });
+  CHECK(mentions(msg, "shares memory"));
+  CHECK(mentions(msg, "w1"));
+  CHECK(counting.allreduces == 0);  // nothing was reduced (the parameters would have been averaged)
+  CHECK(model.w1.data<float>()[0] == before);
+  CHECK(all_ranks(backend, counting.allreduces == 0 && st.applied_steps() == 0));
+}
+
+TEST_CASE("the bucket plan compares sizes without a sum that wraps", "[training][bounds]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  // Three borrowed f32 tensors of 2^63 - 4 bytes each (never read: SGD without momentum keeps
+  // no state, and nothing is reduced) with bucket_bytes = SIZE_MAX: two fit together, the
+  // third does not. The sum of all three wrapped to less than SIZE_MAX and made one bucket.
+  std::vector<float> mem(4);
+  const std::int64_t n = (std::int64_t{1} << 61) - 1;
+  std::vector<ls::Tensor> model;
+  for (int i = 0; i < 3; ++i) model.push_back(ls::Tensor::borrow(mem.data(), {n}, ls::DType::f32));
+  auto opt = ls::DistributedOptimizer(
+      backend, ls::SGD{}, ls::DistributedOptions{.bucket_bytes = std::numeric_limits<std::size_t>::max()});
+  auto st = ls::setup(opt, model);
+  CHECK(st.reducer().bucket_count() == 2);
+  CHECK(all_ranks(backend, st.reducer().bucket_count() == 2));
 }

@@ -49,10 +49,29 @@ class CheckpointError : public Error {
 };
 
 /// Named tensors (in file order) and string metadata: what one checkpoint file holds.
-/// Move-only like Tensor.
+/// Move-only like Tensor. A moved-from Checkpoint is empty (no tensors, no metadata) and usable;
+/// self-move keeps it as it is.
 struct Checkpoint {
   std::vector<std::pair<std::string, Tensor>> tensors;
   std::map<std::string, std::string> metadata;
+
+  Checkpoint() = default;
+  Checkpoint(Checkpoint&& other) noexcept
+      : tensors(std::move(other.tensors)), metadata(std::move(other.metadata)) {
+    other.tensors.clear();
+    other.metadata.clear();
+  }
+  Checkpoint& operator=(Checkpoint&& other) noexcept {
+    if (this != &other) {
+      tensors = std::move(other.tensors);
+      metadata = std::move(other.metadata);
+      other.tensors.clear();
+      other.metadata.clear();
+    }
+    return *this;
+  }
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
 
   /// Appends a tensor; throws InvalidArgument if the name is empty, starts with "__" or is taken.
   void add(std::string name, Tensor t);
@@ -266,10 +285,11 @@ std::map<std::string, std::string> broadcast_metadata(Backend& backend,
 
 }  // namespace detail
 
-/// Adds every leaf of x to ck as prefix.path. Host tensors are borrowed (x must outlive ck),
-/// device tensors copied to the host, scalars stored as 0-d tensors. All or nothing: throws
-/// InvalidArgument naming the leaf (and adds nothing) for a scalar no checkpoint dtype holds
-/// exactly (long double, 128-bit integers), a moved-from tensor, or a name already in ck.
+/// Adds every leaf of x to ck as prefix.path. Host tensors are added as views that share their
+/// memory and keep it alive (a tensor that itself borrows memory is borrowed: that memory must
+/// outlive ck), device tensors copied to the host, scalars stored as 0-d tensors. All or nothing:
+/// throws InvalidArgument naming the leaf (and adds nothing) for a scalar no checkpoint dtype
+/// holds exactly (long double, 128-bit integers), a moved-from tensor, or a name already in ck.
 template <class X>
 void add_to_checkpoint(Checkpoint& ck, const X& x, std::string_view prefix = "") {
   detail::check_storable("add_to_checkpoint", x, prefix);
@@ -279,8 +299,7 @@ void add_to_checkpoint(Checkpoint& ck, const X& x, std::string_view prefix = "")
     std::string name = detail::join_leaf_name(prefix, path);
     if constexpr (std::is_same_v<L, Tensor>) {
       if (leaf.device().is_cpu())
-        add.emplace_back(std::move(name), Tensor::borrow(const_cast<void*>(leaf.raw_data()), leaf.shape(),
-                                                         leaf.dtype()));
+        add.emplace_back(std::move(name), leaf.reshape_view(leaf.shape()));
       else
         add.emplace_back(std::move(name), leaf.to(Device::cpu()));
     } else if constexpr (detail::unstorable_scalar_reason<L>() == nullptr) {

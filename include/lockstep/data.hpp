@@ -54,6 +54,12 @@ class DistributedDataContainer<void> {
   /// (InvalidArgument on every rank otherwise). The backend must outlive the container.
   DistributedDataContainer(Backend& backend, std::int64_t n_samples, DataOptions options = {})
       : DistributedDataContainer(backend, n_samples, options, -1) {}
+  DistributedDataContainer(const DistributedDataContainer&) = default;
+  DistributedDataContainer& operator=(const DistributedDataContainer&) = default;
+  /// A moved-from container holds no samples (size() and total_size() are 0, operator[] and
+  /// global_index throw InvalidArgument, set_epoch brings none back); self-move keeps it.
+  DistributedDataContainer(DistributedDataContainer&& other) noexcept;
+  DistributedDataContainer& operator=(DistributedDataContainer&& other) noexcept;
 
   /// Number of samples this rank visits per epoch (equal on every rank).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
@@ -116,6 +122,21 @@ class DistributedDataContainer : public DistributedDataContainer<void> {
   DistributedDataContainer(Backend& backend, Dataset&& data, DataOptions options = {})
       : DistributedDataContainer<void>(backend, static_cast<std::int64_t>(data.size()), options),
         data_(std::forward<Dataset>(data)) {}
+
+  DistributedDataContainer(const DistributedDataContainer&) = default;
+  DistributedDataContainer& operator=(const DistributedDataContainer&) = default;
+  DistributedDataContainer(DistributedDataContainer&&) = default;
+  /// Self-move keeps the container and its dataset (a dataset's own self-move may empty it).
+  DistributedDataContainer& operator=(DistributedDataContainer&& other) noexcept(
+      std::is_nothrow_move_assignable_v<Dataset>)
+    requires(!std::is_reference_v<Dataset> && std::is_move_assignable_v<Dataset>)
+  {
+    if (this != &other) {
+      DistributedDataContainer<void>::operator=(std::move(other));
+      data_ = std::move(other.data_);
+    }
+    return *this;
+  }
 
   /// This rank's i-th sample of the current epoch.
   decltype(auto) operator[](std::int64_t i) { return data_[global_index(i)]; }
@@ -201,7 +222,8 @@ inline constexpr SumReducer sum_reducer{};
 inline constexpr ConcatReducer concat_reducer{};
 
 /// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
-/// dimension (count must be 1). A zero-copy view for dim 0 (borrows t's memory), a copy otherwise.
+/// dimension (count must be 1). A zero-copy view when the part is contiguous (dim 0, or only
+/// extents of 1 before dim), which shares t's memory and keeps it alive; a copy otherwise.
 Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
 
 namespace detail {

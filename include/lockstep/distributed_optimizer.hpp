@@ -146,12 +146,40 @@ class DistributedOptimizer {
 
 /// Optimizer state of a DistributedOptimizer: the wrapped rule's state (traversed exactly like
 /// OptState: "step" and "slots") plus the gradient reducer (not traversed).
+/// Move-only. A moved-from state is empty: step 0, no slots, no counted steps and no reducer;
+/// begin_step, grad_ready, reducer(), update and accumulate on it throw InvalidArgument ("used
+/// after move"). Move-assignment replaces the target's reducer (waiting for any reduction it
+/// has in flight); self-move keeps the state as it is.
 template <OptimizerRule R>
 class DistributedState {
  public:
   DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer,
                    DistributedOptions options = {})
-      : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {}
+      : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {
+    LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState: no gradient reducer given");
+  }
+  DistributedState(DistributedState&& other) noexcept(std::is_nothrow_move_constructible_v<OptState<R>>)
+      : inner(std::move(other.inner)),
+        reducer_(std::move(other.reducer_)),
+        options_(other.options_),
+        skipped_(other.skipped_),
+        applied_(other.applied_) {
+    other.reset_to_empty();
+  }
+  DistributedState& operator=(DistributedState&& other) noexcept(
+      std::is_nothrow_move_assignable_v<OptState<R>>) {
+    if (this != &other) {
+      inner = std::move(other.inner);
+      reducer_ = std::move(other.reducer_);  // this state's old reducer waits for its requests
+      options_ = other.options_;
+      skipped_ = other.skipped_;
+      applied_ = other.applied_;
+      other.reset_to_empty();
+    }
+    return *this;
+  }
+  DistributedState(const DistributedState&) = delete;
+  DistributedState& operator=(const DistributedState&) = delete;
 
   /// The wrapped rule's state (rule hyperparameters, step count, slots).
   OptState<R> inner;
@@ -160,15 +188,16 @@ class DistributedState {
   /// grad_ready(). Optional; without it update() reduces everything itself.
   template <class G>
   void begin_step(G& grads) {
-    reducer_->bind(trainable_leaves(grads));
+    live_reducer("begin_step").bind(trainable_leaves(grads));
   }
   /// Reports that gradient `g` (a tensor of the grads passed to begin_step) is final; a bucket
   /// whose gradients are all final starts reducing at once.
-  void grad_ready(const Tensor& g) { reducer_->mark_ready(g); }
+  void grad_ready(const Tensor& g) { live_reducer("grad_ready").mark_ready(g); }
 
-  /// The gradient reducer (bucket counts, for tests and benchmarks).
-  const detail::GradReducer& reducer() const noexcept { return *reducer_; }
-  detail::GradReducer& reducer() noexcept { return *reducer_; }
+  /// The gradient reducer (bucket counts, for tests and benchmarks). Throws InvalidArgument on
+  /// a moved-from state.
+  const detail::GradReducer& reducer() const { return live_reducer("reducer"); }
+  detail::GradReducer& reducer() { return live_reducer("reducer"); }
 
   /// The options of the DistributedOptimizer this state was set up with.
   const DistributedOptions& options() const noexcept { return options_; }
@@ -180,6 +209,19 @@ class DistributedState {
   void count_step(bool skipped) noexcept { ++(skipped ? skipped_ : applied_); }
 
  private:
+  detail::GradReducer& live_reducer(const char* what) const {
+    LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState::", what,
+                       ": the state was used after move (its gradient reducer now belongs to the "
+                       "DistributedState it was moved to)");
+    return *reducer_;
+  }
+  void reset_to_empty() noexcept {
+    inner.step = 0;
+    inner.slots.clear();
+    reducer_.reset();
+    skipped_ = applied_ = 0;
+  }
+
   std::unique_ptr<detail::GradReducer> reducer_;
   DistributedOptions options_;
   std::int64_t skipped_ = 0, applied_ = 0;

@@ -31,6 +31,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "lockstep/errors.hpp"
@@ -100,12 +101,34 @@ inline Adam AdamW(float lr = 1e-3f, float weight_decay = 1e-2f) {
 /// Optimizer state of rule R for one model: the step count and one Slot per trainable tensor
 /// (in traversal order). Traversable (fields "step" and "slots"): synchronize and checkpoints
 /// walk it like a model. `rule` holds the hyperparameters (change rule.lr for a schedule); it is
-/// not traversed.
+/// not traversed. Move-only when the slots hold tensors. A moved-from state keeps its rule and
+/// has step 0 and no slots (update on it is an InvalidArgument); self-move keeps it as it is.
 template <OptimizerRule R>
 struct OptState {
   R rule{};
   std::int64_t step = 0;
   std::vector<typename R::Slot> slots;
+
+  OptState() = default;
+  OptState(R r, std::int64_t s = 0, std::vector<typename R::Slot> sl = {})
+      : rule(std::move(r)), step(s), slots(std::move(sl)) {}
+  OptState(const OptState&) = default;  // deleted when the slots are move-only
+  OptState& operator=(const OptState&) = default;
+  OptState(OptState&& other) noexcept(std::is_nothrow_copy_constructible_v<R>)
+      : rule(other.rule), step(other.step), slots(std::move(other.slots)) {
+    other.step = 0;
+    other.slots.clear();
+  }
+  OptState& operator=(OptState&& other) noexcept(std::is_nothrow_copy_assignable_v<R>) {
+    if (this != &other) {
+      rule = other.rule;
+      step = other.step;
+      slots = std::move(other.slots);
+      other.step = 0;
+      other.slots.clear();
+    }
+    return *this;
+  }
 };
 
 template <class R, class V>
@@ -133,8 +156,9 @@ std::vector<Tensor*> trainable_leaves(X& x) {
 }
 
 namespace detail {
-/// Checks that grads has the model's trainable tensors (count, shape, dtype); throws
-/// InvalidArgument naming the first differing leaf. `what` prefixes the message.
+/// Checks that grads has the model's trainable tensors (count, shape, dtype, no gradient sharing
+/// memory with its parameter); throws InvalidArgument naming the first bad leaf. `what`
+/// prefixes the message.
 void check_grads_match(const char* what, const std::vector<Tensor*>& params,
                        const std::vector<Tensor*>& grads,
                        const std::vector<std::string>& param_paths,
@@ -158,7 +182,8 @@ std::pair<std::vector<Tensor*>, std::vector<Tensor*>> aligned_leaves(const char*
   auto gs = trainable_leaves(grads);
   bool ok = params.size() == gs.size();
   for (std::size_t i = 0; ok && i < params.size(); ++i)
-    ok = params[i]->shape() == gs[i]->shape() && params[i]->dtype() == gs[i]->dtype();
+    ok = params[i]->shape() == gs[i]->shape() && params[i]->dtype() == gs[i]->dtype() &&
+         !memory_overlaps(params[i]->view(), gs[i]->view());
   if (!ok) check_grads_match(what, params, gs, trainable_paths(model), trainable_paths(grads));
   return {std::move(params), std::move(gs)};
 }
@@ -182,7 +207,7 @@ void update(OptState<R>& state, M& model, const G& grads) {
   auto [params, gs] = detail::aligned_leaves("update", model, grads);
   LOCKSTEP_CHECK_ARG(params.size() == state.slots.size(), "update: the optimizer state has ",
                      state.slots.size(), " slots but the model has ", params.size(),
-                     " trainable tensors (was the state set up for this model?)");
+                     " trainable tensors (was the state set up for this model, or moved from?)");
   ++state.step;
   for (std::size_t i = 0; i < params.size(); ++i)
     state.rule.apply(state.slots[i], *params[i], *gs[i], state.step);
@@ -194,7 +219,8 @@ void update_leaves(OptState<R>& state, const std::vector<Tensor*>& params,
                    const std::vector<Tensor*>& grads) {
   LOCKSTEP_CHECK_ARG(params.size() == state.slots.size() && grads.size() == params.size(),
                      "update: the optimizer state has ", state.slots.size(), " slots but the model has ",
-                     params.size(), " trainable tensors and grads ", grads.size());
+                     params.size(), " trainable tensors and grads ", grads.size(),
+                     " (was the state set up for this model, or moved from?)");
   ++state.step;
   for (std::size_t i = 0; i < params.size(); ++i)
     state.rule.apply(state.slots[i], *params[i], *grads[i], state.step);

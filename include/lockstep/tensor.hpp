@@ -18,8 +18,13 @@ using Shape = std::vector<std::int64_t>;
 
 /// "[2, 3]".
 std::string to_string(const Shape& s);
-/// Product of the extents; throws InvalidArgument on a negative extent.
+/// Product of the extents; throws InvalidArgument on a negative extent or a product that an
+/// int64 cannot hold. A zero extent anywhere gives 0, whatever the other extents.
 std::int64_t numel_of(const Shape& s);
+/// numel * size_of(dtype) in bytes; throws InvalidArgument if numel is negative or the size is
+/// more than a pointer difference can hold (PTRDIFF_MAX), so byte sizes and offsets computed
+/// from it never wrap.
+std::size_t nbytes_of(std::int64_t numel, DType dtype);
 
 /// Non-owning view of contiguous memory: data, element count, dtype, device.
 struct TensorView {
@@ -37,11 +42,15 @@ struct TensorView {
     check_dtype(dtype_of_v<T>);
     return static_cast<T*>(data);
   }
-  /// Elements [offset, offset + count) of this view.
+  /// Elements [offset, offset + count) of this view; throws InvalidArgument unless
+  /// 0 <= offset <= numel and 0 <= count <= numel - offset (checked without overflow).
   TensorView slice(std::int64_t offset, std::int64_t count) const;
 
   void check_dtype(DType expected) const;
 };
+
+/// True if a and b lie on the same device and share at least one byte of memory.
+bool memory_overlaps(const TensorView& a, const TensorView& b) noexcept;
 
 /// A view of a typed span on the host.
 template <class T>
@@ -51,16 +60,19 @@ TensorView view_of(std::span<T> s) {
 }
 
 /// Owning, contiguous tensor. Host memory is 64-byte aligned. Copying is explicit (clone());
-/// moves are cheap.
+/// moves are cheap. A moved-from tensor is empty, exactly like Tensor(): shape {0}, f32, cpu,
+/// no memory; every operation on it is a no-op or an InvalidArgument. Self-move keeps it as is.
 class Tensor {
  public:
-  /// Empty tensor: shape {0}, f32, cpu.
+  /// Empty tensor: shape {0}, f32, cpu, no memory (raw_data() is null).
   Tensor();
-  /// Uninitialised tensor of the given shape (contents unspecified).
+  /// Uninitialised tensor of the given shape (contents unspecified). Throws InvalidArgument for
+  /// a bad shape or one too large to address, lockstep::Error naming the size if the memory
+  /// cannot be allocated.
   Tensor(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
 
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   ~Tensor() = default;
@@ -92,7 +104,11 @@ class Tensor {
   static Tensor borrow(void* data, Shape shape, DType dtype, Device device = Device::cpu());
 
   const Shape& shape() const noexcept { return shape_; }
-  std::int64_t dim(std::size_t i) const { return shape_.at(i); }
+  /// Extent of dimension i; throws InvalidArgument if i >= ndim().
+  std::int64_t dim(std::size_t i) const {
+    LOCKSTEP_CHECK_ARG(i < shape_.size(), "dim(", i, ") of a tensor of shape ", to_string(shape_));
+    return shape_[i];
+  }
   std::size_t ndim() const noexcept { return shape_.size(); }
   std::int64_t numel() const noexcept { return numel_; }
   DType dtype() const noexcept { return dtype_; }
@@ -132,12 +148,20 @@ class Tensor {
   Tensor to(Device device) const;
   /// Sets every element to zero.
   void zero_();
-  /// Copies the contents of `src` (same dtype and numel) into this tensor.
+  /// Copies the contents of `src` (same dtype and numel) into this tensor. Overlapping host
+  /// memory is copied as if through a temporary (memmove); a null src with elements is refused.
   void copy_from(const TensorView& src);
-  /// Same memory, new shape with the same numel.
+  /// Same memory, new shape with the same numel; keeps the memory alive like this tensor does.
   Tensor reshape_view(Shape shape) const;
+  /// Elements [offset, offset + numel_of(shape)) of this tensor, as a tensor of `shape` sharing
+  /// this tensor's memory and keeping it alive (a borrowed tensor gives a borrowed view).
+  /// Throws InvalidArgument if the range is not inside the tensor (checked without overflow).
+  Tensor slice_view(std::int64_t offset, Shape shape) const;
 
  private:
+  /// Leaves *this empty (the state of Tensor()); used by the moves.
+  void reset_to_empty() noexcept;
+
   Shape shape_{0};
   std::int64_t numel_ = 0;
   DType dtype_ = DType::f32;

@@ -22,6 +22,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -371,17 +372,31 @@ X clone_tree(const X& x) {
   return out;
 }
 
-/// A structure of type X whose tensors all borrow from a few flat allocations (one per dtype and
+/// A structure of type X whose tensors all lie in a few flat allocations (one per dtype and
 /// device, tensors back to back in traversal order). Such gradients are reduced by
 /// DistributedOptimizer without any copy, and synchronize broadcasts them in place.
-/// Movable (the allocations do not move); not copyable. Traversable as the X it holds.
+/// Each tensor of the structure shares its allocation and keeps it alive, so a tensor moved out
+/// of a Flat stays valid after the Flat is gone. Movable (the allocations do not move); a
+/// moved-from Flat holds no buffers and a moved-from X (whose tensors are empty); self-move
+/// keeps it as it is. Not copyable. Traversable as the X it holds.
 template <class X>
 class Flat {
  public:
   Flat() = default;
   Flat(std::vector<Tensor> buffers, X value) : buffers_(std::move(buffers)), value_(std::move(value)) {}
-  Flat(Flat&&) noexcept = default;
-  Flat& operator=(Flat&&) noexcept = default;
+  Flat(Flat&& other) noexcept : buffers_(std::move(other.buffers_)), value_(std::move(other.value_)) {
+    other.buffers_.clear();
+  }
+  Flat& operator=(Flat&& other) noexcept {
+    if (this != &other) {
+      value_ = std::move(other.value_);  // the structure first, then the memory it lies in
+      buffers_ = std::move(other.buffers_);
+      other.buffers_.clear();
+    }
+    return *this;
+  }
+  Flat(const Flat&) = delete;
+  Flat& operator=(const Flat&) = delete;
 
   X& get() noexcept { return value_; }
   const X& get() const noexcept { return value_; }
@@ -394,7 +409,7 @@ class Flat {
   std::vector<Tensor>& buffers() noexcept { return buffers_; }
 
  private:
-  std::vector<Tensor> buffers_;  // declared first: destroyed after value_, which borrows from it
+  std::vector<Tensor> buffers_;
   X value_{};
 };
 
@@ -418,20 +433,26 @@ struct FlatPlanner {
     groups.push_back(Group{dt, dev});
     return groups.back();
   }
-  void count(const Tensor& t) { group_of(t.dtype(), t.device()).numel += t.numel(); }
+  void count(const Tensor& t) {
+    auto& g = group_of(t.dtype(), t.device());
+    // Each tensor's count is valid; their sum must be too (borrowed tensors can claim any size).
+    LOCKSTEP_CHECK_ARG(t.numel() <= std::numeric_limits<std::int64_t>::max() - g.numel,
+                       "flat allocation: the ", name(t.dtype()), " tensors on ", to_string(t.device()),
+                       " hold more elements than an int64 can count");
+    g.numel += t.numel();
+  }
   void allocate() {
     for (auto& g : groups) {
       g.buffer = buffers.size();
       buffers.push_back(Tensor::zeros({g.numel}, g.dtype, g.device));
     }
   }
+  /// The next t.numel() elements of t's buffer, shaped like t; shares (and keeps alive) the buffer.
   Tensor take(const Tensor& t) {
     auto& g = group_of(t.dtype(), t.device());
-    auto& buf = buffers[g.buffer];
-    auto* base = static_cast<std::byte*>(buf.raw_data()) +
-                 static_cast<std::size_t>(g.cursor) * size_of(g.dtype);
+    Tensor view = buffers[g.buffer].slice_view(g.cursor, t.shape());
     g.cursor += t.numel();
-    return Tensor::borrow(base, t.shape(), t.dtype(), t.device());
+    return view;
   }
 };
 }  // namespace detail
