@@ -914,14 +914,13 @@ std::string join_leaf_name(std::string_view prefix, std::string_view path) {
 
 void check_tensor_usable(const char* what, const std::string& name, const Tensor& t) {
   const Shape& shape = t.shape();
-  std::int64_t n = 1;
+  // numel_of: a zero extent anywhere is zero elements; a negative or overflowing shape throws.
+  std::int64_t n = -1;
   bool counted = true;
-  for (const auto e : shape) {
-    if (e < 0 || (e != 0 && n > std::numeric_limits<std::int64_t>::max() / e)) {
-      counted = false;
-      break;
-    }
-    n *= e;
+  try {
+    n = numel_of(shape);
+  } catch (const Error&) {
+    counted = false;
   }
   if (!counted || n != t.numel())
     throw InvalidArgument(std::string(what) + ": tensor \"" + name + "\" is not usable: its shape " +

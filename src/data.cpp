@@ -140,8 +140,14 @@ void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
 
 std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size, bool drop_last) const {
   LOCKSTEP_CHECK_ARG(batch_size > 0, "num_batches: batch_size must be > 0, got ", batch_size);
-  // Rounded up without size() + batch_size - 1, which overflows for a large batch_size.
+  // No size() + batch_size - 1: that overflows for a batch_size near the int64 maximum.
   return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
+}
+
+std::int64_t DistributedDataContainer<void>::num_batches() const {
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
+                     "num_batches(): DataOptions::batch_size is not set; set it, or pass the batch size");
+  return num_batches(options_.batch_size, options_.drop_last);
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,

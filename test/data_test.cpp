@@ -616,6 +616,7 @@ TEST_CASE("partitioners and slice_along refuse zero, negative and overflowing si
   CHECK_THROWS_AS(ls::slice_along(t, 0, -1, 1, true), ls::InvalidArgument);
   CHECK_THROWS_AS(ls::slice_along(t, 2, 0, 1, true), ls::InvalidArgument);
   CHECK(ls::slice_along(t, 0, 3, 0, true).shape() == ls::Shape{0, 2});
+}
 
 // ---- Overflow in batch arithmetic, moved-from containers (adversarial cases) ----------------
 

@@ -532,8 +532,8 @@ TEST_CASE("slices are bounds-checked without overflow", "[tensor][bounds]") {
   CHECK_THROWS_AS(ls::slice_along(m, -1, 0, 1, true), ls::InvalidArgument);
   CHECK(ls::slice_along(m, 0, 4, 0, true).numel() == 0);
   const std::string along = invalid_message([&] { ls::slice_along(m, 0, kMax, 2, true); });
-  CHECK(contains(along, "start 9223372036854775807"));
-  CHECK(contains(along, "count 2"));
+  CHECK(contains(along, "from 9223372036854775807"));
+  CHECK(contains(along, "out of range"));
 }
 
 TEST_CASE("slice_along views keep the tensor they slice alive", "[tensor][lifetime]") {
