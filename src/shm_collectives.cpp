@@ -34,10 +34,6 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // Every size: a call that goes to MPI instead must first agree on it with the other ranks (one
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
 constexpr std::size_t kDefaultMinBytes = 0;
-// Broadcasts below this many bytes go in pieces of kBroadcastPiece (or the slice, if smaller),
-// so that the root's copy into its slot and the others' copies out of it overlap.
-constexpr std::size_t kBroadcastPipelineBelow = std::size_t{4} << 20;
-constexpr std::size_t kBroadcastPiece = std::size_t{64} << 10;
 
 enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
 
@@ -239,7 +235,10 @@ bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp
 
 bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept {
   if (!host) return false;
-  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+  // From one slice up: below that there is no pipelining, and two copies (root into its slot,
+  // the others out of it) lose to MPI's single copy (bench_shm; measured again in this round
+  // with 64 KiB pieces below 4 MiB: several times slower than MPI under CPU contention).
+  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= std::max(min_bytes_, slice_bytes_);
 }
 
 ShmCollectives::SliceHeader* ShmCollectives::header(int peer, std::uint64_t k) const {
@@ -393,11 +392,7 @@ bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int r
   auto use = [&](std::size_t off, std::size_t m) {
     if (!is_root) std::memcpy(static_cast<char*>(buf) + off * es, slot(root, next_), m * es);
   };
-  // Below a few MiB, pieces smaller than a slice: the root's copy into its slot and the others'
-  // copies out of it then overlap, where one slice would do them one after the other.
-  const std::size_t bytes = static_cast<std::size_t>(numel) * es;
-  const std::size_t piece = bytes < kBroadcastPipelineBelow ? std::min(kBroadcastPiece, slice_bytes_) : slice_bytes_;
-  run(mine, static_cast<std::size_t>(numel), std::max<std::size_t>(piece / es, 1), "broadcast", fill, use);
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "broadcast", fill, use);
   return true;
 }
 

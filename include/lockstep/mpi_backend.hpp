@@ -33,9 +33,9 @@ class MPIBackend final : public Backend {
   void set_cuda_aware(bool on) noexcept;
   /// Whether host-memory allreduce and broadcast go through a shared-memory segment instead of
   /// MPI: true when every rank of the communicator runs on this machine (2 to 8 ranks) and
-  /// LOCKSTEP_SHM=0 is not set. Then every blocking host allreduce of f32/f64/i32/i64 and every
-  /// blocking host broadcast takes it (from LOCKSTEP_SHM_MIN_BYTES, default 0), deadlines
-  /// included; the other blocking host allreduces and broadcasts first agree on the call through
+  /// LOCKSTEP_SHM=0 is not set. Then every blocking host allreduce of f32/f64/i32/i64 (from
+  /// LOCKSTEP_SHM_MIN_BYTES, default 0) and every blocking host broadcast of at least one slice
+  /// takes it, deadlines included; the other blocking host allreduces and broadcasts first agree on the call through
   /// it and then go to MPI. See docs/architecture.md.
   bool shared_memory() const noexcept;
 
