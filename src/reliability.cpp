@@ -516,6 +516,11 @@ void agree_on_settings(MPI_Comm comm) {
 namespace {
 // Set once any communicator of this process saw a stall or a refused collective (any_stall()).
 std::atomic<bool> g_any_stall{false};
+// The texts of "this rank is leaving" notices, sent just before their monitor goes and never
+// waited for (see notify_all).
+constexpr int kMaxLeavingTexts = 64;
+std::string* g_leaving_texts[kMaxLeavingTexts] = {};
+std::atomic<int> g_leaving_count{0};
 // CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
 // its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
 // thread_local access is a call); while it is not, collectives take the slow path.
@@ -1333,7 +1338,11 @@ class CommMonitor {
     }
     if (tag == kTagLeft) {
       for (auto& req : reqs) MPI_Request_free(&req);
-      (void)text.release();  // intentionally never freed (one per finalize)
+      // Kept for the life of the process, reachable from a global (so that leak checkers do
+      // not report it): one per finalize.
+      const int i = g_leaving_count.fetch_add(1);
+      if (i < kMaxLeavingTexts) g_leaving_texts[i] = text.release();
+      else (void)text.release();
       return;
     }
     notices_.push_back(Notice{std::move(reqs), std::move(text)});
