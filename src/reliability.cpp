@@ -1710,11 +1710,6 @@ int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Da
 int guarded_barrier(MPI_Comm comm) {
   return guarded([&] { return MPI_Barrier(comm); }, [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
 }
-bool scope_has_deadline() noexcept {
-  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return false;
-  CommMonitor* m = t_monitor;
-  return m != nullptr && m->has_deadline();
-}
 
 }  // namespace detail
 }  // namespace lockstep

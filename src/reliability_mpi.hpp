@@ -114,9 +114,6 @@ int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv
 int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
                                  MPI_Comm comm);
 int guarded_barrier(MPI_Comm comm);
-/// True when the collective of the current CollectiveScope on this thread has a deadline.
-bool scope_has_deadline() noexcept;
-
 /// A point inside a long wait of the collective running on this thread (the shared-memory path
 /// calls it while it waits for its peers): throws TimeoutError / MismatchError if another rank
 /// reported a stall or a refused collective, or if this collective's deadline passed (with the

@@ -190,19 +190,37 @@ add_executable(lockstep_trust_program reliability/trust_program.cpp)
 target_link_libraries(lockstep_trust_program PRIVATE lockstep::core lockstep_build_flags)
 set(LOCKSTEP_RUN_TRUST ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_trust.sh)
 
-# lockstep_add_trust_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT pattern...)
+# lockstep_add_trust_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT pattern...
+#                         [PROGRAM target] [PREFIX p] [KNOWN_FAILURE])
+#   runs run_trust.sh over PROGRAM (default lockstep_trust_program) as reliability.<p>.<name>.npN
+#   (p default trust). KNOWN_FAILURE: a defect left open (described in the scenario's comment):
+#   registered, labelled known_failure and disabled, so that `ctest -L known_failure` lists it
+#   and CI stays green.
 function(lockstep_add_trust_test)
-  cmake_parse_arguments(T "" "NAME;SCENARIO;MAX" "RANKS;ARGS;EXPECT" ${ARGN})
+  cmake_parse_arguments(T "KNOWN_FAILURE" "NAME;SCENARIO;MAX;PROGRAM;PREFIX" "RANKS;ARGS;EXPECT" ${ARGN})
   if(NOT T_RANKS)
     set(T_RANKS 2 3)
   endif()
+  if(NOT T_PROGRAM)
+    set(T_PROGRAM lockstep_trust_program)
+  endif()
+  if(NOT T_PREFIX)
+    set(T_PREFIX trust)
+  endif()
+  set(labels "mpi;reliability")
+  if(T_KNOWN_FAILURE)
+    set(labels "mpi;reliability;known_failure")
+  endif()
   foreach(n IN LISTS T_RANKS)
-    set(test_name reliability.trust.${T_NAME}.np${n})
+    set(test_name reliability.${T_PREFIX}.${T_NAME}.np${n})
     add_test(NAME ${test_name}
-      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:lockstep_trust_program>
+      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:${T_PROGRAM}>
               ${T_SCENARIO} ${n} ${T_MAX} ${T_ARGS} -- ${T_EXPECT})
-    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "mpi;reliability"
+    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "${labels}"
       SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE}")
+    if(T_KNOWN_FAILURE)
+      set_tests_properties(${test_name} PROPERTIES DISABLED TRUE)
+    endif()
   endforeach()
 endfunction()
 
@@ -266,28 +284,9 @@ lockstep_add_mpi_test(NAME adversarial.slice4k TARGET test_adversarial RANKS 3 4
 add_executable(lockstep_adversarial_program reliability/adversarial_program.cpp)
 target_link_libraries(lockstep_adversarial_program PRIVATE lockstep::core lockstep_build_flags)
 
-# lockstep_add_adversarial_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT ...
-#                               [KNOWN_FAILURE]): run_trust.sh over lockstep_adversarial_program.
-# KNOWN_FAILURE: a defect left open (described in the scenario's comment): registered, labelled
-# known_failure and disabled, so that `ctest -L known_failure` lists them and CI stays green.
+# lockstep_add_adversarial_test(...): lockstep_add_trust_test over lockstep_adversarial_program.
 function(lockstep_add_adversarial_test)
-  cmake_parse_arguments(T "KNOWN_FAILURE" "NAME;SCENARIO;MAX" "RANKS;ARGS;EXPECT" ${ARGN})
-  if(NOT T_RANKS)
-    set(T_RANKS 2 3)
-  endif()
-  foreach(n IN LISTS T_RANKS)
-    set(test_name reliability.adversarial.${T_NAME}.np${n})
-    add_test(NAME ${test_name}
-      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:lockstep_adversarial_program>
-              ${T_SCENARIO} ${n} ${T_MAX} ${T_ARGS} -- ${T_EXPECT})
-    set(labels "mpi;reliability")
-    if(T_KNOWN_FAILURE)
-      set(labels "mpi;reliability;known_failure")
-      set_tests_properties(${test_name} PROPERTIES DISABLED TRUE)
-    endif()
-    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "${labels}"
-      SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE}")
-  endforeach()
+  lockstep_add_trust_test(PROGRAM lockstep_adversarial_program PREFIX adversarial ${ARGN})
 endfunction()
 
 # Root reduces out of place, the others in place: the result is right and the next broadcast
