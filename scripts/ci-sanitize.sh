@@ -3,7 +3,9 @@
 # (LOCKSTEP_SANITIZE=ON) and runs the unit and MPI tests under it. Leaks and errors inside Open
 # MPI itself are suppressed (test/reliability/lsan-openmpi.supp, each entry explained); anything
 # in Lockstep fails the stage. No benchmarks, no examples, no GPU parts, no "large" tests (2^31
-# elements under ASan would take too long and too much memory). About 10-15 minutes on 2 cores.
+# elements under ASan would take too long and too much memory), no docs test (it builds and runs
+# unsanitised programs against the install, which the sanitizer environment breaks). About 10-15
+# minutes on 2 cores.
 #
 # Usage: scripts/ci-sanitize.sh [extra ctest arguments]
 #   BUILD_DIR (default build-asan), JOBS (default 2).
@@ -38,4 +40,4 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export OMPI_MCA_memory=^patcher
 
 cd "$build"
-ctest -L "unit|mpi" -LE "large|nccl" --output-on-failure --timeout 600 "$@"
+ctest -L "unit|mpi" -LE "large|nccl|docs" --output-on-failure --timeout 600 "$@"

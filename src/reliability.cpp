@@ -516,11 +516,16 @@ void agree_on_settings(MPI_Comm comm) {
 namespace {
 // Set once any communicator of this process saw a stall or a refused collective (any_stall()).
 std::atomic<bool> g_any_stall{false};
-// The texts of "this rank is leaving" notices, sent just before their monitor goes and never
-// waited for (see notify_all).
-constexpr int kMaxLeavingTexts = 64;
-std::string* g_leaving_texts[kMaxLeavingTexts] = {};
-std::atomic<int> g_leaving_count{0};
+// The texts of notices whose sends were never waited for (a rank leaving, or a monitor going
+// while a peer had not received yet): MPI may still read them, so they are kept for the life of
+// the process, reachable from this global (so that leak checkers do not report them).
+std::mutex g_kept_texts_mutex;
+std::vector<std::unique_ptr<std::string>>* g_kept_texts = nullptr;
+void keep_for_process(std::unique_ptr<std::string> text) {
+  std::lock_guard lock(g_kept_texts_mutex);
+  if (!g_kept_texts) g_kept_texts = new std::vector<std::unique_ptr<std::string>>();
+  g_kept_texts->push_back(std::move(text));
+}
 // CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
 // its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
 // thread_local access is a call); while it is not, collectives take the slow path.
@@ -572,11 +577,19 @@ class CommMonitor {
     // After a stall, requests abandoned on these communicators may still be progressed by MPI
     // (in MPI_Finalize too); they are leaked rather than freed under those requests.
     // Notices still in flight are not waited for (their peer may be gone): their requests are
-    // freed and their text is leaked, as MPI may still read it.
+    // freed and their text is kept for the life of the process (keep_for_process), as MPI may
+    // still read it.
     for (auto& n : notices_) {
-      if (!fin)
-        for (auto& req : n.reqs) MPI_Request_free(&req);
-      (void)n.text.release();
+      if (fin) {
+        keep_for_process(std::move(n.text));
+        continue;
+      }
+      int done = 0;
+      MPI_Testall(static_cast<int>(n.reqs.size()), n.reqs.data(), &done, MPI_STATUSES_IGNORE);
+      if (done) continue;
+      for (auto& req : n.reqs)
+        if (req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+      keep_for_process(std::move(n.text));
     }
     if (!fin && !stalled_) {
       MPI_Comm_free(&check_);
@@ -1338,11 +1351,7 @@ class CommMonitor {
     }
     if (tag == kTagLeft) {
       for (auto& req : reqs) MPI_Request_free(&req);
-      // Kept for the life of the process, reachable from a global (so that leak checkers do
-      // not report it): one per finalize.
-      const int i = g_leaving_count.fetch_add(1);
-      if (i < kMaxLeavingTexts) g_leaving_texts[i] = text.release();
-      else (void)text.release();
+      keep_for_process(std::move(text));
       return;
     }
     notices_.push_back(Notice{std::move(reqs), std::move(text)});
