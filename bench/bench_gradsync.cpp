@@ -106,7 +106,7 @@ class DistAverage {
   void run() {
     auto& red = state_->reducer();
     red.bind(ptrs_);
-    red.reduce();
+    red.reduce_bound();
   }
   std::size_t buckets() const { return state_->reducer().bucket_count(); }
 

@@ -26,7 +26,7 @@ if ! command -v nvcc >/dev/null; then
 fi
 
 timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-  -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON \
+  -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON -DLOCKSTEP_WITH_TORCH=OFF \
   -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}"
 timeout 1500 cmake --build "$build" -j "$jobs"
 

@@ -2,7 +2,8 @@
 # CI stage "sanitize": builds the core library and its tests with -fsanitize=address,undefined
 # (LOCKSTEP_SANITIZE=ON) and runs the unit and MPI tests under it. Leaks and errors inside Open
 # MPI itself are suppressed (test/reliability/lsan-openmpi.supp, each entry explained); anything
-# in Lockstep fails the stage. No benchmarks, no examples, no GPU parts, no "large" tests (2^31
+# in Lockstep fails the stage. No benchmarks, no examples, no GPU parts, no LibTorch adapter
+# (LibTorch is not built with the sanitizers), no "large" tests (2^31
 # elements under ASan would take too long and too much memory), no docs test (it builds and runs
 # unsanitised programs against the install, which the sanitizer environment breaks). About 10-15
 # minutes on 2 cores.
@@ -16,7 +17,7 @@ jobs=${JOBS:-2}
 
 # -O1: the usual sanitizer compromise (much faster than -O0, stack traces still exact enough).
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
-  -DLOCKSTEP_SANITIZE=ON -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF \
+  -DLOCKSTEP_SANITIZE=ON -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=OFF \
   -DLOCKSTEP_BUILD_TESTS=ON -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF
 cmake --build "$build" -j "$jobs"
 

@@ -34,16 +34,18 @@ without_cuda() {
 
 # gnuplot-nox as scripts/run-main.sh installs it: the loss-plot test (example_train_plot) and
 # stage main need it, and LOCKSTEP_REQUIRE_GNUPLOT=1 makes that test fail rather than skip
-# where it is missing.
+# where it is missing. LibTorch (libtorch-dev) for lockstep::torch, with python3-torch (the
+# checkpoint test reads a file back in Python, the torch benchmark runs Python DDP) and
+# python3-sklearn (the torch example's handwritten digits).
 stage_deps() {
-  bash scripts/install-deps.sh gnuplot-nox
+  bash scripts/install-deps.sh gnuplot-nox libtorch-dev python3-torch python3-sklearn
 }
 export LOCKSTEP_REQUIRE_GNUPLOT=1
 
-# The core with CUDA hidden: configure, build everything, run every test.
+# The core (and the LibTorch adapter) with CUDA hidden: configure, build everything, run every test.
 stage_core() {
   without_cuda cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
-    -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF || return 1
+    -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=ON || return 1
   without_cuda cmake --build "$BUILD_DIR" --parallel "$JOBS" || return 1
   # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
   (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" ${LOCKSTEP_CTEST_ARGS:-})

@@ -1,6 +1,6 @@
-// The gradient reducer behind DistributedOptimizer: bucket plan, ready reports, nonblocking
-// bucket allreduces overlapped with packing and unpacking, accumulation.
-#include "lockstep/distributed_optimizer.hpp"
+// GradientReducer, the gradient reduction behind DistributedOptimizer: bucket plan, ready
+// reports, nonblocking bucket allreduces overlapped with packing and unpacking, accumulation.
+#include "lockstep/gradient_reducer.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -8,8 +8,12 @@
 
 #include "lockstep/device_runtime.hpp"
 #include "lockstep/errors.hpp"
+#include "lockstep/reliability.hpp"
 
-namespace lockstep::detail {
+namespace lockstep {
+
+using detail::concat;
+using detail::GradLeaf;
 
 namespace {
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t n) {
@@ -30,7 +34,7 @@ void divide(T* p, std::int64_t n, T k) {
 }
 }  // namespace
 
-struct GradReducer::Impl {
+struct GradientReducer::Impl {
   struct Bucket {
     std::size_t first = 0, last = 0;  // leaf indices [first, last), forward order
     DType dtype = DType::f32;
@@ -262,7 +266,7 @@ struct GradReducer::Impl {
   }
 };
 
-GradReducer::GradReducer(Backend& backend, const DistributedOptions& options,
+GradientReducer::GradientReducer(Backend& backend, const DistributedOptions& options,
                          std::vector<GradLeaf> leaves, std::vector<std::string> paths)
     : impl_(std::make_unique<Impl>()) {
   impl_->backend = &backend;
@@ -273,9 +277,9 @@ GradReducer::GradReducer(Backend& backend, const DistributedOptions& options,
   impl_->reset_step();
 }
 
-GradReducer::~GradReducer() = default;
+GradientReducer::~GradientReducer() = default;
 
-void GradReducer::bind(const std::vector<Tensor*>& grads) {
+void GradientReducer::bind(const std::vector<Tensor*>& grads) {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(!m.is_bound || m.next_launch == 0,
                      "DistributedOptimizer: buckets of the gradients passed to begin_step are "
@@ -302,11 +306,11 @@ void GradReducer::bind(const std::vector<Tensor*>& grads) {
   }
 }
 
-bool GradReducer::bound_to(const std::vector<Tensor*>& grads) const noexcept {
+bool GradientReducer::bound_to(const std::vector<Tensor*>& grads) const noexcept {
   return impl_->is_bound && impl_->bound == grads;
 }
 
-void GradReducer::mark_ready(const Tensor& grad) {
+void GradientReducer::mark_ready(const Tensor& grad) {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound, "grad_ready: call begin_step(grads) before reporting gradients");
   auto it = m.index_of.find(&grad);
@@ -323,11 +327,11 @@ void GradReducer::mark_ready(const Tensor& grad) {
   m.poke();
 }
 
-bool GradReducer::final_micro_step() const noexcept {
+bool GradientReducer::final_micro_step() const noexcept {
   return impl_->accumulated + 1 >= impl_->options.accumulation_steps;
 }
 
-void GradReducer::accumulate() {
+void GradientReducer::accumulate() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound && m.next_launch == 0,
                      "accumulate: no gradients bound, or buckets already in flight");
@@ -341,7 +345,7 @@ void GradReducer::accumulate() {
   m.reset_step();
 }
 
-const std::vector<Tensor*>& GradReducer::reduce() {
+const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
   // Reduce what backward did not report, in bucket order, each bucket with blocking calls and
@@ -365,11 +369,86 @@ const std::vector<Tensor*>& GradReducer::reduce() {
   return m.result;
 }
 
-std::size_t GradReducer::bucket_count() const noexcept { return impl_->buckets.size(); }
-std::size_t GradReducer::zero_copy_buckets() const noexcept { return impl_->zero_copy; }
-int GradReducer::accumulated() const noexcept { return impl_->accumulated; }
-Backend& GradReducer::backend() const noexcept { return *impl_->backend; }
+std::size_t GradientReducer::bucket_count() const noexcept { return impl_->buckets.size(); }
+std::size_t GradientReducer::zero_copy_buckets() const noexcept { return impl_->zero_copy; }
+int GradientReducer::accumulated() const noexcept { return impl_->accumulated; }
+Backend& GradientReducer::backend() const noexcept { return *impl_->backend; }
 
+const std::vector<std::string>& GradientReducer::names() const noexcept { return impl_->paths; }
+
+GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
+                                 std::vector<std::string> names, DistributedOptions options,
+                                 std::source_location loc)
+    : impl_(std::make_unique<Impl>()) {
+  detail::CallSiteScope site(loc, "GradientReducer");
+  LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
+                     "GradientReducer: op must be avg or sum, got ", name(options.op));
+  LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
+                     "GradientReducer: accumulation_steps must be >= 1, got ", options.accumulation_steps);
+  LOCKSTEP_CHECK_ARG(names.size() == grads.size(), "GradientReducer: ", grads.size(),
+                     " gradients and ", names.size(), " names");
+  std::vector<GradLeaf> leaves;
+  leaves.reserve(grads.size());
+  std::unordered_map<const Tensor*, std::size_t> seen;
+  for (std::size_t j = 0; j < grads.size(); ++j) {
+    LOCKSTEP_CHECK_ARG(grads[j] != nullptr, "GradientReducer: gradient '", names[j], "' is a null pointer");
+    const Tensor& g = *grads[j];
+    LOCKSTEP_CHECK_ARG(g.raw_data() != nullptr || g.numel() == 0, "GradientReducer: gradient '",
+                       names[j], "' has no memory (moved from?)");
+    LOCKSTEP_CHECK_ARG(is_floating(g.dtype()), "GradientReducer: gradient '", names[j], "' is ",
+                       name(g.dtype()), "; gradients are floating-point tensors");
+    auto [it, fresh] = seen.emplace(grads[j], j);
+    LOCKSTEP_CHECK_ARG(fresh, "GradientReducer: gradients '", names[it->second], "' and '", names[j],
+                       "' are the same tensor");
+    leaves.push_back({g.numel(), g.dtype(), g.device()});
+  }
+  const std::string sig = detail::reducer_signature(options, leaves);
+  detail::check_same_structure(backend, sig, 0, 0, "GradientReducer", [&] {
+    std::vector<detail::StructureEntry> e;
+    e.push_back({"options", detail::reducer_signature(options, {})});
+    for (std::size_t i = 0; i < leaves.size(); ++i)
+      e.push_back({names[i], concat("tensor ", name(leaves[i].dtype), " of ", leaves[i].numel,
+                                    " elements on ", to_string(leaves[i].device))});
+    return e;
+  });
+  impl_->backend = &backend;
+  impl_->options = options;
+  impl_->leaves = std::move(leaves);
+  impl_->paths = std::move(names);
+  impl_->plan();
+  impl_->reset_step();
+  own_ = std::move(grads);
+}
+
+void GradientReducer::ready(const Tensor& g) {
+  LOCKSTEP_CHECK_ARG(!own_.empty() || impl_->leaves.empty(),
+                     "GradientReducer::ready: this reducer was made without gradients (it is "
+                     "bound step by step by its optimizer)");
+  if (!impl_->is_bound) bind(own_);
+  mark_ready(g);
+}
+
+bool GradientReducer::reduce() {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(!own_.empty() || m.leaves.empty(),
+                     "GradientReducer::reduce: this reducer was made without gradients (it is "
+                     "bound step by step by its optimizer)");
+  if (!m.is_bound) bind(own_);
+  if (!final_micro_step()) {
+    accumulate();
+    return false;
+  }
+  const auto& out = reduce_bound();
+  if (out != own_) {
+    // The accumulated sum lives in the reducer's buffers: copied into the gradients.
+    for (std::size_t j = 0; j < own_.size(); ++j)
+      copy_bytes(own_[j]->raw_data(), own_[j]->device(), out[j]->raw_data(), out[j]->device(),
+                 own_[j]->nbytes());
+  }
+  return true;
+}
+
+namespace detail {
 std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
   std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
@@ -379,4 +458,6 @@ std::string reducer_signature(const DistributedOptions& o, const std::vector<Gra
   return s;
 }
 
-}  // namespace lockstep::detail
+}  // namespace detail
+
+}  // namespace lockstep

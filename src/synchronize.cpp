@@ -137,7 +137,7 @@ void StructureWriter::node(const std::string& path, const char* kind, std::size_
 
 void StructureWriter::key(const std::string& path, const std::string& k) {
   // The key is part of the description (hence of the signature), not only of the path.
-  add(concat(path, "[\"", k, "\"]"), concat("key \"", k, "\""));
+  add(path.empty() ? k : concat(path, ".", k), concat("key \"", k, "\""));
 }
 
 std::string StructureWriter::scalar_desc(std::size_t bytes, bool floating, bool is_signed) {

@@ -170,7 +170,7 @@ TEST_CASE("traversal visits every leaf with its path", "[traverse]") {
   ls::for_each_leaf_with_path(net, [&](const std::string& p, auto&) { paths.push_back(p); });
   const std::vector<std::string> expected = {
       "layers[0].w", "layers[0].b", "layers[0].scale", "layers[1].w", "layers[1].b",
-      "layers[1].scale", "heads[\"box\"]", "heads[\"cls\"]", "extra", "counters[0]",
+      "layers[1].scale", "heads.box", "heads.cls", "extra", "counters[0]",
       "counters[1]", "pair_of[0]", "pair_of[1]", "tagged[0]", "tagged[1]", "steps"};
   CHECK(paths == expected);
   CHECK(ls::leaf_count(net) == expected.size());
@@ -260,7 +260,7 @@ TEST_CASE("setup and update over a model; mismatched gradients are named", "[rul
     ls::update(st, net, g);
     FAIL("no exception");
   } catch (const ls::InvalidArgument& e) {
-    CHECK_THAT(e.what(), Catch::Contains("heads[\"cls\"]"));
+    CHECK_THAT(e.what(), Catch::Contains("heads.cls"));
   }
   CHECK(st.step == 1);  // nothing applied
   g.heads.erase("cls");

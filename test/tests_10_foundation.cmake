@@ -41,7 +41,7 @@ foreach(mode IN ITEMS install subdir)
     COMMAND ${CMAKE_COMMAND} -DMODE=${mode} -DSOURCE_DIR=${PROJECT_SOURCE_DIR}
             -DBUILD_DIR=${PROJECT_BINARY_DIR} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/package-${mode}
             -DCXX_COMPILER=${CMAKE_CXX_COMPILER} -DWITH_CUDA=${LOCKSTEP_WITH_CUDA}
-            -DWITH_NCCL=${LOCKSTEP_WITH_NCCL} "-DHIDE_DIRS=${_lockstep_hide_dirs}"
+            -DWITH_NCCL=${LOCKSTEP_WITH_NCCL} -DWITH_TORCH=${LOCKSTEP_WITH_TORCH} "-DHIDE_DIRS=${_lockstep_hide_dirs}"
             -P ${CMAKE_CURRENT_SOURCE_DIR}/package/run_package_test.cmake)
   set_tests_properties(package.${mode} PROPERTIES LABELS package TIMEOUT 600 PROCESSORS 2
     ENVIRONMENT "${LOCKSTEP_TEST_ENV}")

@@ -45,79 +45,16 @@
 #include <vector>
 
 #include "lockstep/backend.hpp"
+#include "lockstep/gradient_reducer.hpp"
 #include "lockstep/rules.hpp"
 #include "lockstep/replicas.hpp"
 #include "lockstep/synchronize.hpp"
 
 namespace lockstep {
 
-/// Default bucket size in bytes, chosen by measurement on the CI machine (see docs/training.md).
-inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
-
-/// Options of DistributedOptimizer.
-struct DistributedOptions {
-  /// Largest bucket, in bytes (a larger tensor is a bucket of its own). 0: one bucket per tensor.
-  std::size_t bucket_bytes = kDefaultBucketBytes;
-  /// ReduceOp::avg (default: mean over ranks) or ReduceOp::sum.
-  ReduceOp op = ReduceOp::avg;
-  /// Micro-batches per optimizer step (1: no accumulation).
-  int accumulation_steps = 1;
-  /// If a gradient holds a NaN or an infinity on any rank, every rank skips the step (the
-  /// parameters and the rule's state are left as they were); counted by
-  /// DistributedState::skipped_steps(), and the rank it came from logs the tensor. No extra
-  /// collective: a NaN or Inf on any rank makes the reduced gradient non-finite on every rank,
-  /// so the decision is taken on the reduced values (see docs/reliability.md).
-  bool skip_non_finite = false;
-  /// Run check_replicas on the model and the optimizer state every K optimizer steps (0: never).
-  int check_replicas_every = 0;
-};
-
 namespace detail {
-/// What the reducer knows of one trainable gradient.
-struct GradLeaf {
-  std::int64_t numel = 0;
-  DType dtype = DType::f32;
-  Device device = Device::cpu();
-};
-
-/// The bucketed, overlapped gradient reduction behind DistributedOptimizer (one per state).
-class GradReducer {
- public:
-  GradReducer(Backend& backend, const DistributedOptions& options, std::vector<GradLeaf> leaves,
-              std::vector<std::string> paths);
-  ~GradReducer();
-  GradReducer(const GradReducer&) = delete;
-  GradReducer& operator=(const GradReducer&) = delete;
-
-  /// Binds this step's gradients (validated against the plan) and arms ready reports.
-  void bind(const std::vector<Tensor*>& grads);
-  /// True if bind() was called with exactly these tensors and the step is not finished.
-  bool bound_to(const std::vector<Tensor*>& grads) const noexcept;
-  /// Reports a bound gradient as final; may launch buckets.
-  void mark_ready(const Tensor& grad);
-  /// True if the next reduction completes an optimizer step (not an accumulate-only micro-step).
-  bool final_micro_step() const noexcept;
-  /// Adds the bound gradients into the accumulator (no communication) and unbinds.
-  void accumulate();
-  /// Launches what is not yet in flight, waits for everything and returns the reduced
-  /// gradients (the bound tensors, or the accumulator's). Unbinds.
-  const std::vector<Tensor*>& reduce();
-
-  std::size_t bucket_count() const noexcept;
-  /// Number of buckets reduced in place (zero copy) by the last reduce().
-  std::size_t zero_copy_buckets() const noexcept;
-  /// Number of micro-batches accumulated and not yet reduced.
-  int accumulated() const noexcept;
-  Backend& backend() const noexcept;
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
-
-/// Signature of a DistributedOptimizer setup (trainable leaves and options), for the
-/// cross-rank agreement check.
-std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves);
+/// The reducer behind DistributedOptimizer is the public GradientReducer.
+using GradReducer = GradientReducer;
 }  // namespace detail
 
 /// An optimizer rule wrapped so that gradients are reduced across ranks before each update.
@@ -277,7 +214,7 @@ void update(DistributedState<R>& state, M& model, G& grads,
   const DistributedOptions& o = state.options();
   std::string local_bad;
   if (o.skip_non_finite) local_bad = detail::describe_non_finite(gs, [&] { return detail::trainable_paths(grads); });
-  const auto& reduced = red.reduce();
+  const auto& reduced = red.reduce_bound();
   if (o.skip_non_finite) {
     const std::size_t bad = detail::first_non_finite(reduced);
     if (bad < reduced.size()) {

@@ -16,7 +16,7 @@
 //   template <class T, class V> void lockstep_visit_fields(const Layer<T>& x, V&& v) { v("w", x.w); }
 //
 // Leaf paths name a leaf for error messages and checkpoints: "w1", "layers[2].w",
-// "heads[\"cls\"].b", "[0]" (a tuple's first element). A lone leaf at the root has path "".
+// "heads.cls.b", "[0]" (a tuple's first element). A lone leaf at the root has path "".
 #pragma once
 
 #include <array>
@@ -120,11 +120,9 @@ class PathBuilder {
     s_ += std::to_string(i);
     s_ += ']';
   }
-  void key(const std::string& k) {
-    s_ += "[\"";
-    s_ += k;
-    s_ += "\"]";
-  }
+  // A map's key is a path segment like a field name ("heads.cls.w"), as Python's state_dict
+  // and safetensors users index them.
+  void key(const std::string& k) { field(k.c_str()); }
 
  private:
   std::string s_;

@@ -73,7 +73,7 @@ if(MODE STREQUAL "install")
   # One targets file per component, and only the built ones.
   set(want_files lockstepCoreTargets.cmake)
   set(unwanted_files lockstepTargets.cmake)
-  foreach(comp IN ITEMS Cuda Nccl)
+  foreach(comp IN ITEMS Cuda Nccl Torch)
     string(TOUPPER "${comp}" upper)
     if(WITH_${upper})
       list(APPEND want_files lockstep${comp}Targets.cmake)
@@ -151,8 +151,12 @@ if(MODE STREQUAL "install")
 
   # Components asked for that cannot be had: cuda (not built, or no CUDA here) and torch (not
   # built in this version): the configure fails and says which and why.
-  set(missing torch)
-  set(missing_why "torch: not built: this version of Lockstep has no torch extension")
+  set(missing "")
+  set(missing_why "")
+  if(NOT WITH_TORCH)
+    set(missing torch)
+    set(missing_why "torch: not built: this installation was configured with LOCKSTEP_WITH_TORCH=OFF")
+  endif()
   if(NOT WITH_CUDA)
     list(PREPEND missing cuda)
     list(APPEND missing_why "cuda: not built: this installation was configured with LOCKSTEP_WITH_CUDA=OFF")
@@ -165,6 +169,7 @@ if(MODE STREQUAL "install")
   endif()
   list(JOIN missing "," missing_arg)
   list(JOIN missing " " missing_names)
+  if(missing)
   run_failing_step("hidden: find_package(lockstep COMPONENTS core ${missing_names})" ${hidden} ${downstream}
     -B "${WORK_DIR}/build-missing" "-DLOCKSTEP_TEST_COMPONENTS=core,${missing_arg}")
   string(REPLACE "\n" " " last_output "${last_output}")
@@ -174,10 +179,25 @@ if(MODE STREQUAL "install")
   # The same as optional components: found, with lockstep_<comp>_FOUND false.
   run_step("hidden: find_package(lockstep OPTIONAL_COMPONENTS ${missing_names})" ${hidden} ${downstream}
     -B "${WORK_DIR}/build-optional" "-DLOCKSTEP_TEST_OPTIONAL_COMPONENTS=${missing_arg}")
-  expect_output("optional components" "lockstep_core_FOUND=TRUE" "lockstep_torch_FOUND=FALSE"
-    "optional component torch not available")
+  expect_output("optional components" "lockstep_core_FOUND=TRUE")
+  if("torch" IN_LIST missing)
+    expect_output("optional components" "lockstep_torch_FOUND=FALSE" "optional component torch not available")
+  endif()
   if("cuda" IN_LIST missing)
     expect_output("optional components" "lockstep_cuda_FOUND=FALSE")
+  endif()
+  endif()
+
+  if(WITH_TORCH)
+    # The LibTorch adapter: its component is found (with LibTorch) and a program linking
+    # lockstep::torch builds and runs.
+    run_step("with LibTorch: find_package(lockstep COMPONENTS torch)" ${CMAKE_COMMAND} ${downstream}
+      -B "${WORK_DIR}/build-torch" "-DLOCKSTEP_TEST_COMPONENTS=torch" "-DLOCKSTEP_TEST_LINK=lockstep::torch"
+      -DLOCKSTEP_TEST_SOURCE=../app_torch.cpp)
+    expect_output("torch component" "lockstep_torch_FOUND=TRUE")
+    run_step("with LibTorch: build an app linking lockstep::torch" ${CMAKE_COMMAND} --build "${WORK_DIR}/build-torch" --parallel 2)
+    run_step("with LibTorch: run it" "${WORK_DIR}/build-torch/app")
+    expect_output("torch app" "torch package test: ok")
   endif()
 
   if(WITH_CUDA)
@@ -211,10 +231,11 @@ if(MODE STREQUAL "install")
 elseif(MODE STREQUAL "subdir")
   run_step("configure subdir" ${CMAKE_COMMAND} -S "${SOURCE_DIR}/test/package/subdir"
            -B "${WORK_DIR}/build" "-DLOCKSTEP_SOURCE_DIR=${SOURCE_DIR}"
-           "-DLOCKSTEP_WITH_CUDA=${WITH_CUDA}" "-DLOCKSTEP_WITH_NCCL=${WITH_NCCL}" ${common_args})
+           "-DLOCKSTEP_WITH_CUDA=${WITH_CUDA}" "-DLOCKSTEP_WITH_NCCL=${WITH_NCCL}" -DLOCKSTEP_WITH_TORCH=OFF
+           ${common_args})
   # The configure summary, with a line for every component.
   expect_output("configure summary" "Lockstep [0-9.]+ configuration summary" "build type +Release"
-    "MPI +" "core +yes" "cuda +(yes|no: )" "nccl +(yes|no: )" "torch +no: " "tests +OFF" "examples +OFF")
+    "MPI +" "core +yes" "cuda +(yes|no: )" "nccl +(yes|no: )" "torch +no: turned off" "tests +OFF" "examples +OFF")
 else()
   message(FATAL_ERROR "run_package_test.cmake: MODE must be install or subdir, not '${MODE}'")
 endif()

@@ -1,0 +1,154 @@
+// lockstep::torch: data-parallel training of LibTorch models, the DistributedDataParallel that
+// LibTorch's C++ frontend lacks. Target lockstep::torch (ext/torch), built when CMake finds
+// LibTorch (find_package(Torch)); the core never needs it.
+//
+//   #include <torch/torch.h>
+//   #include <lockstep/torch.hpp>
+//   namespace lt = lockstep::torch;
+//
+//   lt::synchronize(backend, *net, 0);                    // parameters and buffers, by name
+//   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
+//   lt::DistributedOptimizer opt(backend, adam);          // wraps any torch::optim optimizer
+//   for (...) {
+//     opt.zero_grad();                                   // not adam.zero_grad()
+//     torch::mse_loss(net->forward(x), y).backward();    // buckets reduce during backward
+//     opt.step();                                        // waits, then adam.step()
+//   }
+//   lt::save_checkpoint(backend, "ck.safetensors", *net, adam);
+//
+// This header declares LibTorch's types without including LibTorch (its headers are slow to
+// compile); code that calls these functions includes <torch/torch.h> itself. Inside namespace
+// lockstep::torch, LibTorch's own namespace is ::torch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <source_location>
+#include <string>
+
+#include "lockstep/backend.hpp"
+#include "lockstep/gradient_reducer.hpp"
+#include "lockstep/tensor.hpp"
+
+namespace at {
+class Tensor;
+}
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace lockstep::torch {
+
+/// A zero-copy view of a contiguous, dense at::Tensor on the cpu or a cuda device, of a dtype
+/// both sides have (f16, bf16, f32, f64, i32, i64, u8; bool as u8). InvalidArgument naming what
+/// is wrong otherwise (non-contiguous, sparse, undefined, another dtype or device).
+TensorView view(const at::Tensor& t);
+/// The same as an ls::Tensor that borrows the memory (the at::Tensor must outlive it).
+Tensor borrow(const at::Tensor& t);
+
+/// Collective: every parameter and buffer of `module` (BatchNorm's running statistics too),
+/// by name, made bitwise equal to root's. First the ranks check that their modules have the
+/// same names, shapes, dtypes and devices: MismatchError on every rank naming the first
+/// difference otherwise, and nothing is changed.
+void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
+                 std::source_location loc = std::source_location::current());
+/// Collective: the optimizer's state (Adam's step and moments, SGD's momentum buffers...) and
+/// each parameter group's learning rate made equal to root's. State LibTorch has not created
+/// yet (it creates it at the first step) is created where root has it and dropped where root
+/// has none. The ranks first check that their optimizers have the same kind and the same
+/// parameter groups (shapes, dtypes): MismatchError on every rank otherwise. Optimizers other
+/// than Adam, AdamW, SGD, RMSprop and Adagrad go through their own save()/load().
+void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root = 0,
+                 std::source_location loc = std::source_location::current());
+
+/// What DistributedOptimizer does with a trainable parameter that got no gradient in a step
+/// on some rank (a branch the forward pass did not take: DDP's find_unused_parameters).
+enum class UnusedParameters {
+  error,  ///< every rank throws InvalidArgument naming the parameter (the default)
+  zero,   ///< its gradient counts as zero on that rank (the optimizer still steps it)
+};
+
+/// What lockstep::torch adds to ls::DistributedOptions.
+struct TorchOptions {
+  UnusedParameters unused_parameters = UnusedParameters::error;
+  /// Names the parameters in messages and checks ("0.weight"); without it they are named by
+  /// position ("param_groups[0][3]"). Must hold every parameter of the optimizer.
+  const ::torch::nn::Module* names_from = nullptr;
+};
+
+/// Wraps a torch::optim optimizer (held by reference; it must outlive this) so that gradients
+/// are averaged (or summed) across ranks before its step. Collective to construct: every rank
+/// must wrap an optimizer over the same parameters (shapes, dtypes) with the same options.
+///
+/// The gradients become views into one flat buffer per run of parameters of one dtype and
+/// device (DDP's gradient_as_bucket_view): buckets are reduced in place, and the reductions
+/// start during backward, from autograd hooks, as soon as every gradient of a bucket is final.
+/// Use this object's zero_grad(): it zeroes the buffers in place (torch's own zero_grad also
+/// works, but may set gradients to none; they are then copied back into the buffers).
+///
+/// Options (ls::DistributedOptions): bucket_bytes and op as for the core; accumulation_steps =
+/// k: the first k-1 step() calls of a cycle only let gradients accumulate locally (no
+/// communication, no inner step; zero_grad() leaves them), the k-th reduces the sum once
+/// (divided by k too with ReduceOp::avg) and steps; skip_non_finite: a NaN or infinity in any
+/// rank's gradient skips the inner step on every rank; check_replicas_every = K: the
+/// parameters and the optimizer state are compared across ranks every K steps.
+///
+/// Parameters on a cuda device are refused for now (InvalidArgument): Debian's LibTorch is
+/// CPU-only and this adapter has not run on a GPU.
+class DistributedOptimizer {
+ public:
+  DistributedOptimizer(Backend& backend, ::torch::optim::Optimizer& optimizer,
+                       DistributedOptions options = {}, TorchOptions torch_options = {},
+                       std::source_location loc = std::source_location::current());
+  ~DistributedOptimizer();
+  DistributedOptimizer(const DistributedOptimizer&) = delete;
+  DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
+
+  /// Zeroes every gradient in place (inside an accumulation cycle: does nothing, so that the
+  /// micro-batches' gradients add up).
+  void zero_grad();
+  /// Collective. Reduces what backward has not, waits for every bucket, checks that every
+  /// parameter got a gradient on every rank, then calls the optimizer's step(). Returns true if
+  /// it stepped; false for an accumulate-only micro-step or a step skipped for a non-finite
+  /// gradient.
+  bool step(std::source_location loc = std::source_location::current());
+
+  ::torch::optim::Optimizer& optimizer() const noexcept;
+  const GradientReducer& reducer() const noexcept;
+  /// Steps skipped for non-finite gradients, and steps applied; the same on every rank.
+  std::int64_t skipped_steps() const noexcept;
+  std::int64_t applied_steps() const noexcept;
+  /// The flat gradient buffers (one per run of parameters of one dtype and device).
+  std::size_t buffer_count() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Collective: root writes the module's parameters and buffers (names as the module names
+/// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
+/// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
+/// that Python's safetensors and torch read (see docs/torch.md). Atomic, checksummed, and the
+/// same error on every rank, as ls::save_checkpoint.
+void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     std::source_location loc = std::source_location::current());
+void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     ::torch::optim::Optimizer& optimizer,
+                     std::source_location loc = std::source_location::current());
+/// Collective resume, all or nothing: every rank's module (and optimizer) is checked against
+/// the file before anything changes; then every rank holds root's file's values, bitwise.
+void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     std::source_location loc = std::source_location::current());
+void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     ::torch::optim::Optimizer& optimizer,
+                     std::source_location loc = std::source_location::current());
+
+}  // namespace lockstep::torch

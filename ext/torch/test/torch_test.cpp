@@ -1,0 +1,473 @@
+// lockstep::torch under mpiexec at 1-4 ranks, with real LibTorch models and optimizers: the
+// bridge, synchronize of modules (buffers too) and optimizers (lazy state), DistributedOptimizer
+// (N ranks equal one process on the whole batch, replicas bitwise equal, accumulation, unused
+// parameters, non-finite gradients, torch's own zero_grad, a user's own optimizer) and
+// checkpoints (resume bitwise). Every error is checked on every rank.
+#include <torch/torch.h>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "lockstep/lockstep.hpp"
+#include "lockstep/torch.hpp"
+
+namespace ls = lockstep;
+namespace lt = lockstep::torch;
+
+namespace {
+
+ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
+
+bool all_ranks(bool ok) {
+  std::int32_t v = ok ? 1 : 0;
+  backend().allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
+  return v == 1;
+}
+
+// The message of the E thrown by f on this rank ("" if none, "other: ..." for another type).
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("other: ") + e.what();
+  }
+  return "";
+}
+bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  NetImpl(int in = 6, int hidden = 8, int out = 3) {
+    fc1 = register_module("fc1", torch::nn::Linear(in, hidden));
+    bn = register_module("bn", torch::nn::BatchNorm1d(hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, out));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
+};
+TORCH_MODULE(Net);
+
+// The module's parameters and buffers equal on every rank, bitwise.
+bool replicas_equal(torch::nn::Module& m) {
+  std::map<std::string, ls::Tensor> x;
+  for (const auto& p : m.named_parameters()) x.emplace(p.key(), lt::borrow(p.value()));
+  for (const auto& b : m.named_buffers()) x.emplace(b.key(), lt::borrow(b.value()));
+  const std::string e = error_of<ls::MismatchError>([&] { ls::check_replicas(backend(), x); });
+  if (!e.empty()) UNSCOPED_INFO(e);
+  return e.empty();
+}
+
+float max_abs_diff(torch::nn::Module& a, torch::nn::Module& b) {
+  float d = 0;
+  auto pa = a.parameters(), pb = b.parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i) d = std::max(d, (pa[i] - pb[i]).abs().max().item<float>());
+  return d;
+}
+
+// The global batch of step s (the same on every rank), and this rank's rows of it.
+std::pair<torch::Tensor, torch::Tensor> global_batch(int s, int rows) {
+  torch::manual_seed(1000 + s);
+  return {torch::randn({rows, 6}), torch::randn({rows, 3})};
+}
+torch::Tensor rows_of(const torch::Tensor& t, int rank, int size) {
+  const auto per = t.size(0) / size;
+  return t.narrow(0, rank * per, per);
+}
+
+// A user's own optimizer: plain gradient descent with a step counter kept in the optimizer.
+class MyDescent : public torch::optim::Optimizer {
+ public:
+  explicit MyDescent(std::vector<torch::Tensor> params, double lr)
+      : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                                std::make_unique<torch::optim::SGDOptions>(lr)),
+        lr_(lr) {}
+  torch::Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard g;
+    for (auto& p : param_groups()[0].params())
+      if (p.grad().defined()) p.add_(p.grad(), -lr_);
+    ++steps;
+    return {};
+  }
+  int steps = 0;
+
+ private:
+  double lr_;
+};
+
+}  // namespace
+
+TEST_CASE("view: a zero-copy view of every shared dtype; clear errors otherwise", "[torch]") {
+  torch::set_num_threads(1);
+  const std::vector<std::pair<torch::ScalarType, ls::DType>> types{
+      {torch::kHalf, ls::DType::f16}, {torch::kBFloat16, ls::DType::bf16}, {torch::kFloat, ls::DType::f32},
+      {torch::kDouble, ls::DType::f64}, {torch::kInt, ls::DType::i32},     {torch::kLong, ls::DType::i64},
+      {torch::kByte, ls::DType::u8}};
+  for (auto [st, dt] : types) {
+    auto t = torch::zeros({2, 3}, torch::TensorOptions().dtype(st));
+    const ls::TensorView v = lt::view(t);
+    CHECK(v.data == t.data_ptr());
+    CHECK(v.numel == 6);
+    CHECK(v.dtype == dt);
+    CHECK(v.device.is_cpu());
+  }
+  auto b = lt::borrow(torch::ones({4, 5}));
+  CHECK(b.shape() == ls::Shape{4, 5});
+  CHECK(mentions(error_of<ls::InvalidArgument>([] { lt::view(torch::ones({4, 4}).t()); }), "not contiguous"));
+  CHECK(mentions(error_of<ls::InvalidArgument>([] { lt::view(torch::ones({2}).to_sparse()); }), "Sparse"));
+  CHECK(mentions(error_of<ls::InvalidArgument>([] { lt::view(torch::ones({2}, torch::kComplexFloat)); }),
+                 "has no Lockstep dtype"));
+  CHECK(mentions(error_of<ls::InvalidArgument>([] { lt::view(torch::Tensor()); }), "undefined"));
+}
+
+TEST_CASE("synchronize(module): parameters and buffers from root; a different module is a MismatchError on every rank",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(b.rank());  // every rank starts different
+  Net net;
+  net->bn->running_mean.fill_(static_cast<double>(b.rank()));
+  lt::synchronize(b, *net, 0);
+  CHECK(replicas_equal(*net));
+  CHECK(all_ranks(net->bn->running_mean[0].item<float>() == 0.0f));
+  // Root 1 where there is one.
+  if (b.size() > 1) {
+    torch::manual_seed(100 + b.rank());
+    Net other;
+    lt::synchronize(b, *other, 1);
+    CHECK(replicas_equal(*other));
+  }
+  if (b.size() > 1) {
+    // One rank's module has another hidden width: every rank throws, naming the tensor; the
+    // modules are left as they were.
+    Net odd(6, b.rank() == 1 ? 9 : 8, 3);
+    const auto before = odd->fc1->weight.clone();
+    const std::string e = error_of<ls::MismatchError>([&] { lt::synchronize(b, *odd, 0); });
+    CHECK(all_ranks(mentions(e, "fc1.weight") || mentions(e, "bn.")));
+    CHECK(torch::equal(before, odd->fc1->weight));
+  }
+}
+
+TEST_CASE("synchronize(optimizer): Adam's lazily created state comes from root", "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(7);
+  Net net;
+  lt::synchronize(b, *net, 0);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  if (b.rank() == 0) {  // only root has stepped: only root has state
+    auto [x, y] = global_batch(0, 8);
+    torch::mse_loss(net->forward(x), y).backward();
+    adam.step();
+    adam.param_groups()[0].options().set_lr(0.5);
+  }
+  lt::synchronize(b, *net, 0);
+  lt::synchronize(b, adam, 0);
+  CHECK(all_ranks(adam.state().size() == net->parameters().size()));
+  CHECK(all_ranks(adam.param_groups()[0].options().get_lr() == 0.5));
+  std::map<std::string, ls::Tensor> moments;
+  int i = 0;
+  for (auto& p : net->parameters()) {
+    auto& s = static_cast<torch::optim::AdamParamState&>(*adam.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+    CHECK(s.step() == 1);
+    moments.emplace("m" + std::to_string(i), lt::borrow(s.exp_avg()));
+    moments.emplace("v" + std::to_string(i++), lt::borrow(s.exp_avg_sq()));
+  }
+  CHECK_NOTHROW(ls::check_replicas(b, moments));
+  // Root without state: the others' state is dropped.
+  torch::optim::Adam fresh(net->parameters(), torch::optim::AdamOptions(1e-2));
+  if (b.rank() != 0) {
+    auto [x, y] = global_batch(1, 8);
+    fresh.zero_grad();
+    torch::mse_loss(net->forward(x), y).backward();
+    fresh.step();
+  }
+  lt::synchronize(b, fresh, 0);
+  CHECK(all_ranks(fresh.state().empty()));
+  // Different optimizers: MismatchError on every rank.
+  if (b.size() > 1) {
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e = error_of<ls::MismatchError>([&] {
+      if (b.rank() == 1) lt::synchronize(b, sgd, 0);
+      else lt::synchronize(b, adam, 0);
+    });
+    CHECK(all_ranks(mentions(e, "optimizer")));
+  }
+}
+
+namespace {
+enum class Which { adam, sgd, mine };
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Which w, Net& net) {
+  if (w == Which::adam) return std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2));
+  if (w == Which::sgd)
+    return std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  return std::make_unique<MyDescent>(net->parameters(), 0.05);
+}
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: N ranks equal one process on the whole batch; replicas stay bitwise equal",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int rows = 12;  // divisible by 1, 2, 3, 4
+  for (Which w : {Which::adam, Which::sgd, Which::mine}) {
+    for (std::size_t bucket : {std::size_t{0}, std::size_t{256}, ls::kDefaultBucketBytes}) {
+      torch::manual_seed(3);
+      Net dist, ref;
+      {
+        torch::NoGradGuard g;
+        for (std::size_t i = 0; i < dist->parameters().size(); ++i) ref->parameters()[i].copy_(dist->parameters()[i]);
+      }
+      // BatchNorm sees only this rank's rows; the reference uses the same per-rank statistics
+      // by running in eval mode on both sides (no batch statistics), so the losses match.
+      dist->eval();
+      ref->eval();
+      auto inner = make_optimizer(w, dist);
+      auto ref_opt = make_optimizer(w, ref);
+      ls::DistributedOptions o;
+      o.bucket_bytes = bucket;
+      lt::DistributedOptimizer opt(b, *inner, o, {.names_from = dist.get()});
+      for (int s = 0; s < 4; ++s) {
+        auto [x, y] = global_batch(s, rows);
+        opt.zero_grad();
+        torch::mse_loss(dist->forward(rows_of(x, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+        CHECK(opt.step());
+        ref_opt->zero_grad();
+        torch::mse_loss(ref->forward(x), y).backward();
+        ref_opt->step();
+      }
+      INFO("optimizer " << static_cast<int>(w) << " bucket_bytes " << bucket);
+      CHECK(all_ranks(max_abs_diff(*dist, *ref) < 1e-5f));
+      CHECK(replicas_equal(*dist));
+      CHECK(opt.applied_steps() == 4);
+      if (w == Which::mine) CHECK(static_cast<MyDescent&>(*inner).steps == 4);
+      if (bucket == 0) CHECK(opt.reducer().bucket_count() == dist->parameters().size());
+      CHECK(opt.reducer().zero_copy_buckets() == opt.reducer().bucket_count());
+    }
+  }
+}
+
+TEST_CASE("DistributedOptimizer: accumulation_steps = 2 on half batches equals one step on the whole batch",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(5);
+  Net acc, ref;
+  {
+    torch::NoGradGuard g;
+    for (std::size_t i = 0; i < acc->parameters().size(); ++i) ref->parameters()[i].copy_(acc->parameters()[i]);
+  }
+  acc->eval();
+  ref->eval();
+  torch::optim::SGD sa(acc->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD sr(ref->parameters(), torch::optim::SGDOptions(0.1));
+  ls::DistributedOptions o;
+  o.accumulation_steps = 2;
+  lt::DistributedOptimizer opt(b, sa, o);
+  const int rows = 24;
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = global_batch(s, rows);
+    auto mine_x = rows_of(x, b.rank(), b.size()), mine_y = rows_of(y, b.rank(), b.size());
+    const auto half = mine_x.size(0) / 2;
+    for (int m = 0; m < 2; ++m) {
+      opt.zero_grad();  // inside the cycle: leaves the first micro-batch's gradients
+      torch::mse_loss(acc->forward(mine_x.narrow(0, m * half, half)), mine_y.narrow(0, m * half, half)).backward();
+      CHECK(opt.step() == (m == 1));
+    }
+    sr.zero_grad();
+    torch::mse_loss(ref->forward(x), y).backward();
+    sr.step();
+  }
+  CHECK(all_ranks(max_abs_diff(*acc, *ref) < 1e-5f));
+  CHECK(replicas_equal(*acc));
+}
+
+namespace {
+struct BranchyImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, side{nullptr};
+  BranchyImpl() {
+    a = register_module("a", torch::nn::Linear(4, 2));
+    side = register_module("side", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_side) {
+    auto y = a->forward(x);
+    return use_side ? y + side->forward(x) : y;
+  }
+};
+TORCH_MODULE(Branchy);
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: a parameter without gradient on some rank is an error on every rank, or zero",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(9);
+  Branchy net;
+  lt::synchronize(b, *net, 0);
+  const auto x = torch::ones({3, 4});
+  const bool skip_side = b.rank() == b.size() - 1;  // the last rank does not use "side"
+  {
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()});
+    const auto before = net->a->weight.clone();
+    opt.zero_grad();
+    net->forward(x, !skip_side).sum().backward();
+    const std::string e = error_of<ls::InvalidArgument>([&] { opt.step(); });
+    CHECK(all_ranks(mentions(e, "side.weight") && mentions(e, "got no gradient")));
+    CHECK(torch::equal(before, net->a->weight));  // the step was not taken
+    // It recovers: the next step with every parameter used works.
+    opt.zero_grad();
+    net->forward(x, true).sum().backward();
+    CHECK(opt.step());
+    CHECK(replicas_equal(*net));
+    // A second optimizer over the same parameters is refused on every rank.
+    torch::optim::SGD again(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string twice = error_of<ls::InvalidArgument>([&] { lt::DistributedOptimizer other(b, again); });
+    CHECK(all_ranks(mentions(twice, "already wrapped")));
+  }
+
+  // With UnusedParameters::zero the missing gradient counts as zero: side's gradient is the
+  // mean over the ranks that used it (N-1 of N).
+  torch::optim::SGD sgd2(net->parameters(), torch::optim::SGDOptions(1.0));
+  lt::DistributedOptimizer zero(b, sgd2, {}, {.unused_parameters = lt::UnusedParameters::zero});
+  const auto side_before = net->side->bias.clone();
+  zero.zero_grad();
+  net->forward(x, !skip_side).sum().backward();
+  CHECK(zero.step());
+  // d(sum)/d(bias) = 3 rows on the ranks that used it: the mean is 3 (N-1)/N.
+  const float expect = 3.0f * static_cast<float>(b.size() - 1) / static_cast<float>(b.size());
+  CHECK(all_ranks(torch::allclose(side_before - net->side->bias, torch::full({2}, expect), 1e-5, 1e-6)));
+  CHECK(replicas_equal(*net));
+}
+
+TEST_CASE("DistributedOptimizer: a NaN on one rank skips the step on every rank (skip_non_finite)", "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(11);
+  Net net;
+  net->eval();
+  lt::synchronize(b, *net, 0);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  ls::DistributedOptions o;
+  o.skip_non_finite = true;
+  o.check_replicas_every = 1;
+  lt::DistributedOptimizer opt(b, adam, o, {.names_from = net.get()});
+  auto [x, y] = global_batch(0, 8);
+  if (b.rank() == b.size() - 1) x[0][0] = std::nan("");
+  const auto before = net->fc1->weight.clone();
+  opt.zero_grad();
+  torch::mse_loss(net->forward(x), y).backward();
+  CHECK_FALSE(opt.step());
+  CHECK(opt.skipped_steps() == 1);
+  CHECK(torch::equal(before, net->fc1->weight));
+  CHECK(adam.state().empty());  // Adam never stepped
+  auto [x2, y2] = global_batch(1, 8);
+  opt.zero_grad();
+  torch::mse_loss(net->forward(x2), y2).backward();
+  CHECK(opt.step());  // and check_replicas_every = 1 compared parameters and Adam's state
+  CHECK(opt.applied_steps() == 1);
+}
+
+TEST_CASE("DistributedOptimizer: LibTorch's own zero_grad works on the bucket buffers", "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(13);
+  Net net;
+  net->eval();
+  lt::synchronize(b, *net, 0);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  lt::DistributedOptimizer opt(b, sgd);
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = global_batch(s, 8);
+    sgd.zero_grad();  // torch's own: no "Can't detach views in-place"
+    torch::mse_loss(net->forward(x), y).backward();
+    CHECK(opt.step());
+  }
+  // The gradients still live in the buffers, and hold the average (equal on every rank).
+  std::map<std::string, ls::Tensor> grads;
+  for (const auto& p : net->named_parameters()) grads.emplace(p.key(), lt::borrow(p.value().grad()));
+  CHECK_NOTHROW(ls::check_replicas(b, grads));
+  CHECK(replicas_equal(*net));
+}
+
+TEST_CASE("DistributedOptimizer: ranks that wrap different optimizers get a MismatchError on every rank",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  if (b.size() < 2) {  // one rank always agrees with itself: it constructs
+    Net one;
+    torch::optim::SGD s1(one->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_NOTHROW(lt::DistributedOptimizer(b, s1));
+    return;
+  }
+  Net net(6, b.rank() == 1 ? 5 : 8, 3);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  const std::string e = error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd); });
+  CHECK(all_ranks(!e.empty() && !mentions(e, "other:")));
+  ls::DistributedOptions o;
+  o.bucket_bytes = b.rank() == 1 ? 64 : 128;
+  Net same;
+  torch::optim::SGD s2(same->parameters(), torch::optim::SGDOptions(0.1));
+  const std::string e2 = error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, s2, o); });
+  CHECK(all_ranks(mentions(e2, "bucket_bytes")));
+}
+
+TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different model changes nothing",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "lockstep-torch-test";
+  if (b.rank() == 0) std::filesystem::create_directories(dir);
+  const std::filesystem::path path = dir / ("ck-" + std::to_string(b.size()) + ".safetensors");
+  for (Which w : {Which::adam, Which::sgd, Which::mine}) {
+    torch::manual_seed(17);
+    Net net;
+    net->eval();
+    lt::synchronize(b, *net, 0);
+    auto inner = make_optimizer(w, net);
+    auto run_steps = [&](Net& n, torch::optim::Optimizer& o, int from, int to) {
+      lt::DistributedOptimizer opt(b, o);
+      for (int s = from; s < to; ++s) {
+        auto [x, y] = global_batch(s, 12);
+        opt.zero_grad();
+        torch::mse_loss(n->forward(rows_of(x, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+        opt.step();
+      }
+    };
+    run_steps(net, *inner, 0, 2);
+    lt::save_checkpoint(b, path, *net, *inner);
+    // Uninterrupted: two more steps.
+    run_steps(net, *inner, 2, 4);
+    // Resumed: a fresh model and optimizer (no state yet) loaded from the file, two steps.
+    torch::manual_seed(99);
+    Net resumed;
+    resumed->eval();
+    auto inner2 = make_optimizer(w, resumed);
+    lt::load_checkpoint(b, path, *resumed, *inner2);
+    run_steps(resumed, *inner2, 2, 4);
+    INFO("optimizer " << static_cast<int>(w));
+    CHECK(all_ranks(max_abs_diff(*net, *resumed) == 0.0f));  // bitwise
+    // A different model: CheckpointError on every rank, nothing changed.
+    Net other(6, 7, 3);
+    const auto before = other->fc1->weight.clone();
+    torch::optim::SGD so(other->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e = error_of<ls::CheckpointError>([&] { lt::load_checkpoint(b, path, *other, so); });
+    CHECK(all_ranks(!e.empty() && !mentions(e, "other:")));
+    CHECK(torch::equal(before, other->fc1->weight));
+  }
+  // The names are the module's own.
+  if (b.rank() == 0) {
+    const ls::Checkpoint ck = ls::load_checkpoint(path);
+    std::vector<std::string> names;
+    for (const auto& [n, t] : ck.tensors) names.push_back(n);
+    CHECK(std::find(names.begin(), names.end(), "fc1.weight") != names.end());
+    CHECK(std::find(names.begin(), names.end(), "bn.running_mean") != names.end());
+    CHECK(std::find(names.begin(), names.end(), "optimizer.torch_archive") != names.end());
+  }
+}
