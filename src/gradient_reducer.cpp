@@ -8,6 +8,7 @@
 
 #include "lockstep/device_runtime.hpp"
 #include "lockstep/errors.hpp"
+#include "lockstep/checkpoint.hpp"
 #include "lockstep/reliability.hpp"
 
 namespace lockstep {
@@ -381,27 +382,32 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
                                  std::source_location loc)
     : impl_(std::make_unique<Impl>()) {
   detail::CallSiteScope site(loc, "GradientReducer");
-  LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
-                     "GradientReducer: op must be avg or sum, got ", name(options.op));
-  LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
-                     "GradientReducer: accumulation_steps must be >= 1, got ", options.accumulation_steps);
-  LOCKSTEP_CHECK_ARG(names.size() == grads.size(), "GradientReducer: ", grads.size(),
-                     " gradients and ", names.size(), " names");
+  // Arguments are checked on every rank and the ranks agree on the verdict before anything
+  // else: a rank that refuses its own arguments makes every rank throw the same error.
   std::vector<GradLeaf> leaves;
-  leaves.reserve(grads.size());
-  std::unordered_map<const Tensor*, std::size_t> seen;
-  for (std::size_t j = 0; j < grads.size(); ++j) {
-    LOCKSTEP_CHECK_ARG(grads[j] != nullptr, "GradientReducer: gradient '", names[j], "' is a null pointer");
-    const Tensor& g = *grads[j];
-    LOCKSTEP_CHECK_ARG(g.raw_data() != nullptr || g.numel() == 0, "GradientReducer: gradient '",
-                       names[j], "' has no memory (moved from?)");
-    LOCKSTEP_CHECK_ARG(is_floating(g.dtype()), "GradientReducer: gradient '", names[j], "' is ",
-                       name(g.dtype()), "; gradients are floating-point tensors");
-    auto [it, fresh] = seen.emplace(grads[j], j);
-    LOCKSTEP_CHECK_ARG(fresh, "GradientReducer: gradients '", names[it->second], "' and '", names[j],
-                       "' are the same tensor");
-    leaves.push_back({g.numel(), g.dtype(), g.device()});
-  }
+  const detail::Verdict mine = detail::verdict_of([&] {
+    LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
+                       "GradientReducer: op must be avg or sum, got ", name(options.op));
+    LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
+                       "GradientReducer: accumulation_steps must be >= 1, got ", options.accumulation_steps);
+    LOCKSTEP_CHECK_ARG(names.size() == grads.size(), "GradientReducer: ", grads.size(),
+                       " gradients and ", names.size(), " names");
+    leaves.reserve(grads.size());
+    std::unordered_map<const Tensor*, std::size_t> seen;
+    for (std::size_t j = 0; j < grads.size(); ++j) {
+      LOCKSTEP_CHECK_ARG(grads[j] != nullptr, "GradientReducer: gradient '", names[j], "' is a null pointer");
+      const Tensor& g = *grads[j];
+      LOCKSTEP_CHECK_ARG(g.raw_data() != nullptr || g.numel() == 0, "GradientReducer: gradient '",
+                         names[j], "' has no memory (moved from?)");
+      LOCKSTEP_CHECK_ARG(is_floating(g.dtype()), "GradientReducer: gradient '", names[j], "' is ",
+                         name(g.dtype()), "; gradients are floating-point tensors");
+      auto [it, fresh] = seen.emplace(grads[j], j);
+      LOCKSTEP_CHECK_ARG(fresh, "GradientReducer: gradients '", names[it->second], "' and '", names[j],
+                         "' are the same tensor");
+      leaves.push_back({g.numel(), g.dtype(), g.device()});
+    }
+  });
+  detail::agree(backend, "GradientReducer", 0, mine, 0, "no reducer was made");
   const std::string sig = detail::reducer_signature(options, leaves);
   detail::check_same_structure(backend, sig, 0, 0, "GradientReducer", [&] {
     std::vector<detail::StructureEntry> e;
