@@ -7,15 +7,13 @@ if(TARGET lockstep_torch)
     ENV OMP_NUM_THREADS=1)
 endif()
 
-# A checkpoint written by lockstep::torch, read back in Python (python3-torch) into the same
-# architecture: same output, every name the module's own, Adam's state there. Skipped (77)
-# where Python has no torch.
+# A checkpoint written by lockstep::torch (the hidden test "[.export]" of test_torch, as an MPI
+# singleton), read back in Python (python3-torch) into the same architecture: same output,
+# every name the module's own, Adam's state there. Skipped (77) where Python has no torch.
 if(TARGET lockstep_torch)
-  add_executable(torch_export ${PROJECT_SOURCE_DIR}/ext/torch/test/torch_export.cpp)
-  target_link_libraries(torch_export PRIVATE lockstep::torch lockstep_build_flags)
   add_test(NAME torch_checkpoint_python
-    COMMAND bash -c "py=/usr/bin/python3; [ -x \"$py\" ] || py=python3; \"$py\" -c 'import torch' 2>/dev/null || { echo 'skipped: no python3 with torch (apt-get install python3-torch)'; exit 77; }; \"$1\" \"$2\" && \"$py\" \"$3\" \"$2\""
-            _ $<TARGET_FILE:torch_export> ${CMAKE_CURRENT_BINARY_DIR}/torch-export
+    COMMAND bash -c "py=/usr/bin/python3; [ -x \"$py\" ] || py=python3; \"$py\" -c 'import torch' 2>/dev/null || { echo 'skipped: no python3 with torch (apt-get install python3-torch)'; exit 77; }; LOCKSTEP_TORCH_EXPORT_DIR=\"$2\" \"$1\" '[.export]' && \"$py\" \"$3\" \"$2\""
+            _ $<TARGET_FILE:test_torch> ${CMAKE_CURRENT_BINARY_DIR}/torch-export
             ${PROJECT_SOURCE_DIR}/ext/torch/test/read_checkpoint.py)
   set_tests_properties(torch_checkpoint_python PROPERTIES LABELS "unit;torch" TIMEOUT 120
     SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};OMP_NUM_THREADS=1")

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -470,4 +471,48 @@ TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different
     CHECK(std::find(names.begin(), names.end(), "bn.running_mean") != names.end());
     CHECK(std::find(names.begin(), names.end(), "optimizer.torch_archive") != names.end());
   }
+}
+
+namespace {
+struct ExportNetImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  ExportNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 8));
+    bn = register_module("bn", torch::nn::BatchNorm1d(8));
+    fc2 = register_module("fc2", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
+};
+TORCH_MODULE(ExportNet);
+}  // namespace
+
+// Hidden (run by the torch_checkpoint_python test only): writes a checkpoint of a module and
+// Adam after two steps to $LOCKSTEP_TORCH_EXPORT_DIR, with an input batch and the module's output
+// on it beside it; read_checkpoint.py loads it in Python and checks the output.
+TEST_CASE("export a checkpoint for Python", "[.export]") {
+  const char* d = std::getenv("LOCKSTEP_TORCH_EXPORT_DIR");
+  REQUIRE(d != nullptr);
+  const std::filesystem::path dir = d;
+  std::filesystem::create_directories(dir);
+  auto& b = backend();
+  torch::manual_seed(1);
+  ExportNet net;
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  lt::DistributedOptimizer opt(b, adam, {}, {.names_from = net.get()});
+  for (int s = 0; s < 2; ++s) {  // training mode: BatchNorm's running statistics move
+    opt.zero_grad();
+    torch::mse_loss(net->forward(torch::randn({16, 6})), torch::randn({16, 3})).backward();
+    CHECK(opt.step());
+  }
+  lt::save_checkpoint(b, dir / "model.safetensors", *net, adam);
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor x = torch::randn({5, 6});
+  const torch::Tensor y = net->forward(x).contiguous();
+  ls::Checkpoint io;
+  io.add("x", lt::borrow(x).reshape_view({5, 6}));
+  io.add("y", lt::borrow(y).reshape_view({5, 3}));
+  ls::save_checkpoint(dir / "io.safetensors", io);
+  CHECK(std::filesystem::exists(dir / "model.safetensors"));
 }
