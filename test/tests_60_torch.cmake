@@ -5,6 +5,18 @@ if(TARGET lockstep_torch)
   target_link_libraries(test_torch PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch TARGET test_torch RANKS 1 2 3 4 LABELS torch TIMEOUT 600
     ENV OMP_NUM_THREADS=1)
+  # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
+  # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
+  # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).
+  find_package(ZLIB QUIET)
+  if(LOCKSTEP_BUILD_EXAMPLES AND ZLIB_FOUND)
+    lockstep_add_example_test(NAME torch_digits_accuracy SCRIPT torch_digits_accuracy.sh TARGET torch_digits
+                              RANKS 2 TIMEOUT 120)
+    lockstep_add_example_test(NAME torch_digits_resume SCRIPT torch_digits_resume.sh TARGET torch_digits
+                              RANKS 2 TIMEOUT 120)
+    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY LABELS torch)
+    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY ENVIRONMENT OMP_NUM_THREADS=1)
+  endif()
 endif()
 
 # A checkpoint written by lockstep::torch (the hidden test "[.export]" of test_torch, as an MPI

@@ -1,0 +1,371 @@
+// torch_digits: a LibTorch MLP trained data-parallel with lockstep::torch on scikit-learn's
+// handwritten digits (1,797 8x8 images, 10 classes).
+//
+// The model is Linear(64 => 128), ReLU, Linear(128 => 10), trained with cross-entropy and
+// torch::optim::Adam wrapped in lt::DistributedOptimizer. The data is the gzipped CSV that
+// Debian's python3-sklearn ships (64 pixel values 0-16, then the label, per row), read with zlib.
+// A fixed shuffle holds out 297 images as the test set; the other 1,500 are the training set.
+// Every epoch all ranks draw the same permutation of the training set (from --seed and the epoch)
+// and each takes its 1/N of every global batch, so -n 1, 2 and 4 train the same model: the
+// gradients are averaged across ranks during backward. Each rank scores its share of the test
+// set; the correct counts are summed across ranks, so the accuracy printed by rank 0 is over the
+// whole test set.
+//
+// The epoch count lives in the model, as an int64 buffer "epochs_done": lt::save_checkpoint
+// writes it with the parameters and Adam's state in one atomic file, so a checkpoint can never
+// hold the weights of one epoch and the epoch number of another.
+//
+// Run (from the repository root, after building into build/):
+//   mpiexec -n 2 --oversubscribe build/examples/torch/torch_digits --epochs 20
+//   # stop and resume: 5 epochs, then continue to 20 from the checkpoint
+//   mpiexec -n 2 --oversubscribe build/examples/torch/torch_digits --epochs 5 --checkpoint ck.safetensors
+//   mpiexec -n 2 --oversubscribe build/examples/torch/torch_digits --epochs 20 --checkpoint ck.safetensors --resume
+// `torch_digits --help` lists every flag; docs/torch.md describes the output and the checkpoint.
+#include <torch/torch.h>
+#include <zlib.h>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/torch.hpp>
+
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+namespace ls = lockstep;
+namespace lt = lockstep::torch;
+
+namespace {
+
+constexpr const char* kDefaultData = "/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz";
+constexpr std::int64_t kPixels = 64;
+constexpr std::int64_t kClasses = 10;
+constexpr std::int64_t kTestRows = 297;
+constexpr std::uint64_t kSplitSeed = 20240601;  // the train/test split does not depend on --seed
+
+struct Options {
+  std::int64_t epochs = 20;
+  std::int64_t batch = 60;
+  double lr = 1e-3;
+  std::uint64_t seed = 42;
+  int threads = 1;
+  std::string data = kDefaultData;
+  std::string checkpoint;
+  bool resume = false;
+  bool help = false;
+};
+
+constexpr const char* kUsage =
+    "usage: mpiexec -n N torch_digits [flags]\n"
+    "  --epochs E         epochs to train in total (default 20)\n"
+    "  --batch B          global batch size, split across ranks; a multiple of N (default 60)\n"
+    "  --lr LR            Adam learning rate (default 1e-3)\n"
+    "  --seed SEED        seed of the initial weights and the per-epoch shuffles (default 42)\n"
+    "  --threads T        LibTorch intra-op threads per rank (default 1)\n"
+    "  --data PATH        digits.csv.gz (default: python3-sklearn's copy)\n"
+    "  --checkpoint PATH  write a checkpoint there after every epoch\n"
+    "  --resume           continue from --checkpoint PATH after its last epoch\n"
+    "  --help             print this and exit\n";
+
+/// A bad command line: the same on every rank, since every rank parses the same arguments.
+struct UsageError {
+  std::string msg;
+};
+
+template <class T>
+T parse_number(std::string_view flag, std::string_view s) {
+  T v{};
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (ec != std::errc{} || p != end || s.empty())
+    throw UsageError{std::string(flag) + " expects a number, got \"" + std::string(s) + "\""};
+  return v;
+}
+
+Options parse_args(int argc, char** argv, int ranks) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") o.help = true;
+    else if (a == "--epochs") o.epochs = parse_number<std::int64_t>(a, value());
+    else if (a == "--batch") o.batch = parse_number<std::int64_t>(a, value());
+    else if (a == "--lr") o.lr = parse_number<double>(a, value());
+    else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
+    else if (a == "--threads") o.threads = parse_number<int>(a, value());
+    else if (a == "--data") o.data = value();
+    else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--resume") o.resume = true;
+    else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
+  }
+  auto require = [](bool ok, const std::string& msg) {
+    if (!ok) throw UsageError{msg};
+  };
+  require(o.epochs >= 0, "--epochs must be >= 0");
+  require(o.batch > 0 && o.batch % ranks == 0, "--batch " + std::to_string(o.batch) + " is not a positive multiple of the " +
+                                                   std::to_string(ranks) + " ranks (the global batch is split evenly)");
+  require(o.lr > 0, "--lr must be a positive number");
+  require(o.threads > 0, "--threads must be >= 1");
+  require(!o.resume || !o.checkpoint.empty(), "--resume needs --checkpoint PATH");
+  return o;
+}
+
+/// The digits: images as float rows of 64 values scaled to [0, 1], labels as int64.
+struct Digits {
+  torch::Tensor x, y;
+};
+
+/// Reads sklearn's digits.csv.gz (no header; 64 pixel values then the label per line). Returns
+/// an error message instead of throwing, so that the ranks can agree on failure before any
+/// collective (a file missing on one node only would otherwise leave the others waiting).
+std::string read_digits(const std::string& path, Digits& out) {
+  if (!std::filesystem::exists(path)) {
+    std::string msg = "the digits data set " + path + " does not exist";
+    if (path == kDefaultData) msg += " (Debian/Ubuntu: apt-get install python3-sklearn, or pass --data PATH)";
+    return msg;
+  }
+  gzFile f = gzopen(path.c_str(), "rb");
+  if (f == nullptr) return "cannot open " + path;
+  std::vector<float> pixels;
+  std::vector<std::int64_t> labels;
+  std::string error;
+  char line[4096];
+  std::int64_t lineno = 0;
+  while (error.empty() && gzgets(f, line, sizeof line) != nullptr) {
+    ++lineno;
+    std::string_view s(line);
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.remove_suffix(1);
+    if (s.empty()) continue;
+    std::vector<double> fields;
+    while (true) {
+      const auto comma = s.find(',');
+      const std::string_view field = s.substr(0, comma);
+      double v = 0;
+      auto [p, ec] = std::from_chars(field.data(), field.data() + field.size(), v);
+      if (ec != std::errc{} || p != field.data() + field.size() || field.empty()) {
+        error = path + ":" + std::to_string(lineno) + ": \"" + std::string(field) + "\" is not a number";
+        break;
+      }
+      fields.push_back(v);
+      if (comma == std::string_view::npos) break;
+      s.remove_prefix(comma + 1);
+    }
+    if (!error.empty()) break;
+    if (static_cast<std::int64_t>(fields.size()) != kPixels + 1) {
+      error = path + ":" + std::to_string(lineno) + ": " + std::to_string(fields.size()) + " values, expected " +
+              std::to_string(kPixels + 1) + " (64 pixels and the label)";
+      break;
+    }
+    const double label = fields.back();
+    if (label < 0 || label >= kClasses || label != static_cast<double>(static_cast<std::int64_t>(label))) {
+      error = path + ":" + std::to_string(lineno) + ": label " + std::to_string(label) + " is not 0-9";
+      break;
+    }
+    for (std::int64_t i = 0; i < kPixels; ++i) pixels.push_back(static_cast<float>(fields[i] / 16.0));
+    labels.push_back(static_cast<std::int64_t>(label));
+  }
+  int zerr = Z_OK;
+  const char* zmsg = gzerror(f, &zerr);
+  if (error.empty() && zerr != Z_OK && zerr != Z_STREAM_END) error = path + ": " + zmsg;
+  gzclose(f);
+  if (!error.empty()) return error;
+  const auto rows = static_cast<std::int64_t>(labels.size());
+  if (rows <= kTestRows) return path + ": " + std::to_string(rows) + " rows, too few for a " + std::to_string(kTestRows) + "-row test set";
+  out.x = torch::from_blob(pixels.data(), {rows, kPixels}, torch::kFloat).clone();
+  out.y = torch::from_blob(labels.data(), {rows}, torch::kLong).clone();
+  return "";
+}
+
+/// A permutation of 0..n-1 from a seed, the same on every platform (std::shuffle's is not).
+std::vector<std::int64_t> permutation(std::int64_t n, std::uint64_t seed) {
+  std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) p[static_cast<std::size_t>(i)] = i;
+  std::mt19937_64 rng(seed);
+  for (std::int64_t i = n - 1; i > 0; --i)
+    std::swap(p[static_cast<std::size_t>(i)], p[static_cast<std::size_t>(rng() % static_cast<std::uint64_t>(i + 1))]);
+  return p;
+}
+
+torch::Tensor index_tensor(const std::int64_t* first, std::int64_t n) {
+  return torch::from_blob(const_cast<std::int64_t*>(first), {n}, torch::kLong).clone();
+}
+
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::Tensor epochs_done;  // training bookkeeping, saved and loaded with the weights
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(kPixels, 128));
+    fc2 = register_module("fc2", torch::nn::Linear(128, kClasses));
+    epochs_done = register_buffer("epochs_done", torch::zeros({1}, torch::kLong));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(fc1->forward(x))); }
+};
+TORCH_MODULE(Net);
+
+/// Loss and accuracy over the whole test set: each rank scores its contiguous share, the sums
+/// are reduced across ranks.
+struct Score {
+  double loss = 0;
+  std::int64_t correct = 0, total = 0;
+};
+Score evaluate(ls::Backend& backend, Net& net, const Digits& test) {
+  torch::NoGradGuard no_grad;
+  const std::int64_t n = test.y.size(0), rank = backend.rank(), ranks = backend.size();
+  const std::int64_t lo = n * rank / ranks, hi = n * (rank + 1) / ranks;
+  double loss_sum = 0;
+  std::int64_t correct = 0;
+  if (hi > lo) {
+    const auto x = test.x.narrow(0, lo, hi - lo), y = test.y.narrow(0, lo, hi - lo);
+    const auto logits = net->forward(x);
+    loss_sum = torch::nn::functional::cross_entropy(
+                   logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                   .item<double>();
+    correct = logits.argmax(1).eq(y).sum().item<std::int64_t>();
+  }
+  auto sums = torch::tensor({loss_sum}, torch::kDouble);
+  auto counts = torch::tensor({correct, hi - lo}, torch::kLong);
+  backend.allreduce(lt::view(sums), ls::ReduceOp::sum);
+  backend.allreduce(lt::view(counts), ls::ReduceOp::sum);
+  Score s;
+  s.correct = counts[0].item<std::int64_t>();
+  s.total = counts[1].item<std::int64_t>();
+  s.loss = sums[0].item<double>() / static_cast<double>(s.total);
+  return s;
+}
+
+int run(const Options& o, ls::Backend& backend) {
+  const int rank = backend.rank();
+  const int ranks = backend.size();
+  const bool root = rank == 0;
+  torch::set_num_threads(o.threads);
+
+  // Every rank reads the file; they agree on success before the first collective that needs it.
+  Digits all;
+  const std::string read_error = read_digits(o.data, all);
+  std::int32_t ok = read_error.empty() ? 1 : 0;
+  backend.allreduce(ls::TensorView{&ok, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
+  if (!read_error.empty()) throw ls::InvalidArgument(read_error);
+  if (ok == 0) throw ls::InvalidArgument("another rank could not read the digits data set (see its message)");
+
+  // The split: a fixed shuffle, the last kTestRows rows held out.
+  const std::int64_t rows = all.y.size(0);
+  const auto split = permutation(rows, kSplitSeed);
+  const std::int64_t train_rows = rows - kTestRows;
+  const auto train_idx = index_tensor(split.data(), train_rows);
+  const auto test_idx = index_tensor(split.data() + train_rows, kTestRows);
+  const Digits train{all.x.index_select(0, train_idx), all.y.index_select(0, train_idx)};
+  const Digits test{all.x.index_select(0, test_idx), all.y.index_select(0, test_idx)};
+
+  // Each rank starts from its own random weights; synchronize makes them rank 0's.
+  torch::manual_seed(o.seed + static_cast<std::uint64_t>(rank));
+  Net net;
+  lt::synchronize(backend, *net, 0);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.lr));
+  lt::synchronize(backend, adam, 0);
+
+  if (o.resume) {
+    // Before the DistributedOptimizer exists: load_checkpoint fills the parameters, the
+    // "epochs_done" buffer and Adam's state (step count, moments) with the file's values.
+    lt::load_checkpoint(backend, o.checkpoint, *net, adam);
+    if (root)
+      std::printf("resumed from %s after epoch %lld\n", o.checkpoint.c_str(),
+                  static_cast<long long>(net->epochs_done.item<std::int64_t>()));
+  }
+  lt::DistributedOptimizer opt(backend, adam, ls::DistributedOptions{}, lt::TorchOptions{.names_from = net.get()});
+
+  const std::int64_t share = o.batch / ranks;
+  const std::int64_t batches = train_rows / o.batch;  // the last partial batch is dropped
+  if (root)
+    std::printf("training Linear(64=>128), ReLU, Linear(128=>10) on %lld digits (%lld held out): %d ranks, "
+                "global batch %lld (%lld per rank), Adam lr %g, %lld epochs\n",
+                static_cast<long long>(train_rows), static_cast<long long>(kTestRows), ranks,
+                static_cast<long long>(o.batch), static_cast<long long>(share), o.lr,
+                static_cast<long long>(o.epochs));
+
+  const auto t_start = std::chrono::steady_clock::now();
+  std::int64_t epoch = net->epochs_done.item<std::int64_t>();
+  const std::int64_t first_epoch = epoch;
+  double train_loss = 0;
+  Score score;
+  while (epoch < o.epochs) {
+    net->train();
+    const auto order = permutation(train_rows, o.seed * 1000003u + static_cast<std::uint64_t>(epoch));
+    double loss_sum = 0;  // this rank's summed cross-entropy
+    for (std::int64_t b = 0; b < batches; ++b) {
+      const auto idx = index_tensor(order.data() + b * o.batch + rank * share, share);
+      const auto x = train.x.index_select(0, idx), y = train.y.index_select(0, idx);
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);  // mean over this rank's share
+      loss.backward();  // buckets of gradients are averaged across ranks as backward goes
+      opt.step();
+      loss_sum += loss.item<double>() * static_cast<double>(share);
+    }
+    auto sums = torch::tensor({loss_sum}, torch::kDouble);
+    backend.allreduce(lt::view(sums), ls::ReduceOp::sum);
+    train_loss = sums[0].item<double>() / static_cast<double>(batches * o.batch);
+    net->eval();
+    score = evaluate(backend, net, test);
+    ++epoch;
+    net->epochs_done.fill_(epoch);
+    if (root)
+      std::printf("epoch %3lld  train loss %.6f  test loss %.6f  test accuracy %.4f (%lld/%lld)\n",
+                  static_cast<long long>(epoch), train_loss, score.loss,
+                  static_cast<double>(score.correct) / static_cast<double>(score.total),
+                  static_cast<long long>(score.correct), static_cast<long long>(score.total));
+    if (!o.checkpoint.empty()) lt::save_checkpoint(backend, o.checkpoint, *net, adam);
+  }
+  if (epoch == first_epoch) {
+    // Nothing trained in this run (--resume at or past --epochs): score the model as it is.
+    net->eval();
+    score = evaluate(backend, net, test);
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (root) {
+    std::printf("done: %lld epochs (%lld this run) on %d ranks in %.2f s, %lld optimizer steps this run\n",
+                static_cast<long long>(epoch), static_cast<long long>(epoch - first_epoch), ranks, total,
+                static_cast<long long>(opt.applied_steps()));
+    if (epoch > first_epoch) std::printf("final train loss %.17g\n", train_loss);
+    std::printf("final test loss %.17g\n", score.loss);
+    std::printf("final test accuracy %.4f (%lld/%lld)\n",
+                static_cast<double>(score.correct) / static_cast<double>(score.total),
+                static_cast<long long>(score.correct), static_cast<long long>(score.total));
+    if (!o.checkpoint.empty()) std::printf("checkpoint: %s\n", o.checkpoint.c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ls::initialize<ls::MPIBackend>();
+  ls::Backend& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank();
+  const int ranks = backend.size();
+  try {
+    const Options o = parse_args(argc, argv, ranks);
+    if (o.help) {
+      if (rank == 0) std::fputs(kUsage, stdout);
+      return 0;
+    }
+    return run(o, backend);
+  } catch (const UsageError& e) {
+    // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
+    std::fprintf(stderr, "torch_digits [rank %d/%d]: error: %s\n", rank, ranks, e.msg.c_str());
+    if (rank == 0) std::fputs(kUsage, stderr);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torch_digits [rank %d/%d]: error: %s\n", rank, ranks, e.what());
+    return 1;
+  }
+}
