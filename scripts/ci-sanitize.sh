@@ -41,4 +41,4 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export OMPI_MCA_memory=^patcher
 
 cd "$build"
-ctest -L "unit|mpi" -LE "large|nccl|docs" --output-on-failure --timeout 600 "$@"
+ctest -L "unit|mpi" -LE "large|nccl|docs" --output-on-failure --timeout 600 --parallel "$jobs" "$@"

@@ -492,14 +492,20 @@ void check_no_optimizer_names(const TensorMap& module_tensors) {
 }
 
 void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-               ::torch::optim::Optimizer* optimizer) {
+               ::torch::optim::Optimizer* optimizer, const std::map<std::string, std::string>& user_meta) {
   TensorMap all;
   std::optional<PreparedState> prepared;
   agreed(backend, "lockstep::torch::save_checkpoint", 0, [&] {
     add_module(all, module);
     check_no_optimizer_names(all);
   }, "nothing was written");
-  std::map<std::string, std::string> meta{{"lockstep.torch.module", "1"}};
+  agreed(backend, "lockstep::torch::save_checkpoint", 0, [&] {
+    for (const auto& [k, v] : user_meta)
+      LOCKSTEP_CHECK_ARG(k.rfind("lockstep.", 0) != 0, "lockstep::torch::save_checkpoint: metadata key '", k,
+                         "' starts with 'lockstep.', which Lockstep reserves");
+  }, "nothing was written");
+  std::map<std::string, std::string> meta = user_meta;
+  meta["lockstep.torch.module"] = "1";
   if (optimizer != nullptr) {
     check_same_optimizer(backend, *optimizer, 0, "lockstep::torch::save_checkpoint");
     auto ps = optimizer_params(*optimizer, &module);
@@ -517,8 +523,8 @@ void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
   lockstep::save_checkpoint(backend, path, all, meta, 0);
 }
 
-void load_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-               ::torch::optim::Optimizer* optimizer) {
+std::map<std::string, std::string> load_impl(Backend& backend, const std::filesystem::path& path,
+                                             ::torch::nn::Module& module, ::torch::optim::Optimizer* optimizer) {
   TensorMap all;
   agreed(backend, "lockstep::torch::load_checkpoint", 0, [&] {
     add_module(all, module);
@@ -561,35 +567,40 @@ void load_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
     }, "nothing was restored on any rank");
     for (auto& [name, t] : prepared->tensors()) all.emplace(name, t.reshape_view(t.shape()));
   }
+  std::map<std::string, std::string> meta;
   {
     ::torch::NoGradGuard no_grad;
     // All or nothing on every rank: checked against the file before anything is written.
-    lockstep::load_checkpoint(backend, path, all, 0);
+    meta = lockstep::load_checkpoint(backend, path, all, 0);
   }
   if (prepared) prepared->install();
+  for (auto it = meta.begin(); it != meta.end();) it = it->first.rfind("lockstep.", 0) == 0 ? meta.erase(it) : std::next(it);
+  return meta;
 }
 
 }  // namespace
 
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     std::source_location loc) {
+                     const std::map<std::string, std::string>& metadata, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::save_checkpoint");
-  save_impl(backend, path, module, nullptr);
+  save_impl(backend, path, module, nullptr, metadata);
 }
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     ::torch::optim::Optimizer& optimizer, std::source_location loc) {
-  detail::CallSiteScope site(loc, "lockstep::torch::save_checkpoint");
-  save_impl(backend, path, module, &optimizer);
-}
-void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     ::torch::optim::Optimizer& optimizer, const std::map<std::string, std::string>& metadata,
                      std::source_location loc) {
-  detail::CallSiteScope site(loc, "lockstep::torch::load_checkpoint");
-  load_impl(backend, path, module, nullptr);
+  detail::CallSiteScope site(loc, "lockstep::torch::save_checkpoint");
+  save_impl(backend, path, module, &optimizer, metadata);
 }
-void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     ::torch::optim::Optimizer& optimizer, std::source_location loc) {
+std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                   ::torch::nn::Module& module, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::load_checkpoint");
-  load_impl(backend, path, module, &optimizer);
+  return load_impl(backend, path, module, nullptr);
+}
+std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                   ::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                                                   std::source_location loc) {
+  detail::CallSiteScope site(loc, "lockstep::torch::load_checkpoint");
+  return load_impl(backend, path, module, &optimizer);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -442,7 +442,7 @@ TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different
       }
     };
     run_steps(net, *inner, 0, 2);
-    lt::save_checkpoint(b, path, *net, *inner);
+    lt::save_checkpoint(b, path, *net, *inner, {{"epoch", "2"}});
     // Uninterrupted: two more steps.
     run_steps(net, *inner, 2, 4);
     // Resumed: a fresh model and optimizer (no state yet) loaded from the file, two steps.
@@ -450,7 +450,8 @@ TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different
     Net resumed;
     resumed->eval();
     auto inner2 = make_optimizer(w, resumed);
-    lt::load_checkpoint(b, path, *resumed, *inner2);
+    const auto meta = lt::load_checkpoint(b, path, *resumed, *inner2);
+    CHECK(meta == std::map<std::string, std::string>{{"epoch", "2"}});
     run_steps(resumed, *inner2, 2, 4);
     INFO("optimizer " << static_cast<int>(w));
     CHECK(all_ranks(max_abs_diff(*net, *resumed) == 0.0f));  // bitwise

@@ -136,19 +136,26 @@ class DistributedOptimizer {
 /// Collective: root writes the module's parameters and buffers (names as the module names
 /// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
 /// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
-/// that Python's safetensors and torch read (see docs/torch.md). Atomic, checksummed, and the
+/// that Python reads (docs/torch.md has a reader for Debian 12, which lacks python3-safetensors). Atomic, checksummed, and the
 /// same error on every rank, as ls::save_checkpoint.
+/// `metadata` (string keys and values; keys starting with "lockstep." are reserved) is stored in
+/// the file's header and returned by load_checkpoint.
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
+                     const std::map<std::string, std::string>& metadata = {},
                      std::source_location loc = std::source_location::current());
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     ::torch::optim::Optimizer& optimizer,
+                     ::torch::optim::Optimizer& optimizer, const std::map<std::string, std::string>& metadata = {},
                      std::source_location loc = std::source_location::current());
 /// Collective resume, all or nothing: every rank's module (and optimizer) is checked against
 /// the file before anything changes; then every rank holds root's file's values, bitwise.
-void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     std::source_location loc = std::source_location::current());
-void load_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
-                     ::torch::optim::Optimizer& optimizer,
-                     std::source_location loc = std::source_location::current());
+/// Returns the file's metadata on every rank. It may be called before or after a
+/// DistributedOptimizer wraps the optimizer (parameters and state are written in place; its
+/// applied_steps() and skipped_steps() count that object's own steps and are not restored).
+std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                   ::torch::nn::Module& module,
+                                                   std::source_location loc = std::source_location::current());
+std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                   ::torch::nn::Module& module, ::torch::optim::Optimizer& optimizer,
+                                                   std::source_location loc = std::source_location::current());
 
 }  // namespace lockstep::torch
