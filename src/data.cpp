@@ -46,15 +46,23 @@ DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::
     problem = concat("n_samples ", n_samples, " is more than the dataset holds (", data_size, ")");
   else if (options.batch_size < 0)
     problem = concat("DataOptions::batch_size must be >= 0 (0: not set), got ", options.batch_size);
-  else if (options.remainder != Remainder::pad && options.remainder != Remainder::drop)
+  else if (options.global_batch_size < 0)
+    problem = concat("DataOptions::global_batch_size must be >= 0 (0: not set), got ", options.global_batch_size);
+  else if (options.batch_size > 0 && options.global_batch_size > 0)
+    problem = concat("DataOptions: set batch_size (per rank, ", options.batch_size, ") or global_batch_size (",
+                     options.global_batch_size, "), not both");
+  else if (options.remainder != Remainder::pad && options.remainder != Remainder::drop &&
+           options.remainder != Remainder::uneven)
     problem = concat("DataOptions::remainder is not a Remainder (",
                      static_cast<int>(options.remainder), ")");
-  const char* rem = options.remainder == Remainder::pad    ? "pad"
-                    : options.remainder == Remainder::drop ? "drop"
-                                                           : "invalid";
+  const char* rem = options.remainder == Remainder::pad      ? "pad"
+                    : options.remainder == Remainder::drop   ? "drop"
+                    : options.remainder == Remainder::uneven ? "uneven"
+                                                             : "invalid";
   const std::string sig =
       concat("n_samples=", n_samples, " shuffle=", options.shuffle, " seed=", options.seed,
-             " remainder=", rem, " batch_size=", options.batch_size, " drop_last=", options.drop_last,
+             " remainder=", rem, " batch_size=", options.batch_size,
+             " global_batch_size=", options.global_batch_size, " drop_last=", options.drop_last,
              problem.empty() ? std::string() : concat(" (", problem, ")"));
   detail::check_same_structure(backend, sig, 0, 0, "DistributedDataContainer", [&] {
     return std::vector<detail::StructureEntry>{{"dataset", sig}};
@@ -105,7 +113,14 @@ void DistributedDataContainer<void>::rebuild() {
     }
   }
   std::int64_t per_rank = 0;
-  if (n_ > 0) per_rank = options_.remainder == Remainder::pad ? n_ / ranks_ + (n_ % ranks_ != 0) : n_ / ranks_;
+  if (n_ > 0) {
+    if (options_.remainder == Remainder::pad)
+      per_rank = n_ / ranks_ + (n_ % ranks_ != 0);
+    else if (options_.remainder == Remainder::drop)
+      per_rank = n_ / ranks_;
+    else  // uneven: positions rank, rank + ranks, ... below n
+      per_rank = n_ / ranks_ + (rank_ < n_ % ranks_ ? 1 : 0);
+  }
   indices_.resize(static_cast<std::size_t>(per_rank));
   for (std::int64_t k = 0; k < per_rank; ++k) {
     const std::int64_t pos = rank_ + k * ranks_;  // position in the padded permutation
@@ -144,10 +159,31 @@ std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size
   return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
 }
 
+// The number of permutation positions the ranks visit together (the padded, dropped or whole
+// dataset), the same on every rank.
+std::int64_t DistributedDataContainer<void>::used_positions() const noexcept {
+  if (n_ == 0) return 0;
+  if (options_.remainder == Remainder::pad) return (n_ / ranks_ + (n_ % ranks_ != 0)) * ranks_;
+  if (options_.remainder == Remainder::drop) return n_ / ranks_ * ranks_;
+  return n_;
+}
+
 std::int64_t DistributedDataContainer<void>::num_batches() const {
-  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
-                     "num_batches(): DataOptions::batch_size is not set; set it, or pass the batch size");
+  if (options_.global_batch_size > 0) {
+    const std::int64_t g = options_.global_batch_size, used = used_positions();
+    return used / g + (!options_.drop_last && used % g != 0 ? 1 : 0);
+  }
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0, "num_batches(): neither DataOptions::batch_size nor "
+                                              "global_batch_size is set; set one, or pass the batch size");
   return num_batches(options_.batch_size, options_.drop_last);
+}
+
+std::int64_t DistributedDataContainer<void>::global_rows(std::int64_t b) const {
+  LOCKSTEP_CHECK_ARG(options_.global_batch_size > 0, "global_rows: DataOptions::global_batch_size is not set");
+  LOCKSTEP_CHECK_ARG(b >= 0 && b < num_batches(), "global_rows: batch ", b, " is out of range (",
+                     num_batches(), " global batches)");
+  const std::int64_t g = options_.global_batch_size;
+  return std::min(g, used_positions() - b * g);
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,
@@ -165,8 +201,19 @@ std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b) const {
-  LOCKSTEP_CHECK_ARG(options_.batch_size > 0,
-                     "batch(b): DataOptions::batch_size is not set; set it, or pass the batch size");
+  if (options_.global_batch_size > 0) {
+    const std::int64_t rows = global_rows(b);  // checks b
+    // This rank's k-th sample sits at position rank + k ranks: the ones in [b G, b G + rows).
+    const std::int64_t first = b * options_.global_batch_size, last = first + rows;
+    auto k_from = [&](std::int64_t pos) {  // the first k with rank + k ranks >= pos
+      return pos <= rank_ ? 0 : (pos - rank_ + ranks_ - 1) / ranks_;
+    };
+    const std::int64_t lo = std::min(k_from(first), size()), hi = std::min(k_from(last), size());
+    return std::span<const std::int64_t>(indices_).subspan(static_cast<std::size_t>(lo),
+                                                            static_cast<std::size_t>(hi - lo));
+  }
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0, "batch(b): neither DataOptions::batch_size nor "
+                                              "global_batch_size is set; set one, or pass the batch size");
   return batch(b, options_.batch_size);
 }
 

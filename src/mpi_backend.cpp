@@ -129,6 +129,11 @@ MPI_Op mpi_op(ReduceOp op, DType t) {
   return MPI_OP_NULL;
 }
 
+// At one rank the mean is the sum, which is the data itself: no pass over the buffer, no staging.
+ReduceOp one_rank_op(ReduceOp op, int size) noexcept {
+  return op == ReduceOp::avg && size == 1 ? ReduceOp::sum : op;
+}
+
 // Divides every element by n (host memory), for avg.
 void scale_host(TensorView v, int n) {
   switch (v.dtype) {
@@ -442,6 +447,7 @@ void MPIBackend::do_broadcast(TensorView buf, int root) {
 }
 
 void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
@@ -461,6 +467,7 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
 }
 
 void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &send, send.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
@@ -482,6 +489,7 @@ void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
 }
 
 void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &buf, buf.numel,
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
@@ -494,6 +502,7 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
 }
 
 void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   const bool is_root = impl_->rank == root;
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &send, send.numel,
                                 static_cast<int>(op), root);  // reliability hook
@@ -533,6 +542,7 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) {
 }
 
 void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &send, recv.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
@@ -658,6 +668,7 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
 }  // namespace
 
 Request MPIBackend::do_iallreduce(TensorView buf, ReduceOp op) {
+  op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::iallreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return Request();

@@ -585,7 +585,7 @@ TEST_CASE("DistributedDataContainer: ranks deciding alone get the error on every
   ls::DistributedDataContainer c(b, 10, ls::DataOptions{.shuffle = false, .batch_size = 2});
   if (c.num_batches() != c.num_batches(2) || c.batch(0).size() != c.batch(0, 2).size()) ok = false, why = "batch_size option";
   ls::DistributedDataContainer unset(b, 10);
-  expect(thrown_by([&] { (void)unset.num_batches(); }), "InvalidArgument:", "batch_size is not set", "unset");
+  expect(thrown_by([&] { (void)unset.num_batches(); }), "InvalidArgument:", "batch_size nor global_batch_size is set", "unset");
   // Epochs: set_epoch compares them.
   ls::DistributedDataContainer shuffled(b, 12, ls::DataOptions{.seed = 7});
   if (n >= 2) {
@@ -682,4 +682,56 @@ TEST_CASE("a moved-from DistributedDataContainer holds no samples; self-move kee
   CHECK(copy.size() == idx.size());
   CHECK(copy.epoch() == 0);
   CHECK(all_ranks(b, e.total_size() == 5 && c.size() == 0));
+}
+
+TEST_CASE("global_batch_size with Remainder::uneven: the ranks' rows together are the global batch, at any N",
+          "[data][global]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int n = backend.size();
+  for (std::int64_t samples : {0, 1, 7, 10, 23}) {
+    for (std::int64_t g : {1, 3, 4, 8}) {
+      ls::DataOptions o;
+      o.shuffle = false;
+      o.remainder = ls::Remainder::uneven;
+      o.global_batch_size = g;
+      ls::DistributedDataContainer c(backend, samples, o);
+      const std::int64_t batches = c.num_batches();
+      CHECK(batches == (samples + g - 1) / g);  // as one process with batches of g
+      std::int64_t seen = 0;
+      for (std::int64_t b = 0; b < batches; ++b) {
+        const auto rows = c.batch(b);
+        const std::int64_t expect_rows = std::min(g, samples - b * g);
+        CHECK(c.global_rows(b) == expect_rows);
+        // Without shuffle global batch b is samples [b g, b g + rows): count and sum over ranks.
+        std::int64_t count = static_cast<std::int64_t>(rows.size()), sum = 0;
+        for (auto i : rows) {
+          CHECK(i >= b * g);
+          CHECK(i < b * g + expect_rows);
+          sum += i;
+        }
+        CHECK(ls::allreduce(backend, count, ls::ReduceOp::sum) == expect_rows);
+        const std::int64_t first = b * g, last = first + expect_rows - 1;
+        CHECK(ls::allreduce(backend, sum, ls::ReduceOp::sum) == (first + last) * expect_rows / 2);
+        seen += count;
+      }
+      CHECK(ls::allreduce(backend, seen, ls::ReduceOp::sum) == samples);  // each sample once, at any N
+      (void)n;
+    }
+  }
+  // Shuffled: every sample exactly once over the epoch's global batches.
+  ls::DataOptions o;
+  o.remainder = ls::Remainder::uneven;
+  o.global_batch_size = 5;
+  o.seed = 3;
+  ls::DistributedDataContainer c(backend, 37, o);
+  std::vector<std::int64_t> hits(37, 0);
+  for (std::int64_t b = 0; b < c.num_batches(); ++b)
+    for (auto i : c.batch(b)) ++hits[static_cast<std::size_t>(i)];
+  backend.allreduce(ls::TensorView{hits.data(), 37, ls::DType::i64, ls::Device::cpu()}, ls::ReduceOp::sum);
+  CHECK(std::all_of(hits.begin(), hits.end(), [](std::int64_t h) { return h == 1; }));
+  // batch_size and global_batch_size together are refused on every rank.
+  ls::DataOptions both;
+  both.batch_size = 2;
+  both.global_batch_size = 4;
+  CHECK_THROWS_AS(ls::DistributedDataContainer(backend, 10, both), ls::InvalidArgument);
 }

@@ -282,3 +282,53 @@ TEST_CASE("a tensor moved from on one rank is a MismatchError on every rank, not
   CHECK(all_ranks(b, ok));
   if (rank == n - 1) CHECK(msg.find("[0]") != std::string::npos);
 }
+
+namespace {
+struct Metrics {
+  double loss = 0;
+  std::int64_t correct = 0;
+  float lr = 0;
+  int seen = 0;
+  ls::Tensor hist = ls::Tensor::zeros({3});
+};
+LOCKSTEP_FIELDS(Metrics, loss, correct, lr, seen, hist)
+
+template <class T, int N>
+struct Pair {
+  T a;
+  std::array<T, N> b;
+};
+LOCKSTEP_TEMPLATE_FIELDS((class T, int N), (Pair<T, N>), a, b)
+static_assert(ls::Traversable<Pair<double, 2>>);
+}  // namespace
+
+TEST_CASE("allreduce of scalars and small structs (metrics); LOCKSTEP_TEMPLATE_FIELDS", "[synchronize][metrics]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int r = backend.rank(), n = backend.size();
+  CHECK(ls::allreduce(backend, 1.5, ls::ReduceOp::sum) == Approx(1.5 * n));
+  CHECK(ls::allreduce(backend, static_cast<float>(r), ls::ReduceOp::max) == static_cast<float>(n - 1));
+  CHECK(ls::allreduce(backend, std::int64_t{r}, ls::ReduceOp::sum) == std::int64_t{n} * (n - 1) / 2);
+  CHECK(ls::allreduce(backend, static_cast<short>(2), ls::ReduceOp::sum) == 2 * n);
+  CHECK(ls::allreduce(backend, r == 0, ls::ReduceOp::max) == true);
+  CHECK(ls::allreduce(backend, 2.0 * r, ls::ReduceOp::avg) == Approx(n - 1.0));
+  Metrics m;
+  m.loss = 0.5 * r;
+  m.correct = r + 1;
+  m.lr = 0.25f;
+  m.seen = 10;
+  m.hist.data<float>()[1] = 1.0f;
+  ls::allreduce(backend, m, ls::ReduceOp::sum);
+  CHECK(m.loss == Approx(0.25 * n * (n - 1)));
+  CHECK(m.correct == std::int64_t{n} * (n + 1) / 2);
+  CHECK(m.lr == Approx(0.25f * n));
+  CHECK(m.seen == 10 * n);
+  CHECK(m.hist.data<float>()[1] == static_cast<float>(n));
+  // A class template's fields, through LOCKSTEP_TEMPLATE_FIELDS.
+  Pair<double, 2> p{1.0, {2.0, static_cast<double>(r)}};
+  ls::allreduce(backend, p, ls::ReduceOp::sum);
+  CHECK(p.a == Approx(n));
+  CHECK(p.b[1] == Approx(n * (n - 1) / 2.0));
+  std::vector<std::string> paths;
+  ls::for_each_leaf_with_path(p, [&](const std::string& path, auto&) { paths.push_back(path); });
+  CHECK(paths == std::vector<std::string>{"a", "b[0]", "b[1]"});
+}

@@ -5,6 +5,10 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
+
+#include <sys/mman.h>
+#include <unistd.h>
 #include <limits>
 #include <sstream>
 
@@ -593,4 +597,30 @@ TEST_CASE("GradientReducer on its own: ready reports, averages in place, accumul
   CHECK_THROWS_AS(ls::GradientReducer(backend, bad_dtype, {"ints"}), ls::InvalidArgument);
   std::vector<ls::Tensor*> twice{&g.a, &g.a};
   CHECK_THROWS_AS(ls::GradientReducer(backend, twice, {"x", "y"}), ls::InvalidArgument);
+}
+
+TEST_CASE("a default-constructed DistributedState is empty until assigned; avg at one rank leaves memory untouched",
+          "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  ls::DistributedState<ls::SGD> st;  // e.g. a member, set up later
+  CHECK(st.inner.slots.empty());
+  CHECK_THROWS_AS(st.reducer(), ls::InvalidArgument);
+  Mlp model = make_mlp(1);
+  auto opt = ls::DistributedOptimizer(backend, ls::SGD{.lr = 0.1f});
+  st = ls::setup(opt, model);
+  CHECK(st.reducer().bucket_count() >= 1);
+  if (backend.size() == 1) {
+    // At one rank the mean is the data itself: no pass over it, not even x / 1. The buffer is
+    // on a read-only page, so any write to it would end this test with SIGSEGV.
+    const long page = ::sysconf(_SC_PAGESIZE);
+    void* mem = ::mmap(nullptr, static_cast<std::size_t>(page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(mem != MAP_FAILED);
+    auto* v = static_cast<float*>(mem);
+    v[0] = 1.5f;
+    v[1] = -2.0f;
+    REQUIRE(::mprotect(mem, static_cast<std::size_t>(page), PROT_READ) == 0);
+    backend.allreduce(ls::TensorView{v, 2, ls::DType::f32, ls::Device::cpu()}, ls::ReduceOp::avg);
+    CHECK(v[0] == 1.5f);
+    ::munmap(mem, static_cast<std::size_t>(page));
+  }
 }

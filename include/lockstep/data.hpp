@@ -25,6 +25,10 @@ namespace lockstep {
 enum class Remainder : std::uint8_t {
   pad,   ///< wrap around to the start, so every rank gets ceil(n / ranks) samples (default)
   drop,  ///< drop them, so every rank gets floor(n / ranks) samples
+  /// keep every sample exactly once: ranks get floor or ceil(n / ranks) samples, and with
+  /// DataOptions::global_batch_size the last global batch is smaller (a rank's share of it may
+  /// be empty). -n 1 and -n N then see the same samples in the same global batches.
+  uneven,
 };
 
 /// Options of DistributedDataContainer.
@@ -36,6 +40,12 @@ struct DataOptions {
   /// num_batches(batch_size) and batch(b, batch_size)). Given here, the constructor checks that
   /// every rank has the same, so no rank runs more batches than another.
   std::int64_t batch_size = 0;
+  /// Samples per batch of the whole job (0: not set), instead of batch_size: global batch b is
+  /// positions [b G, (b+1) G) of the epoch's permutation, and batch(b) hands this rank its rows
+  /// of it (every rank's rows together are the global batch, whatever the number of ranks).
+  /// global_rows(b) says how many rows the global batch has (fewer in a last partial batch):
+  /// divide a summed loss by it, so that N ranks compute what one process computes.
+  std::int64_t global_batch_size = 0;
   bool drop_last = false;         ///< num_batches() leaves out a partial last batch
 };
 
@@ -82,9 +92,13 @@ class DistributedDataContainer<void> {
   /// The same with DataOptions::batch_size and drop_last (checked equal on every rank at
   /// construction); InvalidArgument if batch_size was not set.
   std::int64_t num_batches() const;
+  /// With DataOptions::global_batch_size: the rows of global batch b (the same on every rank;
+  /// less than global_batch_size only in a partial last batch).
+  std::int64_t global_rows(std::int64_t b) const;
   /// Dataset indices of batch b (of batch_size samples) of this rank.
   std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
-  /// The same with DataOptions::batch_size.
+  /// The same with DataOptions::batch_size, or with DataOptions::global_batch_size this rank's
+  /// rows of global batch b (possibly none in a partial last batch with Remainder::uneven).
   std::span<const std::int64_t> batch(std::int64_t b) const;
 
   auto begin() const noexcept { return indices_.begin(); }
@@ -98,6 +112,7 @@ class DistributedDataContainer<void> {
 
  private:
   void rebuild();
+  std::int64_t used_positions() const noexcept;
   Backend* backend_ = nullptr;
   int rank_ = 0, ranks_ = 1;
   std::int64_t n_ = 0;

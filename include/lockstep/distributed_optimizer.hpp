@@ -90,6 +90,9 @@ class DistributedOptimizer {
 template <OptimizerRule R>
 class DistributedState {
  public:
+  /// An empty state (no rule state, no reducer), to be assigned one from setup() later; every
+  /// use but assignment throws InvalidArgument, as on a moved-from state.
+  DistributedState() = default;
   DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer,
                    DistributedOptions options = {})
       : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {
@@ -148,8 +151,9 @@ class DistributedState {
  private:
   detail::GradReducer& live_reducer(const char* what) const {
     LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState::", what,
-                       ": the state was used after move (its gradient reducer now belongs to the "
-                       "DistributedState it was moved to)");
+                       ": the state is empty: default-constructed (assign it the result of setup()) or "
+                       "used after move (its gradient reducer now belongs to the DistributedState it "
+                       "was moved to)");
     return *reducer_;
   }
   void reset_to_empty() noexcept {

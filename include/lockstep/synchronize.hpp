@@ -134,4 +134,98 @@ void synchronize(Backend& backend, X&& x, int root = 0,
   detail::broadcast_leaves(backend, c.leaves, root, same_layout);
 }
 
+// ---- allreduce of scalars and small structs (metrics) ---------------------------------------
+
+namespace detail {
+/// The Lockstep dtype a scalar of type S travels as in allreduce(backend, value, op): its own
+/// where Lockstep has it, else a wider one that holds it exactly.
+template <class S>
+constexpr DType scalar_wire_dtype() {
+  using T = std::remove_cv_t<S>;
+  static_assert(!std::is_same_v<T, long double>, "lockstep::allreduce: long double has no Lockstep dtype");
+  static_assert(!(std::is_integral_v<T> && std::is_unsigned_v<T> && sizeof(T) == 8),
+                "lockstep::allreduce: 64-bit unsigned integers have no Lockstep dtype (use int64_t)");
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_floating_point_v<T>) return DType::f64;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return DType::i32;
+  else if constexpr (std::is_same_v<T, std::uint8_t>) return DType::u8;
+  else return DType::i64;
+}
+}  // namespace detail
+
+/// Allreduce of one arithmetic value, returned on every rank (a metric: a loss, a count):
+///   double loss = ls::allreduce(backend, local_loss, ls::ReduceOp::avg);
+/// float, double, int32 and uint8 travel as themselves; other integers (bool, int16, long...) as
+/// int64 (exact). Collective, with the checks of Backend::allreduce.
+template <class S>
+  requires std::is_arithmetic_v<S>
+S allreduce(Backend& backend, S value, ReduceOp op, std::source_location loc = std::source_location::current()) {
+  constexpr DType dt = detail::scalar_wire_dtype<S>();
+  if constexpr (dt == DType::f32) {
+    float v = value;
+    backend.allreduce(TensorView{&v, 1, dt, Device::cpu()}, op, loc);
+    return static_cast<S>(v);
+  } else if constexpr (dt == DType::f64) {
+    double v = static_cast<double>(value);
+    backend.allreduce(TensorView{&v, 1, dt, Device::cpu()}, op, loc);
+    return static_cast<S>(v);
+  } else if constexpr (dt == DType::i32) {
+    std::int32_t v = value;
+    backend.allreduce(TensorView{&v, 1, dt, Device::cpu()}, op, loc);
+    return static_cast<S>(v);
+  } else if constexpr (dt == DType::u8) {
+    std::uint8_t v = value;
+    backend.allreduce(TensorView{&v, 1, dt, Device::cpu()}, op, loc);
+    return static_cast<S>(v);
+  } else {
+    std::int64_t v = static_cast<std::int64_t>(value);
+    backend.allreduce(TensorView{&v, 1, dt, Device::cpu()}, op, loc);
+    return static_cast<S>(v);
+  }
+}
+
+/// Allreduce, in place, of every leaf of a LOCKSTEP_FIELDS struct (or vector, map, tuple...)
+/// of scalars and tensors, for metrics:
+///   struct Metrics { double loss; std::int64_t correct, seen; };  LOCKSTEP_FIELDS(Metrics, ...)
+///   ls::allreduce(backend, m, ls::ReduceOp::sum);
+/// Scalars go in at most two allreduces (floating-point ones as f64, integers as int64), each
+/// tensor in one of its own. Collective: the ranks must pass the same structure (checked by the
+/// fingerprints of the allreduces under LOCKSTEP_CHECK, as any collective).
+template <class X>
+  requires(!std::is_arithmetic_v<std::remove_cvref_t<X>> && !std::is_convertible_v<X&, TensorView> &&
+           Traversable<X>)
+void allreduce(Backend& backend, X& x, ReduceOp op, std::source_location loc = std::source_location::current()) {
+  std::vector<double> floats;
+  std::vector<std::int64_t> ints;
+  for_each_leaf(x, [&](auto& leaf) {
+    using L = std::remove_cvref_t<decltype(leaf)>;
+    if constexpr (std::is_same_v<L, Tensor>) {
+      backend.allreduce(leaf.view(), op, loc);
+    } else if constexpr (std::is_floating_point_v<L>) {
+      static_assert(!std::is_same_v<L, long double>, "lockstep::allreduce: long double has no Lockstep dtype");
+      floats.push_back(static_cast<double>(leaf));
+    } else {
+      static_assert(!(std::is_unsigned_v<L> && sizeof(L) == 8),
+                    "lockstep::allreduce: 64-bit unsigned integers have no Lockstep dtype (use int64_t)");
+      ints.push_back(static_cast<std::int64_t>(leaf));
+    }
+  });
+  if (!floats.empty())
+    backend.allreduce(TensorView{floats.data(), static_cast<std::int64_t>(floats.size()), DType::f64, Device::cpu()},
+                      op, loc);
+  if (!ints.empty())
+    backend.allreduce(TensorView{ints.data(), static_cast<std::int64_t>(ints.size()), DType::i64, Device::cpu()}, op,
+                      loc);
+  std::size_t fi = 0, ii = 0;
+  for_each_leaf(x, [&](auto& leaf) {
+    using L = std::remove_cvref_t<decltype(leaf)>;
+    if constexpr (std::is_same_v<L, Tensor>) {
+    } else if constexpr (std::is_floating_point_v<L>) {
+      leaf = static_cast<L>(floats[fi++]);
+    } else {
+      leaf = static_cast<L>(ints[ii++]);
+    }
+  });
+}
+
 }  // namespace lockstep

@@ -71,6 +71,27 @@
     LOCKSTEP_DETAIL_FOR_EACH(LOCKSTEP_DETAIL_VISIT_FIELD, __VA_ARGS__)                  \
   }
 
+/// LOCKSTEP_FIELDS for a class template: the template's parameters and the type, each in
+/// parentheses (they may hold commas), then the fields:
+///   template <class T, int N> struct Layer { T w; std::array<T, N> b; };
+///   LOCKSTEP_TEMPLATE_FIELDS((class T, int N), (Layer<T, N>), w, b)
+#define LOCKSTEP_DETAIL_UNPAREN(...) __VA_ARGS__
+#define LOCKSTEP_TEMPLATE_FIELDS(Params, Type, ...)                                           \
+  template <LOCKSTEP_DETAIL_UNPAREN Params, class LockstepVisitor>                            \
+  [[maybe_unused]] inline void lockstep_visit_fields(LOCKSTEP_DETAIL_UNPAREN Type& lockstep_x, \
+                                                     LockstepVisitor&& lockstep_v) {          \
+    (void)lockstep_x;                                                                         \
+    (void)lockstep_v;                                                                         \
+    LOCKSTEP_DETAIL_FOR_EACH(LOCKSTEP_DETAIL_VISIT_FIELD, __VA_ARGS__)                        \
+  }                                                                                           \
+  template <LOCKSTEP_DETAIL_UNPAREN Params, class LockstepVisitor>                            \
+  [[maybe_unused]] inline void lockstep_visit_fields(const LOCKSTEP_DETAIL_UNPAREN Type& lockstep_x, \
+                                                     LockstepVisitor&& lockstep_v) {          \
+    (void)lockstep_x;                                                                         \
+    (void)lockstep_v;                                                                         \
+    LOCKSTEP_DETAIL_FOR_EACH(LOCKSTEP_DETAIL_VISIT_FIELD, __VA_ARGS__)                        \
+  }
+
 namespace lockstep {
 
 template <class X>
