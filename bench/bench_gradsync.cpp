@@ -22,10 +22,7 @@
 #include "bench_common.hpp"
 #include "gradsync_strategies.hpp"
 #include <lockstep/distributed_optimizer.hpp>
-#if __has_include(<lockstep/reliability.hpp>)
 #include <lockstep/reliability.hpp>
-#define BENCH_HAS_CHECK_LEVELS 1
-#endif
 
 namespace ls = lockstep;
 
@@ -190,7 +187,6 @@ int main(int argc, char** argv) {
                                  " buckets, " + std::to_string(dist->buckets()) + ")";
         auto body = [dist] { dist->run(); };
         vs.push_back(sep_or_flat(is_flat, name, body));
-#ifdef BENCH_HAS_CHECK_LEVELS
         // The cost of the collective fingerprint checks, in the same run: the same averaging with
         // LOCKSTEP_CHECK=always for this call only (the level is process-wide, set on every rank).
         if (ls::check_level() != ls::CheckLevel::always) {
@@ -201,7 +197,6 @@ int main(int argc, char** argv) {
             ls::set_check_level(base);
           }));
         }
-#endif
       }
       const std::string chunk_name = "lockstep: chunked " + size_label(default_chunk) + " (MPIBackend)";
       if (!is_flat)

@@ -635,7 +635,7 @@ std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c) {
                                list_ranks(texts, [&](int r) { return at(r, kHave) != 0; }), rank_suffix()));
   }
   // 4. A rank without a partition must be able to hold the result (the same leaves).
-  LOCKSTEP_ENFORCE_EQ(first_have >= 0, true, "parallelize: no rank ran a partition");
+  if (first_have < 0) throw Error(concat("parallelize: no rank ran a partition", rank_suffix()));
   for (int r = 0; r < n; ++r) {
     if (at(r, kHave) != 0) continue;
     for (int k : {kTensors, kFloats, kInts})
@@ -698,13 +698,14 @@ void concat_results(Backend& b, const ParallelCall& c, const std::vector<std::in
     for (std::size_t k = 0; k < k_count; ++k)
       for (std::size_t l = 0; l < nt; ++l) {
         const std::int64_t e = extent(r, k, l);
-        LOCKSTEP_ENFORCE_EQ(e >= 0, true, "parallelize: corrupt concat payload of rank ", r);
+        if (e < 0) throw Error(concat("parallelize: corrupt concat payload of rank ", r, rank_suffix()));
         off[k * nt + l] = pos;
         pos += piece_bytes(e, l);
         total[l] += e;
       }
-    LOCKSTEP_ENFORCE_EQ(static_cast<std::int64_t>(pos), sizes[static_cast<std::size_t>(r)],
-                        "parallelize: the concat payload of rank ", r, " has an unexpected size");
+    if (static_cast<std::int64_t>(pos) != sizes[static_cast<std::size_t>(r)])
+      throw Error(concat("parallelize: the concat payload of rank ", r, " has ", sizes[static_cast<std::size_t>(r)],
+                         " bytes, expected ", pos, rank_suffix()));
   }
   // Assemble every leaf in partition order.
   for (std::size_t l = 0; l < nt; ++l) {

@@ -21,6 +21,7 @@
 
 #include "lockstep/device_runtime.hpp"
 #include "lockstep/world.hpp"
+#include "env.hpp"
 #include "reliability_mpi.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 #include "shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
 
@@ -178,8 +179,8 @@ bool is_mpi_native(DType t) { return t != DType::f16 && t != DType::bf16; }
 constexpr std::int64_t kMaxChunk = std::int64_t{1} << 30;
 
 // ---------------------------------------------------------------------------------------------
-// Device memory: handed to MPI directly when MPI is CUDA-aware, else staged through a reusable
-// pinned host buffer. The producing stream is synchronised first either way.
+// Device memory: handed to MPI directly when MPI is CUDA-aware, else staged through pinned host
+// buffers from one pool. The producing stream is synchronised first either way.
 // ---------------------------------------------------------------------------------------------
 // What MPI says about itself; LOCKSTEP_CUDA_AWARE_MPI overrides it (read with the settings).
 bool detect_cuda_aware() {
@@ -190,7 +191,7 @@ bool detect_cuda_aware() {
 #endif
 }
 
-// Pinned host buffers for nonblocking device operations, reused across calls: cudaMallocHost
+// Pinned host buffers that stage device memory, reused across calls: cudaMallocHost
 // costs far more than most collectives it would stage. Power-of-two size classes. Shared by the
 // backend and its pending requests (a request may outlive the backend).
 class PinnedPool {
@@ -240,11 +241,7 @@ struct MPIBackend::Impl {
   int rank = 0, size = 1, local_rank = 0, local_size = 1;
   bool cuda_aware = false;
 
-  // Reusable pinned staging buffer for device tensors when MPI is not CUDA-aware.
-  void* pinned = nullptr;
-  std::size_t pinned_bytes = 0;
-  std::mutex pinned_mutex;
-  // Pinned buffers of nonblocking operations on device tensors.
+  // Pinned host buffers that stage device memory (blocking and nonblocking operations alike).
   std::shared_ptr<PinnedPool> pinned_pool = std::make_shared<PinnedPool>();
 
   // Reliability hook: sequence numbers, fingerprints, deadlines (src/reliability.cpp).
@@ -262,75 +259,55 @@ struct MPIBackend::Impl {
       std::cerr << "lockstep: MPIBackend destroyed after a stall or with " << detail::pending_requests(*monitor)
                 << " nonblocking request(s) pending; its communicator is left allocated\n";
     monitor.reset();  // stops its watchdog thread before the communicators go
-    if (pinned != nullptr)
-      if (auto* rt = find_device_runtime()) rt->deallocate_pinned(pinned);
     int fin = 0;
     MPI_Finalized(&fin);
     if (comm != MPI_COMM_NULL && !fin && !keep_comm) MPI_Comm_free(&comm);
-  }
-
-  // Grows the staging buffer to at least `bytes`, keeping its contents: the send region of a
-  // call may already be filled when its recv region asks for more room.
-  void* staging(std::size_t bytes) {
-    if (bytes > pinned_bytes) {
-      DeviceRuntime& rt = device_runtime("MPIBackend staging");
-      const std::size_t grown = (bytes + 65535) / 65536 * 65536;
-      void* bigger = rt.allocate_pinned(grown);
-      if (pinned != nullptr) {
-        std::memcpy(bigger, pinned, pinned_bytes);
-        rt.deallocate_pinned(pinned);
-      }
-      pinned = bigger;
-      pinned_bytes = grown;
-    }
-    return pinned;
   }
 };
 
 namespace {
 
-// A host-side stand-in for one or two views during one blocking collective. For host views
-// it is the view itself; for device views it is either the device pointer (CUDA-aware MPI)
-// or a region of the pinned staging buffer, copied in before and out after. The region is at
-// `offset_bytes`; the second Staged of a call passes an offset past the first one's region.
+// A host-side stand-in for a view during one blocking collective. For host views it is the
+// view itself; for device views it is either the device pointer (CUDA-aware MPI) or a pinned
+// host buffer from the backend's pool, copied in before and out after, and given back to the
+// pool at the end of the call.
 class Staged {
  public:
   /// `host_work`: the call does work of its own on the buffer on the host (the avg division,
   /// the f16/bf16 operators, a local copy), so device memory is staged even with CUDA-aware MPI.
-  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, std::size_t offset_bytes = 0, bool host_work = false)
-      : impl_(&impl), orig_(v), host_(v), offset_(offset_bytes) {
+  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, bool host_work = false)
+      : pool_(impl.pinned_pool), orig_(v), host_(v) {
     if (v.device.is_cpu()) return;
     DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
     // The whole device: the producer's writes, on whatever stream, must be complete before MPI
     // (or the copy below) reads the buffer (Flux.jl issue #2591: wrong averages without it).
     rt.synchronize(v.device.index);
     if (impl.cuda_aware && !host_work) return;
-    staged_ = true;
     host_.device = Device::cpu();
-    impl.staging(offset_ + v.nbytes());
-    if (copy_in) rt.copy(host().data, Device::cpu(), v.data, v.device, v.nbytes());
+    host_.data = pool_->take(v.nbytes(), cls_);
+    staged_ = true;
+    if (copy_in) rt.copy(host_.data, Device::cpu(), v.data, v.device, v.nbytes());
   }
-  /// The view MPI works on. Resolved at each use, because a later Staged of the same call may
-  /// have grown, and so moved, the shared staging buffer.
-  TensorView host() const {
-    TensorView h = host_;
-    if (staged_) h.data = static_cast<char*>(impl_->pinned) + offset_;
-    return h;
+  ~Staged() {
+    if (staged_) pool_->give(host_.data, cls_);
   }
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  /// The view MPI works on.
+  TensorView host() const { return host_; }
   void copy_out() {
     if (staged_)
       device_runtime("MPIBackend with a cuda tensor")
-          .copy(orig_.data, orig_.device, host().data, Device::cpu(), orig_.nbytes());
+          .copy(orig_.data, orig_.device, host_.data, Device::cpu(), orig_.nbytes());
   }
 
  private:
-  MPIBackend::Impl* impl_;
+  std::shared_ptr<PinnedPool> pool_;
   TensorView orig_, host_;
-  std::size_t offset_ = 0;
+  std::size_t cls_ = 0;
   bool staged_ = false;
 };
 
-std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 void chunked_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op) {
   MPI_Datatype dt = mpi_type(t);
@@ -451,7 +428,7 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
-  Staged s(*impl_, buf, true, 0, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
   const bool host = s.host().device.is_cpu();
   if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
     // avg included
@@ -472,8 +449,8 @@ void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
   const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
-  Staged ss(*impl_, send, true, 0, host_work);
-  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  Staged ss(*impl_, send, true, host_work);
+  Staged rs(*impl_, recv, false, host_work);
   const bool host = rs.host().device.is_cpu();
   if (impl_->shm && impl_->shm->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, host)) {
     // avg included
@@ -493,7 +470,7 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &buf, buf.numel,
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
-  Staged s(*impl_, buf, true, 0, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
   chunked_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
   if (impl_->rank == root) {
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
@@ -508,12 +485,12 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
   const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
-  Staged ss(*impl_, send, true, 0, host_work);
+  Staged ss(*impl_, send, true, host_work);
   if (!is_root) {
     chunked_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
     return;
   }
-  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  Staged rs(*impl_, recv, false, host_work);
   chunked_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
@@ -525,8 +502,8 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) {
   if (guard.skipped()) return;
   const std::int64_t n = send.numel;
   const bool host_work = n > kMaxChunk;  // the large form copies this rank's block on the host
-  Staged ss(*impl_, send, true, 0, host_work);
-  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  Staged ss(*impl_, send, true, host_work);
+  Staged rs(*impl_, recv, false, host_work);
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
     LOCKSTEP_MPI_CHECK(detail::guarded_allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
@@ -547,8 +524,8 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
   const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
-  Staged ss(*impl_, send, true, 0, host_work);
-  Staged rs(*impl_, recv, false, align_up(ss.host().data != send.data ? send.nbytes() : 0), host_work);
+  Staged ss(*impl_, send, true, host_work);
+  Staged rs(*impl_, recv, false, host_work);
   const std::int64_t n = recv.numel;
   const std::size_t es = size_of(send.dtype);
   if (n <= kMaxChunk) {
@@ -752,12 +729,18 @@ void MPIBackend::initialize_global() {
   MPI_Finalized(&fin);
   if (fin) throw Error("initialize<MPIBackend>: MPI was already finalised; it cannot be initialised again");
   if (!init) {
-    // DistributedOptimizer reduces its buckets with MPI_Iallreduce. Open MPI's default
-    // nonblocking allreduce algorithm is 1.3-2.7x slower than its blocking one on 8 KiB and up;
-    // its ring algorithm is not (bench_gradsync, docs/performance.md). Only a default: a value
-    // the user set wins, other MPIs ignore the variable, and a program that starts MPI itself
-    // keeps its own settings.
-    ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
+    // DistributedOptimizer reduces its buckets with MPI_Iallreduce, and Open MPI's default
+    // nonblocking allreduce algorithm is much slower than its ring one (docs/performance.md):
+    // the ring is chosen, as a default only (a value the user set wins, other MPIs ignore the
+    // variable, a program that starts MPI itself keeps its own settings). Documented in
+    // docs/training.md; LOCKSTEP_OMPI_DEFAULTS=0 leaves Open MPI's environment alone. A malformed
+    // value is read as the default here and refused on every rank by the settings check.
+    bool ompi_defaults = true;
+    try {
+      ompi_defaults = detail::env::get_bool("LOCKSTEP_OMPI_DEFAULTS").value_or(true);
+    } catch (const std::exception&) {
+    }
+    if (ompi_defaults) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);
@@ -772,7 +755,29 @@ void MPIBackend::initialize_global() {
     MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
   }
   if (g_previous_terminate == nullptr) g_previous_terminate = std::set_terminate(terminate_job);
-  g_backend = std::make_unique<MPIBackend>(MPI_COMM_WORLD);
+  try {
+    g_backend = std::make_unique<MPIBackend>(MPI_COMM_WORLD);
+  } catch (...) {
+    // The backend's creation failed on every rank alike (its checks, the settings among them,
+    // are agreed across ranks). MPI, which Lockstep started, is finalised on every rank, so that
+    // each rank can report the error and exit normally: a rank that exited without
+    // MPI_Finalize would make mpiexec end the others before they printed it. The ranks meet in
+    // a barrier first, polled for at most 10 s, so that a rank that failed alone cannot make
+    // the others wait in MPI_Finalize.
+    if (g_we_initialised_mpi) {
+      MPI_Request req = MPI_REQUEST_NULL;
+      int done = 0;
+      if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
+        const auto start = std::chrono::steady_clock::now();
+        while (!done && MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
+               std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      (void)detail::world_rank();  // remembered for messages after MPI_Finalize
+      if (done) MPI_Finalize();
+    }
+    throw;
+  }
   if (!g_atexit_registered) {
     std::atexit(finalize_at_exit);
     g_atexit_registered = true;

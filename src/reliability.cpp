@@ -73,6 +73,7 @@ struct Settings {
   std::optional<std::uint64_t> shm_slice; // LOCKSTEP_SHM_SLICE_BYTES
   std::optional<std::uint64_t> shm_min;   // LOCKSTEP_SHM_MIN_BYTES
   std::optional<bool> cuda_aware;         // LOCKSTEP_CUDA_AWARE_MPI
+  std::optional<bool> ompi_defaults;      // LOCKSTEP_OMPI_DEFAULTS
   std::string env_error;                  // the first malformed variable, if any
   std::string canonical;                  // what must agree, as text
 };
@@ -119,6 +120,7 @@ void read_environment(Settings& s) {
                                          "\": expected a multiple of 64 bytes"));
   s.shm_min = env::get_bytes("LOCKSTEP_SHM_MIN_BYTES", 0, std::uint64_t{1} << 40);
   s.cuda_aware = env::get_bool("LOCKSTEP_CUDA_AWARE_MPI");
+  s.ompi_defaults = env::get_bool("LOCKSTEP_OMPI_DEFAULTS");
 }
 
 std::string canonical_settings(const Settings& s) {
@@ -127,7 +129,8 @@ std::string canonical_settings(const Settings& s) {
                         " LOCKSTEP_TIMEOUT=", s.timeout_s.load(), s.timeout_chosen ? "" : "(default)",
                         " LOCKSTEP_TIMEOUT_ACTION=", s.action == TimeoutAction::abort ? "abort" : "throw",
                         " LOCKSTEP_SHM=", opt(s.shm), " LOCKSTEP_SHM_SLICE_BYTES=", opt(s.shm_slice),
-                        " LOCKSTEP_SHM_MIN_BYTES=", opt(s.shm_min), " LOCKSTEP_CUDA_AWARE_MPI=", opt(s.cuda_aware));
+                        " LOCKSTEP_SHM_MIN_BYTES=", opt(s.shm_min), " LOCKSTEP_CUDA_AWARE_MPI=", opt(s.cuda_aware),
+                        " LOCKSTEP_OMPI_DEFAULTS=", opt(s.ompi_defaults));
 }
 
 // Fills g_settings from the environment, once. A malformed variable is remembered rather than

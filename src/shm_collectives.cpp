@@ -39,10 +39,9 @@ enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
 
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
-// rather than snooping them out of this core's cache, which on this kind of virtual machine is
-// fast only while the two vCPUs share a last-level cache: measured at 17 GB/s in those phases
-// and 2.2 GB/s in the others, against 14-15 GB/s for streamed data in both (docs/performance.md,
-// "Phases"). Ends with a store fence, so the data is visible before the flag that publishes it.
+// rather than snooping them out of this core's cache, which on some virtual machines is fast
+// only while the two vCPUs share a last-level cache (docs/performance.md, "Phases", has the
+// figures). Ends with a store fence, so the data is visible before the flag that publishes it.
 void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
 #if defined(__SSE2__)
   // Small copies stay in cache: there the fence and the trip to memory cost more than they save.

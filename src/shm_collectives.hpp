@@ -3,8 +3,8 @@
 // else goes through MPI.
 //
 // Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
-// transport in a way that leaves most of the memory bandwidth unused (2-4.5 GB/s algbw at 2
-// ranks on a machine whose memcpy reaches ~20 GB/s; docs/performance.md). Here each rank copies
+// transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has
+// the figures). Here each rank copies
 // a slice of its buffer into its own slot of a shared segment, waits until every rank has done
 // the same, and computes the reduction of that slice itself, reading every rank's slot in rank
 // order and writing the result straight into its own buffer. The copy into the slot uses

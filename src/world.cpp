@@ -1,5 +1,7 @@
 #include "lockstep/world.hpp"
 
+#include <atomic>
+
 #include <mpi.h>
 
 #include <exception>
@@ -16,10 +18,20 @@ bool is_available() noexcept {
   return init && !fin;
 }
 
+namespace {
+// The rank MPI last gave, so that a rank still knows who it is after MPI was finalised (its
+// messages, rank_zero_only after a failed initialize).
+std::atomic<int> g_last_world_rank{-1};
+}  // namespace
+
 int detail::world_rank() noexcept {
-  if (!is_available()) return 0;
+  if (!is_available()) {
+    const int last = g_last_world_rank.load();
+    return last >= 0 ? last : 0;
+  }
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  g_last_world_rank.store(r);
   return r;
 }
 

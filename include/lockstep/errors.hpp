@@ -97,14 +97,3 @@ std::string concat(const Parts&... parts) {
     if (!(cond)) ::lockstep::detail::throw_invalid(::lockstep::detail::concat(__VA_ARGS__)); \
   } while (0)
 
-/// Invariant check that prints both values (like GLOO_ENFORCE_EQ); throws lockstep::Error.
-#define LOCKSTEP_ENFORCE_EQ(a, b, ...)                                                        \
-  do {                                                                                        \
-    const auto& lockstep_a_ = (a);                                                            \
-    const auto& lockstep_b_ = (b);                                                            \
-    if (!(lockstep_a_ == lockstep_b_))                                                        \
-      throw ::lockstep::Error(::lockstep::detail::concat(                                     \
-          ::lockstep::detail::where(std::source_location::current()), ": expected " #a " == " #b \
-          " but ", lockstep_a_, " != ", lockstep_b_, ". ", ##__VA_ARGS__,                    \
-          ::lockstep::detail::rank_suffix()));                                                \
-  } while (0)

@@ -3,16 +3,10 @@
 // the rule exactly as the CPU path computes them, so device and host updates are bitwise equal.
 #include "lockstep/cuda.hpp"
 
-#if __has_include("lockstep/rules.hpp")
 #include "lockstep/rules.hpp"
-#define LOCKSTEP_CUDA_HAS_RULES 1
-#else
-#define LOCKSTEP_CUDA_HAS_RULES 0
-#endif
 
 namespace lockstep::cuda::detail {
 
-#if LOCKSTEP_CUDA_HAS_RULES
 namespace {
 class CudaOptimizerKernels final : public DeviceOptimizerKernels {
  public:
@@ -42,8 +36,5 @@ void register_optimizer_kernels() {
   static CudaOptimizerKernels* kernels = new CudaOptimizerKernels();  // never destroyed, as the runtime
   set_device_optimizer_kernels(kernels);
 }
-#else
-void register_optimizer_kernels() {}
-#endif
 
 }  // namespace lockstep::cuda::detail

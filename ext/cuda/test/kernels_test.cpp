@@ -259,8 +259,6 @@ TEST_CASE("cuda: streams, events and StreamGuard order the work", "[cuda][stream
   CHECK_FALSE(borrowed.owned());
 }
 
-#if __has_include("lockstep/rules.hpp")
-#include "lockstep/rules.hpp"
 
 TEST_CASE("cuda: the SGD and Adam rules run on cuda parameters, bitwise as on the host",
           "[cuda][optim]") {
@@ -283,4 +281,3 @@ TEST_CASE("cuda: the SGD and Adam rules run on cuda parameters, bitwise as on th
     CHECK(same_bytes(dp, hp));
   }
 }
-#endif
