@@ -2,7 +2,13 @@
 // checked, for every backend, before the backend's hook runs; plus ReduceOp and Request.
 #include "lockstep/backend.hpp"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <tuple>
+#include <vector>
 #include <cstring>
 #include <iostream>
 
@@ -123,8 +129,40 @@ std::int64_t times(std::int64_t a, int b) {
 void Backend::abandon(const CallInfo&, const std::exception&) {}
 
 // Runs the checks; a rank whose arguments fail tells the backend (abandon) before throwing.
+namespace {
+// The drains of every backend (see detail::register_drain). g_drain_count lets the front end
+// skip the lock when no reducer has a communication thread.
+std::mutex g_drains_mutex;
+std::vector<std::tuple<const Backend*, const void*, std::function<void()>>> g_drains;
+std::atomic<int> g_drain_count{0};
+}  // namespace
+
+void detail::register_drain(const Backend* backend, const void* key, std::function<void()> drain) {
+  std::lock_guard lock(g_drains_mutex);
+  g_drains.emplace_back(backend, key, std::move(drain));
+  g_drain_count.store(static_cast<int>(g_drains.size()));
+}
+
+void detail::unregister_drain(const void* key) noexcept {
+  std::lock_guard lock(g_drains_mutex);
+  std::erase_if(g_drains, [&](const auto& d) { return std::get<1>(d) == key; });
+  g_drain_count.store(static_cast<int>(g_drains.size()));
+}
+
+void detail::drain_pending(const Backend* backend) {
+  if (g_drain_count.load(std::memory_order_acquire) == 0 || t_on_comm_thread) return;
+  std::vector<std::function<void()>> mine;
+  {
+    std::lock_guard lock(g_drains_mutex);
+    for (const auto& d : g_drains)
+      if (std::get<0>(d) == backend) mine.push_back(std::get<2>(d));
+  }
+  for (auto& f : mine) f();
+}
+
 #define LOCKSTEP_FRONT_CHECKS(info, ...)    \
   do {                                      \
+    detail::drain_pending(this);            \
     check_usable();                         \
     try {                                   \
       __VA_ARGS__;                          \

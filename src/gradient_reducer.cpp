@@ -3,6 +3,10 @@
 #include "lockstep/gradient_reducer.hpp"
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <unordered_map>
 
@@ -49,6 +53,11 @@ struct GradientReducer::Impl {
     bool staged = false;  // reduced in `work` and unpacked afterwards
     bool finished = false;  // reduced, and unpacked or scaled
     std::vector<Request> requests;  // one per slice of at most bucket_bytes
+    // on the communication thread
+    bool threaded = false;  // handed to the thread this step
+    bool done = false;      // the thread has reduced it (guarded by Impl::wm)
+    TensorView target;      // what the thread reduces, in slices of `slice` elements
+    std::int64_t slice = 0;
   };
 
   Backend* backend;
@@ -71,6 +80,73 @@ struct GradientReducer::Impl {
   std::vector<Tensor> accum_views;  // borrow from the buckets' work buffers
   std::vector<Tensor*> accum_ptrs;
   std::vector<Tensor*> result;
+
+  // The communication thread (DistributedOptions::comm_thread): reduces the host buckets that
+  // ready reports launch, in launch order, with blocking collectives. Started at its first use.
+  bool use_thread = false;
+  std::thread worker;
+  std::mutex wm;
+  std::condition_variable wcv;
+  std::deque<std::pair<std::size_t, detail::CallSite>> wqueue;
+  std::size_t wpending = 0;  // buckets queued or being reduced
+  bool wstop = false;
+  std::exception_ptr werror;  // the first failure of the thread's collectives, until reported
+
+  ~Impl() {
+    if (!use_thread) return;
+    detail::unregister_drain(this);
+    {
+      std::unique_lock lk(wm);
+      wcv.wait(lk, [&] { return wpending == 0; });  // the buckets' memory must outlive the work
+      wstop = true;
+    }
+    wcv.notify_all();
+    if (worker.joinable()) worker.join();
+  }
+
+  void wait_idle() {
+    std::unique_lock lk(wm);
+    wcv.wait(lk, [&] { return wpending == 0; });
+  }
+
+  void worker_loop() {
+    detail::t_on_comm_thread = true;
+    std::unique_lock lk(wm);
+    for (;;) {
+      wcv.wait(lk, [&] { return wstop || !wqueue.empty(); });
+      if (wqueue.empty()) return;
+      auto [bi, site] = wqueue.front();
+      wqueue.pop_front();
+      const bool failed = static_cast<bool>(werror);
+      lk.unlock();
+      std::exception_ptr err;
+      if (!failed) {
+        try {
+          detail::t_call_site = site;  // the collectives name the call that launched them
+          Bucket& b = buckets[bi];
+          for (std::int64_t off = 0; off < b.target.numel; off += b.slice)
+            backend->allreduce(b.target.slice(off, std::min(b.slice, b.target.numel - off)), options.op);
+        } catch (...) {
+          err = std::current_exception();
+        }
+      }
+      lk.lock();
+      if (err && !werror) werror = err;
+      buckets[bi].done = true;
+      --wpending;
+      wcv.notify_all();
+    }
+  }
+
+  void enqueue(std::size_t bi) {
+    std::lock_guard lk(wm);
+    if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
+    buckets[bi].threaded = true;
+    buckets[bi].done = false;
+    ++wpending;
+    wqueue.emplace_back(bi, detail::t_call_site);
+    wcv.notify_all();
+  }
 
   void plan() {
     const std::size_t cap = options.bucket_bytes;
@@ -104,6 +180,14 @@ struct GradientReducer::Impl {
       buckets.push_back(std::move(b));
       i = first;
     }
+  }
+
+  // Whether host buckets go to the communication thread; registers the drain that makes every
+  // other collective on the backend wait for the thread's queue.
+  void start_thread_if_used() {
+    use_thread = options.comm_thread && backend->concurrent_collectives() &&
+                 std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.device.is_cpu(); });
+    if (use_thread) detail::register_drain(backend, this, [this] { wait_idle(); });
   }
 
   void ensure_work(Bucket& b) {
@@ -151,6 +235,7 @@ struct GradientReducer::Impl {
       b.launched = false;
       b.staged = false;
       b.finished = false;
+      b.threaded = false;
     }
   }
 
@@ -205,6 +290,12 @@ struct GradientReducer::Impl {
             ? target.numel
             : std::max<std::int64_t>(1, static_cast<std::int64_t>(options.bucket_bytes / size_of(b.dtype)));
     b.requests.clear();
+    if (!blocking && b.device.is_cpu() && use_thread) {
+      b.target = target;
+      b.slice = step;
+      enqueue(bi);
+      return;
+    }
     if (blocking && b.device.is_cpu()) {
       for (std::int64_t off = 0; off < target.numel; off += step)
         backend->allreduce(target.slice(off, std::min(step, target.numel - off)), options.op);
@@ -236,6 +327,11 @@ struct GradientReducer::Impl {
 
   void finish(Bucket& b) {
     if (b.finished) return;
+    if (b.threaded) {
+      std::unique_lock lk(wm);
+      wcv.wait(lk, [&] { return b.done; });
+      if (werror) return;  // reduce_bound reports it once every bucket is done
+    }
     for (auto& r : b.requests) r.wait();
     b.finished = true;
     if (b.numel == 0) return;
@@ -276,6 +372,7 @@ GradientReducer::GradientReducer(Backend& backend, const DistributedOptions& opt
   impl_->paths = std::move(paths);
   impl_->plan();
   impl_->reset_step();
+  impl_->start_thread_if_used();
 }
 
 GradientReducer::~GradientReducer() = default;
@@ -359,6 +456,17 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
     else m.poke();
   }
   for (auto& b : m.buckets) m.finish(b);
+  if (m.use_thread) {
+    std::exception_ptr err;
+    {
+      std::lock_guard lk(m.wm);
+      std::swap(err, m.werror);
+    }
+    if (err) {
+      m.reset_step();
+      std::rethrow_exception(err);
+    }
+  }
   if (m.accumulated > 0) {
     m.make_accum_views();
     m.result = m.accum_ptrs;
@@ -423,6 +531,7 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
   impl_->paths = std::move(names);
   impl_->plan();
   impl_->reset_step();
+  impl_->start_thread_if_used();
   own_ = std::move(grads);
 }
 
@@ -459,7 +568,7 @@ std::string reducer_signature(const DistributedOptions& o, const std::vector<Gra
   std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
                          " skip_non_finite=", o.skip_non_finite,
-                         " check_replicas_every=", o.check_replicas_every, ";");
+                         " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread, ";");
   for (const auto& l : leaves) s += concat(name(l.dtype), ":", l.numel, ":", to_string(l.device), ";");
   return s;
 }

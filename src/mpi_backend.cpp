@@ -394,6 +394,14 @@ int MPIBackend::rank() const { return impl_ ? impl_->rank : 0; }
 int MPIBackend::size() const { return impl_ ? impl_->size : 0; }
 int MPIBackend::local_rank() const { return impl_ ? impl_->local_rank : 0; }
 int MPIBackend::local_size() const { return impl_ ? impl_->local_size : 0; }
+bool MPIBackend::concurrent_collectives() const {
+  int init = 0, fin = 0, provided = MPI_THREAD_SINGLE;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!impl_ || !init || fin) return false;
+  MPI_Query_thread(&provided);
+  return provided == MPI_THREAD_MULTIPLE;
+}
 bool MPIBackend::cuda_aware() const noexcept { return impl_ && impl_->cuda_aware; }
 void MPIBackend::set_cuda_aware(bool on) noexcept {
   if (impl_) impl_->cuda_aware = on;

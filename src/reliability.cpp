@@ -838,8 +838,14 @@ class CommMonitor {
       }
     }
     stalled_.store(true, std::memory_order_release);
-    if (stall) g_any_stall.store(true);
+    if (stall) {
+      g_any_stall.store(true);
+      stalled_for_real_.store(true);
+    }
   }
+  /// Unusable because of a stall or a refused collective (not merely because a peer left, which
+  /// leaves nothing in flight on this communicator).
+  bool stalled_for_real() const noexcept { return stalled_for_real_.load(); }
 
   /// Tells every other rank that this one is finalising: a rank still waiting in a collective
   /// on this communicator would wait for it forever.
@@ -1523,6 +1529,7 @@ class CommMonitor {
     std::vector<MPI_Request> reqs;
     std::unique_ptr<std::string> text;
   };
+  std::atomic<bool> stalled_for_real_{false};  // see stalled_for_real()
   std::mutex notices_mutex_;
   std::deque<Notice> notices_;
   StatusMsg reply_;
@@ -1532,7 +1539,7 @@ class CommMonitor {
 CommMonitorPtr make_comm_monitor(MPI_Comm comm) { return std::make_shared<CommMonitor>(comm); }
 
 int pending_requests(const CommMonitor& m) noexcept { return m.pending(); }
-bool safe_to_free(const CommMonitor& m) noexcept { return !m.stalled() && m.pending() == 0; }
+bool safe_to_free(const CommMonitor& m) noexcept { return !m.stalled_for_real() && m.pending() == 0; }
 bool monitor_usable(const CommMonitor& m) noexcept { return !m.stalled(); }
 bool any_stall() noexcept { return g_any_stall.load(); }
 void announce_leaving(CommMonitor& m) noexcept {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <exception>
 #include <memory>
 #include <source_location>
@@ -56,6 +57,22 @@ class Request {
   std::unique_ptr<detail::RequestImpl> impl_;
 };
 
+class Backend;
+namespace detail {
+/// Collectives queued on a communication thread (GradientReducer's) must complete before any
+/// other collective on the same backend starts, so that every rank issues them in the same
+/// order: the front end of every collective calls the drains registered for its backend, except
+/// on a communication thread itself. `key` identifies the registration.
+void register_drain(const Backend* backend, const void* key, std::function<void()> drain);
+void unregister_drain(const void* key) noexcept;
+/// Runs the drains registered for `backend` (nothing when there are none, or on a
+/// communication thread).
+void drain_pending(const Backend* backend);
+/// Set on a communication thread: its collectives do not wait for themselves.
+inline thread_local bool t_on_comm_thread = false;
+}  // namespace detail
+
+
 /// Abstract communication backend. All collectives are blocking unless named i...; all
 /// element counts are in elements of the view's dtype.
 ///
@@ -80,6 +97,11 @@ class Backend {
   /// Rank among the processes on this node, and their number.
   virtual int local_rank() const = 0;
   virtual int local_size() const = 0;
+  /// True if collectives may be called from a thread other than the one that created the
+  /// backend (one thread at a time). GradientReducer then reduces the buckets that backward
+  /// completes on a communication thread of its own (MPIBackend: when MPI provides
+  /// MPI_THREAD_MULTIPLE). Default false.
+  virtual bool concurrent_collectives() const { return false; }
 
   using Loc = std::source_location;
 

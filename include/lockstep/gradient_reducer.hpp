@@ -14,7 +14,8 @@
 // device changes start a new bucket). Bucket 0 holds the last tensors. Buckets are launched
 // strictly in index order on every rank, whatever order ready() reports come in, so the
 // collectives always match across ranks. A bucket that ready() completes starts as nonblocking
-// allreduces (overlapping the rest of backward); reduce() launches the rest, blocking, in order.
+// allreduces (overlapping the rest of backward), or is handed to the reducer's communication
+// thread (DistributedOptions::comm_thread); reduce() launches the rest, blocking, in order.
 // A bucket whose tensors lie back to back in memory is reduced in place (zero copy); otherwise
 // it is packed into a staging buffer and unpacked after its reduction.
 //
@@ -56,6 +57,13 @@ struct DistributedOptions {
   bool skip_non_finite = false;
   /// Run check_replicas on the model and the optimizer state every K optimizer steps (0: never).
   int check_replicas_every = 0;
+  /// Host buckets that ready reports complete during backward are reduced on a communication
+  /// thread, with the backend's blocking collectives (MPIBackend: its shared-memory path on one
+  /// machine), while backward goes on; false: nonblocking collectives (MPI_Iallreduce), which
+  /// Open MPI progresses only when the program calls into it. Used only where the backend allows
+  /// collectives from another thread (Backend::concurrent_collectives); any other collective on
+  /// the backend first waits for the thread's queue, so every rank keeps one order.
+  bool comm_thread = true;
 };
 
 namespace detail {

@@ -46,6 +46,8 @@ class MPIBackend final : public Backend {
   int size() const override;
   int local_rank() const override;
   int local_size() const override;
+  /// True when MPI provides MPI_THREAD_MULTIPLE (initialize<MPIBackend> asks for it).
+  bool concurrent_collectives() const override;
 
   // Every collective of Backend's front end (backend.hpp) lands in one of these.
  protected:
