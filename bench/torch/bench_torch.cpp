@@ -1,0 +1,397 @@
+// bench_torch: one training step of a LibTorch model at N ranks (2 on the CI machine), one step
+// at a time, with the ways a C++ program can average the gradients, interleaved in the same run:
+//   lockstep     lt::DistributedOptimizer (flat gradient buffers, buckets reduced during
+//                backward from autograd hooks, then the inner SGD step); lockstep-25m: the same
+//                with buckets of 25 MiB (DDP's default) instead of the default 1 MiB;
+//   ls-blocking  ls::MPIBackend::allreduce (blocking: its shared-memory path) per gradient after
+//                backward, no overlap: what the bucket transfers alone cost on the fast path;
+//   mpi-loop     a hand-written MPI_Allreduce per parameter after backward, then grad /= size
+//                (PyTorch's C++ distributed example, examples/cpp/distributed/dist-mnist.cpp);
+//   gloo         c10d::ProcessGroupGloo from C++ (FileStore rendezvous, loopback device): one
+//                asynchronous allreduce per parameter after backward, wait for all, grad /= size
+//                (built only where LibTorch ships the c10d headers and gloo's: LOCKSTEP_BENCH_GLOO);
+//   local        no communication at all: every rank runs forward, backward and SGD alone (the
+//                denominator of the ratio, on the same cores, under the same load).
+// Run at 1 rank with --variants local for the one-process figure (nothing else competes for the
+// cores then).
+//
+// Each variant trains its own copy of the model (same initial weights, same per-rank batches),
+// so the hooks of one never fire in another. A step is timed in phases, each rank's, and the
+// slowest rank's phase times are kept (MPI_Allreduce MAX outside the timed region):
+//   zero_grad + forward | backward() | until the inner optimizer starts (the rest of the
+//   communication) | the inner SGD step.
+// "backward+comm" is from the start of backward() to the start of the inner SGD step: for
+// lockstep that includes DistributedOptimizer::step()'s wait and checks; for the loops, the loop.
+// The inner step's start is seen by a subclass of torch::optim::SGD (DistributedOptimizer calls
+// the optimizer's virtual step()).
+//
+// Models: --model mlp (Sequential of --layers Linear(--width, --width) + ReLU; 50 x 512: 13.1 M
+// parameters) or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
+// bench/torch/export_resnet50.py, input --image-size, 1000 classes, cross-entropy).
+//
+// Run: mpiexec -n 2 ./bench_torch [--model mlp] [--batch 64] [--warmup 3] [--steps 20]
+//      [--variants lockstep,lockstep-25m,ls-blocking,mpi-loop,gloo,local] [--threads 1] [--json out.json]
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <lockstep/lockstep.hpp>
+#include <lockstep/torch.hpp>
+
+#ifdef LOCKSTEP_BENCH_GLOO
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+
+namespace ls = lockstep;
+namespace lt = lockstep::torch;
+
+namespace {
+
+double g_inner_start = 0;  // when the inner optimizer's step() began (this rank)
+
+// SGD that notes when its step() starts: the end of the communication for every variant.
+class TimedSGD : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    g_inner_start = bench::now();
+    return torch::optim::SGD::step(std::move(closure));
+  }
+};
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      return c == std::string::npos ? line : line.substr(c + 2);
+    }
+  return "unknown";
+}
+
+struct Config {
+  std::string model = "mlp";
+  std::string script;
+  int layers = 50, width = 512, batch = 64, image = 64, classes = 1000;
+  int warmup = 3, steps = 20, chunk = 5;
+  double lr = 0.01;
+};
+
+// One model replica: either an nn::Module (mlp) or a TorchScript module.
+struct Replica {
+  std::shared_ptr<torch::nn::Module> module;  // mlp
+  torch::nn::Sequential seq{nullptr};
+  std::unique_ptr<torch::jit::Module> script;  // script
+  std::vector<torch::Tensor> params;
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (script) return script->forward({x}).toTensor();
+    return seq->forward(x);
+  }
+};
+
+Replica make_replica(const Config& c) {
+  Replica r;
+  torch::manual_seed(0);  // the same initial weights in every variant, on every rank
+  if (c.model == "mlp") {
+    torch::nn::Sequential s;
+    for (int i = 0; i < c.layers; ++i) {
+      s->push_back(torch::nn::Linear(c.width, c.width));
+      s->push_back(torch::nn::ReLU());
+    }
+    r.seq = s;
+    r.module = s.ptr();
+    r.params = s->parameters();
+  } else {
+    r.script = std::make_unique<torch::jit::Module>(torch::jit::load(c.script));
+    r.script->train();
+    for (const auto& p : r.script->parameters()) r.params.push_back(p);
+  }
+  return r;
+}
+
+// This rank's batch (different on every rank, the same in every variant).
+struct Batch {
+  torch::Tensor x, y;
+};
+Batch make_batch(const Config& c, int rank) {
+  torch::manual_seed(100 + rank);
+  if (c.model == "mlp") return {torch::randn({c.batch, c.width}), torch::randn({c.batch, c.width})};
+  return {torch::randn({c.batch, 3, c.image, c.image}), torch::randint(0, c.classes, {c.batch})};
+}
+torch::Tensor loss_of(const Config& c, const torch::Tensor& out, const Batch& b) {
+  return c.model == "mlp" ? torch::mse_loss(out, b.y) : torch::nn::functional::cross_entropy(out, b.y);
+}
+
+// Phase times of one step (seconds): zero_grad+forward, backward(), rest of the communication
+// (until the inner step starts), inner step; the slowest rank's each.
+using Phases = std::array<double, 4>;
+
+struct Runner {
+  std::string name;
+  Replica rep;
+  std::unique_ptr<TimedSGD> sgd;
+  std::function<void()> zero_grad;        // before forward
+  std::function<void()> after_backward;   // communication after backward, then the inner step
+  std::vector<Phases> samples;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ls::initialize<ls::MPIBackend>();
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = bench::world_rank(), size = bench::world_size();
+  int rc = 0;
+  try {
+    auto opt = bench::Options::parse(argc, argv);
+    if (opt.help) {
+      if (rank == 0)
+        std::printf("mpiexec -n 2 bench_torch [--model mlp|script] [--script FILE] [--layers 50] [--width 512]\n"
+                    "  [--batch 64] [--image-size 64] [--warmup 3] [--steps 20] [--threads 1]\n"
+                    "  [--variants lockstep,mpi-loop,gloo,local] [--json FILE]\n");
+      ls::finalize<ls::MPIBackend>();
+      return 0;
+    }
+    Config c;
+    c.model = opt.get("model", c.model);
+    c.script = opt.get("script", "");
+    c.layers = std::stoi(opt.get("layers", std::to_string(c.layers)));
+    c.width = std::stoi(opt.get("width", std::to_string(c.width)));
+    c.batch = std::stoi(opt.get("batch", std::to_string(c.batch)));
+    c.image = std::stoi(opt.get("image-size", std::to_string(c.image)));
+    c.warmup = std::stoi(opt.get("warmup", std::to_string(c.warmup)));
+    c.steps = std::stoi(opt.get("steps", std::to_string(c.steps)));
+    if (opt.quick) c.steps = std::min(c.steps, 5), c.warmup = 1;
+    const int threads = std::stoi(opt.get("threads", "1"));
+    torch::set_num_threads(threads);
+    if (c.model == "script" && c.script.empty()) throw std::invalid_argument("--model script needs --script FILE");
+#ifdef LOCKSTEP_BENCH_GLOO
+    const std::string dflt = size > 1 ? "lockstep,lockstep-25m,ls-blocking,mpi-loop,gloo,local" : "local";
+#else
+    const std::string dflt = size > 1 ? "lockstep,lockstep-25m,ls-blocking,mpi-loop,local" : "local";
+#endif
+    const auto names = bench::split_list(opt.get("variants", dflt));
+    const Batch batch = make_batch(c, rank);
+
+    std::vector<std::unique_ptr<Runner>> runners;
+    std::vector<std::unique_ptr<lt::DistributedOptimizer>> dopts;
+#ifdef LOCKSTEP_BENCH_GLOO
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#endif
+    std::int64_t numel = 0;
+    for (const auto& n : names) {
+      auto r = std::make_unique<Runner>();
+      r->name = n;
+      r->rep = make_replica(c);
+      r->sgd = std::make_unique<TimedSGD>(r->rep.params, torch::optim::SGDOptions(c.lr));
+      numel = 0;
+      for (auto& p : r->rep.params) numel += p.numel();
+      Runner* rr = r.get();
+      if (n == "lockstep" || n.rfind("lockstep-", 0) == 0) {
+        // "lockstep-25m": buckets of 25 MiB (DDP's bucket_cap_mb) instead of the default.
+        ls::DistributedOptions o;
+        if (n != "lockstep") o.bucket_bytes = std::stoull(n.substr(9)) << 20;
+        if (rr->rep.module) lt::synchronize(backend, *rr->rep.module, 0);
+        dopts.push_back(std::make_unique<lt::DistributedOptimizer>(backend, *rr->sgd, o));
+        auto* d = dopts.back().get();
+        rr->zero_grad = [d] { d->zero_grad(); };
+        rr->after_backward = [d] { d->step(); };
+      } else if (n == "ls-blocking") {
+        // Lockstep's blocking allreduce (its shared-memory path on one machine), one call per
+        // gradient after backward: what the buckets launched from the hooks (MPI_Iallreduce)
+        // would get without overlap.
+        rr->zero_grad = [rr] { rr->sgd->zero_grad(); };
+        rr->after_backward = [rr, &backend] {
+          for (auto& p : rr->rep.params) backend.allreduce(lt::view(p.grad()), ls::ReduceOp::avg);
+          rr->sgd->step();
+        };
+      } else if (n == "mpi-loop" || n == "local") {
+        rr->zero_grad = [rr] { rr->sgd->zero_grad(); };
+        const bool comm = n == "mpi-loop";
+        rr->after_backward = [rr, comm, size] {
+          if (comm)
+            for (auto& p : rr->rep.params) {
+              auto g = p.grad();
+              MPI_Allreduce(MPI_IN_PLACE, g.data_ptr<float>(), static_cast<int>(g.numel()), MPI_FLOAT, MPI_SUM,
+                            MPI_COMM_WORLD);
+              g.div_(size);
+            }
+          rr->sgd->step();
+        };
+#ifdef LOCKSTEP_BENCH_GLOO
+      } else if (n == "gloo") {
+        if (!gloo) {
+          // Rendezvous through a file named by rank 0 (every rank sees /tmp on one machine).
+          char path[256] = {};
+          if (rank == 0) {
+            std::snprintf(path, sizeof path, "/tmp/lockstep_bench_gloo_%d", static_cast<int>(getpid()));
+            std::remove(path);
+          }
+          MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
+          auto store = c10::make_intrusive<c10d::FileStore>(path, size);
+          auto o = c10d::ProcessGroupGloo::Options::create();
+          o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+          o->threads = 1;  // one gloo worker thread per rank, as the cores allow
+          gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, o);
+          MPI_Barrier(MPI_COMM_WORLD);
+          if (rank == 0) std::remove(path);
+        }
+        auto* pg = gloo.get();
+        rr->zero_grad = [rr] { rr->sgd->zero_grad(); };
+        rr->after_backward = [rr, pg, size] {
+          std::vector<c10::intrusive_ptr<c10d::Work>> works;
+          for (auto& p : rr->rep.params) {
+            std::vector<at::Tensor> t{p.grad()};
+            works.push_back(pg->allreduce(t));
+          }
+          for (auto& w : works) w->wait();
+          for (auto& p : rr->rep.params) p.grad().div_(size);
+          rr->sgd->step();
+        };
+#endif
+      } else {
+        throw std::invalid_argument("unknown variant " + n +
+#ifdef LOCKSTEP_BENCH_GLOO
+                                    " (lockstep, mpi-loop, gloo, local)"
+#else
+                                    " (lockstep, mpi-loop, local; gloo: not built, see bench/CMakeLists.txt)"
+#endif
+        );
+      }
+      runners.push_back(std::move(r));
+    }
+
+    auto one_step = [&](Runner& r, bool keep) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double t0 = bench::now();
+      r.zero_grad();
+      auto loss = loss_of(c, r.rep.forward(batch.x), batch);
+      const double t1 = bench::now();
+      loss.backward();
+      const double t2 = bench::now();
+      g_inner_start = 0;
+      r.after_backward();
+      const double t4 = bench::now();
+      const double t3 = g_inner_start > 0 ? g_inner_start : t4;
+      Phases p{t1 - t0, t2 - t1, t3 - t2, t4 - t3}, m{};
+      MPI_Allreduce(p.data(), m.data(), 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      if (keep) r.samples.push_back(m);
+    };
+    // Warm-up (first-touch, DDP-like lazy setup, allocator), then the measured steps in chunks,
+    // the variants' order rotating every chunk so that the machine's noise hits them alike.
+    for (auto& r : runners)
+      for (int i = 0; i < c.warmup; ++i) one_step(*r, false);
+    for (int done = 0, round = 0; done < c.steps; done += c.chunk, ++round) {
+      const int k = std::min(c.chunk, c.steps - done);
+      for (std::size_t j = 0; j < runners.size(); ++j) {
+        auto& r = *runners[(j + static_cast<std::size_t>(round)) % runners.size()];
+        for (int i = 0; i < k; ++i) one_step(r, true);
+      }
+    }
+
+    // Same initial weights, same batches, same number of steps: every communicating variant must
+    // end with the same weights (up to the order of the floating-point sums).
+    bool ok = true;
+    Runner* ref = nullptr;
+    for (auto& r : runners) {
+      if (r->name == "local") continue;
+      if (!ref) {
+        ref = r.get();
+        continue;
+      }
+      for (std::size_t i = 0; i < r->rep.params.size(); ++i) {
+        const double d = (r->rep.params[i] - ref->rep.params[i]).abs().max().item<double>();
+        const double s = ref->rep.params[i].abs().max().item<double>();
+        if (!(d <= 1e-4 * std::max(1.0, s))) {
+          if (rank == 0)
+            std::fprintf(stderr, "bench_torch: %s and %s differ in parameter %zu by %g\n", r->name.c_str(),
+                         ref->name.c_str(), i, d);
+          ok = false;
+          break;
+        }
+      }
+    }
+    ok = bench::all_ranks(ok);
+
+    // Results: medians of the per-step (slowest-rank) phase times.
+    struct Row {
+      std::string name;
+      double step, fwd, bwd, comm, opt, bwdcomm;
+    };
+    std::vector<Row> rows;
+    for (auto& r : runners) {
+      std::vector<double> st, f, b, cm, o, bc;
+      for (auto& p : r->samples) {
+        st.push_back(p[0] + p[1] + p[2] + p[3]);
+        f.push_back(p[0]);
+        b.push_back(p[1]);
+        cm.push_back(p[2]);
+        o.push_back(p[3]);
+        bc.push_back(p[1] + p[2]);
+      }
+      rows.push_back({r->name, bench::stats_of(st).median, bench::stats_of(f).median, bench::stats_of(b).median,
+                      bench::stats_of(cm).median, bench::stats_of(o).median, bench::stats_of(bc).median});
+    }
+    double local_bwd = 0;
+    for (auto& r : rows)
+      if (r.name == "local") local_bwd = r.bwdcomm;
+
+    if (rank == 0) {
+      std::string what = c.model == "mlp" ? "MLP " + std::to_string(c.layers) + " x Linear(" + std::to_string(c.width) +
+                                                "," + std::to_string(c.width) + ")+ReLU"
+                                          : "TorchScript " + c.script + " at " + std::to_string(c.image) + "x" +
+                                                std::to_string(c.image);
+      std::printf("## bench_torch: %s, %.2f M parameters, batch %d per rank, SGD, %d rank(s)\n\n", what.c_str(),
+                  static_cast<double>(numel) / 1e6, c.batch, size);
+      std::printf("CPU: %s; torch::set_num_threads(%d) per rank; LibTorch %s; median of %d steps after %d warm-up; "
+                  "times in ms, each the slowest rank's\n\n",
+                  cpu_model().c_str(), threads, TORCH_VERSION, c.steps, c.warmup);
+    }
+    bench::Table table({"variant", "step", "fwd", "backward()", "comm after", "optimizer", "backward+comm",
+                        "(backward+comm)/local backward"});
+    for (auto& r : rows)
+      table.add({r.name, bench::fmt(r.step * 1e3, 1), bench::fmt(r.fwd * 1e3, 1), bench::fmt(r.bwd * 1e3, 1),
+                 bench::fmt(r.comm * 1e3, 1), bench::fmt(r.opt * 1e3, 1), bench::fmt(r.bwdcomm * 1e3, 1),
+                 local_bwd > 0 ? bench::fmt(r.bwdcomm / local_bwd, 2) : std::string("-")});
+    table.print();
+    if (rank == 0 && !ok) std::printf("RESULTS DIFFER between variants (see stderr)\n");
+
+    auto j = bench::run_info("torch");
+    j.set("model", c.model).set("script", c.script).set("parameters", numel).set("batch_per_rank", c.batch);
+    j.set("threads_per_rank", threads).set("steps", c.steps).set("warmup", c.warmup).set("cpu", cpu_model());
+    j.set("correct", ok);
+    auto arr = bench::Json::array();
+    for (auto& r : rows) {
+      auto o = bench::Json::object();
+      o.set("variant", r.name).set("step_s", r.step).set("forward_s", r.fwd).set("backward_s", r.bwd);
+      o.set("comm_after_backward_s", r.comm).set("optimizer_s", r.opt).set("backward_comm_s", r.bwdcomm);
+      if (local_bwd > 0) o.set("ratio_to_local_backward", r.bwdcomm / local_bwd);
+      arr.push(o);
+    }
+    j.set("variants", arr);
+    j.write(opt.json);
+    rc = ok ? 0 : 1;
+    dopts.clear();
+#ifdef LOCKSTEP_BENCH_GLOO
+    gloo.reset();
+#endif
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_torch (rank %d): %s\n", rank, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  ls::finalize<ls::MPIBackend>();
+  return rc;
+}

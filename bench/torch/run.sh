@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Runs every variant of the LibTorch comparison in one go and prints the tables, with the CPU
+# model and the date. Builds nothing: build bench_torch first (LibTorch found, e.g.
+#   cmake -S . -B build-bench -DLOCKSTEP_WITH_TORCH=ON && cmake --build build-bench -j2 --target bench_torch).
+#   - C++ at NP ranks (mpiexec): lockstep::torch DistributedOptimizer, a per-parameter
+#     MPI_Allreduce loop, c10d::ProcessGroupGloo (where built), and no communication;
+#   - C++ at 1 rank: no communication (backward alone, nothing else on the cores);
+#   - Python (/usr/bin/python3): torch DistributedDataParallel with gloo at NP processes, and
+#     the same model without DDP;
+#   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank) and, unless
+#   --no-resnet, ResNet-50 at 64x64 (torchvision, traced to TorchScript by export_resnet50.py,
+#   loaded by both sides; batch RESNET_BATCH per rank).
+# One thread per rank: torch::set_num_threads(1) / torch.set_num_threads(1), and
+# OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 (Debian's LibTorch calls OpenBLAS, whose own thread
+# pool set_num_threads does not limit: without them each rank runs 2 spinning BLAS threads).
+#
+# Usage: bench/torch/run.sh [--quick] [--no-resnet]
+# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results/torch),
+#   MPIEXEC (mpiexec), PYTHON (/usr/bin/python3), STEPS (20), WARMUP (3), BATCH (64),
+#   RESNET_BATCH (16), RESNET_STEPS (6).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+top=$(cd "$here/../.." && pwd)
+build=${BUILD_DIR:-$top/build-bench}
+np=${NP:-2}
+results=${RESULTS_DIR:-$top/bench/results/torch}
+mpiexec=${MPIEXEC:-mpiexec}
+python=${PYTHON:-/usr/bin/python3}
+steps=${STEPS:-20}
+warmup=${WARMUP:-3}
+batch=${BATCH:-64}
+rbatch=${RESNET_BATCH:-16}
+rsteps=${RESNET_STEPS:-6}
+resnet=1
+for a in "$@"; do
+  case $a in
+    --quick) steps=5; warmup=1; rsteps=2 ;;
+    --no-resnet) resnet=0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+
+exe=$build/bench/bench_torch
+if [ ! -x "$exe" ]; then
+  echo "run.sh: $exe not found; build it first (see the top of this script)" >&2
+  exit 1
+fi
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# The core count before OMP_NUM_THREADS is set: GNU nproc honours OMP_NUM_THREADS.
+ncores=$(nproc)
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+mpiflags=(--bind-to none -x OPENBLAS_NUM_THREADS -x OMP_NUM_THREADS)
+if [ "$np" -gt "$ncores" ]; then mpiflags+=(--oversubscribe); fi
+mkdir -p "$results"
+
+{
+  echo "- CPU: $(lscpu | sed -n 's/^Model name: *//p') ($ncores cores visible, $(lscpu | sed -n 's/^Thread(s) per core: *//p') thread(s) per core); hypervisor: $(lscpu | sed -n 's/^Hypervisor vendor: *//p')"
+  echo "- LibTorch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null) (Debian, CPU); $("$mpiexec" --version 2>&1 | head -n 1)"
+  echo "- Threads: 1 per rank (set_num_threads(1), OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1); $np ranks, mpiexec ${mpiflags[*]}"
+  echo "- Run: $(date -u '+%Y-%m-%d %H:%M UTC'); load at the start: $(uptime | sed 's/.*load average: //')"
+} | tee "$results/machine.md"
+echo
+
+run_models() {  # run_models TAG ARGS...: the C++ (NP ranks, 1 rank) and Python runs of one model
+  local tag=$1
+  shift
+  echo "== $tag: C++, $np ranks" >&2
+  "$mpiexec" -n "$np" "${mpiflags[@]}" "$exe" --json "$results/${tag}_cpp.json" "$@" | tee "$results/${tag}_cpp.md"
+  echo "== $tag: C++, 1 rank, no communication" >&2
+  "$mpiexec" -n 1 "${mpiflags[@]}" "$exe" --variants local --json "$results/${tag}_cpp_1rank.json" "$@" \
+    | tee "$results/${tag}_cpp_1rank.md"
+  echo "== $tag: Python DDP (gloo), $np processes" >&2
+  "$python" "$here/ddp_gloo.py" --world-size "$np" --json "$results/${tag}_ddp.json" "$@" | tee "$results/${tag}_ddp.md"
+}
+
+run_models mlp --model mlp --batch "$batch" --steps "$steps" --warmup "$warmup"
+if [ "$resnet" = 1 ]; then
+  pt=$build/bench/resnet50_64.pt  # 100 MB: kept out of the results
+  [ -f "$pt" ] || "$python" "$here/export_resnet50.py" "$pt" 64
+  run_models resnet50 --model script --script "$pt" --image-size 64 --batch "$rbatch" --steps "$rsteps" --warmup 1
+fi
+
+# The summary: every variant's step and backward+comm, the ratio to the no-communication
+# backward of the same run, and the step against Python DDP's.
+"$python" - "$results" "$resnet" <<'PY' | tee "$results/summary.md"
+import json, sys, os
+d, resnet = sys.argv[1], sys.argv[2] == "1"
+print("| model | variant | step ms | backward+comm ms | (backward+comm)/local backward | (backward+comm)/1-rank backward | DDP step / step |")
+print("|---|---|--:|--:|--:|--:|--:|")
+for tag in ["mlp"] + (["resnet50"] if resnet else []):
+    cpp = json.load(open(os.path.join(d, f"{tag}_cpp.json")))
+    one = json.load(open(os.path.join(d, f"{tag}_cpp_1rank.json")))["variants"][0]
+    ddp = json.load(open(os.path.join(d, f"{tag}_ddp.json")))
+    ddp_step = next(v["step_s"] for v in ddp["variants"] if v["variant"] == "ddp")
+    rows = [(v["variant"], v, v.get("ratio_to_local_backward")) for v in cpp["variants"]]
+    rows += [("python-" + v["variant"], v, v.get("ratio_to_local_backward")) for v in ddp["variants"]]
+    rows += [("local, 1 rank", one, None)]
+    for name, v, r in rows:
+        print(f"| {tag} | {name} | {v['step_s'] * 1e3:.1f} | {v['backward_comm_s'] * 1e3:.1f} | "
+              f"{r:.2f} | {v['backward_comm_s'] / one['backward_comm_s']:.2f} | {ddp_step / v['step_s']:.2f} |"
+              if r is not None else
+              f"| {tag} | {name} | {v['step_s'] * 1e3:.1f} | {v['backward_comm_s'] * 1e3:.1f} | - | "
+              f"{v['backward_comm_s'] / one['backward_comm_s']:.2f} | {ddp_step / v['step_s']:.2f} |")
+PY
+echo "- Load at the end: $(uptime | sed 's/.*load average: //')" | tee -a "$results/machine.md"
