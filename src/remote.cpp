@@ -576,7 +576,10 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     Mine m;
     std::memcpy(&m, all.data() + i * sizeof(Mine), sizeof(Mine));
     diff += concat(i ? ", " : "", "rank ", i, ": timeout ", m.timeout, " s, background ", m.background ? "on" : "off");
-    if (m.timeout != first.timeout || m.background != first.background) same = false;
+    if (m.timeout != first.timeout || m.background != first.background) {
+      same = false;
+      diff += " (differs)";
+    }
   }
   if (!same) {
     MPI_Comm_free(&e->comm);

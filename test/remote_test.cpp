@@ -88,7 +88,11 @@ ls::Tensor column_sums(const ls::Tensor& x) {
 // Number of elements (dim_partitioner(1) splits columns); plus the offset it was given.
 std::int64_t count_plus(const ls::Tensor& x, std::int64_t offset) { return x.numel() + offset; }
 
+// A remote function that itself calls rank 0 (the driver, which is waiting and so serves it).
+int nested(int x) { return ls::remote_sync_call(ls::get_distributed_backend<ls::MPIBackend>(), 0, add, x, 1000); }
+
 LOCKSTEP_REMOTE(add)
+LOCKSTEP_REMOTE(nested)
 LOCKSTEP_REMOTE(whoami)
 LOCKSTEP_REMOTE(nothing)
 LOCKSTEP_REMOTE(fail_with)
@@ -407,4 +411,29 @@ TEST_CASE("remote: run_driver returns f's result and f's error on every rank") {
   if (me() == 0) got = ls::run_driver(b, [&] { return ls::remote_sync_call(b, world() - 1, add, 40, 2); });
   else ls::serve(b);
   if (me() == 0) CHECK(got == 42);
+}
+
+TEST_CASE("remote: a remote function may call back to the waiting driver") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    for (int r = 0; r < world(); ++r) CHECK(ls::remote_sync_call(b, r, nested, r) == r + 1000);
+  });
+}
+
+TEST_CASE("remote: sessions whose options differ are a MismatchError on every rank") {
+  auto& b = backend();
+  if (world() == 1) return;  // one rank always agrees with itself
+  bool mismatch = false;
+  std::string what;
+  try {
+    ls::RemoteSession s(b, ls::RemoteOptions{.background = me() == 0, .timeout = 30});
+  } catch (const ls::MismatchError& e) {
+    mismatch = true;
+    what = e.what();
+  }
+  CHECK(mismatch);
+  CHECK_THAT(what, Catch::Contains("rank 1: timeout 30 s, background off (differs)"));
+  // Nothing is left behind: a new session works.
+  ls::RemoteSession ok(b, ls::RemoteOptions{.timeout = 30});
+  ok.close();
 }
