@@ -99,6 +99,7 @@ enum : std::uint8_t {
 
 template <class T>
 constexpr std::uint8_t scalar_tag() {
+  static_assert(sizeof(T) <= 8, "lockstep remote: scalars of more than 8 bytes (long double) cannot be sent");
   if constexpr (std::is_same_v<T, bool>) return k_bool;
   else if constexpr (std::is_floating_point_v<T>) return static_cast<std::uint8_t>(k_float | sizeof(T));
   else if constexpr (std::is_signed_v<T>) return static_cast<std::uint8_t>(k_sint | sizeof(T));
