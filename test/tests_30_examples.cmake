@@ -54,6 +54,8 @@ if(LOCKSTEP_BUILD_EXAMPLES)
 endif()
 if(LOCKSTEP_BUILD_EXAMPLES)
   lockstep_add_example_test(NAME example_maml SCRIPT maml_improves.sh TARGET maml RANKS 3 TIMEOUT 120)
+  lockstep_add_example_test(NAME example_maml_driver SCRIPT maml_driver.sh TARGET maml RANKS 3 TIMEOUT 240)
+  lockstep_add_example_test(NAME example_remote_overlap SCRIPT remote_overlap.sh TARGET remote_overlap RANKS 3 TIMEOUT 120)
 endif()
 
 # The docs a new user follows, as written (test/docs/check_docs.sh): getting-started's build and

@@ -1,4 +1,5 @@
-// maml: TorchOpt's distributed MAML example in SPMD form, on few-shot sine regression.
+// maml: TorchOpt's distributed MAML example, in SPMD form and in its driver/worker form, on
+// few-shot sine regression.
 //
 // Each meta-iteration draws a batch of tasks (sine waves y = A sin(x - phase), A in [0.1, 5],
 // phase in [0, pi], x in [-5, 5]); `parallelize` with `exclusive_batch_partitioner` spreads the
@@ -14,6 +15,11 @@
 //
 // Progress is measured on held-out tasks: the loss on their query points after adapting on their
 // support points; it falls as the meta-model learns a good starting point.
+//
+// With --driver it runs in TorchOpt's own form instead: rank 0 holds the meta-model and runs the
+// outer loop inside ls::run_driver, and the tasks go to every rank as remote calls
+// (ls::parallelize_sync with exclusive_batch_partitioner and mean_reducer over the registered
+// functions meta_task and eval_task; docs/remote.md). Same seed, same result as the SPMD form.
 //
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/parallelize/maml
@@ -62,6 +68,7 @@ struct Options {
   int eval_tasks = 32;
   int eval_every = 100;
   std::uint64_t seed = 1;
+  bool driver = false;  // TorchOpt's form: rank 0 drives, the others run tasks by remote calls
   bool help = false;
 };
 
@@ -76,7 +83,9 @@ constexpr const char* kUsage =
     "  --meta-lr B       Adam learning rate of the meta-model (default 1e-3)\n"
     "  --eval-tasks E    held-out tasks (default 32)\n"
     "  --eval-every P    evaluate every P iterations (default 100)\n"
-    "  --seed SEED       seed (default 1)\n";
+    "  --seed SEED       seed (default 1)\n"
+    "  --driver          TorchOpt's driver/worker form: rank 0 runs the outer loop and sends the\n"
+    "                    tasks to every rank by remote calls (same result as the SPMD form)\n";
 
 struct UsageError {
   std::string msg;
@@ -111,6 +120,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--eval-tasks") o.eval_tasks = parse_number<int>(a, value());
     else if (a == "--eval-every") o.eval_every = parse_number<int>(a, value());
     else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
+    else if (a == "--driver") o.driver = true;
     else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
   }
   auto require = [](bool ok, const char* msg) {
@@ -250,7 +260,76 @@ struct EvalResult {
 };
 LOCKSTEP_FIELDS(EvalResult, before, after)
 
+// ---- TorchOpt's form: remote functions, run wherever the partitioner sends a task ----
+
+/// One meta-training task (a row amplitude, phase, seed): adapt, then the first-order
+/// meta-gradient on the query set.
+TaskResult meta_task(const MLP& meta, const ls::Tensor& task, int shots, int queries, int inner_steps,
+                     float inner_lr) {
+  const double* t = task.data<double>();
+  const TaskData d = sample_points(t[0], t[1], static_cast<std::uint64_t>(t[2]), shots, queries);
+  const MLP fast = adapt(meta, d, inner_steps, inner_lr);
+  TaskResult r{ls::zeros_like(meta), 0.0};
+  r.loss = mse(fast, d.xq, d.yq, &r.grad);
+  return r;
+}
+
+/// One held-out task: query loss before and after adaptation.
+EvalResult eval_task(const MLP& meta, const ls::Tensor& task, int shots, int inner_steps, float inner_lr) {
+  const double* t = task.data<double>();
+  const TaskData d = sample_points(t[0], t[1], static_cast<std::uint64_t>(t[2]), shots, 100);
+  EvalResult e;
+  e.before = mse(meta, d.xq, d.yq, nullptr);
+  e.after = mse(adapt(meta, d, inner_steps, inner_lr), d.xq, d.yq, nullptr);
+  return e;
+}
+
+}  // namespace
+LOCKSTEP_REMOTE(meta_task)
+LOCKSTEP_REMOTE(eval_task)
+namespace {
+
+/// Rank 0 holds the meta-model and its optimizer and runs the outer loop; every rank (rank 0
+/// too, while it waits) runs the tasks that exclusive_batch_partitioner sends it, and
+/// mean_reducer averages the results on rank 0.
+int run_driver_form(const Options& o, ls::Backend& backend) {
+  return ls::run_driver(backend, [&] {
+    MLP meta = init_mlp(o.seed * 1000);  // what synchronize gives every rank in the SPMD form
+    auto state = ls::setup(ls::Adam{.lr = o.meta_lr}, meta);
+    auto meta_batch = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, meta_task);
+    auto evaluate = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, eval_task);
+    std::mt19937_64 eval_rng(o.seed ^ 0xE7A1ull);
+    const ls::Tensor eval_tasks = sample_tasks(eval_rng, o.eval_tasks);
+    std::printf("first-order MAML on sine regression (driver form): %d ranks, %d tasks per meta-batch, "
+                "%d-shot, %d inner step(s) of %g, Adam %g\n",
+                backend.size(), o.tasks, o.shots, o.inner_steps, static_cast<double>(o.inner_lr),
+                static_cast<double>(o.meta_lr));
+    std::mt19937_64 task_rng(o.seed);
+    double first_after = 0, last_after = 0, train_loss = 0;
+    for (int it = 0; it <= o.iterations; ++it) {
+      if (it % o.eval_every == 0 || it == o.iterations) {
+        const EvalResult e = evaluate(meta, eval_tasks, o.shots, o.inner_steps, o.inner_lr);
+        if (it == 0) first_after = e.after;
+        last_after = e.after;
+        std::printf("iter %5d  meta-batch loss %8.4f  held-out loss before adaptation %8.4f  "
+                    "after %8.4f\n",
+                    it, it == 0 ? std::nan("") : train_loss, e.before, e.after);
+      }
+      if (it == o.iterations) break;
+      const ls::Tensor tasks = sample_tasks(task_rng, o.tasks);
+      TaskResult r = meta_batch(meta, tasks, o.shots, o.queries, o.inner_steps, o.inner_lr);
+      train_loss = r.loss;
+      ls::update(state, meta, r.grad);
+    }
+    std::printf("held-out post-adaptation loss: %.4f -> %.4f (%.0f%% lower)\n", first_after, last_after,
+                first_after > 0 ? 100.0 * (1.0 - last_after / first_after) : 0.0);
+    std::fflush(stdout);
+    return 0;
+  });
+}
+
 int run(const Options& o, ls::Backend& backend) {
+  if (o.driver) return run_driver_form(o, backend);
   const bool root = backend.rank() == 0;
   // Every rank starts from its own random model; synchronize makes them all rank 0's.
   MLP meta = init_mlp(o.seed * 1000 + static_cast<std::uint64_t>(backend.rank()));

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace lockstep {
 
@@ -67,6 +68,26 @@ class MismatchError : public Error {
 class TimeoutError : public Error {
  public:
   using Error::Error;
+};
+
+/// A remote call failed on the rank that ran it (remote.hpp): the function threw, is not
+/// registered there, has another signature there, or its arguments did not decode there.
+/// rank() is the rank that ran it, function() the registered name, message() that rank's text.
+class RemoteError : public Error {
+ public:
+  RemoteError(int rank, std::string function, std::string message)
+      : Error("remote call of '" + function + "' on rank " + std::to_string(rank) +
+              " failed: " + message),
+        rank_(rank),
+        function_(std::move(function)),
+        message_(std::move(message)) {}
+  int rank() const noexcept { return rank_; }
+  const std::string& function() const noexcept { return function_; }
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  int rank_;
+  std::string function_, message_;
 };
 
 namespace detail {

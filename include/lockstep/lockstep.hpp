@@ -19,3 +19,4 @@
 #include "lockstep/reliability.hpp"
 #include "lockstep/replicas.hpp"
 #include "lockstep/checkpoint.hpp"
+#include "lockstep/remote.hpp"

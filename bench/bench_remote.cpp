@@ -1,0 +1,112 @@
+// bench_remote: remote calls (remote.hpp) against raw MPI in the same run, between ranks 0 and
+// 1 (run with mpiexec -n 2). Prints the round trip of an empty call beside a 0-byte
+// MPI_Send/MPI_Recv ping-pong, then, for tensor arguments of 1 KiB to 256 MiB, the round trip
+// of echo(t) (t sent there, the same tensor sent back) beside a ping-pong of the same size, with
+// one buffer reused (raw_us) and with a new buffer per message (rawfresh_us: what a call pays,
+// since every received tensor is new memory).
+//   bench_remote [max_bytes]
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+void empty() {}
+ls::Tensor echo(ls::Tensor t) { return t; }
+LOCKSTEP_REMOTE(empty)
+LOCKSTEP_REMOTE(echo)
+
+double now() { return MPI_Wtime(); }
+
+int reps_for(std::size_t bytes) {
+  return static_cast<int>(std::clamp<std::size_t>((std::size_t{512} << 20) / std::max<std::size_t>(bytes, 1), 3, 2000));
+}
+
+/// Seconds per round trip of a raw ping-pong of `bytes` between ranks 0 and 1. fresh: every
+/// message is received into a newly allocated buffer (as a remote call receives into a new
+/// tensor), so the cost of new memory (page faults of large allocations) is counted too.
+double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh = false) {
+  std::vector<char> buf(std::max<std::size_t>(bytes, 1));
+  const int n = static_cast<int>(bytes);
+  double t0 = 0;
+  for (int i = -2; i < reps; ++i) {  // two warm-up round trips
+    if (i == 0) t0 = now();
+    if (fresh) {
+      std::unique_ptr<char[]> mem(new char[std::max<std::size_t>(bytes, 1)]);
+      if (rank == 0) {
+        MPI_Send(buf.data(), n, MPI_BYTE, 1, 0, comm);
+        MPI_Recv(mem.get(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
+      } else if (rank == 1) {
+        MPI_Recv(mem.get(), n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
+        MPI_Send(mem.get(), n, MPI_BYTE, 0, 0, comm);
+      }
+      continue;
+    }
+    if (rank == 0) {
+      MPI_Send(buf.data(), n, MPI_BYTE, 1, 0, comm);
+      MPI_Recv(buf.data(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
+    } else if (rank == 1) {
+      MPI_Recv(buf.data(), n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
+      MPI_Send(buf.data(), n, MPI_BYTE, 0, 0, comm);
+    }
+  }
+  return (now() - t0) / reps;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  ls::initialize<ls::MPIBackend>();
+  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  const std::size_t max_bytes = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (std::size_t{256} << 20);
+  if (b.size() < 2) {
+    std::fprintf(stderr, "bench_remote needs 2 ranks\n");
+    ls::finalize<ls::MPIBackend>();
+    return 77;
+  }
+  MPI_Comm comm;
+  MPI_Comm_dup(b.comm(), &comm);
+  const int rank = b.rank();
+  std::vector<std::size_t> sizes;
+  for (std::size_t s = 1024; s <= max_bytes; s *= 4) sizes.push_back(s);
+  // Raw MPI first (outside the remote session), every size.
+  const double raw0 = pingpong(comm, rank, 0, 5000);
+  std::vector<double> raw, raw_fresh;
+  for (auto s : sizes) raw.push_back(pingpong(comm, rank, s, reps_for(s)));
+  for (auto s : sizes) raw_fresh.push_back(pingpong(comm, rank, s, reps_for(s), true));
+  MPI_Comm_free(&comm);
+
+  ls::run_driver(b, [&] {
+    for (int i = 0; i < 200; ++i) ls::remote_sync_call(b, 1, empty);
+    const int n0 = 5000;
+    double t0 = now();
+    for (int i = 0; i < n0; ++i) ls::remote_sync_call(b, 1, empty);
+    const double call0 = (now() - t0) / n0;
+    std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run)\n");
+    std::printf("%-12s %12s %12s %8s %12s %8s %12s %12s\n", "bytes", "remote_us", "raw_us", "ratio",
+                "rawfresh_us", "ratio_f", "remote_GB/s", "raw_GB/s");
+    std::printf("%-12s %12.2f %12.2f %8.2f %12s %8s %12s %12s\n", "empty", call0 * 1e6, raw0 * 1e6, call0 / raw0,
+                "-", "-", "-", "-");
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const auto s = sizes[k];
+      auto t = ls::Tensor::zeros({static_cast<std::int64_t>(s)}, ls::DType::u8);
+      const int reps = reps_for(s);
+      for (int i = 0; i < 2; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
+      t0 = now();
+      for (int i = 0; i < reps; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
+      const double rt = (now() - t0) / reps;
+      std::printf("%-12zu %12.2f %12.2f %8.2f %12.2f %8.2f %12.3f %12.3f\n", s, rt * 1e6, raw[k] * 1e6,
+                  rt / raw[k], raw_fresh[k] * 1e6, rt / raw_fresh[k], 2.0 * s / rt / 1e9, 2.0 * s / raw[k] / 1e9);
+    }
+    std::fflush(stdout);
+  });
+  ls::finalize<ls::MPIBackend>();
+  return 0;
+}

@@ -1,0 +1,439 @@
+// Remote calls (remote.hpp) under mpiexec at 1 to 4 ranks: serialization, dispatch, futures,
+// partitioners and reducers, run_driver, errors and timeouts, background serving, many calls
+// and a large tensor. Checks inside the driver's function run on rank 0 only; every rank
+// checks what run_driver returns or throws locally (no REQUIRE between collectives).
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace rt {
+struct Model {
+  ls::Tensor w;
+  std::vector<double> b;
+  std::string name;
+  std::map<std::string, std::int32_t> counts;
+  std::optional<float> scale;
+  std::vector<std::vector<std::uint8_t>> nested;
+  std::pair<bool, std::int64_t> flag;
+};
+LOCKSTEP_FIELDS(Model, w, b, name, counts, scale, nested, flag)
+
+// The model back, changed in every field so that a copy cannot pass by accident.
+Model transform(const Model& m, int k) {
+  Model out;
+  out.w = m.w.clone();
+  for (auto& x : out.w.span<float>()) x = x * static_cast<float>(k);
+  out.b = m.b;
+  for (auto& x : out.b) x += k;
+  out.name = m.name + "@" + std::to_string(ls::world_info().rank);
+  out.counts = m.counts;
+  out.counts["k"] = k;
+  out.scale = m.scale ? std::optional<float>(*m.scale * 2) : std::nullopt;
+  out.nested = m.nested;
+  out.nested.push_back({static_cast<std::uint8_t>(k)});
+  out.flag = {!m.flag.first, m.flag.second + k};
+  return out;
+}
+}  // namespace rt
+LOCKSTEP_REMOTE(rt::transform)
+
+namespace {
+
+ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
+int me() { return ls::world_info().rank; }
+int world() { return ls::world_info().size; }
+
+int add(int a, int b) { return a + b; }
+int whoami() { return me(); }
+void nothing() {}
+double fail_with(int code) { throw std::runtime_error("boom " + std::to_string(code)); }
+double sleeper(double s) {
+  std::this_thread::sleep_for(std::chrono::duration<double>(s));
+  return s;
+}
+double sum_of(const ls::Tensor& t) {
+  double s = 0;
+  for (float x : t.span<float>()) s += x;
+  return s;
+}
+ls::Tensor scaled(const ls::Tensor& t, float k) {
+  ls::Tensor out = t.clone();
+  for (auto& x : out.span<float>()) x *= k;
+  return out;
+}
+std::atomic<long> g_calls{0};
+long tick(long i) {
+  g_calls.fetch_add(1);
+  return i * 3 + me();
+}
+long calls_so_far() { return g_calls.load(); }
+void reset_calls() { g_calls = 0; }
+// Mean of the elements of a partition (mean_reducer weights it by the partition's rows).
+double mean_of(const ls::Tensor& x) { return sum_of(x) / static_cast<double>(x.numel()); }
+// Column sums of a [rows, cols] partition.
+ls::Tensor column_sums(const ls::Tensor& x) {
+  const auto rows = x.dim(0), cols = x.dim(1);
+  auto out = ls::Tensor::zeros({cols});
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) out.data<float>()[c] += x.data<float>()[r * cols + c];
+  return out;
+}
+// Number of elements (dim_partitioner(1) splits columns); plus the offset it was given.
+std::int64_t count_plus(const ls::Tensor& x, std::int64_t offset) { return x.numel() + offset; }
+
+// A remote function that itself calls rank 0 (the driver, which is waiting and so serves it).
+int nested(int x) { return ls::remote_sync_call(ls::get_distributed_backend<ls::MPIBackend>(), 0, add, x, 1000); }
+
+LOCKSTEP_REMOTE(add)
+LOCKSTEP_REMOTE(nested)
+LOCKSTEP_REMOTE(whoami)
+LOCKSTEP_REMOTE(nothing)
+LOCKSTEP_REMOTE(fail_with)
+LOCKSTEP_REMOTE(sleeper)
+LOCKSTEP_REMOTE(sum_of)
+LOCKSTEP_REMOTE(scaled)
+LOCKSTEP_REMOTE(tick)
+LOCKSTEP_REMOTE(calls_so_far)
+LOCKSTEP_REMOTE(reset_calls)
+LOCKSTEP_REMOTE(mean_of)
+LOCKSTEP_REMOTE(column_sums)
+LOCKSTEP_REMOTE(count_plus)
+
+int not_registered(int x) { return x; }
+
+ls::Tensor iota(std::int64_t rows, std::int64_t cols) {
+  auto t = ls::Tensor::zeros({rows, cols});
+  for (std::int64_t i = 0; i < rows * cols; ++i) t.data<float>()[i] = static_cast<float>(i % 97) * 0.5f;
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("remote: arguments and results of every supported kind round-trip to every rank") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    rt::Model m;
+    m.w = ls::Tensor::from(std::vector<float>{1, 2, 3, 4, 5, 6}, {2, 3});
+    m.b = {0.5, -1.5};
+    m.name = "net";
+    m.counts = {{"a", 1}, {"b", 2}};
+    m.scale = 1.25f;
+    m.nested = {{1, 2}, {}};
+    m.flag = {true, 40};
+    for (int r = 0; r < world(); ++r) {
+      rt::Model out = ls::remote_sync_call(b, r, rt::transform, m, 3);
+      CHECK(out.w.shape() == ls::Shape{2, 3});
+      CHECK(out.w.data<float>()[5] == 18.0f);
+      CHECK(out.b == std::vector<double>{3.5, 1.5});
+      CHECK(out.name == "net@" + std::to_string(r));
+      CHECK(out.counts.at("k") == 3);
+      CHECK(out.counts.at("b") == 2);
+      CHECK(out.scale == std::optional<float>(2.5f));
+      CHECK(out.nested.size() == 3);
+      CHECK(out.nested[2] == std::vector<std::uint8_t>{3});
+      CHECK(out.flag == std::pair<bool, std::int64_t>{false, 43});
+      CHECK(ls::remote_sync_call(b, r, whoami) == r);
+      CHECK(ls::remote_sync_call(b, r, add, 2, 40) == 42);
+      ls::remote_sync_call(b, r, nothing);  // a void function: ls::Done
+    }
+    m.scale.reset();
+    CHECK_FALSE(ls::remote_sync_call(b, world() - 1, rt::transform, m, 1).scale.has_value());
+  });
+}
+
+TEST_CASE("remote: futures (ready, then, wait_all), calls to self and empty futures") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    std::vector<ls::Future<int>> fs;
+    for (int r = 0; r < world(); ++r) fs.push_back(ls::remote_async_call(b, r, add, r, 100));
+    auto results = ls::wait_all(fs);
+    for (int r = 0; r < world(); ++r) CHECK(results[r] == r + 100);
+    for (auto& f : fs) CHECK_FALSE(f.valid());
+
+    auto chained = ls::remote_async_call(b, 0, add, 1, 2).then([](int x) { return std::to_string(x * 2); });
+    CHECK(chained.wait() == "6");
+    auto f = ls::remote_async_call(b, world() - 1, whoami);
+    ls::Future<int> g = std::move(f);
+    CHECK_FALSE(f.valid());
+    CHECK_THROWS_AS(f.wait(), ls::InvalidArgument);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!g.ready() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
+      if (world() == 1) break;  // a call to self runs when this rank waits
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    CHECK(g.wait() == world() - 1);
+    // An error passes through then() without calling the continuation.
+    bool called = false;
+    auto bad = ls::remote_async_call(b, 0, fail_with, 1).then([&](double) { called = true; });
+    CHECK_THROWS_AS(bad.wait(), ls::RemoteError);
+    CHECK_FALSE(called);
+  });
+}
+
+TEST_CASE("remote: errors at the caller") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    for (int r = 0; r < world(); ++r) {
+      try {
+        ls::remote_sync_call(b, r, fail_with, 7);
+        FAIL("no RemoteError");
+      } catch (const ls::RemoteError& e) {
+        CHECK(e.rank() == r);
+        CHECK(e.function() == "fail_with");
+        CHECK(e.message() == "boom 7");
+        CHECK_THAT(e.what(), Catch::Contains("rank " + std::to_string(r)));
+      }
+    }
+    // A rank outside the world, and a function this rank did not register.
+    CHECK_THROWS_WITH(ls::remote_sync_call(b, world(), add, 1, 2), Catch::Contains("outside the world"));
+    CHECK_THROWS_AS(ls::remote_sync_call(b, -1, add, 1, 2), ls::InvalidArgument);
+    CHECK_THROWS_WITH(ls::remote_sync_call(b, 0, not_registered, 1), Catch::Contains("LOCKSTEP_REMOTE"));
+
+    namespace rd = ls::detail::remote;
+    auto raw = [&](int rank, rd::FnInfo info, rd::Encoder args) {
+      return ls::Future<int>(std::make_unique<rd::CallState<int>>(rd::start_call(b, rank, info, std::move(args), {})));
+    };
+    auto add_info = *rd::find_fn(reinterpret_cast<const void*>(&add));
+    for (int r = 0; r < world(); ++r) {
+      // What a rank built from other code sees: a name it does not know, another signature.
+      auto unknown = add_info;
+      unknown.name = "no_such_function";
+      CHECK_THROWS_WITH(raw(r, unknown, rd::encode_args<int (*)(int, int)>(1, 2)).wait(),
+                        Catch::Contains("'no_such_function' is not registered on rank " + std::to_string(r)));
+      auto other = add_info;
+      other.sig = "another signature";
+      CHECK_THROWS_WITH(raw(r, other, rd::encode_args<int (*)(int, int)>(1, 2)).wait(),
+                        Catch::Contains("another signature"));
+      // Arguments that do not decode: a string where an int is expected, and one argument short.
+      CHECK_THROWS_WITH(raw(r, add_info, rd::encode_args<int (*)(std::string, int)>(std::string("x"), 2)).wait(),
+                        Catch::Contains("do not decode"));
+      CHECK_THROWS_WITH(raw(r, add_info, rd::encode_args<int (*)(int)>(1)).wait(), Catch::Contains("do not decode"));
+    }
+    // Still serving after all of that.
+    CHECK(ls::remote_sync_call(b, world() - 1, add, 20, 22) == 42);
+  });
+  // Outside a session.
+  CHECK_THROWS_WITH(ls::remote_sync_call(b, 0, add, 1, 2), Catch::Contains("RemoteSession"));
+}
+
+TEST_CASE("remote: a function unregistered on the called rank is a RemoteError") {
+  auto& b = backend();
+  const int target = world() - 1;
+  // The target forgets sum_of; everyone else keeps it.
+  if (me() == target) ls::unregister_remote("sum_of");
+  std::string what;
+  ls::run_driver(b, [&] {
+    if (me() == target) return;  // at 1 rank the driver itself forgot it: nothing to call
+    try {
+      ls::remote_sync_call(b, target, sum_of, ls::Tensor::ones({3}));
+    } catch (const ls::RemoteError& e) {
+      what = e.what();
+    }
+    CHECK_THAT(what, Catch::Contains("not registered on rank " + std::to_string(target)));
+  });
+  if (me() == target) ls::register_remote("sum_of", &sum_of);
+}
+
+TEST_CASE("remote: per-call timeout is a TimeoutError naming the rank; background serving") {
+  auto& b = backend();
+  ls::RemoteSession session(b, ls::RemoteOptions{.background = true, .timeout = 60});
+  const int target = world() - 1;
+  ls::run_driver(b, [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      ls::remote_sync_call(b, ls::CallOptions{.timeout = 0.3}, target, sleeper, 1.5);
+      FAIL("no TimeoutError");
+    } catch (const ls::TimeoutError& e) {
+      CHECK_THAT(e.what(), Catch::Contains("on rank " + std::to_string(target)));
+      CHECK_THAT(e.what(), Catch::Contains("sleeper"));
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+    // The late reply is dropped; the next call on that rank gets its own result.
+    CHECK(ls::remote_sync_call(b, target, add, 1, 1) == 2);
+  });
+  // Background: a rank busy in its own code (not serving, not waiting) still answers.
+  double waited = 0;
+  if (me() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(ls::remote_sync_call(b, target, add, 3, 4) == 7);
+    waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  if (me() == target && me() != 0) std::this_thread::sleep_for(std::chrono::seconds(2));  // "computing"
+  if (me() == 0 && target != 0) CHECK(waited < 1.5);
+  session.close();
+}
+
+TEST_CASE("remote: 10k small concurrent calls, nothing lost or duplicated") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    for (int r = 0; r < world(); ++r) ls::remote_sync_call(b, r, reset_calls);
+    constexpr long kCalls = 10000;
+    std::vector<ls::Future<long>> fs;
+    fs.reserve(kCalls);
+    for (long i = 0; i < kCalls; ++i) fs.push_back(ls::remote_async_call(b, static_cast<int>(i % world()), tick, i));
+    auto rs = ls::wait_all(fs);
+    long bad = 0;
+    for (long i = 0; i < kCalls; ++i)
+      if (rs[i] != i * 3 + i % world()) ++bad;
+    CHECK(bad == 0);
+    long total = 0;
+    for (int r = 0; r < world(); ++r) {
+      const long n = ls::remote_sync_call(b, r, calls_so_far);
+      CHECK(n == kCalls / world() + (r < kCalls % world() ? 1 : 0));
+      total += n;
+    }
+    CHECK(total == kCalls);
+  });
+}
+
+TEST_CASE("remote: a 100 MiB tensor there and back") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    const std::int64_t n = 100LL * 1024 * 1024 / 4;
+    auto t = ls::Tensor({n});
+    for (std::int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(i % 1000);
+    const int target = world() - 1;
+    auto fs = ls::remote_async_call(b, target, sum_of, t);
+    auto back = ls::remote_sync_call(b, target, scaled, t, 2.0f);
+    double expect = 0;
+    for (std::int64_t i = 0; i < 1000; ++i) expect += static_cast<double>(i);
+    expect *= static_cast<double>(n / 1000);
+    for (std::int64_t i = n / 1000 * 1000; i < n; ++i) expect += static_cast<double>(i % 1000);
+    CHECK(fs.wait() == Approx(expect).epsilon(1e-9));
+    REQUIRE(back.numel() == n);
+    long bad = 0;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (back.data<float>()[i] != 2.0f * static_cast<float>(i % 1000)) ++bad;
+    CHECK(bad == 0);
+  });
+}
+
+TEST_CASE("remote: partitioners and reducers") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    const std::int64_t rows = 10, cols = 3;
+    auto x = iota(rows, cols);
+    const double full_mean = sum_of(x) / static_cast<double>(rows * cols);
+    // batch_partitioner + mean_reducer weighted by rows: the mean over the whole batch.
+    CHECK(ls::remote_sync_call(b, ls::batch_partitioner, ls::mean_reducer, mean_of, x) == Approx(full_mean));
+    // sum_reducer of tensors: the column sums of the whole batch.
+    ls::Tensor cs = ls::remote_sync_call(b, ls::batch_partitioner, ls::sum_reducer, column_sums, x);
+    ls::Tensor want = column_sums(x);
+    for (std::int64_t c = 0; c < cols; ++c) CHECK(cs.data<float>()[c] == Approx(want.data<float>()[c]));
+    // exclusive_batch_partitioner: one call per row (dimension removed), a user's reducer.
+    auto per_row = ls::remote_sync_call(b, ls::exclusive_batch_partitioner,
+                                        [](std::vector<double> v) { return v; }, sum_of, x);
+    REQUIRE(per_row.size() == static_cast<std::size_t>(rows));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double s = 0;
+      for (std::int64_t c = 0; c < cols; ++c) s += x.data<float>()[r * cols + c];
+      CHECK(per_row[r] == Approx(s));
+    }
+    // dim_partitioner(1): columns; non-tensor arguments go to every partition.
+    const auto parts = std::min<std::int64_t>(cols, world());
+    CHECK(ls::remote_sync_call(b, ls::dim_partitioner(1), ls::sum_reducer, count_plus, x, std::int64_t{5}) ==
+          rows * cols + 5 * parts);
+    // A list of ranks, a single rank.
+    CHECK(ls::remote_sync_call(b, std::vector<int>{0, world() - 1}, ls::sum_reducer, whoami) == world() - 1);
+    CHECK(ls::remote_sync_call(b, world() - 1, ls::sum_reducer, whoami) == world() - 1);
+    // A user's partitioner: (rank, arguments) pairs.
+    auto mine = [&](int a, int c) {
+      std::vector<std::pair<int, std::tuple<int, int>>> out;
+      for (int r = 0; r < world(); ++r) out.push_back({r, {a * r, c}});
+      return out;
+    };
+    int expect = 0;
+    for (int r = 0; r < world(); ++r) expect += 2 * r + 1;
+    CHECK(ls::remote_sync_call(b, mine, ls::sum_reducer, add, 2, 1) == expect);
+    // parallelize_async / parallelize_sync.
+    auto par = ls::parallelize_async(b, ls::batch_partitioner, ls::mean_reducer, mean_of);
+    ls::Future<double> pf = par(x);
+    CHECK(pf.wait() == Approx(full_mean));
+    auto pars = ls::parallelize_sync(b, ls::batch_partitioner, ls::sum_reducer, column_sums);
+    ls::Tensor pt = pars(x);
+    CHECK(pt.data<float>()[0] == Approx(want.data<float>()[0]));
+    // Bad input to the partitioner: a clear error before anything is sent.
+    CHECK_THROWS_AS(ls::remote_sync_call(b, ls::batch_partitioner, ls::sum_reducer, whoami), ls::InvalidArgument);
+    CHECK_THROWS_AS(ls::remote_sync_call(b, std::vector<int>{0, world()}, ls::sum_reducer, whoami), ls::InvalidArgument);
+  });
+}
+
+TEST_CASE("remote: run_driver returns f's result and f's error on every rank") {
+  auto& b = backend();
+  const std::string r = ls::run_driver(b, [&] { return std::string("done-") + std::to_string(world()); });
+  CHECK(r == "done-" + std::to_string(world()));
+  auto t = ls::run_driver(b, [&] { return ls::Tensor::full({4}, 2.5); });
+  CHECK(t.data<float>()[3] == 2.5f);
+
+  std::string what;
+  bool invalid = false;
+  try {
+    ls::run_driver(b, [&]() -> int {
+      ls::remote_sync_call(b, world() - 1, add, 1, 1);
+      throw ls::InvalidArgument("bad input in the driver");
+    });
+  } catch (const ls::InvalidArgument& e) {
+    invalid = true;
+    what = e.what();
+  }
+  CHECK(invalid);
+  CHECK(what == "bad input in the driver");
+
+  // A RemoteError that escapes f reaches every rank as a RemoteError with the same parts.
+  int rrank = -2;
+  try {
+    ls::run_driver(b, [&] { ls::remote_sync_call(b, world() - 1, fail_with, 3); });
+  } catch (const ls::RemoteError& e) {
+    rrank = e.rank();
+    CHECK(e.message() == "boom 3");
+  }
+  CHECK(rrank == world() - 1);
+
+  // Rank 0 must drive: serve on rank 0 is a MismatchError on every rank.
+  bool mismatch = false;
+  try {
+    if (me() == 0) ls::serve(b);
+    else ls::run_driver(b, [] {});
+  } catch (const ls::MismatchError& e) {
+    mismatch = true;
+  }
+  CHECK(mismatch);
+  // The workers' half of run_driver, written as serve().
+  int got = -1;
+  if (me() == 0) got = ls::run_driver(b, [&] { return ls::remote_sync_call(b, world() - 1, add, 40, 2); });
+  else ls::serve(b);
+  if (me() == 0) CHECK(got == 42);
+}
+
+TEST_CASE("remote: a remote function may call back to the waiting driver") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    for (int r = 0; r < world(); ++r) CHECK(ls::remote_sync_call(b, r, nested, r) == r + 1000);
+  });
+}
+
+TEST_CASE("remote: sessions whose options differ are a MismatchError on every rank") {
+  auto& b = backend();
+  if (world() == 1) return;  // one rank always agrees with itself
+  bool mismatch = false;
+  std::string what;
+  try {
+    ls::RemoteSession s(b, ls::RemoteOptions{.background = me() == 0, .timeout = 30});
+  } catch (const ls::MismatchError& e) {
+    mismatch = true;
+    what = e.what();
+  }
+  CHECK(mismatch);
+  CHECK_THAT(what, Catch::Contains("rank 1: timeout 30 s, background off (differs)"));
+  // Nothing is left behind: a new session works.
+  ls::RemoteSession ok(b, ls::RemoteOptions{.timeout = 30});
+  ok.close();
+}
