@@ -702,6 +702,25 @@ std::string rank_suffix_noexcept() noexcept {
 
 // An exception that escapes main (or any thread) on one rank would leave the others waiting in
 // their next collective: instead the whole job ends, with the rank and the message.
+// At exit after a failed initialize (see there): the ranks meet in a barrier, polled for at
+// most 10 s so that a rank that failed alone cannot make the others wait, then MPI_Finalize.
+bool g_failed_init_atexit = false;
+void finalize_after_failed_init() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin || MPIBackend::initialized_global()) return;  // finalised, or initialised again
+  MPI_Request req = MPI_REQUEST_NULL;
+  int done = 0;
+  if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
+    const auto start = std::chrono::steady_clock::now();
+    while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
+           std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (done) MPI_Finalize();
+}
+
 std::terminate_handler g_previous_terminate = nullptr;
 [[noreturn]] void terminate_job() noexcept {
   std::string what = "an unknown exception";
@@ -766,23 +785,15 @@ void MPIBackend::initialize_global() {
   try {
     g_backend = std::make_unique<MPIBackend>(MPI_COMM_WORLD);
   } catch (...) {
-    // The backend's creation failed on every rank alike (its checks, the settings among them,
-    // are agreed across ranks). MPI, which Lockstep started, is finalised on every rank, so that
-    // each rank can report the error and exit normally: a rank that exited without
-    // MPI_Finalize would make mpiexec end the others before they printed it. The ranks meet in
-    // a barrier first, polled for at most 10 s, so that a rank that failed alone cannot make
-    // the others wait in MPI_Finalize.
-    if (g_we_initialised_mpi) {
-      MPI_Request req = MPI_REQUEST_NULL;
-      int done = 0;
-      if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
-        const auto start = std::chrono::steady_clock::now();
-        while (!done && MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
-               std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
+    // The backend's creation failed (on every rank alike: its checks, the settings among them,
+    // are agreed across ranks). MPI, which Lockstep started, stays usable for the program, and
+    // is finalised when the process exits, so that each rank can report the error and exit
+    // normally: a rank that exited without MPI_Finalize would make mpiexec end the others
+    // before they printed it.
+    if (g_we_initialised_mpi && !g_failed_init_atexit) {
       (void)detail::world_rank();  // remembered for messages after MPI_Finalize
-      if (done) MPI_Finalize();
+      std::atexit(finalize_after_failed_init);
+      g_failed_init_atexit = true;
     }
     throw;
   }

@@ -4,7 +4,7 @@ if(TARGET lockstep_torch)
   lockstep_test_executable(test_torch ${PROJECT_SOURCE_DIR}/ext/torch/test/torch_test.cpp)
   target_link_libraries(test_torch PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch TARGET test_torch RANKS 1 2 3 4 LABELS torch TIMEOUT 600
-    ENV OMP_NUM_THREADS=1)
+    ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).
@@ -15,7 +15,7 @@ if(TARGET lockstep_torch)
     lockstep_add_example_test(NAME torch_digits_resume SCRIPT torch_digits_resume.sh TARGET torch_digits
                               RANKS 2 TIMEOUT 120)
     set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY LABELS torch)
-    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY ENVIRONMENT OMP_NUM_THREADS=1)
+    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY ENVIRONMENT OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   endif()
 endif()
 
@@ -28,5 +28,5 @@ if(TARGET lockstep_torch)
             _ $<TARGET_FILE:test_torch> ${CMAKE_CURRENT_BINARY_DIR}/torch-export
             ${PROJECT_SOURCE_DIR}/ext/torch/test/read_checkpoint.py)
   set_tests_properties(torch_checkpoint_python PROPERTIES LABELS "unit;torch" TIMEOUT 120
-    SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};OMP_NUM_THREADS=1")
+    SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 endif()
