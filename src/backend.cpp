@@ -151,13 +151,11 @@ void detail::unregister_drain(const void* key) noexcept {
 
 void detail::drain_pending(const Backend* backend) {
   if (g_drain_count.load(std::memory_order_acquire) == 0 || t_on_comm_thread) return;
-  std::vector<std::function<void()>> mine;
-  {
-    std::lock_guard lock(g_drains_mutex);
-    for (const auto& d : g_drains)
-      if (std::get<0>(d) == backend) mine.push_back(std::get<2>(d));
-  }
-  for (auto& f : mine) f();
+  // Called under the lock, with no copy per collective: a drain waits for its communication
+  // thread, which never takes this lock.
+  std::lock_guard lock(g_drains_mutex);
+  for (const auto& d : g_drains)
+    if (std::get<0>(d) == backend) std::get<2>(d)();
 }
 
 #define LOCKSTEP_FRONT_CHECKS(info, ...)    \

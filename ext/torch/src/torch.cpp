@@ -843,7 +843,7 @@ bool DistributedOptimizer::step(std::source_location loc) {
       } else {
         m.ensure_slot(j);
       }
-      if (m.reports[j] == 0 || !m.launching) {
+      if (m.reports[j] == 0) {
         if (m.options.skip_non_finite && m.local_bad.empty()) {
           std::vector<Tensor*> one{&m.slot_views[j]};
           m.local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{m.params[j].name}; });
@@ -875,15 +875,13 @@ bool DistributedOptimizer::step(std::source_location loc) {
   if (m.options.accumulation_steps > 1 && m.options.op == ReduceOp::avg)
     for (auto& b : m.buffers) b.div_(static_cast<double>(m.options.accumulation_steps));
   if (m.options.skip_non_finite) {
-    bool finite = true;
-    for (auto& b : m.buffers) finite = finite && b.isfinite().all().item<bool>();
-    if (!finite) {
+    std::vector<Tensor*> all;
+    for (auto& v : m.slot_views) all.push_back(&v);
+    const std::size_t bad = detail::first_non_finite(all);
+    if (bad < all.size()) {
       ++m.skipped;
-      std::vector<Tensor*> all;
-      for (auto& v : m.slot_views) all.push_back(&v);
-      const std::size_t bad = detail::first_non_finite(all);
       detail::log_skipped_step(*m.backend, m.skipped + m.applied, m.local_bad,
-                               bad < m.params.size() ? m.params[bad].name : std::string("?"));
+                               m.params[bad].name);
       return false;
     }
   }
