@@ -45,17 +45,21 @@ int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   auto& be = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = be.rank(), n = be.size();
-  bench::Options opt;
-  try {
-    opt = bench::Options::parse(argc, argv);
-  } catch (const std::exception& e) {
-    if (rank == 0) std::fprintf(stderr, "bench_collectives: %s\n", e.what());
-    return 2;
-  }
-  const std::size_t max_bytes =
-      std::stoull(opt.get("max-bytes", opt.quick ? "33554432" : "268435456"));
-  const double target_s = std::stod(opt.get("target-ms", opt.quick ? "8" : "20")) / 1000.0;
-  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
+  bench::Options opt("bench_collectives", "allreduce and broadcast of f32 buffers: MPIBackend against the raw MPI call");
+  std::size_t max_bytes = 268435456;
+  double target_ms = 20;
+  std::string dat;
+  auto* max_flag = opt.app.add_option("--max-bytes", max_bytes, "largest message (33554432 with --quick)")
+                       ->type_name("BYTES")->check(lockstep_cli::at_least(8));
+  auto* target_flag = opt.app.add_option("--target-ms", target_ms, "length of one timed block (8 with --quick)")
+                          ->type_name("MS")->check(lockstep_cli::positive());
+  opt.app.add_option("--dat", dat, "also write a table for gnuplot there: op bytes lockstep_busbw raw_busbw")
+      ->type_name("PATH");
+  if (const auto rc = opt.parse(argc, argv)) return *rc;
+  opt.quick_default(max_bytes, max_flag, 33554432);
+  opt.quick_default(target_ms, target_flag, 8);
+  const double target_s = target_ms / 1000.0;
+  const int reps = opt.quick_reps();
   MPI_Comm comm = be.comm();  // the raw calls use the same communicator as Lockstep
 
   const auto sizes = sizes_up_to(max_bytes);
@@ -188,7 +192,7 @@ int main(int argc, char** argv) {
     }
     t.print();
   }
-  if (const std::string dat = opt.get("dat", ""); !dat.empty() && rank == 0) {
+  if (!dat.empty() && rank == 0) {
     std::ofstream out(dat);
     out << "# op bytes lockstep_busbw_GBps raw_busbw_GBps (median times)\n";
     for (const std::string op : {"allreduce", "broadcast"}) {

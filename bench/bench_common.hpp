@@ -1,5 +1,5 @@
 // Shared helpers of the benchmark programs: command-line options, timing across ranks,
-// statistics, shape lists, a plain-text table and a small JSON writer.
+// statistics, shape lists, a plain-text table and a JSON document (nlohmann::json).
 //
 // Timing rule used everywhere: every rank enters a barrier, runs the measured block, and the
 // block's time is the slowest rank's (MPI_Allreduce MAX outside the timed region), since a
@@ -8,6 +8,9 @@
 #pragma once
 
 #include <mpi.h>
+#include <nlohmann/json.hpp>
+
+#include "lockstep_cli.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -18,7 +21,7 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
-#include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -127,50 +130,42 @@ inline std::vector<Measured> interleave(std::vector<Variant>& vs, int reps, int 
   return out;
 }
 
-/// Command-line options: --json PATH, --reps N, --quick, --shapes-dir DIR (where the shape
-/// lists are; sets LOCKSTEP_SHAPES_DIR), and free-form --key value pairs.
+/// The command line of a benchmark: the flags every one of them takes (--json PATH, --reps N,
+/// --quick, --shapes-dir DIR) on a lockstep_cli::App, to which each benchmark adds its own
+/// before parse(). CLI11 writes --help and names a bad or unknown flag (lockstep_cli.hpp).
 struct Options {
+  lockstep_cli::App app;
   std::string json;
   int reps = 7;
   bool quick = false;
-  bool help = false;
-  std::map<std::string, std::string> kv;
+  std::string shapes;
 
-  static Options parse(int argc, char** argv) {
-    Options o;
-    for (int i = 1; i < argc; ++i) {
-      std::string a = argv[i];
-      auto value = [&]() -> std::string {
-        if (i + 1 >= argc) throw std::invalid_argument("option " + a + " needs a value");
-        return argv[++i];
-      };
-      if (a == "--json") o.json = value();
-      else if (a == "--reps") o.reps = std::stoi(value());
-      else if (a == "--quick") o.quick = true;
-      else if (a == "--shapes-dir") setenv("LOCKSTEP_SHAPES_DIR", value().c_str(), 1);
-      else if (a == "--help" || a == "-h") o.help = true;
-      else if (a.rfind("--", 0) == 0) o.kv[a.substr(2)] = value();
-      else throw std::invalid_argument("unknown argument " + a);
-    }
-    return o;
+  Options(std::string name, std::string description) : app(std::move(name), std::move(description)) {
+    app.add_option("--json", json, "write the results there as JSON (rank 0)")->type_name("PATH");
+    app.add_option("--reps", reps, "timed repetitions of each variant (at most 3 with --quick)")
+        ->type_name("N")->check(lockstep_cli::at_least(1));
+    app.add_flag("--quick", quick, "smaller sizes and fewer repetitions");
+    app.add_option("--shapes-dir", shapes, "directory of the shape lists (sets LOCKSTEP_SHAPES_DIR)")
+        ->type_name("DIR");
   }
-  std::string get(const std::string& k, const std::string& dflt) const {
-    auto it = kv.find(k);
-    return it == kv.end() ? dflt : it->second;
+
+  /// Parses argv (lockstep_cli::parse: the ranks agree when MPI is running). Returns nothing to
+  /// go on, else the exit status to end with: 0 after --help, 2 after a bad flag.
+  std::optional<int> parse(int argc, char** argv) {
+    if (auto rc = lockstep_cli::parse(app, argc, argv)) return rc;
+    if (!shapes.empty()) setenv("LOCKSTEP_SHAPES_DIR", shapes.c_str(), 1);
+    return std::nullopt;
+  }
+
+  /// --reps, at most 3 with --quick.
+  int quick_reps() const { return quick ? std::min(reps, 3) : reps; }
+
+  /// With --quick, `value` becomes quick_value unless its flag was given.
+  template <class T, class U>
+  void quick_default(T& value, const CLI::Option* flag, U quick_value) const {
+    if (quick && flag->count() == 0) value = static_cast<T>(quick_value);
   }
 };
-
-/// "a,b,c" -> {"a", "b", "c"} (empty items dropped).
-inline std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  for (std::size_t a = 0; a <= s.size();) {
-    auto b = s.find(',', a);
-    if (b == std::string::npos) b = s.size();
-    if (b > a) out.push_back(s.substr(a, b - a));
-    a = b + 1;
-  }
-  return out;
-}
 
 /// One parameter tensor of a shape list: name and element count.
 struct Param {
@@ -259,23 +254,35 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-/// Minimal JSON builder: objects and arrays of numbers, strings and booleans.
+/// A JSON document under construction (nlohmann::json, keys in insertion order): objects and
+/// arrays of numbers, strings and booleans, built by chained set() / push(). Non-finite numbers
+/// are written as null; strings are escaped by the library (control characters included).
 class Json {
  public:
-  static Json object() { return Json('{'); }
-  static Json array() { return Json('['); }
+  static Json object() { return Json(nlohmann::ordered_json::object()); }
+  static Json array() { return Json(nlohmann::ordered_json::array()); }
 
-  Json& set(const std::string& k, double v) { return raw(k, num(v)); }
-  Json& set(const std::string& k, int v) { return raw(k, std::to_string(v)); }
-  Json& set(const std::string& k, std::int64_t v) { return raw(k, std::to_string(v)); }
-  Json& set(const std::string& k, bool v) { return raw(k, v ? "true" : "false"); }
-  Json& set(const std::string& k, const std::string& v) { return raw(k, quote(v)); }
-  Json& set(const std::string& k, const char* v) { return raw(k, quote(v)); }
-  Json& set(const std::string& k, const Json& v) { return raw(k, v.str()); }
-  Json& push(const Json& v) { return raw("", v.str()); }
-  Json& push(double v) { return raw("", num(v)); }
+  template <class T>
+  Json& set(const std::string& k, const T& v) {
+    doc_[k] = v;
+    return *this;
+  }
+  Json& set(const std::string& k, const Json& v) {
+    doc_[k] = v.doc_;
+    return *this;
+  }
+  Json& push(const Json& v) {
+    doc_.push_back(v.doc_);
+    return *this;
+  }
+  Json& push(double v) {
+    doc_.push_back(v);
+    return *this;
+  }
 
-  std::string str() const { return std::string(1, open_) + body_ + (open_ == '{' ? "}" : "]"); }
+  /// One line of JSON; bytes that are not UTF-8 (in a library's version string, say) are
+  /// written as U+FFFD rather than failing the run.
+  std::string str() const { return doc_.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace); }
 
   /// Writes the document (rank 0 only) if path is non-empty.
   void write(const std::string& path) const {
@@ -286,33 +293,8 @@ class Json {
   }
 
  private:
-  explicit Json(char open) : open_(open) {}
-  Json& raw(const std::string& k, const std::string& v) {
-    if (!body_.empty()) body_ += ",";
-    if (open_ == '{') body_ += quote(k) + ":";
-    body_ += v;
-    return *this;
-  }
-  static std::string num(double v) {
-    if (!std::isfinite(v)) return "null";
-    std::ostringstream s;
-    s << std::setprecision(9) << v;
-    return s.str();
-  }
-  static std::string quote(const std::string& v) {
-    std::string o = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') o += '\\';
-      if (c == '\n') {
-        o += "\\n";
-        continue;
-      }
-      o += c;
-    }
-    return o + "\"";
-  }
-  char open_;
-  std::string body_;
+  explicit Json(nlohmann::ordered_json doc) : doc_(std::move(doc)) {}
+  nlohmann::ordered_json doc_;
 };
 
 /// Machine and run description shared by every JSON file.

@@ -116,25 +116,28 @@ class DistAverage {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::Options opt;
-  try {
-    opt = bench::Options::parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_gradsync: %s\n", e.what());
-    return 2;
-  }
-  // Before initialise, so that whatever reads LOCKSTEP_CHECK at start-up sees it.
-  if (auto lvl = opt.get("check-level", ""); !lvl.empty()) setenv("LOCKSTEP_CHECK", lvl.c_str(), 1);
+  bench::Options opt("bench_gradsync", "averaging the gradients of ResNet-50 and GPT-2 small: Lockstep against raw MPI strategies");
+  std::vector<std::string> lists = {"resnet50", "gpt2_small"};
+  std::string sweep_list = "resnet50", check_level;
+  std::size_t default_chunk = 4 * kMiB;
+  auto* lists_flag = opt.app.add_option("--lists", lists, "shape lists to time (resnet50 with --quick)")
+                         ->type_name("A,B")->delimiter(',');
+  opt.app.add_option("--sweep-list", sweep_list, "shape list of the bucket-size sweep (all: every list)")
+      ->type_name("LIST");
+  opt.app.add_option("--check-level", check_level, "set LOCKSTEP_CHECK for the run")->type_name("LEVEL");
+  opt.app.add_option("--chunk-bytes", default_chunk, "chunk size of the chunked MPIBackend variant")
+      ->type_name("BYTES")->check(lockstep_cli::at_least(4));
+  // Parsed before initialise (every rank gets the same argv, so every rank decides alike), so
+  // that whatever reads LOCKSTEP_CHECK at start-up sees --check-level.
+  if (const auto rc = opt.parse(argc, argv)) return *rc;
+  opt.quick_default(lists, lists_flag, std::vector<std::string>{"resnet50"});
+  if (!check_level.empty()) setenv("LOCKSTEP_CHECK", check_level.c_str(), 1);
   ls::initialize<ls::MPIBackend>();
   auto& be = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = be.rank(), n = be.size();
   const float inv = 1.0f / static_cast<float>(n);
   MPI_Comm comm = be.comm();
-  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
-  const std::size_t default_chunk = std::stoull(opt.get("chunk-bytes", std::to_string(4 * kMiB)));
-
-  const auto lists = bench::split_list(opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small"));
-  const std::string sweep_list = opt.get("sweep-list", "resnet50");
+  const int reps = opt.quick_reps();
 
   bench::Json jlists = bench::Json::array();
   bool all_ok = true;

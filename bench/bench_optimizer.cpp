@@ -172,15 +172,10 @@ Result measure(const std::string& rule_name, const R& rule, int bytes_per_param,
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::Options opt;
-  try {
-    opt = bench::Options::parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_optimizer: %s\n", e.what());
-    return 2;
-  }
   ls::initialize<ls::MPIBackend>();
-  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
+  bench::Options opt("bench_optimizer", "one optimizer step (Adam, AdamW, SGD with momentum) against memcpy of the same bytes");
+  if (const auto rc = opt.parse(argc, argv)) return *rc;
+  const int reps = opt.quick_reps();
 
   std::vector<std::pair<std::string, Sizes>> layouts;
   for (std::int64_t n : opt.quick ? Sizes{1'000'000, 10'000'000} : Sizes{1'000'000, 10'000'000, 50'000'000})

@@ -7,7 +7,8 @@
 #include <lockstep/lockstep.hpp>
 
 #include <cstdio>
-#include <cstdlib>
+
+#include "lockstep_cli.hpp"
 
 namespace ls = lockstep;
 
@@ -19,8 +20,11 @@ __attribute__((noinline)) void raw_loop(MPI_Comm c, float* p, int n) {
 }
 
 int main(int argc, char** argv) {
-  const int calls = argc > 1 ? std::atoi(argv[1]) : 2000;
   ls::initialize<ls::MPIBackend>();
+  int calls = 2000;
+  lockstep_cli::App app("bench_overhead", "MPIBackend::allreduce and MPI_Allreduce of 8 bytes, each from its own loop (for profilers)");
+  app.add_option("calls", calls, "calls of each")->check(lockstep_cli::at_least(0));
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   auto& be = ls::get_distributed_backend<ls::MPIBackend>();
   float x[2] = {0.0f, 0.0f};  // zeros stay zeros: the loops can run any number of times
   ls::TensorView v{x, 2, ls::DType::f32, ls::Device::cpu()};

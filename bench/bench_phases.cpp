@@ -21,11 +21,19 @@
 
 #include <unistd.h>
 
+#include "lockstep_cli.hpp"
+
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const int seconds = argc > 1 ? std::atoi(argv[1]) : 30;
+  int seconds = 30;
+  lockstep_cli::App app("bench_phases", "cache-to-cache reads against reads from memory, once a second (2 ranks, x86-64)");
+  app.add_option("seconds", seconds, "how many one-second samples")->check(lockstep_cli::at_least(1));
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) {
+    MPI_Finalize();
+    return *rc;
+  }
   constexpr std::size_t kChunk = std::size_t{1} << 20;  // one slot
   constexpr std::size_t kChunks = 64;                   // per measurement
   constexpr std::size_t kCold = std::size_t{64} << 20;  // larger than the last-level cache

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "lockstep/lockstep.hpp"
+#include "lockstep_cli.hpp"
 
 namespace ls = lockstep;
 
@@ -65,7 +66,10 @@ double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   auto& b = ls::get_distributed_backend<ls::MPIBackend>();
-  const std::size_t max_bytes = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : (std::size_t{256} << 20);
+  std::size_t max_bytes = std::size_t{256} << 20;
+  lockstep_cli::App app("bench_remote", "remote calls (remote.hpp) against raw MPI ping-pong, between ranks 0 and 1");
+  app.add_option("max_bytes", max_bytes, "largest tensor argument")->check(lockstep_cli::at_least(0));
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   if (b.size() < 2) {
     std::fprintf(stderr, "bench_remote needs 2 ranks\n");
     ls::finalize<ls::MPIBackend>();

@@ -47,24 +47,32 @@ std::unique_ptr<ls::MPIBackend> backend_with(const char* shm, const std::string&
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   const int rank = bench::world_rank(), n = bench::world_size();
-  bench::Options opt;
-  try {
-    opt = bench::Options::parse(argc, argv);
-  } catch (const std::exception& e) {
-    if (rank == 0) std::fprintf(stderr, "bench_shm: %s\n", e.what());
-    return 2;
-  }
-  const std::size_t max_bytes = std::stoull(opt.get("max-bytes", opt.quick ? "16777216" : "67108864"));
-  const double target_s = std::stod(opt.get("target-ms", opt.quick ? "4" : "10")) / 1000.0;
-  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
-  std::vector<std::size_t> slices;
-  for (auto& s : bench::split_list(opt.get("slices", "65536,131072,262144,524288,1048576,4194304")))
-    slices.push_back(std::stoull(s));
+  bench::Options opt("bench_shm", "MPIBackend's shared-memory path against the raw MPI call and against the path off");
+  std::size_t max_bytes = 67108864;
+  double target_ms = 10;
+  std::vector<std::size_t> slices = {65536, 131072, 262144, 524288, 1048576, 4194304};
+  std::string default_slice = "1048576";
+  int watch = 0;
+  auto* max_flag = opt.app.add_option("--max-bytes", max_bytes, "largest message (16777216 with --quick)")
+                       ->type_name("BYTES")->check(lockstep_cli::at_least(8));
+  auto* target_flag = opt.app.add_option("--target-ms", target_ms, "length of one timed block (4 with --quick)")
+                          ->type_name("MS")->check(lockstep_cli::positive());
+  opt.app.add_option("--slices", slices, "slice sizes to compare (LOCKSTEP_SHM_SLICE_BYTES)")
+      ->type_name("A,B")->delimiter(',')->check(lockstep_cli::at_least(1));
+  opt.app.add_option("--default-slice", default_slice, "slice size of the cold-buffer table and of --watch")
+      ->type_name("BYTES");
+  opt.app.add_option("--watch", watch, "instead: one line a second for this long, the path against MPI on 64 MiB")
+      ->type_name("SECONDS")->check(lockstep_cli::at_least(0));
+  if (const auto rc = opt.parse(argc, argv)) return *rc;
+  opt.quick_default(max_bytes, max_flag, 16777216);
+  opt.quick_default(target_ms, target_flag, 4);
+  const double target_s = target_ms / 1000.0;
+  const int reps = opt.quick_reps();
 
   // --watch SECONDS: one line a second, the shared-memory path against MPI on 64 MiB, to see how
   // both move over time on a shared machine (docs/performance.md, "Phases").
-  if (const int watch = std::stoi(opt.get("watch", "0")); watch > 0) {
-    auto shm_backend = backend_with("1", opt.get("default-slice", "1048576"));
+  if (watch > 0) {
+    auto shm_backend = backend_with("1", default_slice);
     const std::int64_t count = std::int64_t{64} << 18;  // 64 MiB of f32
     std::vector<float> x(static_cast<std::size_t>(count), 0.0f);
     ls::TensorView v{x.data(), count, ls::DType::f32, ls::Device::cpu()};
@@ -201,7 +209,7 @@ int main(int argc, char** argv) {
   const std::size_t pool_bytes = std::max<std::size_t>(std::size_t{256} << 20, 4 * max_bytes);
   std::vector<float> pool(pool_bytes / sizeof(float), 0.0f);
   bench::Table tc({"size", "raw MPI us", "MPIBackend, path off", "shared memory (default slice)", "shared / raw"});
-  auto dflt = backend_with("1", opt.get("default-slice", "1048576"));
+  auto dflt = backend_with("1", default_slice);
   bench::Json jcold = bench::Json::array();
   for (std::size_t bytes : sizes) {
     if (bytes < (std::size_t{64} << 10)) continue;

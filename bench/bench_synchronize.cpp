@@ -96,20 +96,18 @@ void raw_one_buffer(const std::vector<ls::TensorView>& leaves, std::byte* stagin
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::Options opt;
-  try {
-    opt = bench::Options::parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_synchronize: %s\n", e.what());
-    return 2;
-  }
   ls::initialize<ls::MPIBackend>();
+  bench::Options opt("bench_synchronize", "ls::synchronize of a model and its Adam state against raw MPI_Bcast strategies");
+  std::vector<std::string> lists = {"resnet50", "gpt2_small"}, flat_lists = {"resnet50"};
+  auto* lists_flag = opt.app.add_option("--lists", lists, "shape lists, separate tensors (resnet50 with --quick)")
+                         ->type_name("A,B")->delimiter(',');
+  opt.app.add_option("--flat-lists", flat_lists, "shape lists, flat layout")->type_name("A,B")->delimiter(',');
+  if (const auto rc = opt.parse(argc, argv)) return *rc;
+  opt.quick_default(lists, lists_flag, std::vector<std::string>{"resnet50"});
   auto& be = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = be.rank(), n = be.size();
   MPI_Comm comm = be.comm();
-  const int reps = opt.quick ? std::min(opt.reps, 3) : opt.reps;
-  const auto lists = bench::split_list(opt.get("lists", opt.quick ? "resnet50" : "resnet50,gpt2_small"));
-  const auto flat_lists = bench::split_list(opt.get("flat-lists", "resnet50"));
+  const int reps = opt.quick_reps();
 
   bench::Json jall = bench::Json::array();
   bool all_ok = true;

@@ -26,14 +26,14 @@
 // `maml --help` lists the flags; docs/examples.md shows the expected output.
 #include <lockstep/lockstep.hpp>
 
+#include "lockstep_cli.hpp"
+
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <random>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace ls = lockstep;
@@ -69,71 +69,28 @@ struct Options {
   int eval_every = 100;
   std::uint64_t seed = 1;
   bool driver = false;  // TorchOpt's form: rank 0 drives, the others run tasks by remote calls
-  bool help = false;
 };
 
-constexpr const char* kUsage =
-    "usage: mpiexec -n N maml [flags]\n"
-    "  --iterations I    meta-iterations (default 1000)\n"
-    "  --tasks T         tasks per meta-batch, spread over the ranks (default 16)\n"
-    "  --shots K         support points per task (default 10)\n"
-    "  --queries Q       query points per task (default 10)\n"
-    "  --inner-steps S   adaptation steps per task (default 1)\n"
-    "  --inner-lr A      adaptation step size (default 0.01)\n"
-    "  --meta-lr B       Adam learning rate of the meta-model (default 1e-3)\n"
-    "  --eval-tasks E    held-out tasks (default 32)\n"
-    "  --eval-every P    evaluate every P iterations (default 100)\n"
-    "  --seed SEED       seed (default 1)\n"
-    "  --driver          TorchOpt's driver/worker form: rank 0 runs the outer loop and sends the\n"
-    "                    tasks to every rank by remote calls (same result as the SPMD form)\n";
-
-struct UsageError {
-  std::string msg;
-};
-
-template <class T>
-T parse_number(std::string_view flag, std::string_view s) {
-  T v{};
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc{} || p != end || s.empty())
-    throw UsageError{std::string(flag) + " expects a number, got \"" + std::string(s) + "\""};
-  return v;
-}
-
-Options parse_args(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
-      return argv[++i];
-    };
-    if (a == "--help" || a == "-h") o.help = true;
-    else if (a == "--iterations") o.iterations = parse_number<int>(a, value());
-    else if (a == "--tasks") o.tasks = parse_number<int>(a, value());
-    else if (a == "--shots") o.shots = parse_number<int>(a, value());
-    else if (a == "--queries") o.queries = parse_number<int>(a, value());
-    else if (a == "--inner-steps") o.inner_steps = parse_number<int>(a, value());
-    else if (a == "--inner-lr") o.inner_lr = parse_number<float>(a, value());
-    else if (a == "--meta-lr") o.meta_lr = parse_number<float>(a, value());
-    else if (a == "--eval-tasks") o.eval_tasks = parse_number<int>(a, value());
-    else if (a == "--eval-every") o.eval_every = parse_number<int>(a, value());
-    else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
-    else if (a == "--driver") o.driver = true;
-    else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
-  }
-  auto require = [](bool ok, const char* msg) {
-    if (!ok) throw UsageError{msg};
-  };
-  require(o.iterations >= 0, "--iterations must be >= 0");
-  require(o.tasks >= 1 && o.shots >= 1 && o.queries >= 1 && o.eval_tasks >= 1,
-          "--tasks, --shots, --queries and --eval-tasks must be >= 1");
-  require(o.inner_steps >= 0, "--inner-steps must be >= 0");
-  require(o.eval_every >= 1, "--eval-every must be >= 1");
-  require(std::isfinite(o.inner_lr) && o.inner_lr >= 0, "--inner-lr must be >= 0");
-  require(std::isfinite(o.meta_lr) && o.meta_lr > 0, "--meta-lr must be > 0");
-  return o;
+/// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
+void add_flags(CLI::App& app, Options& o) {
+  namespace cli = lockstep_cli;
+  app.add_option("--iterations", o.iterations, "meta-iterations")->type_name("I")->check(cli::at_least(0));
+  app.add_option("--tasks", o.tasks, "tasks per meta-batch, spread over the ranks")->type_name("T")
+      ->check(cli::at_least(1));
+  app.add_option("--shots", o.shots, "support points per task")->type_name("K")->check(cli::at_least(1));
+  app.add_option("--queries", o.queries, "query points per task")->type_name("Q")->check(cli::at_least(1));
+  app.add_option("--inner-steps", o.inner_steps, "adaptation steps per task")->type_name("S")
+      ->check(cli::at_least(0));
+  app.add_option("--inner-lr", o.inner_lr, "adaptation step size")->type_name("A")->check(cli::at_least(0));
+  app.add_option("--meta-lr", o.meta_lr, "Adam learning rate of the meta-model")->type_name("B")
+      ->check(cli::positive());
+  app.add_option("--eval-tasks", o.eval_tasks, "held-out tasks")->type_name("E")->check(cli::at_least(1));
+  app.add_option("--eval-every", o.eval_every, "evaluate every P iterations")->type_name("P")
+      ->check(cli::at_least(1));
+  app.add_option("--seed", o.seed, "seed")->type_name("SEED")->check(cli::at_least(0));
+  app.add_flag("--driver", o.driver,
+               "TorchOpt's driver/worker form: rank 0 runs the outer loop and sends the tasks to every "
+               "rank by remote calls (same result as the SPMD form)");
 }
 
 /// Uniform double in [0, 1) from the top 53 bits (std:: distributions differ between libraries).
@@ -400,18 +357,13 @@ int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = backend.rank();
+  Options o;
+  lockstep_cli::App app("maml", "TorchOpt's distributed MAML (first-order) on few-shot sine regression.\n"
+                                "Run as: mpiexec -n N maml [flags]");
+  add_flags(app, o);
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   try {
-    const Options o = parse_args(argc, argv);
-    if (o.help) {
-      if (rank == 0) std::fputs(kUsage, stdout);
-      return 0;
-    }
     return run(o, backend);
-  } catch (const UsageError& e) {
-    // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
-    std::fprintf(stderr, "maml [rank %d/%d]: error: %s\n", rank, backend.size(), e.msg.c_str());
-    if (rank == 0) std::fputs(kUsage, stderr);
-    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "maml [rank %d/%d]: error: %s\n", rank, backend.size(), e.what());
     return 1;

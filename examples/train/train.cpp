@@ -17,6 +17,8 @@
 #include <lockstep/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
 
+#include "lockstep_cli.hpp"
+
 #include <cblas.h>
 #include <unistd.h>
 
@@ -29,7 +31,6 @@
 #include <lockstep/nccl.hpp>
 #endif
 
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -42,7 +43,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -80,80 +80,41 @@ struct Options {
   std::int64_t checkpoint_every = 0;
   bool resume = false;
   std::string log;
-  bool help = false;
 };
 
-constexpr const char* kUsage =
-    "usage: mpiexec -n N train [flags]\n"
-    "  --epochs E            epochs to train in total (default 100)\n"
-    "  --samples S           dataset size (default 4096)\n"
-    "  --batch B             global batch size, split across ranks; a multiple of N (default 256)\n"
-    "  --lr LR               Adam learning rate (default 1e-3)\n"
-    "  --seed SEED           seed of data, initial weights and shuffles (default 42)\n"
-    "  --backend mpi|nccl    communication backend (default mpi; nccl needs LOCKSTEP_WITH_NCCL)\n"
-    "  --device cpu|cuda     where to compute (default cpu; cuda needs LOCKSTEP_WITH_CUDA)\n"
-    "  --init torch|flux     initial weights: torch.nn.Linear's (default) or Flux Dense's\n"
-    "  --checkpoint PATH     write a checkpoint there at the end (and every K epochs)\n"
-    "  --checkpoint-every K  also write it after every K-th epoch (default 0: only at the end)\n"
-    "  --resume              continue from --checkpoint PATH (same seed, samples and batch)\n"
-    "  --log CSV             write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)\n"
-    "  --help                print this and exit\n";
-
-/// A bad command line: the same on every rank, since every rank parses the same arguments.
-struct UsageError {
-  std::string msg;
-};
-
-template <class T>
-T parse_number(std::string_view flag, std::string_view s) {
-  T v{};
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc{} || p != end || s.empty())
-    throw UsageError{std::string(flag) + " expects a number, got \"" + std::string(s) + "\""};
-  return v;
-}
-
-Options parse_args(int argc, char** argv, int ranks) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
-      return argv[++i];
-    };
-    if (a == "--help" || a == "-h") o.help = true;
-    else if (a == "--epochs") o.epochs = parse_number<std::int64_t>(a, value());
-    else if (a == "--samples") o.samples = parse_number<std::int64_t>(a, value());
-    else if (a == "--batch") o.batch = parse_number<std::int64_t>(a, value());
-    else if (a == "--lr") o.lr = parse_number<float>(a, value());
-    else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
-    else if (a == "--backend") o.backend = value();
-    else if (a == "--device") o.device = value();
-    else if (a == "--init") o.init = value();
-    else if (a == "--checkpoint") o.checkpoint = value();
-    else if (a == "--checkpoint-every") o.checkpoint_every = parse_number<std::int64_t>(a, value());
-    else if (a == "--resume") o.resume = true;
-    else if (a == "--log") o.log = value();
-    else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
-  }
-  auto require = [](bool ok, const std::string& msg) {
-    if (!ok) throw UsageError{msg};
-  };
-  require(o.epochs >= 1, "--epochs must be >= 1");
-  require(o.samples >= 1, "--samples must be >= 1");
-  require(o.batch >= 1, "--batch must be >= 1");
-  require(o.batch % ranks == 0, "--batch " + std::to_string(o.batch) + " is not a multiple of the " +
-                                    std::to_string(ranks) + " ranks (the global batch is split evenly)");
-  require(std::isfinite(o.lr) && o.lr > 0, "--lr must be a positive number");
-  require(o.backend == "mpi" || o.backend == "nccl", "--backend must be mpi or nccl, got \"" + o.backend + "\"");
-  require(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, got \"" + o.device + "\"");
-  require(o.init == "torch" || o.init == "flux", "--init must be torch or flux, got \"" + o.init + "\"");
-  require(o.backend != "nccl" || o.device == "cuda", "--backend nccl needs --device cuda");
-  require(o.checkpoint_every >= 0, "--checkpoint-every must be >= 0");
-  require(!o.resume || !o.checkpoint.empty(), "--resume needs --checkpoint PATH");
-  require(o.checkpoint_every == 0 || !o.checkpoint.empty(), "--checkpoint-every needs --checkpoint PATH");
-  return o;
+/// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
+void add_flags(CLI::App& app, Options& o, int ranks) {
+  namespace cli = lockstep_cli;
+  app.add_option("--epochs", o.epochs, "epochs to train in total")->type_name("E")->check(cli::at_least(1));
+  app.add_option("--samples", o.samples, "dataset size")->type_name("S")->check(cli::at_least(1));
+  app.add_option("--batch", o.batch, "global batch size, split across ranks; a multiple of N")
+      ->type_name("B")->check(cli::at_least(1));
+  app.add_option("--lr", o.lr, "Adam learning rate")->type_name("LR")->check(cli::positive());
+  app.add_option("--seed", o.seed, "seed of data, initial weights and shuffles")->type_name("SEED")
+      ->check(cli::at_least(0));
+  app.add_option("--backend", o.backend, "communication backend (nccl needs LOCKSTEP_WITH_NCCL)")
+      ->type_name("mpi|nccl")->check(CLI::IsMember({"mpi", "nccl"}));
+  app.add_option("--device", o.device, "where to compute (cuda needs LOCKSTEP_WITH_CUDA)")
+      ->type_name("cpu|cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--init", o.init, "initial weights: torch.nn.Linear's or Flux Dense's")
+      ->type_name("torch|flux")->check(CLI::IsMember({"torch", "flux"}));
+  app.add_option("--checkpoint", o.checkpoint, "write a checkpoint there at the end (and every K epochs)")
+      ->type_name("PATH");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "also write it after every K-th epoch (0: only at the end)")
+      ->type_name("K")->check(cli::at_least(0));
+  app.add_flag("--resume", o.resume, "continue from --checkpoint PATH (same seed, samples and batch)");
+  app.add_option("--log", o.log, "write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)")
+      ->type_name("CSV");
+  // Checks across flags, after all of them are read.
+  app.callback([&o, ranks] {
+    if (o.batch % ranks != 0)
+      throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of the " + std::to_string(ranks) +
+                                        " ranks (the global batch is split evenly)");
+    if (o.backend == "nccl" && o.device != "cuda") throw cli::refused("--backend", "nccl needs --device cuda");
+    if (o.resume && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
+    if (o.checkpoint_every > 0 && o.checkpoint.empty())
+      throw cli::refused("--checkpoint-every", "needs --checkpoint PATH");
+  });
 }
 
 /// Uniform float in [0, 1) from the top 24 bits: written out because std::uniform_real_distribution
@@ -478,12 +439,12 @@ int main(int argc, char** argv) {
   // count keeps the sums in a fixed order (bitwise reproducible runs).
   openblas_set_num_threads(1);
 #endif
+  Options o;
+  lockstep_cli::App app("train", "Data-parallel training of Dense(1 => 256, tanh), Dense(256 => 1) on y = x^3.\n"
+                                 "Run as: mpiexec -n N train [flags]");
+  add_flags(app, o, ranks);
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   try {
-    const Options o = parse_args(argc, argv, ranks);
-    if (o.help) {
-      if (rank == 0) std::fputs(kUsage, stdout);
-      return 0;
-    }
 #if !LOCKSTEP_HAS_NCCL
     if (o.backend == "nccl")
       throw ls::NotCompiled("--backend nccl: this build has no NCCL; reconfigure with -DLOCKSTEP_WITH_NCCL=ON");
@@ -502,11 +463,6 @@ int main(int argc, char** argv) {
     }
 #endif
     return run(o, *backend);
-  } catch (const UsageError& e) {
-    // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
-    std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.msg.c_str());
-    if (rank == 0) std::fputs(kUsage, stderr);
-    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.what());
     return 1;
