@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace lockstep_cli {
 
@@ -135,6 +136,12 @@ inline CLI::Validator positive() {
         return std::isfinite(*v) && *v > 0 ? std::string() : "must be a positive number";
       },
       "", "positive");
+}
+
+/// One of `names`; refuses anything else with "VALUE not in {a,b}". Shown in --help only through
+/// the option's type name (e.g. "mpi|nccl"), which says the same.
+inline CLI::Validator one_of(std::vector<std::string> names) {
+  return CLI::IsMember(std::move(names)).description("");
 }
 
 /// Thrown from a check across flags (an App::callback), reported like any other bad flag.

@@ -155,35 +155,38 @@ int main(int argc, char** argv) {
   auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = bench::world_rank(), size = bench::world_size();
   int rc = 0;
-  try {
-    auto opt = bench::Options::parse(argc, argv);
-    if (opt.help) {
-      if (rank == 0)
-        std::printf("mpiexec -n 2 bench_torch [--model mlp|script] [--script FILE] [--layers 50] [--width 512]\n"
-                    "  [--batch 64] [--image-size 64] [--warmup 3] [--steps 20] [--threads 1]\n"
-                    "  [--variants lockstep,mpi-loop,gloo,local] [--json FILE]\n");
-      ls::finalize<ls::MPIBackend>();
-      return 0;
-    }
-    Config c;
-    c.model = opt.get("model", c.model);
-    c.script = opt.get("script", "");
-    c.layers = std::stoi(opt.get("layers", std::to_string(c.layers)));
-    c.width = std::stoi(opt.get("width", std::to_string(c.width)));
-    c.batch = std::stoi(opt.get("batch", std::to_string(c.batch)));
-    c.image = std::stoi(opt.get("image-size", std::to_string(c.image)));
-    c.warmup = std::stoi(opt.get("warmup", std::to_string(c.warmup)));
-    c.steps = std::stoi(opt.get("steps", std::to_string(c.steps)));
-    if (opt.quick) c.steps = std::min(c.steps, 5), c.warmup = 1;
-    const int threads = std::stoi(opt.get("threads", "1"));
-    torch::set_num_threads(threads);
-    if (c.model == "script" && c.script.empty()) throw std::invalid_argument("--model script needs --script FILE");
+  bench::Options opt("bench_torch", "one LibTorch training step with the ways a C++ program can average the gradients");
+  Config c;
+  int threads = 1;
 #ifdef LOCKSTEP_BENCH_GLOO
-    const std::string dflt = size > 1 ? "lockstep,lockstep-25m,ls-blocking,mpi-loop,gloo,local" : "local";
+  std::vector<std::string> names = {"lockstep", "lockstep-25m", "ls-blocking", "mpi-loop", "gloo", "local"};
 #else
-    const std::string dflt = size > 1 ? "lockstep,lockstep-25m,ls-blocking,mpi-loop,local" : "local";
+  std::vector<std::string> names = {"lockstep", "lockstep-25m", "ls-blocking", "mpi-loop", "local"};
 #endif
-    const auto names = bench::split_list(opt.get("variants", dflt));
+  if (size == 1) names = {"local"};
+  {
+    namespace cli = lockstep_cli;
+    auto& app = opt.app;
+    app.add_option("--model", c.model, "mlp, or script (a TorchScript module, --script)")->type_name("mlp|script")
+        ->check(cli::one_of({"mlp", "script"}));
+    app.add_option("--script", c.script, "the TorchScript module of --model script")->type_name("FILE");
+    app.add_option("--layers", c.layers, "Linear + ReLU layers of the MLP")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--width", c.width, "width of the MLP's layers")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--batch", c.batch, "samples per rank and step")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--image-size", c.image, "input size of --model script")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--warmup", c.warmup, "untimed steps first (1 with --quick)")->type_name("N")->check(cli::at_least(0));
+    app.add_option("--steps", c.steps, "timed steps (at most 5 with --quick)")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--threads", threads, "LibTorch threads per rank")->type_name("N")->check(cli::at_least(1));
+    app.add_option("--variants", names, "variants to time (default: every one at 2 or more ranks, local at 1)")
+        ->type_name("A,B")->delimiter(',');
+    app.callback([&c] {
+      if (c.model == "script" && c.script.empty()) throw cli::refused("--model", "script needs --script FILE");
+    });
+  }
+  if (const auto rc_parse = opt.parse(argc, argv)) return *rc_parse;
+  if (opt.quick) c.steps = std::min(c.steps, 5), c.warmup = 1;
+  try {
+    torch::set_num_threads(threads);
     const Batch batch = make_batch(c, rank);
 
     std::vector<std::unique_ptr<Runner>> runners;

@@ -27,6 +27,8 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/torch.hpp>
 
+#include "lockstep_cli.hpp"
+
 #include <charconv>
 #include <chrono>
 #include <cstdint>
@@ -59,65 +61,28 @@ struct Options {
   std::string data = kDefaultData;
   std::string checkpoint;
   bool resume = false;
-  bool help = false;
 };
 
-constexpr const char* kUsage =
-    "usage: mpiexec -n N torch_digits [flags]\n"
-    "  --epochs E         epochs to train in total (default 20)\n"
-    "  --batch B          global batch size, split across ranks; a multiple of N (default 60)\n"
-    "  --lr LR            Adam learning rate (default 1e-3)\n"
-    "  --seed SEED        seed of the initial weights and the per-epoch shuffles (default 42)\n"
-    "  --threads T        LibTorch intra-op threads per rank (default 1)\n"
-    "  --data PATH        digits.csv.gz (default: python3-sklearn's copy)\n"
-    "  --checkpoint PATH  write a checkpoint there after every epoch\n"
-    "  --resume           continue from --checkpoint PATH after its last epoch\n"
-    "  --help             print this and exit\n";
-
-/// A bad command line: the same on every rank, since every rank parses the same arguments.
-struct UsageError {
-  std::string msg;
-};
-
-template <class T>
-T parse_number(std::string_view flag, std::string_view s) {
-  T v{};
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc{} || p != end || s.empty())
-    throw UsageError{std::string(flag) + " expects a number, got \"" + std::string(s) + "\""};
-  return v;
-}
-
-Options parse_args(int argc, char** argv, int ranks) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw UsageError{std::string(a) + " needs a value"};
-      return argv[++i];
-    };
-    if (a == "--help" || a == "-h") o.help = true;
-    else if (a == "--epochs") o.epochs = parse_number<std::int64_t>(a, value());
-    else if (a == "--batch") o.batch = parse_number<std::int64_t>(a, value());
-    else if (a == "--lr") o.lr = parse_number<double>(a, value());
-    else if (a == "--seed") o.seed = parse_number<std::uint64_t>(a, value());
-    else if (a == "--threads") o.threads = parse_number<int>(a, value());
-    else if (a == "--data") o.data = value();
-    else if (a == "--checkpoint") o.checkpoint = value();
-    else if (a == "--resume") o.resume = true;
-    else throw UsageError{"unknown flag \"" + std::string(a) + "\""};
-  }
-  auto require = [](bool ok, const std::string& msg) {
-    if (!ok) throw UsageError{msg};
-  };
-  require(o.epochs >= 0, "--epochs must be >= 0");
-  require(o.batch > 0 && o.batch % ranks == 0, "--batch " + std::to_string(o.batch) + " is not a positive multiple of the " +
-                                                   std::to_string(ranks) + " ranks (the global batch is split evenly)");
-  require(o.lr > 0, "--lr must be a positive number");
-  require(o.threads > 0, "--threads must be >= 1");
-  require(!o.resume || !o.checkpoint.empty(), "--resume needs --checkpoint PATH");
-  return o;
+/// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
+void add_flags(CLI::App& app, Options& o, int ranks) {
+  namespace cli = lockstep_cli;
+  app.add_option("--epochs", o.epochs, "epochs to train in total")->type_name("E")->check(cli::at_least(0));
+  app.add_option("--batch", o.batch, "global batch size, split across ranks; a multiple of N")->type_name("B")
+      ->check(cli::at_least(1));
+  app.add_option("--lr", o.lr, "Adam learning rate")->type_name("LR")->check(cli::positive());
+  app.add_option("--seed", o.seed, "seed of the initial weights and the per-epoch shuffles")->type_name("SEED")
+      ->check(cli::at_least(0));
+  app.add_option("--threads", o.threads, "LibTorch intra-op threads per rank")->type_name("T")->check(cli::at_least(1));
+  app.add_option("--data", o.data, "digits.csv.gz (default: python3-sklearn's copy)")->type_name("PATH");
+  app.add_option("--checkpoint", o.checkpoint, "write a checkpoint there after every epoch")->type_name("PATH");
+  app.add_flag("--resume", o.resume, "continue from --checkpoint PATH after its last epoch");
+  // Checks across flags, after all of them are read.
+  app.callback([&o, ranks] {
+    if (o.batch % ranks != 0)
+      throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of the " + std::to_string(ranks) +
+                                        " ranks (the global batch is split evenly)");
+    if (o.resume && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
+  });
 }
 
 /// The digits: images as float rows of 64 values scaled to [0, 1], labels as int64.
@@ -352,18 +317,13 @@ int main(int argc, char** argv) {
   ls::Backend& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = backend.rank();
   const int ranks = backend.size();
+  Options o;
+  lockstep_cli::App app("torch_digits", "An MLP trained on scikit-learn's handwritten digits with lockstep::torch.\n"
+                                        "Run as: mpiexec -n N torch_digits [flags]");
+  add_flags(app, o, ranks);
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   try {
-    const Options o = parse_args(argc, argv, ranks);
-    if (o.help) {
-      if (rank == 0) std::fputs(kUsage, stdout);
-      return 0;
-    }
     return run(o, backend);
-  } catch (const UsageError& e) {
-    // Every rank parsed the same arguments, so every rank is here: no one waits in a collective.
-    std::fprintf(stderr, "torch_digits [rank %d/%d]: error: %s\n", rank, ranks, e.msg.c_str());
-    if (rank == 0) std::fputs(kUsage, stderr);
-    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torch_digits [rank %d/%d]: error: %s\n", rank, ranks, e.what());
     return 1;

@@ -93,11 +93,11 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   app.add_option("--seed", o.seed, "seed of data, initial weights and shuffles")->type_name("SEED")
       ->check(cli::at_least(0));
   app.add_option("--backend", o.backend, "communication backend (nccl needs LOCKSTEP_WITH_NCCL)")
-      ->type_name("mpi|nccl")->check(CLI::IsMember({"mpi", "nccl"}));
+      ->type_name("mpi|nccl")->check(cli::one_of({"mpi", "nccl"}));
   app.add_option("--device", o.device, "where to compute (cuda needs LOCKSTEP_WITH_CUDA)")
-      ->type_name("cpu|cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+      ->type_name("cpu|cuda")->check(cli::one_of({"cpu", "cuda"}));
   app.add_option("--init", o.init, "initial weights: torch.nn.Linear's or Flux Dense's")
-      ->type_name("torch|flux")->check(CLI::IsMember({"torch", "flux"}));
+      ->type_name("torch|flux")->check(cli::one_of({"torch", "flux"}));
   app.add_option("--checkpoint", o.checkpoint, "write a checkpoint there at the end (and every K epochs)")
       ->type_name("PATH");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also write it after every K-th epoch (0: only at the end)")

@@ -23,6 +23,7 @@
 #include "lockstep/cuda.hpp"
 #include "lockstep/lockstep.hpp"
 #include "lockstep/nccl.hpp"
+#include "lockstep_cli.hpp"
 
 namespace ls = lockstep;
 
@@ -75,15 +76,11 @@ double time_ms(cudaStream_t s, int dev, int reps, F&& f) {
 int run(int argc, char** argv) {
   std::string out = ".";
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out = argv[++i];
-    else if (a == "--quick") quick = true;
-    else {
-      std::fprintf(stderr, "usage: gpu_bench [--out DIR] [--quick]\n");
-      return 2;
-    }
-  }
+  lockstep_cli::App app("gpu_bench", "NCCLBackend::allreduce against raw ncclAllReduce, and the optimizer kernels' bandwidth");
+  app.add_option("--out", out, "directory for allreduce.csv and kernels.csv (rank 0)")->type_name("DIR");
+  app.add_flag("--quick", quick, "fewer sizes and repetitions");
+  // Parsed before NCCL (and MPI) start: every rank gets the same argv, so every rank decides alike.
+  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   ls::initialize<ls::NCCLBackend>();
   auto& nccl = ls::get_distributed_backend<ls::NCCLBackend>();
   const int rank = nccl.rank(), size = nccl.size(), dev = nccl.device();
