@@ -14,6 +14,8 @@ base=(
   libopenmpi-dev openmpi-bin     # MPI headers, libraries, mpiexec
   catch2                         # the test framework (v2)
   libopenblas-dev                # BLAS for the examples' matrix products
+  libcli11-dev                   # command lines of the examples and benchmarks (CLI11 2.1)
+  nlohmann-json3-dev             # JSON of the benchmarks' result files
   clang libclang-rt-14-dev       # the sanitizer and fuzz builds
 )
 extra=("$@")

@@ -7,36 +7,12 @@
 source "$(dirname "$0")/common.sh"
 overhead=$4
 n=2
-if run "$n" --help; then
-  missing=""
-  for flag in '--json PATH' '--reps N' '--quick' '--shapes-dir DIR' '--max-bytes BYTES' '--target-ms MS' \
-              '--dat PATH' '--help'; do
-    grep -qF -- "$flag" out.txt || missing="$missing '$flag'"
-  done
-  if [ -z "$missing" ] && [ "$(grep -c '^Usage: bench_collectives' out.txt)" -eq 1 ] && [ ! -s err.txt ]; then
-    pass "--help exits 0 and lists every flag once"
-  else
-    fail "--help: missing$missing; stderr: $(head -c 200 err.txt)"
-  fi
-else
-  fail "--help exited with $?"
-fi
-expect_refused() {
-  local pattern=$1
-  shift
-  run "$n" "$@"
-  local rc=$? count
-  count=$(grep -c "bench_collectives \[rank [01]/2\]: error: .*$pattern" err.txt)
-  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$count" -eq "$n" ]; then
-    pass "'$*' refused on all ranks: $(grep -m1 'error:' err.txt | sed 's/.*error: //')"
-  else
-    fail "'$*': exit $rc, $count of $n ranks reported '$pattern'"
-  fi
-}
-expect_refused 'not expected: .*--bogus' --bogus 1
-expect_refused '--max-bytes: expects a number' --max-bytes lots
-expect_refused '--reps: must be >= 1' --reps 0
-expect_refused '--json: .*missing' --json
+expect_help "$n" bench_collectives '--json PATH' '--reps N' '--quick' '--shapes-dir DIR' '--max-bytes BYTES' \
+  '--target-ms MS' '--dat PATH' '--help'
+expect_refused "$n" 'not expected: .*--bogus' --bogus 1
+expect_refused "$n" '--max-bytes: expects a number' --max-bytes lots
+expect_refused "$n" '--reps: must be >= 1' --reps 0
+expect_refused "$n" '--json: .*missing' --json
 
 # A positional argument: bench_overhead [calls].
 timeout 120 "$MPIEXEC" -n "$n" --oversubscribe --bind-to none "$overhead" many >out.txt 2>err.txt

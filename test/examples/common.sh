@@ -23,6 +23,42 @@ fail() {
 }
 pass() { echo "ok: $*"; }
 
+# expect_refused N PATTERN ARGS...: the example, run on N ranks with ARGS, exits non-zero (and
+# not by the timeout), every rank reporting "error: ...PATTERN" on stderr.
+expect_refused() {
+  local n=$1 pattern=$2
+  shift 2
+  run "$n" "$@"
+  local rc=$? count
+  count=$(grep -c "error: .*$pattern" err.txt)
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$count" -eq "$n" ]; then
+    pass "'$*' refused on all ranks: $(grep -m1 'error:' err.txt | sed 's/.*error: //')"
+  else
+    fail "'$*': exit $rc, $count of $n ranks reported '$pattern'"
+  fi
+}
+
+# expect_help N PROGRAM FLAG...: --help on N ranks exits 0, prints one "Usage: PROGRAM" (rank 0
+# alone), lists every FLAG as written in the help (value name included), and nothing on stderr.
+expect_help() {
+  local n=$1 prog=$2 missing="" flag
+  shift 2
+  if ! run "$n" --help; then
+    fail "--help exited with $?"
+    return
+  fi
+  for flag in "$@"; do
+    grep -qF -- "$flag" out.txt || missing="$missing '$flag'"
+  done
+  local usage
+  usage=$(grep -c "^Usage: $prog" out.txt)
+  if [ -z "$missing" ] && [ "$usage" -eq 1 ] && [ ! -s err.txt ]; then
+    pass "--help exits 0 and lists all $# flags once"
+  else
+    fail "--help: missing$missing; $usage usage line(s); stderr: $(head -c 200 err.txt)"
+  fi
+}
+
 # The value printed after "final loss" by rank 0.
 final_loss() { awk '/^final loss/ {print $3}' "${1:-out.txt}"; }
 
