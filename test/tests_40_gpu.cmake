@@ -53,3 +53,12 @@ if(TARGET lockstep::nccl)
   target_link_libraries(test_gpu_ext_no_gpu PRIVATE lockstep::nccl)
   lockstep_add_mpi_test(NAME gpu_ext_no_gpu TARGET test_gpu_ext_no_gpu RANKS 1 2 LABELS nogpu TIMEOUT 120)
 endif()
+# gpu_bench's command line (parsed before it looks for a GPU): --help, and bad flags named.
+if(TARGET gpu_bench)
+  add_test(NAME gpu_bench.flags
+    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
+            bash ${CMAKE_CURRENT_SOURCE_DIR}/examples/gpu_bench_flags.sh ${MPIEXEC_EXECUTABLE}
+            $<TARGET_FILE:gpu_bench> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/gpu_bench.flags)
+  set_tests_properties(gpu_bench.flags PROPERTIES LABELS "mpi;nogpu;bench" TIMEOUT 120
+    SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+endif()
