@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <optional>
 #include <string>
 #include <utility>
@@ -36,6 +37,15 @@ inline bool mpi_running() {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   return init != 0 && fin == 0;
+}
+
+/// "NAME [rank r/n]" while MPI runs, else "NAME": who speaks in an error message.
+inline std::string speaker(const CLI::App& app) {
+  if (!mpi_running()) return app.get_name();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return app.get_name() + " [rank " + std::to_string(rank) + "/" + std::to_string(size) + "]";
 }
 
 /// Parses argv. Returns nothing when the program should go on, else the exit status it should
@@ -90,11 +100,23 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
     }
     return 0;
   }
-  const std::string who =
-      mpi ? app.get_name() + " [rank " + std::to_string(rank) + "/" + std::to_string(size) + "]" : app.get_name();
-  std::fprintf(stderr, "%s: error: %s\n", who.c_str(), message.c_str());
+  std::fprintf(stderr, "%s: error: %s\n", speaker(app).c_str(), message.c_str());
   if (rank == 0) std::fprintf(stderr, "Run '%s --help' for the list of flags.\n", app.get_name().c_str());
   return 2;
+}
+
+/// The whole main() of an example: parses argv (parse() above), then returns what `body`
+/// returns; an exception escaping `body` is printed as "NAME [rank r/n]: error: WHAT" and ends
+/// the program with status 1.
+template <class F>
+int run_main(CLI::App& app, int argc, char** argv, F&& body) {
+  if (const auto rc = parse(app, argc, argv)) return *rc;
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", speaker(app).c_str(), e.what());
+    return 1;
+  }
 }
 
 namespace detail {

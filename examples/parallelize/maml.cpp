@@ -356,16 +356,9 @@ int run(const Options& o, ls::Backend& backend) {
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
-  const int rank = backend.rank();
   Options o;
   lockstep_cli::App app("maml", "TorchOpt's distributed MAML (first-order) on few-shot sine regression.\n"
                                 "Run as: mpiexec -n N maml [flags]");
   add_flags(app, o);
-  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
-  try {
-    return run(o, backend);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "maml [rank %d/%d]: error: %s\n", rank, backend.size(), e.what());
-    return 1;
-  }
+  return lockstep_cli::run_main(app, argc, argv, [&] { return run(o, backend); });
 }

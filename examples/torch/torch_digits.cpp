@@ -315,17 +315,10 @@ int run(const Options& o, ls::Backend& backend) {
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   ls::Backend& backend = ls::get_distributed_backend<ls::MPIBackend>();
-  const int rank = backend.rank();
   const int ranks = backend.size();
   Options o;
   lockstep_cli::App app("torch_digits", "An MLP trained on scikit-learn's handwritten digits with lockstep::torch.\n"
                                         "Run as: mpiexec -n N torch_digits [flags]");
   add_flags(app, o, ranks);
-  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
-  try {
-    return run(o, backend);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "torch_digits [rank %d/%d]: error: %s\n", rank, ranks, e.what());
-    return 1;
-  }
+  return lockstep_cli::run_main(app, argc, argv, [&] { return run(o, backend); });
 }

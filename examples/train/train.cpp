@@ -432,7 +432,6 @@ int run(const Options& o, ls::Backend& backend) {
 int main(int argc, char** argv) {
   ls::initialize<ls::MPIBackend>();
   ls::Backend* backend = &ls::get_distributed_backend<ls::MPIBackend>();
-  const int rank = backend->rank();
   const int ranks = backend->size();
 #if LOCKSTEP_TRAIN_OPENBLAS
   // Each rank runs one BLAS thread: the ranks themselves use the cores, and a fixed thread
@@ -443,8 +442,7 @@ int main(int argc, char** argv) {
   lockstep_cli::App app("train", "Data-parallel training of Dense(1 => 256, tanh), Dense(256 => 1) on y = x^3.\n"
                                  "Run as: mpiexec -n N train [flags]");
   add_flags(app, o, ranks);
-  if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
-  try {
+  return lockstep_cli::run_main(app, argc, argv, [&] {
 #if !LOCKSTEP_HAS_NCCL
     if (o.backend == "nccl")
       throw ls::NotCompiled("--backend nccl: this build has no NCCL; reconfigure with -DLOCKSTEP_WITH_NCCL=ON");
@@ -463,8 +461,5 @@ int main(int argc, char** argv) {
     }
 #endif
     return run(o, *backend);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train [rank %d/%d]: error: %s\n", rank, ranks, e.what());
-    return 1;
-  }
+  });
 }
