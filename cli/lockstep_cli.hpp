@@ -69,6 +69,9 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     outcome = error;
     message = e.what();
+  } catch (const std::exception& e) {  // from a program's own check: refused all the same
+    outcome = error;
+    message = e.what();
   }
   const bool failed_here = outcome == error;
   int rank = 0, size = 1;
