@@ -14,6 +14,7 @@ base=(
   libopenmpi-dev openmpi-bin     # MPI headers, libraries, mpiexec
   catch2                         # the test framework (v2)
   libopenblas-dev                # BLAS for the examples' matrix products
+  nlohmann-json3-dev             # JSON: the checkpoint reader's header parser
   clang libclang-rt-14-dev       # the sanitizer and fuzz builds
 )
 extra=("$@")
