@@ -505,7 +505,7 @@ std::array<char, 8> crc_digits(std::uint32_t crc) {
 constexpr std::size_t kPiece = 256u << 10;
 
 /// Byte-swaps elements of `elem` bytes in place (big-endian hosts only: files are little-endian).
-void swap_in_place(std::byte* p, std::size_t n, std::size_t elem) {
+[[maybe_unused]] void swap_in_place(std::byte* p, std::size_t n, std::size_t elem) {
   if (elem == 1) return;
   for (std::size_t i = 0; i + elem <= n; i += elem) std::reverse(p + i, p + i + elem);
 }
