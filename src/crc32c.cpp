@@ -110,6 +110,7 @@ std::uint32_t crc32c_table(const std::byte* data, std::size_t n, std::uint32_t c
 
 bool crc32c_hardware_available() noexcept {
 #if LOCKSTEP_CRC_X86
+  __builtin_cpu_init();  // idempotent; needed if the first call comes from a static initialiser
   return __builtin_cpu_supports("sse4.2");
 #else
   return false;
