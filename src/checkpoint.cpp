@@ -15,7 +15,6 @@
 #include <array>
 #include <bit>
 #include <cerrno>
-#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -33,9 +32,9 @@ namespace {
 // exhaust); JsonBuilder, the handler, builds a small tree of the values and refuses what the
 // parser itself accepts but a header must not hold: a key twice in one object, nesting deeper
 // than 64 levels. Its errors, and the parser's, become CheckpointErrors in the words the reader
-// has always used ("malformed JSON header at byte N: duplicate key \"w\""). A DOM of
-// nlohmann::json is not used: it keeps the last of two equal keys without a word.
-
+// has always used ("malformed JSON header at byte N: invalid UTF-8 in string", "malformed JSON
+// header: duplicate key \"w\""). A DOM of nlohmann::json is not used: it keeps the last of two
+// equal keys without a word.
 
 struct Json {
   enum class Kind { null, boolean, number, string, array, object } kind = Kind::null;
