@@ -13,7 +13,11 @@
 #     (InfiniBand verbs, UCX, libfabric, PSM) are removed, so they are never looked for;
 #   - the libraries those need that a bare image may lack: PMIx, hwloc, libevent, libudev,
 #     munge, zlib;
-#   - Catch2 v2 (the single header catch.hpp and its CMake package files).
+#   - Catch2 v2 (the single header catch.hpp and its CMake package files);
+#   - the header-only CLI11 (command lines of the examples and benchmarks) and nlohmann-json
+#     (checkpoint headers), with their CMake package files;
+#   - the reference BLAS with CBLAS (libblas3, 0.5 MB, no dependencies) for the train
+#     example's CPU side, where OpenBLAS (30 MB) is not needed.
 # Only glibc, libstdc++ and libgcc_s are taken from the machine that uses the kit
 # (MANIFEST.txt records the newest glibc symbol version the kit needs).
 #
@@ -29,7 +33,8 @@ kit=${1:-$root/gpu-kit}
 arch=x86_64-linux-gnu
 
 packages=(openmpi-bin openmpi-common libopenmpi3 libopenmpi-dev libpmix2 libhwloc15
-  libevent-core-2.1-7 libevent-pthreads-2.1-7 libudev1 libmunge2 zlib1g catch2)
+  libevent-core-2.1-7 libevent-pthreads-2.1-7 libudev1 libmunge2 zlib1g catch2
+  libcli11-dev nlohmann-json3-dev libblas3 libblas-dev)
 
 command -v apt-get >/dev/null || { echo "gpu-kit: needs apt-get (Debian 12)" >&2; exit 1; }
 command -v dpkg >/dev/null || { echo "gpu-kit: needs dpkg" >&2; exit 1; }
@@ -51,7 +56,7 @@ x=$work/x
 if [ -d "$x/lib" ]; then
   mkdir -p "$x/usr/lib"
   cp -a "$x/lib/." "$x/usr/lib/"
-  rm -rf "$x/lib"
+  rm -rf "${x:?}/lib"
 fi
 cp -a "$x/usr" "$kit/usr"
 [ -d "$x/etc" ] && cp -a "$x/etc" "$kit/etc"
@@ -104,6 +109,9 @@ ln -sf orterun "$u/bin/mpirun"
 ln -sf opal_wrapper "$u/bin/mpicxx"
 ln -sf opal_wrapper "$u/bin/mpic++"
 ln -sf opal_wrapper "$u/bin/mpicc"
+ln -sf blas/libblas.so.3 "$lib/libblas.so.3"
+ln -sf blas/libblas.so.3 "$lib/libblas.so"
+ln -sf cblas-netlib.h "$u/include/$arch/cblas.h"
 
 cat >"$kit/env.sh" <<'EOF'
 # Sourced (". gpu-kit/env.sh"): puts the kit's Open MPI first and relocates it to this folder.
@@ -124,6 +132,11 @@ export LOCKSTEP_KIT_MPIEXEC=$_kit/usr/bin/mpiexec
 export LOCKSTEP_KIT_MPICXX=$_kit/usr/bin/mpicxx
 export LOCKSTEP_KIT_MPI_H=$_kit/usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h
 export LOCKSTEP_KIT_CATCH2_DIR=$_kit/usr/lib/cmake/Catch2
+# Everything a configure needs from the kit, for cmake's command line (unquoted: no spaces
+# allowed in the kit's path).
+export LOCKSTEP_KIT_CMAKE_ARGS="-DMPI_CXX_COMPILER=$_kit/usr/bin/mpicxx -DCatch2_DIR=$_kit/usr/lib/cmake/Catch2 \
+-DCLI11_DIR=$_kit/usr/share/cmake/CLI11 -Dnlohmann_json_DIR=$_kit/usr/share/cmake/nlohmann_json \
+-DCMAKE_LIBRARY_PATH=$_kit/usr/lib/x86_64-linux-gnu -DCMAKE_INCLUDE_PATH=$_kit/usr/include/x86_64-linux-gnu"
 unset _kit
 EOF
 
