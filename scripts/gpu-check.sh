@@ -30,6 +30,7 @@
 # Environment: LOCKSTEP_KIT (default gpu-kit in the repository), NCCL_ROOT,
 # CMAKE_CUDA_ARCHITECTURES (default: the GPU's compute capability), LOCKSTEP_GPU_BUILD_DIR
 # (default build-gpu-check in the repository), LOCKSTEP_GPU_CHECK_BUDGET,
+# LOCKSTEP_GPU_CHECK_BUILD_LIMIT (seconds for the build step, default 240),
 # LOCKSTEP_GPU_CHECK_PREFLIGHT_ONLY=1 (stop after the preflight), LOCKSTEP_GPU_CHECK_NO_GPU=1
 # (a dry run on a machine without a GPU: configure and build only, then stop).
 set -uo pipefail
@@ -216,7 +217,7 @@ step configure 90 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_T
   -DLOCKSTEP_BUILD_TESTS=ON -DLOCKSTEP_BUILD_BENCH=ON -DLOCKSTEP_BUILD_EXAMPLES="$examples"
 targets=(test_cuda_kernels test_mpi_device test_nccl_backend test_nccl_training gpu_bench)
 [ "$examples" = ON ] && targets+=(train)
-step build 240 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+step build "${LOCKSTEP_GPU_CHECK_BUILD_LIMIT:-240}" cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 
 exe() { find "$build" -name "$1" -type f -perm -u+x 2>/dev/null | head -1; }
 if [ -n "$(exe test_nccl_backend)" ]; then

@@ -166,8 +166,9 @@ struct NCCLBackend::Impl {
   // peer's failure surfaces as NcclError rather than a hang. The wait is bounded by the
   // collective deadline (lockstep::timeout(), LOCKSTEP_TIMEOUT, 600 s by default; 0: none): a
   // peer that died or never called the collective produces no asynchronous error, so past the
-  // deadline the communicator is aborted and TimeoutError thrown. The abort makes the NCCL
-  // operations of the other ranks fail too, so each of them throws instead of waiting.
+  // deadline the communicator is aborted and TimeoutError thrown. The other ranks in the
+  // collective then see an asynchronous error from the abort, or reach their own deadline:
+  // each of them throws too, none waits forever.
   template <class Query>
   void wait_polling(Query&& query, const char* what = "an NCCL operation") {
     const double limit = lockstep::timeout();
