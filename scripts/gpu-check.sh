@@ -7,7 +7,7 @@
 # Python 3.12 with the nvidia-nccl-cu13 wheel, no MPI, no Catch2, no internet): everything else
 # comes from the GPU kit (scripts/gpu-kit.sh, carried as the ignored folder gpu-kit/).
 #
-# 1. Preflight (about 10 s): nvidia-smi and a GPU, nvcc >= 12, cmake >= 3.25, the kit (mpiexec,
+# 1. Preflight (about 10 s): nvidia-smi and a GPU, nvcc >= 12, g++ >= 11, cmake >= 3.25, the kit (mpiexec,
 #    mpi.h, Catch2, CLI11, nlohmann-json, glibc new enough for it), nccl.h and libnccl.so from
 #    NCCL_ROOT or from the nvidia-nccl-cu* wheel (found with python3). One line per missing
 #    piece, then exit 2 with nothing built.
@@ -32,7 +32,8 @@
 # (default build-gpu-check in the repository), LOCKSTEP_GPU_CHECK_BUDGET,
 # LOCKSTEP_GPU_CHECK_BUILD_LIMIT (seconds for the build step, default 240),
 # LOCKSTEP_GPU_CHECK_PREFLIGHT_ONLY=1 (stop after the preflight), LOCKSTEP_GPU_CHECK_NO_GPU=1
-# (a dry run on a machine without a GPU: configure and build only, then stop).
+# (a dry run on a machine without a GPU: configure and build only, then stop) or =2 (the
+# same, then every step anyway: they report skipped or fail, which exercises this script).
 set -uo pipefail
 
 out=${1:?usage: scripts/gpu-check.sh OUT}
@@ -46,6 +47,10 @@ dry=${LOCKSTEP_GPU_CHECK_NO_GPU:-0}
 start=$(date +%s)
 failed=0
 export PATH=$PATH:/usr/local/cuda/bin
+# CMake 4 (pip's cmake) refuses package files that ask for policies older than 3.5; the kit's
+# Debian files ask for ranges ending at 3.19-3.22, which it accepts, but be safe. Ignored by
+# older CMake.
+export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
 
 summary() { echo "$*" | tee -a "$out/summary.txt"; }
 : >"$out/summary.txt"
@@ -62,8 +67,8 @@ miss() { pre "MISSING: $*"; missing=$((missing + 1)); }
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -1)" = "$2" ]; }
 
 gpus=0
-if [ "$dry" = 1 ]; then
-  pre "dry run (LOCKSTEP_GPU_CHECK_NO_GPU=1): GPU not required, nothing will run after the build"
+if [ "$dry" = 1 ] || [ "$dry" = 2 ]; then
+  pre "dry run (LOCKSTEP_GPU_CHECK_NO_GPU=$dry): no GPU required; $([ "$dry" = 1 ] && echo 'nothing runs after the build' || echo 'the steps run anyway, to exercise this script: without a GPU they skip or fail')"
 elif ! command -v nvidia-smi >/dev/null; then
   miss "nvidia-smi (not on PATH): no NVIDIA driver tools, so no GPU can be used"
 else
@@ -87,6 +92,18 @@ else
   else
     have_cublas=0
     pre "note: cuBLAS headers not found under $cuda_home: the train example (cuBLAS) will not be built"
+  fi
+fi
+
+cxx=${CXX:-$(command -v g++ || command -v c++ || true)}
+if [ -z "$cxx" ]; then
+  miss "a C++ compiler (g++ or c++ on PATH, or CXX): nvcc needs one as its host compiler"
+else
+  cxx_v=$("$cxx" -dumpfullversion 2>/dev/null || "$cxx" -dumpversion 2>/dev/null)
+  if "$cxx" --version 2>/dev/null | grep -qi gcc && ! version_ge "${cxx_v:-0}" 11; then
+    miss "g++ >= 11 (C++20, <source_location>), found $cxx_v ($cxx)"
+  else
+    pre "ok: C++ compiler $cxx $cxx_v"
   fi
 fi
 
@@ -230,20 +247,21 @@ if [ "$dry" = 1 ]; then
   [ "$failed" -eq 0 ] && exit 0 || exit 1
 fi
 
-run() { mpiexec --bind-to none "$@"; }
+# A command, not a shell function: `timeout` runs it.
+run=(mpiexec --bind-to none)
 export DIST_TEST_NCCL=true DIST_TEST_MPI=true
 if [ -z "$(exe test_cuda_kernels)" ]; then
   summary "the test programs were not built: see build.log"
   failed=1
 else
-  step cuda_kernels.np1 60 run -n 1 "$(exe test_cuda_kernels)"
-  step mpi_device.np1 60 run -n 1 "$(exe test_mpi_device)"
-  step mpi_device.np2 60 run -n 2 "$(exe test_mpi_device)"
-  step nccl_backend.np1 60 run -n 1 "$(exe test_nccl_backend)"
-  step nccl_training.np1 45 run -n 1 "$(exe test_nccl_training)"
+  step cuda_kernels.np1 60 "${run[@]}" -n 1 "$(exe test_cuda_kernels)"
+  step mpi_device.np1 60 "${run[@]}" -n 1 "$(exe test_mpi_device)"
+  step mpi_device.np2 60 "${run[@]}" -n 2 "$(exe test_mpi_device)"
+  step nccl_backend.np1 60 "${run[@]}" -n 1 "$(exe test_nccl_backend)"
+  step nccl_training.np1 45 "${run[@]}" -n 1 "$(exe test_nccl_training)"
   if [ "$gpus" -ge 2 ]; then
-    step nccl_backend.np2 60 run -n 2 "$(exe test_nccl_backend)"
-    step nccl_training.np2 45 run -n 2 "$(exe test_nccl_training)"
+    step nccl_backend.np2 60 "${run[@]}" -n 2 "$(exe test_nccl_backend)"
+    step nccl_training.np2 45 "${run[@]}" -n 2 "$(exe test_nccl_training)"
   else
     note "NCCL" "single rank only (1 GPU: NCCL refuses two ranks on one GPU)"
     # Two ranks on the one GPU: NCCLBackend must fail on every rank with a clear message, within
@@ -273,9 +291,9 @@ else
   if [ -n "$(exe train)" ]; then
     train_pair() {  # NAME RANKS BACKEND
       local name=$1 n=$2 backend=$3
-      step "train_${name}_cpu" 60 run -n "$n" "$(exe train)" --epochs 20 --seed 7 --device cpu \
+      step "train_${name}_cpu" 60 "${run[@]}" -n "$n" "$(exe train)" --epochs 20 --seed 7 --device cpu \
         --backend mpi --log "$out/train_${name}_cpu.csv" || return 0
-      step "train_${name}_cuda" 60 run -n "$n" "$(exe train)" --epochs 20 --seed 7 --device cuda \
+      step "train_${name}_cuda" 60 "${run[@]}" -n "$n" "$(exe train)" --epochs 20 --seed 7 --device cuda \
         --backend "$backend" --log "$out/train_${name}_cuda.csv" || return 0
       if awk -F, 'NR==FNR { if (FNR > 1) cpu[$1] = $2; next }
                   FNR > 1 { n++; if (!($1 in cpu)) { bad = 1; next }
@@ -297,12 +315,12 @@ else
     failed=1
   fi
 
-  step gpu_bench 90 run -n 1 "$(exe gpu_bench)" --out "$out" || true
+  step gpu_bench 90 "${run[@]}" -n 1 "$(exe gpu_bench)" --out "$out" || true
 
   if [ -n "$sanitizer" ]; then
     # On a gVisor machine compute-sanitizer has refused the device ("Device not supported",
     # docs of the lent machines): that is the sandbox, not a finding about the kernels.
-    if ! step cuda_kernels.memcheck 120 run -n 1 "$sanitizer" --tool memcheck --error-exitcode 99 \
+    if ! step cuda_kernels.memcheck 120 "${run[@]}" -n 1 "$sanitizer" --tool memcheck --error-exitcode 99 \
       "$(exe test_cuda_kernels)" && grep -q 'Device not supported' "$out/cuda_kernels.memcheck.log"; then
       sed -i 's/^\(cuda_kernels.memcheck *\)FAIL (exit [0-9]*)/\1NOT SUPPORTED HERE/' "$out/summary.txt"
       note "  -> memcheck" "compute-sanitizer refused the device (gVisor?); not counted as a failure"
