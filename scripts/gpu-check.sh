@@ -264,9 +264,10 @@ else
     step nccl_training.np2 45 "${run[@]}" -n 2 "$(exe test_nccl_training)"
   else
     note "NCCL" "single rank only (1 GPU: NCCL refuses two ranks on one GPU)"
-    # Two ranks on the one GPU: NCCLBackend must fail on every rank with a clear message, within
-    # the deadline, never hang. gpu_bench creates an NCCLBackend first and prints any error with
-    # the rank ("gpu_bench: ... [rank 1/2]"). An error here is the expected outcome.
+    # Two ranks on the one GPU: NCCLBackend must fail with a clear message, never hang (every
+    # rank throws NcclError; the ranks agree over MPI that ncclCommInitRank failed). gpu_bench
+    # creates an NCCLBackend first and prints any error with the rank ("gpu_bench: ...
+    # [rank 1/2]"). An error here is the expected outcome.
     log=$out/nccl_np2_one_gpu.log
     rc=0
     t0=$(date +%s)
@@ -279,8 +280,10 @@ else
       failed=1
     elif [ "$rc" -eq 0 ]; then
       note nccl_np2_one_gpu "NCCL accepted 2 ranks on one GPU, ${took}s (nothing to check)"
-    elif [ "$ranks_reporting" -ge 2 ]; then
-      note nccl_np2_one_gpu "PASS: both ranks failed cleanly in ${took}s: $(grep -m1 -o 'gpu_bench: .*' "$log" | cut -c1-150)"
+    elif [ "$ranks_reporting" -ge 1 ] && grep -q -E 'gpu_bench: .*(NCCL|nccl)' "$log"; then
+      # gpu_bench calls MPI_Abort after printing its error, which may end the other rank before
+      # it prints its own: one rank's message and no hang is what can be required here.
+      note nccl_np2_one_gpu "PASS: failed cleanly in ${took}s ($ranks_reporting of 2 ranks printed the error before the abort): $(grep -m1 -o 'gpu_bench: .*' "$log" | cut -c1-150)"
     else
       note nccl_np2_one_gpu "FAIL: exit $rc in ${took}s without an error naming each rank (see nccl_np2_one_gpu.log)"
       failed=1
