@@ -173,6 +173,7 @@ struct NCCLBackend::Impl {
   void wait_polling(Query&& query, const char* what = "an NCCL operation") {
     const double limit = lockstep::timeout();
     const auto start = std::chrono::steady_clock::now();
+    double waited = 0;  // seconds, updated every 1024 polls
     for (std::uint64_t spins = 0;; ++spins) {
       check_usable("waiting for an NCCL operation");
       cudaError_t e = query();
@@ -181,18 +182,19 @@ struct NCCLBackend::Impl {
       ncclResult_t async = ncclSuccess;
       check(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError");
       check(async, "an NCCL operation (asynchronous error)");
-      if (limit > 0 && (spins & 1023) == 0) {
-        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (waited > limit) {
-          do_abort();
-          throw TimeoutError(detail::concat(
-              "NCCLBackend: ", what, " did not complete within ", limit,
-              " s (lockstep::timeout(), LOCKSTEP_TIMEOUT); a peer may have died or not called it. "
-              "The NCCL communicator was aborted",
-              detail::rank_suffix()));
-        }
+      if ((spins & 1023) == 0)
+        waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (limit > 0 && waited > limit) {
+        do_abort();
+        throw TimeoutError(detail::concat(
+            "NCCLBackend: ", what, " did not complete within ", limit,
+            " s (lockstep::timeout(), LOCKSTEP_TIMEOUT); a peer may have died or not called it. "
+            "The NCCL communicator was aborted",
+            detail::rank_suffix()));
       }
-      if (spins > 4096) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      // Spin (yielding) for the first 10 ms, which keeps short collectives fast; after that a
+      // long wait sleeps between polls instead of taking a core.
+      if (waited > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
       else std::this_thread::yield();
     }
   }
