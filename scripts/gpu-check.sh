@@ -46,7 +46,8 @@ budget=${LOCKSTEP_GPU_CHECK_BUDGET:-420}
 dry=${LOCKSTEP_GPU_CHECK_NO_GPU:-0}
 start=$(date +%s)
 failed=0
-export PATH=$PATH:/usr/local/cuda/bin
+# nvcc and nvidia-smi where CUDA images keep them, in case PATH lacks them.
+export PATH=$PATH:/usr/local/cuda/bin:/usr/local/nvidia/bin
 # CMake 4 (pip's cmake) refuses package files that ask for policies older than 3.5; the kit's
 # Debian files ask for ranges ending at 3.19-3.22, which it accepts, but be safe. Ignored by
 # older CMake.
