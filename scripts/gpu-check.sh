@@ -147,9 +147,11 @@ import glob, os, sys
 for p in sys.path:
     if not os.path.isdir(os.path.join(p, "nvidia")):
         continue
-    for h in sorted(glob.glob(os.path.join(p, "nvidia", "**", "include", "nccl.h"), recursive=True)):
-        print(os.path.dirname(os.path.dirname(h)))
-        sys.exit(0)
+    # The wheel's usual folders first, then any folder under nvidia/ (a slower walk).
+    for pattern in ("nvidia/nccl/include/nccl.h", "nvidia/cu*/include/nccl.h", "nvidia/**/include/nccl.h"):
+        for h in sorted(glob.glob(os.path.join(p, pattern), recursive=True)):
+            print(os.path.dirname(os.path.dirname(h)))
+            sys.exit(0)
 sys.exit(1)
 EOF
   ) || nccl_root=""
