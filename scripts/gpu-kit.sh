@@ -30,6 +30,14 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 kit=${1:-$root/gpu-kit}
+# The folder is replaced as a whole: refuse anything that is not a dedicated folder.
+case $kit in
+  / | "$HOME" | "$root" | "" | .) echo "gpu-kit: refusing to replace $kit; give a new folder" >&2; exit 1 ;;
+esac
+if [ -e "$kit" ] && [ ! -f "$kit/env.sh" ] && [ -n "$(ls -A "$kit" 2>/dev/null)" ]; then
+  echo "gpu-kit: $kit exists and is not a kit (no env.sh): refusing to replace it" >&2
+  exit 1
+fi
 arch=x86_64-linux-gnu
 
 packages=(openmpi-bin openmpi-common libopenmpi3 libopenmpi-dev libpmix2 libhwloc15
