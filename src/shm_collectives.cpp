@@ -1,5 +1,6 @@
 // Node-local collectives through a shared-memory segment (see shm_collectives.hpp).
 #include "shm_collectives.hpp"
+#include "wire16.hpp"
 
 #include <fcntl.h>
 #if defined(__SSE2__)
@@ -126,6 +127,39 @@ void reduce_dispatch(ReduceOp op, T* out, const T* const* s, int n, std::size_t 
   }
 }
 
+// 16-bit floats (bf16, f16), sum and avg: each element's sum is accumulated in f32, in rank
+// order, and rounded once (Open MPI's operators round every partial sum); avg divides in f32
+// before that rounding. A block is read from every slot before it is written, so `out` may be
+// one of the inputs.
+void reduce16(DType w, ReduceOp op, std::uint16_t* out, const std::uint16_t* const* s, int n, std::size_t m) {
+  constexpr std::size_t kBlock = 512;
+  float acc[kBlock];
+  const bool pow2 = (n & (n - 1)) == 0;
+  const float inv = 1.0f / static_cast<float>(n), d = static_cast<float>(n);
+  for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
+    const std::size_t len = std::min(kBlock, m - i0);
+    if (w == DType::bf16) {
+      for (std::size_t i = 0; i < len; ++i) acc[i] = bf16_value(s[0][i0 + i]);
+      for (int p = 1; p < n; ++p)
+        for (std::size_t i = 0; i < len; ++i) acc[i] += bf16_value(s[p][i0 + i]);
+    } else {
+      from_wire16(w, s[0] + i0, acc, static_cast<std::int64_t>(len), 1.0f);
+      float tmp[kBlock];
+      for (int p = 1; p < n; ++p) {
+        from_wire16(w, s[p] + i0, tmp, static_cast<std::int64_t>(len), 1.0f);
+        for (std::size_t i = 0; i < len; ++i) acc[i] += tmp[i];
+      }
+    }
+    if (op == ReduceOp::avg) {
+      if (pow2)
+        for (std::size_t i = 0; i < len; ++i) acc[i] *= inv;
+      else
+        for (std::size_t i = 0; i < len; ++i) acc[i] /= d;
+    }
+    to_wire16(w, acc, out + i0, static_cast<std::int64_t>(len));
+  }
+}
+
 }  // namespace
 
 // Per-rank flags, each on its own cache line: slices this rank has written into its slot, and
@@ -226,9 +260,9 @@ ShmCollectives::~ShmCollectives() {
 }
 
 bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept {
-  (void)op;
   if (!host) return false;
-  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64) return false;
+  const bool half16 = (dtype == DType::bf16 || dtype == DType::f16) && (op == ReduceOp::sum || op == ReduceOp::avg);
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64 && !half16) return false;
   return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
 }
 
@@ -368,6 +402,11 @@ bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
       case DType::i64:
         reduce_dispatch(op, reinterpret_cast<std::int64_t*>(out),
                         reinterpret_cast<const std::int64_t* const*>(slots), size_, m);
+        break;
+      case DType::bf16:
+      case DType::f16:
+        reduce16(dtype, op, reinterpret_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(slots),
+                 size_, m);
         break;
       default: break;  // handles_allreduce() said no
     }
