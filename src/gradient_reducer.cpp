@@ -691,40 +691,22 @@ void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int6
   }
 }
 
-namespace {
-// Elements per rank in one chunk of a shard gather: size() chunks of it are in flight together.
-std::int64_t gather_chunk(const GradientReducer& red, std::size_t es) {
-  const std::int64_t cap = std::max<std::int64_t>(1, static_cast<std::int64_t>((std::size_t{16} << 20) / es) /
-                                                         red.backend().size());
-  return std::max<std::int64_t>(1, std::min(red.shard_length(), cap));
-}
-}  // namespace
-
 void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params) {
+  // Each piece of every rank's shard (the part of one tensor a rank owns) is broadcast from its
+  // owner straight into the tensor on every rank: no packing, and on one machine each byte is
+  // copied once by its owner into shared memory and once out by every peer (MPIBackend's
+  // shared-memory broadcast), against four copies for an allgather through staging buffers.
   Backend& b = red.backend();
   const int n = b.size();
   const std::int64_t S = red.shard_length(), total = red.total_numel();
   if (n == 1 || S == 0 || params.empty()) return;
-  const DType dt = params[0]->dtype();
-  const std::size_t es = size_of(dt);
-  const std::int64_t C = gather_chunk(red, es);
-  Tensor send = Tensor::zeros({C}, dt), recv = Tensor::zeros({C * n}, dt);
   const auto& off = red.leaf_offsets();
-  const int me = b.rank();
-  for (std::int64_t c0 = 0; c0 < S; c0 += C) {
-    const std::int64_t len = std::min(C, S - c0);
-    // This rank's part [me*S + c0, + len) of the flat space (zeros past its end).
-    const std::int64_t from = me * S + c0;
-    const std::int64_t mine = std::clamp<std::int64_t>(total - from, 0, len);
-    send.zero_();
-    copy_flat_range(params, off, from, mine, static_cast<std::byte*>(send.raw_data()), true);
-    b.allgather(send.view().slice(0, len), recv.view().slice(0, len * n));
-    for (int r = 0; r < n; ++r) {
-      if (r == me) continue;
-      const std::int64_t at = r * S + c0;
-      const std::int64_t m = std::clamp<std::int64_t>(total - at, 0, len);
-      copy_flat_range(params, off, at, m,
-                      static_cast<std::byte*>(recv.raw_data()) + static_cast<std::size_t>(r * len) * es, false);
+  for (int r = 0; r < n; ++r) {
+    const std::int64_t lo = std::min(total, r * S), hi = std::min(total, (r + 1) * S);
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      const std::int64_t a = std::max(lo, off[j]) - off[j];
+      const std::int64_t e = std::min(hi, off[j] + params[j]->numel()) - off[j];
+      if (e > a) b.broadcast(params[j]->view().slice(a, e - a), r);
     }
   }
 }
