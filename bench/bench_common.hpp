@@ -139,11 +139,14 @@ struct Options {
   int reps = 7;
   bool quick = false;
   std::string shapes;
+  CLI::Option* reps_flag = nullptr;
 
-  Options(std::string name, std::string description) : app(std::move(name), std::move(description)) {
+  /// default_reps: --reps when not given (7 for most; at most 3 with --quick, see quick_reps()).
+  Options(std::string name, std::string description, int default_reps = 7)
+      : app(std::move(name), std::move(description)), reps(default_reps) {
     app.add_option("--json", json, "write the results there as JSON (rank 0)")->type_name("PATH");
-    app.add_option("--reps", reps, "timed repetitions of each variant (at most 3 with --quick)")
-        ->type_name("N")->check(lockstep_cli::at_least(1));
+    reps_flag = app.add_option("--reps", reps, "timed repetitions of each variant (fewer with --quick)")
+                    ->type_name("N")->check(lockstep_cli::at_least(1));
     app.add_flag("--quick", quick, "smaller sizes and fewer repetitions");
     app.add_option("--shapes-dir", shapes, "directory of the shape lists (sets LOCKSTEP_SHAPES_DIR)")
         ->type_name("DIR");

@@ -91,6 +91,8 @@ fi
 run_mpi gradsync "$np"
 if [ -x "$bin/bench_synchronize" ]; then run_mpi synchronize "$np"; fi
 if [ -x "$bin/bench_optimizer" ]; then run_mpi optimizer 1; fi
+# Save and load of a 1 GiB model against cp, in the temporary directory (a disk here).
+if [ -x "$bin/bench_checkpoint" ]; then run_mpi checkpoint 1; fi
 
 # What Lockstep adds to one small call: timed at 1 rank (where the raw in-place allreduce costs
 # almost nothing) and counted in instructions with callgrind (exact, whatever the load).

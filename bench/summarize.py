@@ -4,7 +4,7 @@
 Usage: summarize.py RESULTS_DIR DOC_PATH
        summarize.py --targets RESULTS_DIR     (prints the target table only)
 
-Reads RESULTS_DIR/{machine,collectives,collectives_mpi,shm,gradsync,synchronize,optimizer,training}.md (the tables the
+Reads RESULTS_DIR/{machine,collectives,collectives_mpi,shm,gradsync,synchronize,optimizer,checkpoint,training}.md (the tables the
 benchmarks printed) and the matching .json files (for the target table), and replaces the text
 between the GENERATED markers of DOC_PATH (appending the section if the markers are missing).
 """
@@ -104,6 +104,17 @@ def targets(results):
                 "%.3f (min-of-N: %.3f); %.1f vs %.1f GB/s" % (r["ratio_median"], r["ratio_min"], r["GBps"],
                                                              r["memcpy_GBps"]),
                 ">= 0.90", r["ratio_median"] >= 0.9))
+
+    ck = load(results, "checkpoint")
+    if ck:
+        sec = ck["seconds"]
+        out.append(("checkpoint save of %.0f MiB / (cp + fsync) of the file" % (ck["bytes"] / 2**20),
+                    "%.3f (min-of-N: %.3f)" % (sec["save"]["median_s"] / sec["cp+fsync"]["median_s"],
+                                               ck["save_vs_cp_fsync"]),
+                    "<= 1.5", sec["save"]["median_s"] / sec["cp+fsync"]["median_s"] <= 1.5))
+        out.append(("checkpoint load of %.0f MiB / cp of the file" % (ck["bytes"] / 2**20),
+                    "%.3f (min-of-N: %.3f)" % (sec["load"]["median_s"] / sec["cp"]["median_s"], ck["load_vs_cp"]),
+                    "<= 1.5", sec["load"]["median_s"] / sec["cp"]["median_s"] <= 1.5))
     return out
 
 
@@ -142,6 +153,7 @@ def main():
               ("synchronize", "synchronize (bench_synchronize)"),
               ("overhead", "What Lockstep adds to one small allreduce"),
               ("optimizer", "Optimizer step (bench_optimizer, 1 process)"),
+              ("checkpoint", "Checkpoint save and load against cp (bench_checkpoint, 1 process)"),
               ("training", "Training (examples/train)")]
     for name, title in titles:
         body = text(results, name)

@@ -1,10 +1,12 @@
 # FindNCCL: finds NCCL's header and library and reads its version from nccl.h (no try_run).
 # Provides NCCL_FOUND, NCCL_VERSION, NCCL_INCLUDE_DIR, NCCL_LIBRARY and the target NCCL::nccl.
-# Hints: NCCL_ROOT, CUDAToolkit_ROOT, the CUDA toolkit at /usr/local/cuda.
+# Hints: NCCL_ROOT, CUDAToolkit_ROOT, the CUDA toolkit at /usr/local/cuda. NCCL_ROOT may be the
+# folder of the nvidia-nccl-cu* Python wheel (include/nccl.h, lib/libnccl.so.2: a wheel has no
+# libnccl.so link, so the versioned name is looked for too).
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_ROOT} /usr/local/cuda
   PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY NAMES nccl
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_ROOT} /usr/local/cuda
   PATH_SUFFIXES lib64 lib lib/x86_64-linux-gnu)
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")

@@ -15,7 +15,7 @@ base=(
   catch2                         # the test framework (v2)
   libopenblas-dev                # BLAS for the examples' matrix products
   libcli11-dev                   # command lines of the examples and benchmarks (CLI11 2.1)
-  nlohmann-json3-dev             # JSON of the benchmarks' result files
+  nlohmann-json3-dev             # JSON: the checkpoint reader's header parser, the benchmarks' files
   clang libclang-rt-14-dev       # the sanitizer and fuzz builds
 )
 extra=("$@")

@@ -1,10 +1,14 @@
-// Checkpoint files in the safetensors format: writer, strict reader, CRC-32C, atomic writes.
+// Checkpoint files in the safetensors format: writer, strict reader, atomic writes. The header is
+// parsed by nlohmann::json's SAX parser under a handler of ours that refuses what the format
+// must not hold; the data goes straight between the tensors' memory and the file.
 #include "lockstep/checkpoint.hpp"
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,35 +18,23 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <unordered_set>
+
+#include <nlohmann/json.hpp>
 
 namespace lockstep {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// CRC-32C, slice-by-8. Castagnoli rather than zlib's polynomial because it detects more error
-// patterns at these lengths and is what storage systems (iSCSI, ext4, leveldb) use.
-
-constexpr std::uint32_t kCrcPoly = 0x82F63B78u;  // reflected 0x1EDC6F41
-
-struct CrcTables {
-  std::array<std::array<std::uint32_t, 256>, 8> t{};
-  constexpr CrcTables() {
-    for (std::uint32_t i = 0; i < 256; ++i) {
-      std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kCrcPoly : (c >> 1);
-      t[0][i] = c;
-    }
-    for (std::uint32_t i = 0; i < 256; ++i)
-      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
-  }
-};
-constexpr CrcTables kCrc{};
-
-// ---------------------------------------------------------------------------------------------
-// A small strict JSON parser (RFC 8259): no comments, no trailing commas, no duplicate keys, no
-// lone surrogates, valid UTF-8 only, bounded nesting. Enough for a safetensors header and safe
-// on any input: every read is bounds-checked.
+// The header's JSON. nlohmann::json's lexer and SAX parser do the syntax (RFC 8259: no comments,
+// no trailing commas, valid UTF-8 only, no lone surrogates; iterative, so no recursion to
+// exhaust); JsonBuilder, the handler, builds a small tree of the values and refuses what the
+// parser itself accepts but a header must not hold: a key twice in one object, nesting deeper
+// than 64 levels. Its errors, and the parser's, become CheckpointErrors in the words the reader
+// has always used ("malformed JSON header at byte N: invalid UTF-8 in string", "malformed JSON
+// header: duplicate key \"w\""). A DOM of nlohmann::json is not used: it keeps the last of two
+// equal keys without a word.
 
 struct Json {
   enum class Kind { null, boolean, number, string, array, object } kind = Kind::null;
@@ -98,225 +90,144 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
-void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
+
+/// What the reader says about an error of nlohmann's parser: the phrase the reader has always
+/// used for that kind of error, found from the parser's message (whose wording is stable across
+/// 3.x), or the parser's own message for a kind not listed.
+std::string describe_parse_error(const std::string& what) {
+  const auto has = [&](const char* s) { return what.find(s) != std::string::npos; };
+  // The parser read a whole value and found more (strict mode): whatever follows is extra data.
+  if (has("; expected end of input")) return "unexpected data after the JSON value";
+  if (has("last read:")) {  // the lexer refused a token
+    if (has("control character")) return "control character in string";
+    if (has("must be followed by 4 hex digits")) return "invalid hex digit in \\u escape";
+    if (has("must be followed by U+DC00")) return "high surrogate without its low surrogate";
+    if (has("must follow U+D800")) return "lone low surrogate in \\u escape";
+    if (has("forbidden character after backslash")) return "invalid escape";
+    if (has("ill-formed UTF-8")) return "invalid UTF-8 in string";
+    if (has("missing closing quote")) return "unterminated string";
+    if (has("expected digit after '.'")) return "invalid number: no digit after '.'";
+    if (has("exponent")) return "invalid number: no digit in exponent";
+    if (has("invalid number")) return "invalid number";
+    if (has("invalid literal")) return "invalid literal";
   }
+  if (has("unexpected end of input")) return "unexpected end of header";
+  if (has("while parsing object key")) return "expected a string key";
+  if (has("while parsing object separator")) return "expected ':'";
+  if (has("while parsing object")) return "expected ',' or '}'";
+  if (has("while parsing array")) return "expected ',' or ']'";
+  if (has("while parsing value")) return "unexpected character";
+  // nlohmann's own text, without its "[json.exception.parse_error.101] " tag.
+  const std::size_t tag = what.find("] ");
+  return tag == std::string::npos ? what : what.substr(tag + 2);
 }
 
-class JsonParser {
+class JsonBuilder {
  public:
-  explicit JsonParser(std::string_view s) : s_(s) {}
+  using json = nlohmann::json;
+  static constexpr std::size_t kMaxDepth = 64;
 
-  Json parse_document() {
-    skip_ws();
-    Json v = parse_value(0);
-    skip_ws();
-    if (pos_ != s_.size()) error("unexpected data after the JSON value");
-    return v;
+  Json take_root() { return std::move(root_); }
+
+  bool null() { return value(Json{}); }
+  bool boolean(bool b) {
+    Json v;
+    v.kind = Json::Kind::boolean;
+    v.boolean = b;
+    return value(std::move(v));
+  }
+  // Numbers keep their text: shapes and offsets are checked from it (as_index), so that 1.0,
+  // 1e0, -0 and integers beyond 2^64 are named as they are written.
+  bool number_integer(json::number_integer_t x) { return number(std::to_string(x)); }
+  bool number_unsigned(json::number_unsigned_t x) { return number(std::to_string(x)); }
+  bool number_float(json::number_float_t, const json::string_t& text) { return number(text); }
+  bool string(json::string_t& s) {
+    Json v;
+    v.kind = Json::Kind::string;
+    v.text = std::move(s);
+    return value(std::move(v));
+  }
+  bool binary(json::binary_t&) { error("unexpected binary value"); }
+  bool start_object(std::size_t) { return open(Json::Kind::object); }
+  bool start_array(std::size_t) { return open(Json::Kind::array); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+
+  bool key(json::string_t& k) {
+    Frame& f = stack_.back();
+    auto& keys = f.value.keys;
+    // Duplicate keys: a linear scan while the object is small (a tensor's three fields), a hash
+    // set once it is large (the top level of a header with many tensors), so that a header of n
+    // keys costs O(n), not O(n^2).
+    constexpr std::size_t kScanKeys = 16;
+    bool duplicate;
+    if (keys.size() < kScanKeys) {
+      duplicate = std::find(keys.begin(), keys.end(), k) != keys.end();
+    } else {
+      if (!f.seen) f.seen = std::make_unique<std::unordered_set<std::string>>(keys.begin(), keys.end());
+      duplicate = !f.seen->insert(k).second;
+    }
+    if (duplicate) error("duplicate key \"" + k + "\"");
+    keys.push_back(std::move(k));
+    return true;
+  }
+
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
+    // position counts the bytes read, the offending one included.
+    fail("malformed JSON header at byte " + std::to_string(position > 0 ? position - 1 : 0) + ": " +
+         describe_parse_error(e.what()));
   }
 
  private:
-  static constexpr int kMaxDepth = 64;
+  struct Frame {
+    Json value;
+    std::unique_ptr<std::unordered_set<std::string>> seen;  // keys, once the object is large
+  };
 
-  [[noreturn]] void error(const std::string& what) const {
-    fail("malformed JSON header at byte " + std::to_string(pos_) + ": " + what);
-  }
-  bool at_end() const { return pos_ >= s_.size(); }
-  char peek() const { return at_end() ? '\0' : s_[pos_]; }
-  void skip_ws() {
-    while (!at_end() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r'))
-      ++pos_;
-  }
-  void expect_literal(std::string_view lit) {
-    if (s_.substr(pos_, lit.size()) != lit) error("invalid literal");
-    pos_ += lit.size();
-  }
+  [[noreturn]] static void error(const std::string& what) { fail("malformed JSON header: " + what); }
 
-  Json parse_value(int depth) {
-    if (depth > kMaxDepth) error("nested deeper than 64 levels");
-    if (at_end()) error("unexpected end of header");
+  bool number(std::string text) {
     Json v;
-    switch (peek()) {
-      case '{': parse_object(v, depth); break;
-      case '[': parse_array(v, depth); break;
-      case '"': v.kind = Json::Kind::string; v.text = parse_string(); break;
-      case 't': expect_literal("true"); v.kind = Json::Kind::boolean; v.boolean = true; break;
-      case 'f': expect_literal("false"); v.kind = Json::Kind::boolean; break;
-      case 'n': expect_literal("null"); break;
-      default:
-        if (peek() == '-' || (peek() >= '0' && peek() <= '9')) {
-          v.kind = Json::Kind::number;
-          v.text = parse_number();
-        } else {
-          error("unexpected character");
-        }
-    }
-    return v;
+    v.kind = Json::Kind::number;
+    v.text = std::move(text);
+    return value(std::move(v));
   }
-
-  void parse_object(Json& v, int depth) {
-    v.kind = Json::Kind::object;
-    ++pos_;  // '{'
-    skip_ws();
-    if (peek() == '}') { ++pos_; return; }
-    // Duplicate keys: a linear scan while the object is small (a tensor's three fields), a hash
-    // set of key indices once it is large (the top level of a header with many tensors), so
-    // that a header of n keys costs O(n), not O(n^2). Indices, not views: v.keys reallocates.
-    constexpr std::size_t kScanKeys = 16;
-    const auto& keys = v.keys;
-    std::vector<std::size_t> hashes;  // of keys[i], computed once
-    auto hash = [&hashes](std::size_t i) { return hashes[i]; };
-    auto same = [&keys](std::size_t a, std::size_t b) { return keys[a] == keys[b]; };
-    std::unordered_set<std::size_t, decltype(hash), decltype(same)> seen(0, hash, same);
-    v.keys.reserve(4);  // a tensor's three fields in one allocation each, not three
-    v.items.reserve(4);
-    for (;;) {
-      skip_ws();
-      if (peek() != '"') error("expected a string key");
-      v.keys.push_back(parse_string());
-      const std::size_t k = v.keys.size() - 1;
-      bool duplicate;
-      if (k < kScanKeys) {
-        duplicate = std::find(v.keys.begin(), v.keys.begin() + static_cast<std::ptrdiff_t>(k), v.keys[k]) !=
-                    v.keys.begin() + static_cast<std::ptrdiff_t>(k);
-      } else {
-        if (seen.empty())
-          for (std::size_t i = 0; i < k; ++i) {
-            hashes.push_back(std::hash<std::string>{}(keys[i]));
-            seen.insert(i);
-          }
-        hashes.push_back(std::hash<std::string>{}(keys[k]));
-        duplicate = !seen.insert(k).second;
-      }
-      if (duplicate) error("duplicate key \"" + v.keys[k] + "\"");
-      skip_ws();
-      if (peek() != ':') error("expected ':'");
-      ++pos_;
-      skip_ws();
-      v.items.push_back(parse_value(depth + 1));
-      skip_ws();
-      if (peek() == ',') { ++pos_; continue; }
-      if (peek() == '}') { ++pos_; return; }
-      error("expected ',' or '}'");
-    }
-  }
-
-  void parse_array(Json& v, int depth) {
-    v.kind = Json::Kind::array;
-    ++pos_;  // '['
-    skip_ws();
-    if (peek() == ']') { ++pos_; return; }
-    v.items.reserve(4);  // shapes and offsets are short
-    for (;;) {
-      skip_ws();
-      v.items.push_back(parse_value(depth + 1));
-      skip_ws();
-      if (peek() == ',') { ++pos_; continue; }
-      if (peek() == ']') { ++pos_; return; }
-      error("expected ',' or ']'");
-    }
-  }
-
-  std::uint32_t parse_hex4() {
-    if (s_.size() - pos_ < 4) error("truncated \\u escape");
-    std::uint32_t cp = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char c = s_[pos_++];
-      cp <<= 4;
-      if (c >= '0' && c <= '9') cp |= static_cast<std::uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') cp |= static_cast<std::uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') cp |= static_cast<std::uint32_t>(c - 'A' + 10);
-      else error("invalid hex digit in \\u escape");
-    }
-    return cp;
-  }
-
-  std::string parse_string() {
-    ++pos_;  // opening quote
-    std::string out;
-    for (;;) {
-      if (at_end()) error("unterminated string");
-      const auto c = static_cast<unsigned char>(s_[pos_]);
-      if (c == '"') { ++pos_; return out; }
-      if (c < 0x20) error("control character in string");
-      if (c == '\\') {
-        ++pos_;
-        if (at_end()) error("unterminated escape");
-        const char e = s_[pos_++];
-        switch (e) {
-          case '"': out += '"'; break;
-          case '\\': out += '\\'; break;
-          case '/': out += '/'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'n': out += '\n'; break;
-          case 'r': out += '\r'; break;
-          case 't': out += '\t'; break;
-          case 'u': {
-            std::uint32_t cp = parse_hex4();
-            if (cp >= 0xDC00 && cp <= 0xDFFF) error("lone low surrogate in \\u escape");
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-              if (s_.substr(pos_, 2) != "\\u") error("high surrogate without its low surrogate");
-              pos_ += 2;
-              const std::uint32_t lo = parse_hex4();
-              if (lo < 0xDC00 || lo > 0xDFFF) error("high surrogate without its low surrogate");
-              cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-            }
-            append_utf8(out, cp);
-            break;
-          }
-          default: --pos_; error("invalid escape");
-        }
-        continue;
-      }
-      const std::size_t n = utf8_length(s_, pos_);
-      if (n == 0) error("invalid UTF-8 in string");
-      out.append(s_.substr(pos_, n));
-      pos_ += n;
-    }
-  }
-
-  std::string parse_number() {
-    const std::size_t start = pos_;
-    auto digit = [&] { return !at_end() && s_[pos_] >= '0' && s_[pos_] <= '9'; };
-    if (peek() == '-') ++pos_;
-    if (peek() == '0') {
-      ++pos_;
-    } else if (digit()) {
-      while (digit()) ++pos_;
+  bool value(Json v) {
+    if (stack_.empty()) {
+      root_ = std::move(v);
     } else {
-      error("invalid number");
+      Json& parent = stack_.back().value;
+      if (parent.items.empty()) parent.items.reserve(4);  // shapes, offsets, a tensor's fields
+      parent.items.push_back(std::move(v));
     }
-    if (peek() == '.') {
-      ++pos_;
-      if (!digit()) error("invalid number: no digit after '.'");
-      while (digit()) ++pos_;
-    }
-    if (peek() == 'e' || peek() == 'E') {
-      ++pos_;
-      if (peek() == '+' || peek() == '-') ++pos_;
-      if (!digit()) error("invalid number: no digit in exponent");
-      while (digit()) ++pos_;
-    }
-    return std::string(s_.substr(start, pos_ - start));
+    return true;
+  }
+  bool open(Json::Kind kind) {
+    if (stack_.size() >= kMaxDepth) error("nested deeper than 64 levels");
+    stack_.emplace_back();
+    stack_.back().value.kind = kind;
+    return true;
+  }
+  bool close() {
+    Json v = std::move(stack_.back().value);
+    stack_.pop_back();
+    return value(std::move(v));
   }
 
-  std::string_view s_;
-  std::size_t pos_ = 0;
+  std::vector<Frame> stack_;
+  Json root_;
 };
+
+/// Parses `text` as one JSON value (nothing but whitespace after it); throws CheckpointError.
+Json parse_json(std::string_view text) {
+  JsonBuilder builder;
+  const bool ok = nlohmann::json::sax_parse(text.data(), text.data() + text.size(), &builder,
+                                            nlohmann::json::input_format_t::json, /*strict=*/true,
+                                            /*ignore_comments=*/false);
+  // The handler throws on every error, so a false return is not expected; refuse it anyway.
+  if (!ok) fail("malformed JSON header");
+  return builder.take_root();
+}
 
 /// A JSON number that must be a non-negative integer below 2^63 (shapes and offsets); `field` of
 /// tensor `key` names it in the error (the text is built only then: this runs for every extent).
@@ -380,8 +291,9 @@ struct HeaderItem {
   const Shape* shape;
   std::uint64_t begin, end;
 };
-std::uint32_t full_checksum(std::span<const std::byte> data, const std::vector<HeaderItem>& items,
-                            const std::map<std::string, std::string>& meta) {
+/// The header's part of the checksum, written in a canonical form (the JSON may be written
+/// differently by other tools: spacing, key order, escapes).
+std::string canonical_text(const std::vector<HeaderItem>& items, const std::map<std::string, std::string>& meta) {
   std::string canon;
   for (const auto& it : items) {
     canon.append(it.name);
@@ -399,7 +311,12 @@ std::uint32_t full_checksum(std::span<const std::byte> data, const std::vector<H
     canon += v;
     canon += '\n';
   }
-  return crc32c(std::as_bytes(std::span<const char>(canon)), crc32c(data));
+  return canon;
+}
+
+/// The checksum of a file whose data (in file order, little-endian) has CRC `data_crc`.
+std::uint32_t full_checksum(std::uint32_t data_crc, const std::string& canon) {
+  return crc32c(std::as_bytes(std::span<const char>(canon)), data_crc);
 }
 
 std::string os_error(const std::string& what, const std::filesystem::path& p) {
@@ -431,25 +348,6 @@ struct Fd {
 
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------
-
-std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc) noexcept {
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
-  std::size_t n = bytes.size();
-  crc = ~crc;
-  while (n >= 8) {
-    // Byte-wise loads keep this independent of alignment and host byte order.
-    const std::uint32_t lo = crc ^ (std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8 |
-                                    std::uint32_t{p[2]} << 16 | std::uint32_t{p[3]} << 24);
-    crc = kCrc.t[7][lo & 0xFF] ^ kCrc.t[6][(lo >> 8) & 0xFF] ^ kCrc.t[5][(lo >> 16) & 0xFF] ^
-          kCrc.t[4][lo >> 24] ^ kCrc.t[3][p[4]] ^ kCrc.t[2][p[5]] ^ kCrc.t[1][p[6]] ^
-          kCrc.t[0][p[7]];
-    p += 8;
-    n -= 8;
-  }
-  while (n-- > 0) crc = (crc >> 8) ^ kCrc.t[0][(crc ^ *p++) & 0xFF];
-  return ~crc;
-}
 
 const char* safetensors_dtype_name(DType t) noexcept {
   switch (t) {
@@ -500,11 +398,34 @@ Tensor& Checkpoint::at(std::string_view name) {
   return *t;
 }
 
-std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
+
+// ---------------------------------------------------------------------------------------------
+// Writing: the header first, then the tensors straight from their memory. The checksum covers
+// the data, so it is known only once the data has gone by; its place in the header has a fixed
+// width ("crc32c:" and 8 hex digits), so the header is written with zeros there and the digits
+// are written into place at the end (before the fsync and the rename: no reader ever sees the
+// placeholder).
+
+namespace {
+
+/// The bytes before the data (the 8-byte length and the padded JSON header, holding the
+/// checksum placeholder at crc_digits) and the canonical text the checksum covers after the data.
+struct HeaderPlan {
+  std::string prefix;
+  std::size_t crc_digits = 0;
+  std::string canon;
+  std::uint64_t data_bytes = 0;
+};
+
+constexpr std::string_view kCrcPlaceholder = "crc32c:00000000";
+
+/// Checks ck (names, devices, usable tensors, UTF-8 metadata) and lays out its header; throws
+/// InvalidArgument naming the problem, before anything is written anywhere.
+HeaderPlan plan_header(const Checkpoint& ck) {
   // Names are checked here too: a Checkpoint's fields are public, so add() may have been bypassed.
   std::unordered_set<std::string_view> seen;
   seen.reserve(ck.tensors.size());
-  std::size_t data_bytes = 0;
+  HeaderPlan plan;
   for (const auto& [name, t] : ck.tensors) {
     LOCKSTEP_CHECK_ARG(!name.empty() && !name.starts_with("__") && valid_utf8(name),
                        "serialize_checkpoint: invalid tensor name \"", name, "\"");
@@ -515,66 +436,211 @@ std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
     // A tensor whose element count disagrees with its shape would be written as a header no
     // reader accepts (and its bytes read from memory it may not own): refuse it here.
     detail::check_tensor_usable("serialize_checkpoint", name, t);
-    data_bytes += t.nbytes();
+    plan.data_bytes += t.nbytes();
   }
   for (const auto& [k, v] : ck.metadata)
     LOCKSTEP_CHECK_ARG(valid_utf8(k) && valid_utf8(v), "serialize_checkpoint: metadata \"", k,
                        "\" is not valid UTF-8");
 
-  std::vector<std::byte> data(data_bytes);
-  std::size_t off = 0;
-  for (const auto& [name, t] : ck.tensors) {
-    copy_le(data.data() + off, static_cast<const std::byte*>(t.raw_data()), t.nbytes(),
-            size_of(t.dtype()));
-    off += t.nbytes();
-  }
-
   std::map<std::string, std::string> meta = ck.metadata;
   meta.erase(std::string(kChecksumKey));
   meta[std::string(kFormatKey)] = "1";
   std::vector<HeaderItem> items;
-  off = 0;
+  items.reserve(ck.tensors.size());
+  std::uint64_t off = 0;
   for (const auto& [name, t] : ck.tensors) {
     items.push_back({name, t.dtype(), &t.shape(), off, off + t.nbytes()});
     off += t.nbytes();
   }
-  meta[std::string(kChecksumKey)] = crc_text(full_checksum(data, items, meta));
+  plan.canon = canonical_text(items, meta);
+  meta[std::string(kChecksumKey)] = std::string(kCrcPlaceholder);
 
   std::string h = "{\"__metadata__\":{";
+  std::size_t crc_at = 0;
   bool first = true;
   for (const auto& [k, v] : meta) {
     if (!first) h += ',';
     first = false;
     append_json_string(h, k);
     h += ':';
+    if (k == kChecksumKey) crc_at = h.size() + 1 + std::string_view("crc32c:").size();  // after the quote
     append_json_string(h, v);
   }
   h += '}';
-  off = 0;
-  for (const auto& [name, t] : ck.tensors) {
+  for (const auto& it : items) {
     h += ',';
-    append_json_string(h, name);
+    append_json_string(h, it.name);
     h += ":{\"dtype\":\"";
-    h += safetensors_dtype_name(t.dtype());
+    h += safetensors_dtype_name(it.dtype);
     h += "\",\"shape\":[";
-    for (std::size_t i = 0; i < t.shape().size(); ++i) {
+    for (std::size_t i = 0; i < it.shape->size(); ++i) {
       if (i) h += ',';
-      h += std::to_string(t.shape()[i]);
+      h += std::to_string((*it.shape)[i]);
     }
-    h += "],\"data_offsets\":[" + std::to_string(off) + ',' + std::to_string(off + t.nbytes()) + "]}";
-    off += t.nbytes();
+    h += "],\"data_offsets\":[" + std::to_string(it.begin) + ',' + std::to_string(it.end) + "]}";
   }
   h += '}';
   // Pad with spaces so the data starts 8-byte aligned, as the safetensors writer does.
   while (h.size() % 8 != 0) h += ' ';
 
-  std::vector<std::byte> out(8 + h.size() + data.size());
+  plan.prefix.assign(8, '\0');
   const std::uint64_t n = h.size();
-  for (int k = 0; k < 8; ++k) out[k] = static_cast<std::byte>((n >> (8 * k)) & 0xFF);
-  std::memcpy(out.data() + 8, h.data(), h.size());
-  if (!data.empty()) std::memcpy(out.data() + 8 + h.size(), data.data(), data.size());
+  for (int k = 0; k < 8; ++k) plan.prefix[static_cast<std::size_t>(k)] = static_cast<char>((n >> (8 * k)) & 0xFF);
+  plan.prefix += h;
+  plan.crc_digits = 8 + crc_at;
+  return plan;
+}
+
+/// The 8 hex digits of a checksum, as the header holds them.
+std::array<char, 8> crc_digits(std::uint32_t crc) {
+  const std::string t = crc_text(crc);  // "crc32c:" + 8 digits
+  std::array<char, 8> d{};
+  std::memcpy(d.data(), t.data() + 7, 8);
+  return d;
+}
+
+// Pieces of this size are checksummed just before they are written (or just after they are
+// read), while they are still in the cache, so that the data crosses memory once.
+constexpr std::size_t kPiece = 256u << 10;
+
+/// Byte-swaps elements of `elem` bytes in place (big-endian hosts only: files are little-endian).
+[[maybe_unused]] void swap_in_place(std::byte* p, std::size_t n, std::size_t elem) {
+  if (elem == 1) return;
+  for (std::size_t i = 0; i + elem <= n; i += elem) std::reverse(p + i, p + i + elem);
+}
+
+/// Copies n data bytes (tensor memory to file order or back) and extends `crc` over the file's
+/// side of them, piece by piece.
+void copy_with_crc(std::byte* dst, const std::byte* src, std::size_t n, std::size_t elem, std::uint32_t& crc,
+                   bool src_is_file) {
+  for (std::size_t off = 0; off < n; off += kPiece) {
+    const std::size_t m = std::min(kPiece, n - off);
+    if (src_is_file) crc = crc32c(std::span(src + off, m), crc);
+    copy_le(dst + off, src + off, m, elem);
+    if (!src_is_file) crc = crc32c(std::span<const std::byte>(dst + off, m), crc);
+  }
+}
+
+/// Queues bytes for the file and hands them to the kernel in batches of up to 1 MiB with one
+/// writev: a header and many small tensors cost a few system calls, not one each. Data bytes go
+/// through the streaming CRC.
+class FileWriter {
+ public:
+  FileWriter(int fd, const std::string& name) : fd_(fd), name_(name) { iov_.reserve(kMaxIov); }
+
+  /// Bytes that are not data (the header): queued, not checksummed. They must stay alive until
+  /// flush().
+  void raw(const void* p, std::size_t n) {
+    if (n > 0) queue(p, n);
+  }
+
+  /// The data of one tensor, from its memory, converted to little-endian order on big-endian hosts.
+  void data(const std::byte* p, std::size_t n, std::size_t elem) {
+    for (std::size_t off = 0; off < n; off += kPiece) {
+      const std::size_t m = std::min(kPiece, n - off);
+      if constexpr (std::endian::native == std::endian::little) {
+        crc_ = crc32c(std::span(p + off, m), crc_);
+        queue(p + off, m);
+      } else {
+        flush();  // the bounce buffer is reused: write what it held first
+        bounce_.resize(m);
+        copy_le(bounce_.data(), p + off, m, elem);
+        crc_ = crc32c(std::span<const std::byte>(bounce_.data(), m), crc_);
+        queue(bounce_.data(), m);
+        flush();
+      }
+    }
+  }
+
+  void flush() {
+    iovec* v = iov_.data();
+    int count = static_cast<int>(iov_.size());
+    while (count > 0) {
+      const ssize_t w = ::writev(fd_, v, count);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw CheckpointError(os_error("cannot write", name_));
+      }
+      if (w == 0) {
+        errno = EIO;
+        throw CheckpointError(os_error("cannot write", name_));
+      }
+      auto left = static_cast<std::size_t>(w);
+      while (count > 0 && left >= v->iov_len) {
+        left -= v->iov_len;
+        ++v;
+        --count;
+      }
+      if (count > 0) {
+        v->iov_base = static_cast<char*>(v->iov_base) + left;
+        v->iov_len -= left;
+      }
+    }
+    iov_.clear();
+    queued_ = 0;
+  }
+
+  std::uint32_t crc() const noexcept { return crc_; }
+
+ private:
+  static constexpr std::size_t kMaxIov = 1024;  // IOV_MAX on Linux
+  static constexpr std::size_t kBatch = 1u << 20;
+
+  void queue(const void* p, std::size_t n) {
+    iov_.push_back(iovec{const_cast<void*>(p), n});
+    queued_ += n;
+    if (queued_ >= kBatch || iov_.size() >= kMaxIov) flush();
+  }
+
+  int fd_;
+  const std::string& name_;
+  std::vector<iovec> iov_;
+  std::size_t queued_ = 0;
+  std::uint32_t crc_ = 0;
+  std::vector<std::byte> bounce_;
+};
+
+void pwrite_all(int fd, const char* p, std::size_t n, std::uint64_t offset, const std::string& name) {
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw CheckpointError(os_error("cannot write", name));
+    }
+    if (w == 0) {
+      errno = EIO;
+      throw CheckpointError(os_error("cannot write", name));
+    }
+    p += w;
+    n -= static_cast<std::size_t>(w);
+    offset += static_cast<std::uint64_t>(w);
+  }
+}
+
+const std::byte* bytes_of(const Tensor& t) { return static_cast<const std::byte*>(t.raw_data()); }
+
+}  // namespace
+
+std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck) {
+  const HeaderPlan plan = plan_header(ck);
+  std::vector<std::byte> out(plan.prefix.size() + plan.data_bytes);
+  std::memcpy(out.data(), plan.prefix.data(), plan.prefix.size());
+  std::size_t off = plan.prefix.size();
+  std::uint32_t crc = 0;
+  for (const auto& [name, t] : ck.tensors) {
+    copy_with_crc(out.data() + off, bytes_of(t), t.nbytes(), size_of(t.dtype()), crc, false);
+    off += t.nbytes();
+  }
+  const auto digits = crc_digits(full_checksum(crc, plan.canon));
+  std::memcpy(out.data() + plan.crc_digits, digits.data(), digits.size());
   return out;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reading: the header is parsed and checked against the file's size first (parse_header); then
+// the data goes straight into newly allocated tensors, through the streaming CRC, and the
+// Checkpoint is handed out only once the checksum matches. Whatever the file holds, nothing but
+// those new tensors is written before it is verified.
 
 namespace {
 constexpr std::uint64_t kMaxHeader = 100u << 20;  // as safetensors: a header is never this big
@@ -592,36 +658,44 @@ std::uint64_t checked_header_length(const std::byte* first8, std::uint64_t size)
   if (n > kMaxHeader) fail("header length " + std::to_string(n) + " exceeds the 100 MiB limit");
   return n;
 }
-}  // namespace
 
-Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts) {
-  const std::uint64_t n = checked_header_length(bytes.data(), bytes.size());
+/// One tensor of a parsed header.
+struct TensorEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  std::uint64_t begin, end;
+};
+
+/// A header, checked: every tensor (in data order) tiles the data exactly; the format is one
+/// this build reads; the checksum is present unless the options allow its absence.
+struct ParsedHeader {
+  std::map<std::string, std::string> metadata;
+  std::vector<TensorEntry> tensors;
+  std::optional<std::string> checksum;    // the header's, when it has one
+  std::string canon;                      // what the checksum covers besides the data
+};
+
+ParsedHeader parse_header(std::string_view header, std::uint64_t data_size, const CheckpointReadOptions& opts) {
+  const std::uint64_t n = header.size();
   if (n < 2) fail("header length " + std::to_string(n) + " is too small for a JSON object");
-  const std::string_view header(reinterpret_cast<const char*>(bytes.data() + 8), n);
   if (header.front() != '{') fail("header does not start with '{': not a safetensors file");
 
-  const Json root = JsonParser(header).parse_document();
+  Json root = parse_json(header);
   if (root.kind != Json::Kind::object) fail("header is not a JSON object");
-  const std::span<const std::byte> data = bytes.subspan(8 + n);
 
-  struct Entry {
-    const std::string* name;
-    DType dtype;
-    Shape shape;
-    std::uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
+  ParsedHeader ph;
+  std::vector<TensorEntry> entries;
   entries.reserve(root.keys.size());
-  Checkpoint ck;
   for (std::size_t i = 0; i < root.keys.size(); ++i) {
-    const std::string& key = root.keys[i];
+    std::string& key = root.keys[i];
     const Json& v = root.items[i];
     if (key == "__metadata__") {
       if (v.kind != Json::Kind::object) fail("__metadata__ must be an object, not " + std::string(kind_name(v.kind)));
       for (std::size_t j = 0; j < v.keys.size(); ++j) {
         if (v.items[j].kind != Json::Kind::string)
           fail("__metadata__ value of \"" + v.keys[j] + "\" must be a string, not " + kind_name(v.items[j].kind));
-        ck.metadata[v.keys[j]] = v.items[j].text;
+        ph.metadata[v.keys[j]] = v.items[j].text;
       }
       continue;
     }
@@ -648,9 +722,10 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     if (shape->kind != Json::Kind::array) fail(what() + ": shape must be an array");
     if (offsets->kind != Json::Kind::array || offsets->items.size() != 2)
       fail(what() + ": data_offsets must be an array [begin, end]");
-    Entry e{&key, *dt, {}, 0, 0};
+    TensorEntry e{{}, *dt, {}, 0, 0};
     // As numel_of: a zero extent anywhere gives zero elements, whatever the other extents.
     bool zero = false;
+    e.shape.reserve(shape->items.size());
     for (const Json& d : shape->items) {
       const std::uint64_t x = as_index(d, key, "shape extent");
       zero = zero || x == 0;
@@ -666,9 +741,9 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
     e.begin = as_index(offsets->items[0], key, "data_offsets begin");
     e.end = as_index(offsets->items[1], key, "data_offsets end");
     if (e.end < e.begin) fail(what() + " has data_offsets end < begin");
-    if (e.end > data.size())
+    if (e.end > data_size)
       fail(what() + " ends at byte " + std::to_string(e.end) + " but the data holds only " +
-           std::to_string(data.size()) + " bytes (file truncated?)");
+           std::to_string(data_size) + " bytes (file truncated?)");
     const std::uint64_t elem = size_of(*dt);
     // numel * elem may not fit in 64 bits (2^62 F32 elements): say so rather than print the
     // wrapped product.
@@ -677,52 +752,80 @@ Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointRe
       fail(what() + ": shape " + to_string(e.shape) + " of " + dtype->text + " needs " +
            (fits ? std::to_string(numel * elem) : std::string("more than 2^64")) +
            " bytes but data_offsets span " + std::to_string(e.end - e.begin));
+    e.name = std::move(key);
     entries.push_back(std::move(e));
   }
 
   // safetensors requires the tensors to tile the data exactly: sorted, no gap, no overlap.
-  std::vector<const Entry*> order;
-  order.reserve(entries.size());
-  for (const auto& e : entries) order.push_back(&e);
-  std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  std::vector<std::size_t> order(entries.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const TensorEntry& x = entries[a];
+    const TensorEntry& y = entries[b];
+    return x.begin != y.begin ? x.begin < y.begin : x.end < y.end;
   });
   std::uint64_t expected = 0;
-  for (const Entry* e : order) {
-    if (e->begin < expected) fail("tensor \"" + *e->name + "\" overlaps the previous tensor's data");
-    if (e->begin > expected)
-      fail("gap in the data before tensor \"" + *e->name + "\" (bytes " + std::to_string(expected) +
-           " to " + std::to_string(e->begin) + " belong to no tensor)");
-    expected = e->end;
+  for (const std::size_t i : order) {
+    const TensorEntry& e = entries[i];
+    if (e.begin < expected) fail("tensor \"" + e.name + "\" overlaps the previous tensor's data");
+    if (e.begin > expected)
+      fail("gap in the data before tensor \"" + e.name + "\" (bytes " + std::to_string(expected) +
+           " to " + std::to_string(e.begin) + " belong to no tensor)");
+    expected = e.end;
   }
-  if (expected != data.size())
-    fail("the data holds " + std::to_string(data.size()) + " bytes but the tensors cover " +
+  if (expected != data_size)
+    fail("the data holds " + std::to_string(data_size) + " bytes but the tensors cover " +
          std::to_string(expected) + " (trailing garbage or wrong header)");
 
-  const auto fmt = ck.metadata.find(std::string(kFormatKey));
-  if (fmt != ck.metadata.end() && fmt->second != "1")
+  const auto fmt = ph.metadata.find(std::string(kFormatKey));
+  if (fmt != ph.metadata.end() && fmt->second != "1")
     fail("unsupported lockstep.format \"" + fmt->second + "\" (this build reads format 1)");
-  const auto sum = ck.metadata.find(std::string(kChecksumKey));
-  if (sum == ck.metadata.end()) {
+  const auto sum = ph.metadata.find(std::string(kChecksumKey));
+  if (sum == ph.metadata.end()) {
     if (opts.require_checksum) fail("no lockstep.checksum in the metadata (not written by Lockstep?)");
   } else {
-    std::vector<HeaderItem> items;
-    items.reserve(order.size());
-    for (const Entry* e : order) items.push_back({*e->name, e->dtype, &e->shape, e->begin, e->end});
-    const std::string actual = crc_text(full_checksum(data, items, ck.metadata));
-    if (sum->second != actual)
-      fail("checksum mismatch: the header says " + sum->second + " but the contents give " +
-           actual + " (the file is corrupted)");
+    ph.checksum = sum->second;
   }
 
   // File order: the order of the data, which is the order the writer added them in.
-  ck.tensors.reserve(order.size());
-  for (const Entry* e : order) {
-    Tensor t(e->shape, e->dtype);
-    copy_le(static_cast<std::byte*>(t.raw_data()), data.data() + e->begin, e->end - e->begin,
-            size_of(e->dtype));
-    ck.tensors.emplace_back(*e->name, std::move(t));
+  ph.tensors.reserve(order.size());
+  for (const std::size_t i : order) ph.tensors.push_back(std::move(entries[i]));
+  if (ph.checksum) {
+    std::vector<HeaderItem> items;
+    items.reserve(ph.tensors.size());
+    for (const TensorEntry& e : ph.tensors) items.push_back({e.name, e.dtype, &e.shape, e.begin, e.end});
+    ph.canon = canonical_text(items, ph.metadata);
   }
+  return ph;
+}
+
+/// Throws CheckpointError if the header has a checksum and the data's CRC does not give it.
+void verify_checksum(const ParsedHeader& ph, std::uint32_t data_crc) {
+  if (!ph.checksum) return;
+  const std::string actual = crc_text(full_checksum(data_crc, ph.canon));
+  if (*ph.checksum != actual)
+    fail("checksum mismatch: the header says " + *ph.checksum + " but the contents give " + actual +
+         " (the file is corrupted)");
+}
+
+}  // namespace
+
+Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts) {
+  const std::uint64_t n = checked_header_length(bytes.data(), bytes.size());
+  const std::string_view header(reinterpret_cast<const char*>(bytes.data() + 8), n);
+  const std::span<const std::byte> data = bytes.subspan(8 + n);
+  ParsedHeader ph = parse_header(header, data.size(), opts);
+  Checkpoint ck;
+  std::uint32_t crc = 0;
+  ck.tensors.reserve(ph.tensors.size());
+  for (TensorEntry& e : ph.tensors) {
+    Tensor t(e.shape, e.dtype);
+    copy_with_crc(static_cast<std::byte*>(t.raw_data()), data.data() + e.begin, e.end - e.begin,
+                  size_of(e.dtype), crc, true);
+    ck.tensors.emplace_back(std::move(e.name), std::move(t));
+  }
+  verify_checksum(ph, crc);
+  ck.metadata = std::move(ph.metadata);
   return ck;
 }
 
@@ -811,7 +914,14 @@ std::string detail::temporary_file_prefix(const std::filesystem::path& path, lon
   return temp_prefix(path) + std::to_string(pid) + "." + host_token() + ".";
 }
 
-void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes) {
+namespace {
+
+/// Writes a new file at `path` atomically: `body(fd, name)` writes the contents into a temporary
+/// file in the same directory, which is then fsynced and renamed over `path`, and the directory
+/// is fsynced. If anything fails (body included), the temporary file is removed, the old file
+/// is untouched and the error is thrown.
+template <class Body>
+void write_atomically(const std::filesystem::path& path, Body&& body) {
   const std::filesystem::path dir = path.has_parent_path() ? path.parent_path() : ".";
   std::string tmpl = (dir / (detail::temporary_file_prefix(path, ::getpid()) + "XXXXXX")).string();
   Fd f;
@@ -829,16 +939,11 @@ void write_file_atomically(const std::filesystem::path& path, std::span<const st
     ::unlink(tmpl.c_str());
     throw CheckpointError(msg);
   };
-  const auto* p = reinterpret_cast<const char*>(bytes.data());
-  std::size_t left = bytes.size();
-  while (left > 0) {
-    const ssize_t w = ::write(f.fd, p, left);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail_with(os_error("cannot write", tmpl));
-    }
-    p += w;
-    left -= static_cast<std::size_t>(w);
+  try {
+    body(f.fd, static_cast<const std::string&>(tmpl));
+  } catch (...) {
+    ::unlink(tmpl.c_str());
+    throw;
   }
   if (::fchmod(f.fd, 0644) != 0) fail_with(os_error("cannot chmod", tmpl));
   if (::fsync(f.fd) != 0) fail_with(os_error("cannot fsync", tmpl));
@@ -853,8 +958,42 @@ void write_file_atomically(const std::filesystem::path& path, std::span<const st
   remove_stale_temporaries(path);
 }
 
+/// Asks for huge pages behind a large buffer about to be filled: a page fault per 2 MiB rather
+/// than per 4 KiB while read() fills it (where transparent huge pages are on "madvise", as on
+/// Debian; a hint, nothing depends on it).
+void advise_huge_pages(void* p, std::size_t n) {
+  constexpr std::size_t kHuge = 2u << 20;
+  if (n < 2 * kHuge) return;
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<std::uintptr_t>(p) + page - 1) / page * page;
+  const auto end = (reinterpret_cast<std::uintptr_t>(p) + n) / page * page;
+  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+}  // namespace
+
+void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes) {
+  write_atomically(path, [&](int fd, const std::string& name) {
+    FileWriter w(fd, name);
+    for (std::size_t off = 0; off < bytes.size(); off += 1u << 30) {
+      const std::size_t m = std::min<std::size_t>(1u << 30, bytes.size() - off);
+      w.raw(bytes.data() + off, m);
+      w.flush();
+    }
+  });
+}
+
 void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck) {
-  write_file_atomically(path, serialize_checkpoint(ck));
+  // Everything is checked, and the header laid out, before the temporary file exists.
+  const HeaderPlan plan = plan_header(ck);
+  write_atomically(path, [&](int fd, const std::string& name) {
+    FileWriter w(fd, name);
+    w.raw(plan.prefix.data(), plan.prefix.size());
+    for (const auto& [tname, t] : ck.tensors) w.data(bytes_of(t), t.nbytes(), size_of(t.dtype()));
+    w.flush();
+    const auto digits = crc_digits(full_checksum(w.crc(), plan.canon));
+    pwrite_all(fd, digits.data(), digits.size(), plan.crc_digits, name);
+  });
 }
 
 Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointReadOptions& opts) {
@@ -872,7 +1011,7 @@ Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointRe
   const int flags = ::fcntl(f.fd, F_GETFL);
   if (flags < 0 || ::fcntl(f.fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
     throw CheckpointError(os_error("cannot clear O_NONBLOCK on", path));
-  auto read_at = [&](std::byte* dst, std::size_t n, std::size_t offset) {
+  auto read_at = [&](std::byte* dst, std::size_t n, std::uint64_t offset) {
     std::size_t got = 0;
     while (got < n) {
       const ssize_t r = ::pread(f.fd, dst + got, n - got, static_cast<off_t>(offset + got));
@@ -880,25 +1019,54 @@ Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointRe
         if (errno == EINTR) continue;
         throw CheckpointError(os_error("cannot read", path));
       }
-      if (r == 0) break;  // the file shrank while we read it; the parser reports the truncation
+      if (r == 0) break;  // the file shrank while we read it
       got += static_cast<std::size_t>(r);
     }
     return got;
   };
+  auto shrank = [](std::uint64_t at) {
+    fail("file is truncated: it ended at byte " + std::to_string(at) +
+         ", before the size it had when it was opened (it shrank while being read)");
+  };
   try {
-    // The length prefix first: a file whose header cannot be valid is refused before the whole
-    // file is read into memory.
+    // The length prefix first: a file whose header cannot be valid is refused before anything
+    // else is read or allocated.
     const auto size = static_cast<std::uint64_t>(st.st_size);
     std::byte first8[8] = {};
     const std::size_t got8 = read_at(first8, std::min<std::uint64_t>(8, size), 0);
-    (void)checked_header_length(first8, got8 < 8 ? got8 : size);
-    std::vector<std::byte> bytes(static_cast<std::size_t>(size));
-    bytes.resize(read_at(bytes.data(), bytes.size(), 0));
-    return parse_checkpoint(bytes, opts);
+    const std::uint64_t n = checked_header_length(first8, got8 < 8 ? got8 : size);
+    std::string header(static_cast<std::size_t>(n), '\0');
+    const std::size_t got = read_at(reinterpret_cast<std::byte*>(header.data()), header.size(), 8);
+    if (got < n) shrank(8 + got);
+    ParsedHeader ph = parse_header(header, size - 8 - n, opts);
+    // The data, straight into the tensors, checksummed piece by piece while in cache.
+    Checkpoint ck;
+    ck.tensors.reserve(ph.tensors.size());
+    std::uint32_t crc = 0;
+    const std::uint64_t data_start = 8 + n;
+    for (TensorEntry& e : ph.tensors) {
+      Tensor t(e.shape, e.dtype);
+      auto* dst = static_cast<std::byte*>(t.raw_data());
+      const std::uint64_t len = e.end - e.begin;
+      advise_huge_pages(dst, len);
+      for (std::uint64_t off = 0; off < len; off += kPiece) {
+        const std::size_t m = static_cast<std::size_t>(std::min<std::uint64_t>(kPiece, len - off));
+        const std::uint64_t at = data_start + e.begin + off;
+        const std::size_t r = read_at(dst + off, m, at);
+        if (r < m) shrank(at + r);
+        crc = crc32c(std::span<const std::byte>(dst + off, m), crc);
+      }
+      if constexpr (std::endian::native != std::endian::little) swap_in_place(dst, len, size_of(e.dtype));
+      ck.tensors.emplace_back(std::move(e.name), std::move(t));
+    }
+    verify_checksum(ph, crc);
+    ck.metadata = std::move(ph.metadata);
+    return ck;
   } catch (const CheckpointError& e) {
     throw CheckpointError(std::string(e.what()) + " [" + path.string() + "]");
   }
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Helpers of the structure-level templates in checkpoint.hpp.

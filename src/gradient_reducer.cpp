@@ -13,7 +13,9 @@
 #include "lockstep/device_runtime.hpp"
 #include "lockstep/errors.hpp"
 #include "lockstep/checkpoint.hpp"
+#include "lockstep/distributed_optimizer.hpp"
 #include "lockstep/reliability.hpp"
+#include "wire16.hpp"
 
 namespace lockstep {
 
@@ -52,6 +54,7 @@ struct GradientReducer::Impl {
     bool launched = false;
     bool staged = false;  // reduced in `work` and unpacked afterwards
     bool finished = false;  // reduced, and unpacked or scaled
+    Tensor wire;                    // the bucket in the wire dtype (DistributedOptions::wire_dtype)
     std::vector<Request> requests;  // one per slice of at most bucket_bytes
     // on the communication thread
     bool threaded = false;  // handed to the thread this step
@@ -66,6 +69,13 @@ struct GradientReducer::Impl {
   std::vector<std::string> paths;
   std::vector<Bucket> buckets;  // bucket 0 holds the last leaves
   std::vector<std::size_t> bucket_of;
+
+  // The flat index space of the leaves (forward order) and this rank's shard of it.
+  std::vector<std::int64_t> leaf_off;
+  std::int64_t total = 0, shard_len = 0, my_begin = 0, my_end = 0;
+  bool sharded = false;
+  int nranks = 1;
+  std::optional<DType> wire;
 
   // per step
   std::vector<Tensor*> bound;
@@ -124,8 +134,7 @@ struct GradientReducer::Impl {
         try {
           detail::t_call_site = site;  // the collectives name the call that launched them
           Bucket& b = buckets[bi];
-          for (std::int64_t off = 0; off < b.target.numel; off += b.slice)
-            backend->allreduce(b.target.slice(off, std::min(b.slice, b.target.numel - off)), options.op);
+          communicate(b, b.target, b.slice);
         } catch (...) {
           err = std::current_exception();
         }
@@ -146,6 +155,48 @@ struct GradientReducer::Impl {
     ++wpending;
     wqueue.emplace_back(bi, detail::t_call_site);
     wcv.notify_all();
+  }
+
+  // The reduction of one bucket, blocking, in slices of `step` elements: an allreduce of each
+  // slice; sharded, a reduce of each slice onto the rank that owns it (a bucket that straddles
+  // shard boundaries is cut there). With a wire dtype the sum is taken and divided afterwards.
+  void communicate(const Bucket& b, TensorView target, std::int64_t step) {
+    const ReduceOp op = wire ? ReduceOp::sum : options.op;
+    if (!sharded) {
+      for (std::int64_t off = 0; off < target.numel; off += step)
+        backend->allreduce(target.slice(off, std::min(step, target.numel - off)), op);
+      return;
+    }
+    const std::int64_t a = leaf_off[b.first];
+    const std::int64_t e = a + target.numel;
+    for (std::int64_t r = a / shard_len; r < nranks && r * shard_len < e; ++r) {
+      const std::int64_t lo = std::max(a, r * shard_len) - a;
+      const std::int64_t hi = std::min(e, (r + 1) * shard_len) - a;
+      for (std::int64_t off = lo; off < hi; off += step)
+        backend->reduce(target.slice(off, std::min(step, hi - off)), op, static_cast<int>(r));
+    }
+  }
+
+  // The flat layout and this rank's shard (after plan()).
+  void layout() {
+    leaf_off.assign(leaves.size(), 0);
+    total = 0;
+    for (std::size_t j = 0; j < leaves.size(); ++j) {
+      leaf_off[j] = total;
+      total += leaves[j].numel;
+    }
+    nranks = backend->size();
+    wire = options.wire_dtype;
+    sharded = options.shard_optimizer_state;
+    if (sharded) {
+      shard_len = (total + nranks - 1) / nranks;
+      my_begin = std::min<std::int64_t>(total, shard_len * backend->rank());
+      my_end = std::min<std::int64_t>(total, shard_len * (backend->rank() + 1));
+    } else {
+      shard_len = total;
+      my_begin = 0;
+      my_end = total;
+    }
   }
 
   void plan() {
@@ -267,7 +318,19 @@ struct GradientReducer::Impl {
     if (b.numel == 0) return;
     const bool accumulating = accumulated > 0;
     TensorView target;
-    if (accumulating) {
+    if (wire) {
+      // Rounded once into the wire dtype: from the accumulator, or from the gradients.
+      if (b.wire.numel() != b.numel) b.wire = Tensor::zeros({b.numel}, *wire, b.device);
+      if (accumulating) add_bucket(b);
+      for (std::size_t j = b.first; j < b.last; ++j) {
+        const float* src = accumulating ? reinterpret_cast<const float*>(leaf_in_work(b, j)) : bound[j]->data<float>();
+        detail::to_wire16(*wire, src,
+                          static_cast<std::byte*>(b.wire.raw_data()) + 2 * static_cast<std::size_t>(b.offsets[j - b.first]),
+                          leaves[j].numel);
+      }
+      b.staged = true;
+      target = b.wire.view();
+    } else if (accumulating) {
       add_bucket(b);
       b.staged = true;  // result stays in the accumulator; nothing to unpack
       target = b.work.view();
@@ -296,14 +359,15 @@ struct GradientReducer::Impl {
       enqueue(bi);
       return;
     }
-    if (blocking && b.device.is_cpu()) {
-      for (std::int64_t off = 0; off < target.numel; off += step)
-        backend->allreduce(target.slice(off, std::min(step, target.numel - off)), options.op);
+    if ((blocking && b.device.is_cpu()) || sharded) {
+      // Sharded: reduces have no nonblocking form, so without the thread they run here.
+      communicate(b, target, step);
       return;
     }
+    const ReduceOp op = wire ? ReduceOp::sum : options.op;
     for (std::int64_t off = 0; off < target.numel; off += step)
       b.requests.push_back(
-          backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), options.op));
+          backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), op));
   }
 
   // Gives MPI a chance to progress the requests in flight (no progress thread in Open MPI).
@@ -335,6 +399,23 @@ struct GradientReducer::Impl {
     for (auto& r : b.requests) r.wait();
     b.finished = true;
     if (b.numel == 0) return;
+    if (wire) {
+      // Back to f32 (into the accumulator or the gradients), divided by the ranks for avg.
+      const float div = options.op == ReduceOp::avg ? static_cast<float>(nranks) : 1.0f;
+      for (std::size_t j = b.first; j < b.last; ++j) {
+        std::int64_t lo = 0, hi = leaves[j].numel;
+        if (sharded) {  // only this rank's shard holds a reduced value
+          lo = std::clamp<std::int64_t>(my_begin - leaf_off[j], 0, hi);
+          hi = std::clamp<std::int64_t>(my_end - leaf_off[j], lo, hi);
+        }
+        float* dst = (accumulated > 0 ? reinterpret_cast<float*>(leaf_in_work(b, j)) : bound[j]->data<float>()) + lo;
+        detail::from_wire16(*wire,
+                            static_cast<const std::byte*>(b.wire.raw_data()) +
+                                2 * static_cast<std::size_t>(b.offsets[j - b.first] + lo),
+                            dst, hi - lo, div);
+      }
+      if (accumulated == 0) return;
+    }
     if (accumulated > 0) {
       if (options.op == ReduceOp::avg) {
         const int k = accumulated + 1;
@@ -371,6 +452,7 @@ GradientReducer::GradientReducer(Backend& backend, const DistributedOptions& opt
   impl_->leaves = std::move(leaves);
   impl_->paths = std::move(paths);
   impl_->plan();
+  impl_->layout();
   impl_->reset_step();
   impl_->start_thread_if_used();
 }
@@ -478,6 +560,12 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   return m.result;
 }
 
+std::int64_t GradientReducer::shard_begin() const noexcept { return impl_->my_begin; }
+std::int64_t GradientReducer::shard_end() const noexcept { return impl_->my_end; }
+std::int64_t GradientReducer::shard_length() const noexcept { return impl_->shard_len; }
+std::int64_t GradientReducer::total_numel() const noexcept { return impl_->total; }
+const std::vector<std::int64_t>& GradientReducer::leaf_offsets() const noexcept { return impl_->leaf_off; }
+
 std::size_t GradientReducer::bucket_count() const noexcept { return impl_->buckets.size(); }
 std::size_t GradientReducer::zero_copy_buckets() const noexcept { return impl_->zero_copy; }
 int GradientReducer::accumulated() const noexcept { return impl_->accumulated; }
@@ -514,6 +602,11 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
                          "' are the same tensor");
       leaves.push_back({g.numel(), g.dtype(), g.device()});
     }
+    LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state,
+                       "GradientReducer: shard_optimizer_state needs an optimizer that updates only its "
+                       "shard (DistributedOptimizer); a reducer alone would leave most gradients unreduced");
+    const std::string bad = detail::check_options(options, leaves, names);
+    LOCKSTEP_CHECK_ARG(bad.empty(), "GradientReducer: ", bad);
   });
   detail::agree(backend, "GradientReducer", 0, mine, 0, "no reducer was made");
   const std::string sig = detail::reducer_signature(options, leaves);
@@ -530,6 +623,7 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
   impl_->leaves = std::move(leaves);
   impl_->paths = std::move(names);
   impl_->plan();
+  impl_->layout();
   impl_->reset_step();
   impl_->start_thread_if_used();
   own_ = std::move(grads);
@@ -564,11 +658,138 @@ bool GradientReducer::reduce() {
 }
 
 namespace detail {
+std::vector<ShardPiece> shard_pieces(const GradientReducer& red) {
+  std::vector<ShardPiece> out;
+  const auto& off = red.leaf_offsets();
+  const std::int64_t b = red.shard_begin(), e = red.shard_end();
+  for (std::size_t j = 0; j < off.size(); ++j) {
+    const std::int64_t n = (j + 1 < off.size() ? off[j + 1] : red.total_numel()) - off[j];
+    const std::int64_t lo = std::clamp<std::int64_t>(b - off[j], 0, n);
+    const std::int64_t hi = std::clamp<std::int64_t>(e - off[j], lo, n);
+    if (hi > lo) out.push_back({j, lo, hi});
+  }
+  return out;
+}
+
+void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int64_t>& offsets,
+                     std::int64_t begin, std::int64_t n, std::byte* buf, bool to_buf) {
+  if (n <= 0 || ts.empty()) return;
+  const std::size_t es = size_of(ts[0]->dtype());
+  // The first tensor that holds `begin`.
+  std::size_t j = static_cast<std::size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin());
+  j = j == 0 ? 0 : j - 1;
+  std::int64_t done = 0;
+  for (; j < ts.size() && done < n; ++j) {
+    const std::int64_t at = begin + done - offsets[j];
+    const std::int64_t len = std::min(ts[j]->numel() - at, n - done);
+    if (len <= 0) continue;
+    std::byte* t = static_cast<std::byte*>(ts[j]->raw_data()) + static_cast<std::size_t>(at) * es;
+    std::byte* bb = buf + static_cast<std::size_t>(done) * es;
+    if (to_buf) std::memcpy(bb, t, static_cast<std::size_t>(len) * es);
+    else std::memcpy(t, bb, static_cast<std::size_t>(len) * es);
+    done += len;
+  }
+}
+
+void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params) {
+  // Each piece of every rank's shard (the part of one tensor a rank owns) is broadcast from its
+  // owner straight into the tensor on every rank: no packing, and on one machine each byte is
+  // copied once by its owner into shared memory and once out by every peer (MPIBackend's
+  // shared-memory broadcast), against four copies for an allgather through staging buffers.
+  Backend& b = red.backend();
+  const int n = b.size();
+  const std::int64_t S = red.shard_length(), total = red.total_numel();
+  if (n == 1 || S == 0 || params.empty()) return;
+  const auto& off = red.leaf_offsets();
+  for (int r = 0; r < n; ++r) {
+    const std::int64_t lo = std::min(total, r * S), hi = std::min(total, (r + 1) * S);
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      const std::int64_t a = std::max(lo, off[j]) - off[j];
+      const std::int64_t e = std::min(hi, off[j] + params[j]->numel()) - off[j];
+      if (e > a) b.broadcast(params[j]->view().slice(a, e - a), r);
+    }
+  }
+}
+
+void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
+                          const std::vector<Tensor*>& full, int root) {
+  Backend& b = red.backend();
+  const int n = b.size();
+  const std::int64_t S = red.shard_length(), total = red.total_numel();
+  const DType dt = !mine_pieces.empty() ? mine_pieces[0]->dtype() : !full.empty() ? full[0]->dtype() : DType::f32;
+  const std::size_t es = size_of(dt);
+  if (S == 0) return;
+  // This rank's shard, packed (its pieces lie back to back in the flat space).
+  Tensor mine = Tensor::zeros({S}, dt), other = Tensor::zeros({S}, dt);
+  {
+    std::int64_t at = 0;
+    for (const Tensor* p : mine_pieces) {
+      std::memcpy(static_cast<std::byte*>(mine.raw_data()) + static_cast<std::size_t>(at) * es, p->raw_data(), p->nbytes());
+      at += p->numel();
+    }
+  }
+  const bool is_root = b.rank() == root;
+  for (int r = 0; r < n; ++r) {
+    const std::int64_t at = r * S;
+    const std::int64_t m = std::clamp<std::int64_t>(total - at, 0, S);
+    if (m == 0) continue;  // every rank computes the same: no broadcast for an empty shard
+    Tensor& buf = r == b.rank() ? mine : other;
+    if (r != root) b.broadcast(buf.view().slice(0, m), r);
+    if (is_root) copy_flat_range(full, red.leaf_offsets(), at, m, static_cast<std::byte*>(buf.raw_data()), false);
+  }
+}
+
+void scatter_field_from_full(const GradientReducer& red, const std::vector<ShardPiece>& pieces,
+                             const std::vector<Tensor*>& mine_pieces, const std::vector<Tensor*>& full) {
+  (void)red;
+  for (std::size_t k = 0; k < pieces.size() && k < mine_pieces.size(); ++k) {
+    const auto& p = pieces[k];
+    const Tensor* f = full[p.leaf];
+    const std::size_t es = size_of(f->dtype());
+    std::memcpy(mine_pieces[k]->raw_data(),
+                static_cast<const std::byte*>(f->raw_data()) + static_cast<std::size_t>(p.lo) * es,
+                static_cast<std::size_t>(p.hi - p.lo) * es);
+  }
+}
+
+std::string check_options(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                          const std::vector<std::string>& paths) {
+  auto path = [&](std::size_t j) { return j < paths.size() ? paths[j] : concat("#", j); };
+  if (o.wire_dtype) {
+    if (*o.wire_dtype != DType::bf16 && *o.wire_dtype != DType::f16)
+      return concat("wire_dtype must be bf16 or f16 (a 16-bit float), got ", name(*o.wire_dtype));
+    for (std::size_t j = 0; j < leaves.size(); ++j) {
+      if (leaves[j].dtype != DType::f32)
+        return concat("wire_dtype ", name(*o.wire_dtype), " compresses f32 gradients; '", path(j), "' is ",
+                      name(leaves[j].dtype));
+      if (!leaves[j].device.is_cpu())
+        return concat("wire_dtype is supported for host gradients only; '", path(j), "' is on ",
+                      to_string(leaves[j].device));
+    }
+  }
+  if (o.shard_optimizer_state) {
+    for (std::size_t j = 0; j < leaves.size(); ++j) {
+      if (leaves[j].dtype != DType::f32 && leaves[j].dtype != DType::f64)
+        return concat("shard_optimizer_state needs f32 or f64 trainable tensors; '", path(j), "' is ",
+                      name(leaves[j].dtype));
+      if (leaves[j].dtype != leaves[0].dtype)
+        return concat("shard_optimizer_state needs every trainable tensor of one dtype; '", path(0), "' is ",
+                      name(leaves[0].dtype), " and '", path(j), "' is ", name(leaves[j].dtype));
+      if (!leaves[j].device.is_cpu())
+        return concat("shard_optimizer_state is supported for host tensors only; '", path(j), "' is on ",
+                      to_string(leaves[j].device));
+    }
+  }
+  return {};
+}
+
 std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
   std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
                          " skip_non_finite=", o.skip_non_finite,
-                         " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread, ";");
+                         " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread,
+                         " shard_optimizer_state=", o.shard_optimizer_state,
+                         " wire_dtype=", o.wire_dtype ? name(*o.wire_dtype) : "none", ";");
   for (const auto& l : leaves) s += concat(name(l.dtype), ":", l.numel, ":", to_string(l.device), ";");
   return s;
 }

@@ -24,6 +24,7 @@
 #include "env.hpp"
 #include "reliability_mpi.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 #include "shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
+#include "wire16.hpp"
 
 namespace lockstep {
 
@@ -72,6 +73,21 @@ template <class Storage, ReduceOp Op>
 void half_op(void* in, void* inout, int* len, MPI_Datatype*) {
   auto* a = static_cast<const Storage*>(in);
   auto* b = static_cast<Storage*>(inout);
+  if constexpr (Op == ReduceOp::sum) {
+    // The sum (what compressed gradients use), in blocks converted with the vector loops of
+    // wire16.hpp: several times faster than a conversion call per element.
+    constexpr DType w = std::is_same_v<Storage, half> ? DType::f16 : DType::bf16;
+    constexpr int kBlock = 512;
+    float x[kBlock], y[kBlock];
+    for (int i0 = 0; i0 < *len; i0 += kBlock) {
+      const int m = std::min(kBlock, *len - i0);
+      detail::from_wire16(w, a + i0, x, m, 1.0f);
+      detail::from_wire16(w, b + i0, y, m, 1.0f);
+      for (int i = 0; i < m; ++i) x[i] += y[i];
+      detail::to_wire16(w, x, b + i0, m);
+    }
+    return;
+  }
   for (int i = 0; i < *len; ++i) {
     float x = to_float(a[i]), y = to_float(b[i]), r;
     if constexpr (Op == ReduceOp::sum) r = x + y;
@@ -479,6 +495,11 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
                                 static_cast<int>(op), root);  // reliability hook
   if (guard.skipped()) return;
   Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  const bool host = s.host().device.is_cpu();
+  if (impl_->shm && impl_->shm->reduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, root, host)) {
+    if (impl_->rank == root) s.copy_out();  // avg included
+    return;
+  }
   chunked_reduce(impl_->comm, MPI_IN_PLACE, s.host().data, buf.numel, buf.dtype, op, root, impl_->rank);
   if (impl_->rank == root) {
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
@@ -494,11 +515,17 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
   if (guard.skipped()) return;
   const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
   Staged ss(*impl_, send, true, host_work);
+  const bool host = ss.host().device.is_cpu() && (is_root ? recv.device.is_cpu() : true);
   if (!is_root) {
+    if (impl_->shm && impl_->shm->reduce(ss.host().data, nullptr, send.numel, send.dtype, op, root, host)) return;
     chunked_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
     return;
   }
   Staged rs(*impl_, recv, false, host_work);
+  if (impl_->shm && impl_->shm->reduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, root, host)) {
+    rs.copy_out();  // avg included
+    return;
+  }
   chunked_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
@@ -513,6 +540,11 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) {
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);
   const std::size_t es = size_of(send.dtype);
+  if (impl_->shm && impl_->shm->allgather(ss.host().data, rs.host().data, n, send.dtype,
+                                          ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
+    rs.copy_out();
+    return;
+  }
   if (n <= kMaxChunk) {
     LOCKSTEP_MPI_CHECK(detail::guarded_allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
                                                  rs.host().data, static_cast<int>(n), mpi_type(send.dtype),

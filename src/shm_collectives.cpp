@@ -1,5 +1,6 @@
 // Node-local collectives through a shared-memory segment (see shm_collectives.hpp).
 #include "shm_collectives.hpp"
+#include "wire16.hpp"
 
 #include <fcntl.h>
 #if defined(__SSE2__)
@@ -35,7 +36,7 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
 constexpr std::size_t kDefaultMinBytes = 0;
 
-enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2 };
+enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2, reduce = 3, allgather = 4 };
 
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
@@ -123,6 +124,60 @@ void reduce_dispatch(ReduceOp op, T* out, const T* const* s, int n, std::size_t 
     case ReduceOp::avg:
       if constexpr (std::is_floating_point_v<T>) return reduce_slots<T, ReduceOp::avg>(out, s, n, m);
       else return;  // rejected before (avg needs a floating dtype)
+  }
+}
+
+// 16-bit floats (bf16, f16), sum and avg: each element's sum is accumulated in f32, in rank
+// order, and rounded once (Open MPI's operators round every partial sum); avg divides in f32
+// before that rounding. A block is read from every slot before it is written, so `out` may be
+// one of the inputs.
+void reduce16(DType w, ReduceOp op, std::uint16_t* out, const std::uint16_t* const* s, int n, std::size_t m) {
+  constexpr std::size_t kBlock = 512;
+  float acc[kBlock];
+  const bool pow2 = (n & (n - 1)) == 0;
+  const float inv = 1.0f / static_cast<float>(n), d = static_cast<float>(n);
+  for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
+    const std::size_t len = std::min(kBlock, m - i0);
+    if (w == DType::bf16) {
+      for (std::size_t i = 0; i < len; ++i) acc[i] = bf16_value(s[0][i0 + i]);
+      for (int p = 1; p < n; ++p)
+        for (std::size_t i = 0; i < len; ++i) acc[i] += bf16_value(s[p][i0 + i]);
+    } else {
+      from_wire16(w, s[0] + i0, acc, static_cast<std::int64_t>(len), 1.0f);
+      float tmp[kBlock];
+      for (int p = 1; p < n; ++p) {
+        from_wire16(w, s[p] + i0, tmp, static_cast<std::int64_t>(len), 1.0f);
+        for (std::size_t i = 0; i < len; ++i) acc[i] += tmp[i];
+      }
+    }
+    if (op == ReduceOp::avg) {
+      if (pow2)
+        for (std::size_t i = 0; i < len; ++i) acc[i] *= inv;
+      else
+        for (std::size_t i = 0; i < len; ++i) acc[i] /= d;
+    }
+    to_wire16(w, acc, out + i0, static_cast<std::int64_t>(len));
+  }
+}
+
+// out = op over the n slots of m elements of `dtype` (a dtype handles_allreduce() accepted).
+void reduce_any(DType dtype, ReduceOp op, char* out, const void* const* slots, int n, std::size_t m) {
+  switch (dtype) {
+    case DType::f32:
+      return reduce_dispatch(op, reinterpret_cast<float*>(out), reinterpret_cast<const float* const*>(slots), n, m);
+    case DType::f64:
+      return reduce_dispatch(op, reinterpret_cast<double*>(out), reinterpret_cast<const double* const*>(slots), n, m);
+    case DType::i32:
+      return reduce_dispatch(op, reinterpret_cast<std::int32_t*>(out), reinterpret_cast<const std::int32_t* const*>(slots),
+                             n, m);
+    case DType::i64:
+      return reduce_dispatch(op, reinterpret_cast<std::int64_t*>(out), reinterpret_cast<const std::int64_t* const*>(slots),
+                             n, m);
+    case DType::bf16:
+    case DType::f16:
+      return reduce16(dtype, op, reinterpret_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(slots),
+                      n, m);
+    default: return;  // handles_allreduce() said no
   }
 }
 
@@ -226,9 +281,9 @@ ShmCollectives::~ShmCollectives() {
 }
 
 bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept {
-  (void)op;
   if (!host) return false;
-  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64) return false;
+  const bool half16 = (dtype == DType::bf16 || dtype == DType::f16) && (op == ReduceOp::sum || op == ReduceOp::avg);
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64 && !half16) return false;
   return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
 }
 
@@ -278,12 +333,15 @@ void ShmCollectives::wait_done_all(std::uint64_t k) {
 std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, const char* what) const {
   const SliceHeader& theirs = *header(peer, next_);
   auto describe = [](const SliceHeader& h) {
-    std::string s = h.kind == static_cast<std::uint32_t>(Kind::allreduce) ? "allreduce" : "broadcast";
+    const auto k = static_cast<Kind>(h.kind);
+    std::string s = k == Kind::allreduce ? "allreduce" : k == Kind::broadcast ? "broadcast" : k == Kind::reduce ? "reduce" : "allgather";
     s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
-    if (h.kind == static_cast<std::uint32_t>(Kind::allreduce))
+    if (k == Kind::allreduce)
       s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
-    else
+    else if (k == Kind::broadcast)
       s += concat(" from root ", h.op_root);
+    else if (k == Kind::reduce)
+      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root & 0xff)), " onto root ", h.op_root >> 8);
     if (!h.host) s += " in device memory";
     s += concat(" (call number ", h.call, " on this communicator)");
     return s;
@@ -353,26 +411,62 @@ bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
     // up then read their own slot.
     for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_);
     if (rank_ < 2 || send != recv) slots[rank_] = static_cast<const char*>(send) + off * es;
-    char* out = static_cast<char*>(recv) + off * es;
-    switch (dtype) {
-      case DType::f32:
-        reduce_dispatch(op, reinterpret_cast<float*>(out), reinterpret_cast<const float* const*>(slots), size_, m);
-        break;
-      case DType::f64:
-        reduce_dispatch(op, reinterpret_cast<double*>(out), reinterpret_cast<const double* const*>(slots), size_, m);
-        break;
-      case DType::i32:
-        reduce_dispatch(op, reinterpret_cast<std::int32_t*>(out),
-                        reinterpret_cast<const std::int32_t* const*>(slots), size_, m);
-        break;
-      case DType::i64:
-        reduce_dispatch(op, reinterpret_cast<std::int64_t*>(out),
-                        reinterpret_cast<const std::int64_t* const*>(slots), size_, m);
-        break;
-      default: break;  // handles_allreduce() said no
-    }
+    reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
   };
   run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allreduce", fill, use);
+  return true;
+}
+
+bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+                            bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce), static_cast<std::uint32_t>(dtype),
+                         static_cast<std::int32_t>(static_cast<int>(op) | (root << 8)), host ? 1u : 0u};
+  if (!handles_allreduce(numel, dtype, op, host)) {
+    agree(mine, "reduce");
+    return false;
+  }
+  const bool is_root = rank_ == root;
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    if (!is_root) copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    if (!is_root) return;  // only root reads: every rank's slice into root's recv
+    const void* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_);
+    // Root's own slice is read from its buffer (it wrote no slot). In place, the first pass
+    // (ranks 0 and 1) reads each element before writing it; a root from rank 2 up would read
+    // its own overwritten values in later passes, so it copies its slice into its slot first.
+    if (rank_ < 2 || send != recv) {
+      slots[rank_] = static_cast<const char*>(send) + off * es;
+    } else {
+      std::memcpy(slot(rank_, next_), static_cast<const char*>(send) + off * es, m * es);
+    }
+    reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "reduce", fill, use);
+  return true;
+}
+
+bool ShmCollectives::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allgather),
+                         static_cast<std::uint32_t>(dtype), 0, host ? 1u : 0u};
+  if (!(host && numel > 0 && static_cast<std::size_t>(numel) * es * static_cast<std::size_t>(size_) >= min_bytes_)) {
+    agree(mine, "allgather");
+    return false;
+  }
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    for (int p = 0; p < size_; ++p) {
+      char* out = static_cast<char*>(recv) + (static_cast<std::size_t>(p) * static_cast<std::size_t>(numel) + off) * es;
+      const void* from = p == rank_ ? static_cast<const char*>(send) + off * es : slot(p, next_);
+      if (from != out) std::memcpy(out, from, m * es);
+    }
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allgather", fill, use);
   return true;
 }
 

@@ -1,6 +1,6 @@
 // Node-local collectives through a shared-memory segment, for communicators whose ranks all run
-// on one machine. Used by MPIBackend for large host-memory allreduce and broadcast; everything
-// else goes through MPI.
+// on one machine. Used by MPIBackend for host-memory allreduce, reduce, allgather and broadcast;
+// everything else goes through MPI.
 //
 // Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
 // transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has
@@ -12,7 +12,8 @@
 // two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k. Every rank
 // sums in the same order, so all ranks get bitwise identical results.
 //
-// The ranks agree before they choose a path: every blocking allreduce and broadcast on such a
+// The ranks agree before they choose a path: every blocking allreduce, reduce, allgather and
+// broadcast on such a
 // communicator, whatever its size, dtype or memory, first publishes its call (count, dtype, op or
 // root, host or device memory) in its slot; only when every rank published the same call does
 // any rank act, and then all of them take the same path (this one, or MPI after the header-only
@@ -48,7 +49,8 @@ class ShmCollectives {
   static constexpr int kMaxRanks = 8;
 
   /// Whether allreduce() moves this call's data itself (same answer on every rank for the same
-  /// arguments): host memory, f32/f64/i32/i64, at least min_bytes().
+  /// arguments): host memory, f32/f64/i32/i64 (and bf16/f16 for sum and avg, summed in f32), at
+  /// least min_bytes().
   bool handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
   /// Whether broadcast() moves this call's data itself (host memory, from one slice up).
   bool handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept;
@@ -58,6 +60,13 @@ class ShmCollectives {
   /// returns true; returns false (on every rank alike) when the caller must run it over MPI.
   /// Throws MismatchError on every rank when the ranks' calls differ.
   bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  /// The same for reduce: root's recv = op over ranks of send (recv unused elsewhere); the
+  /// dtypes and sizes of allreduce. Every rank copies its slice into its slot and only root
+  /// reads them, so a sharded gradient reduction moves each byte once.
+  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  /// The same for allgather: recv (size() x numel) = every rank's send in rank order; any dtype,
+  /// host memory, from min_bytes() of recv up.
+  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
   /// The same for broadcast: buf on every rank = buf on root.
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 

@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "lockstep/checkpoint.hpp"
+#include "../src/crc32c.hpp"
 
 namespace ls = lockstep;
 namespace fs = std::filesystem;
@@ -85,6 +86,70 @@ TEST_CASE("crc32c matches the standard check value", "[checkpoint]") {
   const std::string long_s(1000, 'x');
   const auto all = ls::crc32c(as_span(long_s));
   CHECK(ls::crc32c(as_span(long_s).subspan(13), ls::crc32c(as_span(long_s).first(13))) == all);
+}
+
+TEST_CASE("both CRC-32C paths give the known values, over every length and alignment", "[checkpoint]") {
+  // The table path always exists; the SSE4.2 path where the CPU has the instruction (checked
+  // against the table path, which is itself checked against the published values).
+  using Fn = std::uint32_t (*)(const std::byte*, std::size_t, std::uint32_t) noexcept;
+  std::vector<std::pair<const char*, Fn>> paths = {{"table", &ls::detail::crc32c_table}};
+  if (ls::detail::crc32c_hardware_available())
+    paths.emplace_back("sse4.2", &ls::detail::crc32c_hardware);
+  else
+    WARN("this CPU has no SSE4.2: only the table path is tested");
+  CHECK(std::string(ls::detail::crc32c_implementation()) ==
+        (ls::detail::crc32c_hardware_available() ? "sse4.2" : "table"));
+#if defined(__x86_64__)
+  // Every x86-64 CPU of the last fifteen years has it; a build that never takes it is a bug.
+  CHECK(ls::detail::crc32c_hardware_available() == static_cast<bool>(__builtin_cpu_supports("sse4.2")));
+#endif
+  // The check value of the CRC catalogue and the iSCSI test vectors (RFC 3720, B.4).
+  std::vector<std::pair<std::vector<std::uint8_t>, std::uint32_t>> known;
+  known.push_back({{'1', '2', '3', '4', '5', '6', '7', '8', '9'}, 0xE3069283u});
+  known.push_back({std::vector<std::uint8_t>(32, 0x00), 0x8A9136AAu});
+  known.push_back({std::vector<std::uint8_t>(32, 0xFF), 0x62A8AB43u});
+  std::vector<std::uint8_t> up(32), down(32);
+  for (int i = 0; i < 32; ++i) {
+    up[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(i);
+    down[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(31 - i);
+  }
+  known.push_back({up, 0x46DD794Eu});
+  known.push_back({down, 0x113FDB5Cu});
+  known.push_back({{}, 0u});
+  for (const auto& [name, fn] : paths) {
+    INFO("path " << name);
+    for (const auto& [bytes, value] : known)
+      CHECK(fn(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size(), 0) == value);
+  }
+  // Long inputs (the SSE4.2 path runs three blocks of 8 KiB side by side above 24 KiB), at every
+  // alignment, in one pass and in two pieces, through both paths and the public function.
+  std::mt19937_64 rng(7);
+  std::vector<std::byte> buf(3 * 8192 * 3 + 1000);
+  for (auto& b : buf) b = static_cast<std::byte>(rng());
+  for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{8}, std::size_t{63}, std::size_t{24575},
+                          std::size_t{24576}, std::size_t{24577}, std::size_t{3 * 8192 * 2 + 17}, std::size_t{3 * 8192 * 3}}) {
+    for (std::size_t align = 0; align < 8; ++align) {
+      const std::byte* p = buf.data() + align;
+      const std::uint32_t want = ls::detail::crc32c_table(p, len, 0);
+      CHECK(ls::crc32c(std::span(p, len)) == want);
+      for (const auto& [name, fn] : paths) {
+        INFO("path " << name << ", length " << len << ", alignment " << align);
+        CHECK(fn(p, len, 0) == want);
+        const std::size_t cut = len / 3;
+        CHECK(fn(p + cut, len - cut, fn(p, cut, 0)) == want);
+      }
+    }
+  }
+  // A single flipped bit anywhere in a long input changes the result on every path.
+  for (const auto& [name, fn] : paths) {
+    INFO("path " << name);
+    const std::uint32_t ref = fn(buf.data(), buf.size(), 0);
+    for (std::size_t i : {std::size_t{0}, std::size_t{8191}, std::size_t{8192}, std::size_t{20000}, buf.size() - 1}) {
+      buf[i] ^= std::byte{0x04};
+      CHECK(fn(buf.data(), buf.size(), 0) != ref);
+      buf[i] ^= std::byte{0x04};
+    }
+  }
 }
 
 TEST_CASE("round trip of every dtype, scalars, empty tensors, odd names", "[checkpoint]") {
@@ -681,4 +746,62 @@ TEST_CASE("add_to_checkpoint shares host tensors without copying and keeps their
   }
   CHECK(ck.at("m[0]").numel() == n);
   CHECK(ck.at("m[0]").data<float>()[n - 1] == 1.25f);  // the model is gone; its memory is not
+}
+
+TEST_CASE("a save writes the bytes serialize_checkpoint gives, from many small and a few large tensors",
+          "[checkpoint][io]") {
+  // Thousands of small tensors (more than one writev takes) and tensors larger than the pieces the
+  // writer and the reader checksum at a time, of every element size.
+  ScratchDir dir("stream");
+  ls::Checkpoint ck;
+  std::mt19937_64 rng(99);
+  for (int i = 0; i < 3000; ++i) {
+    const std::int64_t n = static_cast<std::int64_t>(rng() % 5);
+    std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+    for (auto& x : v) x = static_cast<std::int32_t>(rng());
+    ck.add("small." + std::to_string(i), ls::Tensor::from(v, {n}));
+  }
+  std::vector<double> big(700'001);
+  for (auto& x : big) x = static_cast<double>(rng() % 1000) / 7.0;
+  ck.add("big.f64", ls::Tensor::from(big, {static_cast<std::int64_t>(big.size())}));
+  std::vector<std::uint8_t> odd(3'000'003);
+  for (auto& x : odd) x = static_cast<std::uint8_t>(rng());
+  ck.add("odd.u8", ls::Tensor::from(odd, {static_cast<std::int64_t>(odd.size())}));
+  std::vector<ls::half> h(400'000);
+  for (auto& x : h) x = ls::to_half(static_cast<float>(rng() % 100));
+  ck.add("h.f16", ls::Tensor::from(h, {400, 1000}));
+  ck.metadata["step"] = "5";
+
+  const fs::path p = dir.path / "ck.safetensors";
+  ls::save_checkpoint(p, ck);
+  const auto bytes = ls::serialize_checkpoint(ck);
+  std::ifstream in(p, std::ios::binary);
+  const std::string on_disk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  REQUIRE(on_disk.size() == bytes.size());
+  CHECK(std::memcmp(on_disk.data(), bytes.data(), bytes.size()) == 0);
+  // The checksum was written into place: the file passes it, and its digits are not the zeros
+  // the header is first written with.
+  CHECK(on_disk.find("crc32c:00000000") == std::string::npos);
+  const ls::Checkpoint back = ls::load_checkpoint(p);
+  CHECK(same(back, ls::parse_checkpoint(bytes)));
+  REQUIRE(back.tensors.size() == ck.tensors.size());
+  CHECK(back.at("big.f64").data<double>()[700'000] == big[700'000]);
+  CHECK(back.at("odd.u8").data<std::uint8_t>()[3'000'002] == odd[3'000'002]);
+  CHECK(back.metadata.at("step") == "5");
+
+  // A flipped bit in the middle of a large tensor, on disk: the load names the checksum and the
+  // path, and hands out nothing.
+  {
+    std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(bytes.size() - 2'000'000));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(bytes.size() - 2'000'000));
+    c = static_cast<char>(c ^ 0x20);
+    f.write(&c, 1);
+  }
+  CHECK_THROWS_WITH(ls::load_checkpoint(p), Catch::Contains("checksum mismatch") && Catch::Contains(p.string()));
+  // Cut short inside the data: refused before any data is read, naming the shortfall.
+  fs::resize_file(p, bytes.size() - 1000);
+  CHECK_THROWS_WITH(ls::load_checkpoint(p), Catch::Contains("truncated") && Catch::Contains(p.string()));
 }

@@ -261,3 +261,30 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   });
   CHECK(round == 4);
 }
+
+TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {
+  ls::MPIBackend& b = backend();
+  REQUIRE(b.shared_memory());
+  const int n = b.size(), rank = b.rank();
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : boundary_sizes()) {
+        ls::Tensor t = ls::Tensor::zeros({count}, w);
+        auto* p = static_cast<std::uint16_t*>(t.raw_data());
+        auto bits = [&](float f) { return w == ls::DType::bf16 ? ls::to_bfloat16(f).bits : ls::to_half(f).bits; };
+        auto value = [&](std::uint16_t u) { return w == ls::DType::bf16 ? ls::to_float(ls::bfloat16{u}) : ls::to_float(ls::half{u}); };
+        for (std::int64_t i = 0; i < count; ++i) p[i] = bits(input(rank, i));
+        b.allreduce(t.view(), op);
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          float acc = value(bits(input(0, i)));
+          for (int r = 1; r < n; ++r) acc += value(bits(input(r, i)));
+          if (op == ls::ReduceOp::avg) acc = (n & (n - 1)) == 0 ? acc * (1.0f / static_cast<float>(n)) : acc / static_cast<float>(n);
+          wrong += p[i] == bits(acc) ? 0 : 1;
+        }
+        INFO(ls::name(w) << " " << ls::name(op) << " of " << count << " elements: " << wrong << " wrong");
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}

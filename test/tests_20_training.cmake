@@ -40,3 +40,15 @@ if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
       PASS_REGULAR_EXPRESSION "optim_math.hpp:[0-9]+:[0-9]+: optimized: loop vectorized")
   endforeach()
 endif()
+
+# Scale options: ZeRO-1 sharded optimizer state and 16-bit gradients on the wire, at 1 to 4
+# ranks; a sharded checkpoint saved at 4 ranks and resumed at 3 (sharded) and 1 (replicated).
+lockstep_test_executable(test_sharded sharded_test.cpp)
+lockstep_add_mpi_test(NAME sharded TARGET test_sharded RANKS 1 2 3 4 TIMEOUT 300)
+set(_ls_sharded_ckpt ${CMAKE_CURRENT_BINARY_DIR}/sharded_resume.safetensors)
+lockstep_add_mpi_test(NAME sharded_ckpt_save TARGET test_sharded RANKS 4 TIMEOUT 120 ARGS "[.ckpt_save]"
+  ENV LOCKSTEP_TEST_CKPT=${_ls_sharded_ckpt})
+lockstep_add_mpi_test(NAME sharded_ckpt_resume TARGET test_sharded RANKS 3 1 TIMEOUT 120 ARGS "[.ckpt_resume]"
+  ENV LOCKSTEP_TEST_CKPT=${_ls_sharded_ckpt})
+set_tests_properties(sharded_ckpt_save.np4 PROPERTIES FIXTURES_SETUP sharded_ckpt)
+set_tests_properties(sharded_ckpt_resume.np3 sharded_ckpt_resume.np1 PROPERTIES FIXTURES_REQUIRED sharded_ckpt)

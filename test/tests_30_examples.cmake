@@ -71,7 +71,6 @@ set_tests_properties(docs PROPERTIES LABELS "mpi;docs" PROCESSORS 2 TIMEOUT 900 
 # The benchmarks' shared helpers (bench/bench_common.hpp): the JSON document (escaping, numbers,
 # key order) and the common flags. The benchmarks themselves are tested in bench/CMakeLists.txt.
 if(LOCKSTEP_BUILD_BENCH)
-  find_package(nlohmann_json 3.2 REQUIRED)
   lockstep_test_executable(test_bench_common bench_common_test.cpp)
   target_link_libraries(test_bench_common PRIVATE lockstep_cli nlohmann_json::nlohmann_json)
   target_include_directories(test_bench_common PRIVATE ${PROJECT_SOURCE_DIR}/bench)

@@ -37,10 +37,12 @@ if(TARGET lockstep::nccl)
   set(_nccl_test_dir ${PROJECT_SOURCE_DIR}/ext/nccl/test)
   lockstep_gpu_test_executable(test_nccl_backend DEVICE_PER_RANK ${_nccl_test_dir}/nccl_backend_test.cpp)
   target_link_libraries(test_nccl_backend PRIVATE lockstep::nccl)
+  target_compile_definitions(test_nccl_backend PRIVATE LOCKSTEP_GPU_TEST_WITH_NCCL=1)
   lockstep_add_mpi_test(NAME nccl_backend TARGET test_nccl_backend RANKS 1 2 GATE DIST_TEST_NCCL
     LABELS nccl TIMEOUT 300)
   lockstep_gpu_test_executable(test_nccl_training DEVICE_PER_RANK ${_nccl_test_dir}/nccl_training_test.cpp)
   target_link_libraries(test_nccl_training PRIVATE lockstep::nccl)
+  target_compile_definitions(test_nccl_training PRIVATE LOCKSTEP_GPU_TEST_WITH_NCCL=1)
   lockstep_add_mpi_test(NAME nccl_training TARGET test_nccl_training RANKS 1 2 GATE DIST_TEST_NCCL
     LABELS nccl TIMEOUT 300)
 endif()

@@ -428,6 +428,15 @@ void save_checkpoint(Backend& backend, const std::filesystem::path& path, const 
   detail::agree(backend, "save_checkpoint", root,
                 detail::verdict_of([&] { detail::check_storable("save_checkpoint", x); }), 0,
                 "nothing was written");
+  // A sharded optimizer state gathers its shards onto root here (collective), so the file holds
+  // what a replicated state would; the guard drops the gathered copy whatever happens next.
+  detail::checkpoint_phase(backend, x, root, detail::CheckpointPhase::before_save);
+  struct After {
+    Backend& b;
+    const X& x;
+    int root;
+    ~After() { detail::checkpoint_phase(b, x, root, detail::CheckpointPhase::after); }
+  } after{backend, x, root};
   std::string err;
   if (backend.rank() == root) {
     try {
@@ -456,6 +465,18 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
                                                    const CheckpointReadOptions& opts = {},
                                                    std::source_location loc = std::source_location::current()) {
   detail::CallSiteScope site(loc, "load_checkpoint");  // its collectives name this call too
+  // A sharded optimizer state shows full-size slots for the file to fill (on every rank); after
+  // a successful load each rank keeps its own shard of them, after a failure its shard as it was.
+  detail::checkpoint_phase(backend, x, root, detail::CheckpointPhase::before_load);
+  struct After {
+    Backend& b;
+    X& x;
+    int root;
+    bool ok = false;
+    ~After() {
+      detail::checkpoint_phase(b, x, root, ok ? detail::CheckpointPhase::after_load_ok : detail::CheckpointPhase::after);
+    }
+  } after{backend, x, root};
   detail::agree(backend, "load_checkpoint", root,
                 detail::verdict_of([&] { detail::check_storable("load_checkpoint", std::as_const(x)); }), 0,
                 "nothing was restored on any rank");
@@ -501,6 +522,7 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
   err = detail::broadcast_status(backend, std::move(err), root);
   if (!err.empty()) detail::throw_root_error(backend, err, root);
   synchronize(backend, x, root);
+  after.ok = true;
   return detail::unpack_metadata(contents);
 }
 

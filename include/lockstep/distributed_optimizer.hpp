@@ -55,6 +55,40 @@ namespace lockstep {
 namespace detail {
 /// The reducer behind DistributedOptimizer is the public GradientReducer.
 using GradReducer = GradientReducer;
+
+/// A rule that declares `static constexpr bool elementwise = true` updates every element from
+/// that element alone (SGD, Adam), so it can be applied to any piece of a tensor: what
+/// shard_optimizer_state needs. A rule with a per-tensor quantity (a norm, as LAMB's trust
+/// ratio) cannot be split inside a tensor and is refused for sharding.
+template <class R>
+constexpr bool is_elementwise_rule() {
+  if constexpr (requires { R::elementwise; }) return static_cast<bool>(R::elementwise);
+  else return false;
+}
+
+/// Sharded state: the part [lo, hi) (elements, inside the tensor) of trainable tensor `leaf`
+/// that this rank owns.
+struct ShardPiece {
+  std::size_t leaf = 0;
+  std::int64_t lo = 0, hi = 0;
+};
+/// The pieces of the reducer's flat space that this rank owns, in order.
+std::vector<ShardPiece> shard_pieces(const GradientReducer& red);
+/// Copies the elements [begin, begin + n) of the flat space of `ts` (tensors of one dtype, back
+/// to back in that space) into `buf` (to_buf) or out of it.
+void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int64_t>& offsets,
+                     std::int64_t begin, std::int64_t n, std::byte* buf, bool to_buf);
+/// Sharded update, last part: every rank's shard of `params` (the tensors the reducer was set
+/// up for) is all-gathered into every rank's params, in chunks. Collective.
+void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params);
+/// Sharded checkpoint support: rank `owner` broadcasts its shard of one slot field (packed,
+/// shard_length() elements); root unpacks every owner's into `full` (the field of every leaf,
+/// full size; empty on the other ranks). Collective.
+void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
+                          const std::vector<Tensor*>& full, int root);
+/// Copies this rank's shard of `full` (one slot field, every leaf full size) into its pieces.
+void scatter_field_from_full(const GradientReducer& red, const std::vector<ShardPiece>& pieces,
+                             const std::vector<Tensor*>& mine_pieces, const std::vector<Tensor*>& full);
 }  // namespace detail
 
 /// An optimizer rule wrapped so that gradients are reduced across ranks before each update.
@@ -70,6 +104,13 @@ class DistributedOptimizer {
     LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
                        "DistributedOptimizer: accumulation_steps must be >= 1, got ",
                        options.accumulation_steps);
+    LOCKSTEP_CHECK_ARG(!options.wire_dtype || *options.wire_dtype == DType::bf16 || *options.wire_dtype == DType::f16,
+                       "DistributedOptimizer: wire_dtype must be bf16 or f16 (a 16-bit float), got ",
+                       options.wire_dtype ? name(*options.wire_dtype) : "none");
+    LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || detail::is_elementwise_rule<R>(),
+                       "DistributedOptimizer: shard_optimizer_state splits tensors between ranks, which "
+                       "needs an elementwise rule (one that declares static constexpr bool elementwise = "
+                       "true, as SGD and Adam do); a rule with per-tensor quantities cannot be sharded");
   }
   Backend& backend() const noexcept { return *backend_; }
   const R& rule() const noexcept { return rule_; }
@@ -98,12 +139,26 @@ class DistributedState {
       : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {
     LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState: no gradient reducer given");
   }
+  /// A sharded state (DistributedOptions::shard_optimizer_state): `inner.slots` holds one slot
+  /// per piece of this rank's shard; `shapes` are the shapes of every trainable tensor.
+  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer, DistributedOptions options,
+                   std::vector<detail::ShardPiece> pieces, std::vector<Shape> shapes, DType dtype)
+      : DistributedState(std::move(inner), std::move(reducer), options) {
+    sharded_ = true;
+    pieces_ = std::move(pieces);
+    shapes_ = std::move(shapes);
+    dtype_ = dtype;
+  }
   DistributedState(DistributedState&& other) noexcept(std::is_nothrow_move_constructible_v<OptState<R>>)
       : inner(std::move(other.inner)),
         reducer_(std::move(other.reducer_)),
         options_(other.options_),
         skipped_(other.skipped_),
-        applied_(other.applied_) {
+        applied_(other.applied_),
+        sharded_(other.sharded_),
+        pieces_(std::move(other.pieces_)),
+        shapes_(std::move(other.shapes_)),
+        dtype_(other.dtype_) {
     other.reset_to_empty();
   }
   DistributedState& operator=(DistributedState&& other) noexcept(
@@ -114,6 +169,12 @@ class DistributedState {
       options_ = other.options_;
       skipped_ = other.skipped_;
       applied_ = other.applied_;
+      sharded_ = other.sharded_;
+      pieces_ = std::move(other.pieces_);
+      shapes_ = std::move(other.shapes_);
+      dtype_ = other.dtype_;
+      full_.clear();
+      materialized_ = false;
       other.reset_to_empty();
     }
     return *this;
@@ -121,8 +182,59 @@ class DistributedState {
   DistributedState(const DistributedState&) = delete;
   DistributedState& operator=(const DistributedState&) = delete;
 
-  /// The wrapped rule's state (rule hyperparameters, step count, slots).
+  /// The wrapped rule's state (rule hyperparameters, step count, slots). Sharded: one slot per
+  /// piece of this rank's shard (see shard_pieces()), not one per trainable tensor.
   OptState<R> inner;
+
+  /// True if the optimizer state is sharded across ranks (ZeRO-1).
+  bool sharded() const noexcept { return sharded_; }
+  /// Sharded: the pieces of the trainable tensors whose rule state this rank keeps.
+  const std::vector<detail::ShardPiece>& shard_pieces() const noexcept { return pieces_; }
+  /// Bytes of rule state (slot tensors) this rank holds: about 1/N of the replicated figure when
+  /// sharded.
+  std::size_t local_state_bytes() const {
+    std::size_t n = 0;
+    for_each_tensor(inner.slots, [&](const Tensor& t) { n += t.nbytes(); });
+    return n;
+  }
+
+  /// Checkpoints of a sharded state (called by save_checkpoint / load_checkpoint through the
+  /// traversal): before a save, root gathers every rank's shard into full-size slots, which the
+  /// traversal then shows exactly as a replicated state's ("step", "slots[i]..."), so the file
+  /// does not depend on N; before a load every rank makes full-size slots for the file to fill,
+  /// and after a successful load each rank keeps its own shard of them. Nothing for a
+  /// replicated state.
+  void lockstep_checkpoint_phase(Backend& backend, int root, detail::CheckpointPhase phase) const {
+    if (!sharded_) return;
+    auto& self = const_cast<DistributedState&>(*this);  // load phases: the state is not const there
+    switch (phase) {
+      case detail::CheckpointPhase::before_save: {
+        full_.clear();
+        if (backend.rank() == root) make_full();
+        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
+          detail::gather_field_to_root(self.live_reducer("save_checkpoint"), mine, full, root);
+        });
+        materialized_ = true;
+        break;
+      }
+      case detail::CheckpointPhase::before_load:
+        make_full();
+        materialized_ = true;
+        break;
+      case detail::CheckpointPhase::after_load_ok:
+        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
+          detail::scatter_field_from_full(self.live_reducer("load_checkpoint"), pieces_, mine, full);
+        });
+        [[fallthrough]];
+      case detail::CheckpointPhase::after:
+        full_.clear();
+        materialized_ = false;
+        break;
+    }
+  }
+  /// Sharded, during a checkpoint: the full-size slots (empty otherwise).
+  std::vector<typename R::Slot>& checkpoint_slots() const noexcept { return full_; }
+  bool checkpoint_view() const noexcept { return materialized_; }
 
   /// Starts a step: binds the gradient tensors so that backward can report them with
   /// grad_ready(). Optional; without it update() reduces everything itself.
@@ -161,20 +273,65 @@ class DistributedState {
     inner.slots.clear();
     reducer_.reset();
     skipped_ = applied_ = 0;
+    sharded_ = false;
+    pieces_.clear();
+    shapes_.clear();
+    full_.clear();
+    materialized_ = false;
+  }
+  // Full-size slots, one per trainable tensor, made by the rule from zeros of its shape.
+  void make_full() const {
+    full_.clear();
+    full_.reserve(shapes_.size());
+    for (const auto& sh : shapes_) full_.push_back(inner.rule.init(Tensor::zeros(sh, dtype_)));
+  }
+  // f(mine, full) for each tensor field of the rule's slot: this rank's pieces of that field and
+  // (where made) the full-size tensors of that field for every trainable tensor. A field the rule
+  // leaves empty (SGD's momentum buffer without momentum) is skipped.
+  template <class F>
+  void for_each_field(F&& f) const {
+    typename R::Slot probe = inner.rule.init(Tensor::zeros({1}, dtype_));
+    const auto probe_fields = tensor_leaves(probe);
+    const std::size_t fields = probe_fields.size();
+    std::vector<char> unused(fields);
+    for (std::size_t t = 0; t < fields; ++t) unused[t] = probe_fields[t]->numel() == 0;
+    auto& slots = const_cast<std::vector<typename R::Slot>&>(inner.slots);
+    for (std::size_t t = 0; t < fields; ++t) {
+      std::vector<Tensor*> mine, full;
+      for (auto& sl : slots) mine.push_back(tensor_leaves(sl)[t]);
+      for (auto& sl : full_) full.push_back(tensor_leaves(sl)[t]);
+      // Whether a field is used must not depend on the rank (a rank may own no piece): every
+      // rank decides on the rule's slot for a one-element tensor.
+      if (unused[t]) continue;
+      f(mine, full);
+    }
   }
 
   std::unique_ptr<detail::GradReducer> reducer_;
   DistributedOptions options_;
   std::int64_t skipped_ = 0, applied_ = 0;
+  bool sharded_ = false;
+  std::vector<detail::ShardPiece> pieces_;
+  std::vector<Shape> shapes_;
+  DType dtype_ = DType::f32;
+  mutable std::vector<typename R::Slot> full_;
+  mutable bool materialized_ = false;
 };
 
+// A replicated state is traversed as its OptState ("step", "slots"). A sharded one shows "step"
+// alone (its shards differ per rank by design: synchronize makes the step agree), and during a
+// checkpoint "step" and the full-size "slots", the names and shapes a replicated state has.
 template <class R, class V>
 void lockstep_visit_fields(DistributedState<R>& s, V&& v) {
-  lockstep_visit_fields(s.inner, v);
+  if (!s.sharded()) return lockstep_visit_fields(s.inner, v);
+  v("step", s.inner.step);
+  if (s.checkpoint_view()) v("slots", s.checkpoint_slots());
 }
 template <class R, class V>
 void lockstep_visit_fields(const DistributedState<R>& s, V&& v) {
-  lockstep_visit_fields(s.inner, v);
+  if (!s.sharded()) return lockstep_visit_fields(s.inner, v);
+  v("step", s.inner.step);
+  if (s.checkpoint_view()) v("slots", std::as_const(s.checkpoint_slots()));
 }
 
 /// State for a DistributedOptimizer: the rule's state plus the bucket plan. Collective: checks
@@ -195,9 +352,35 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
                                     " elements on ", to_string(leaves[i].device))});
     return e;
   });
+  // The same options and tensors on every rank (checked above): each rank reaches the same
+  // verdict on them, so an error here is the same on every rank.
+  const std::string bad = detail::check_options(opt.options(), leaves, paths);
+  LOCKSTEP_CHECK_ARG(bad.empty(), "DistributedOptimizer setup: ", bad);
+  const DType dtype = leaves.empty() ? DType::f32 : leaves[0].dtype;
   auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), opt.options(),
                                                        std::move(leaves), std::move(paths));
-  return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), opt.options());
+  if (!opt.options().shard_optimizer_state)
+    return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), opt.options());
+  // Sharded: rule state only for this rank's pieces.
+  auto pieces = detail::shard_pieces(*reducer);
+  std::vector<Shape> shapes;
+  std::vector<const Tensor*> params;
+  for_each_tensor(model, [&](const Tensor& t) {
+    if (is_trainable(t)) {
+      shapes.push_back(t.shape());
+      params.push_back(&t);
+    }
+  });
+  OptState<R> inner;
+  inner.rule = opt.rule();
+  for (const auto& p : pieces) {
+    const Tensor& t = *params[p.leaf];
+    inner.slots.push_back(opt.rule().init(Tensor::borrow(
+        static_cast<std::byte*>(const_cast<void*>(t.raw_data())) + static_cast<std::size_t>(p.lo) * size_of(dtype),
+        {p.hi - p.lo}, dtype, t.device())));
+  }
+  return DistributedState<R>(std::move(inner), std::move(reducer), opt.options(), std::move(pieces),
+                             std::move(shapes), dtype);
 }
 
 /// Reduces the gradients across ranks (or, in an accumulate-only micro-step, only accumulates
@@ -219,6 +402,40 @@ void update(DistributedState<R>& state, M& model, G& grads,
   std::string local_bad;
   if (o.skip_non_finite) local_bad = detail::describe_non_finite(gs, [&] { return detail::trainable_paths(grads); });
   const auto& reduced = red.reduce_bound();
+  if (state.sharded()) {
+    // Each rank holds the reduced values of its own shard only: whether to skip is agreed with
+    // one small allreduce (a rank with a non-finite local gradient, or an owner that reduced
+    // one, says so).
+    if (o.skip_non_finite) {
+      const std::size_t bad = detail::first_non_finite(reduced);
+      const int any = allreduce(red.backend(), bad < reduced.size() ? 1 : 0, ReduceOp::max);
+      if (any != 0) {
+        state.count_step(true);
+        detail::log_skipped_step(red.backend(), state.skipped_steps() + state.applied_steps(), local_bad,
+                                 bad < reduced.size() ? detail::trainable_paths(grads)[bad] : std::string("(another rank's shard)"));
+        return;
+      }
+    }
+    OptState<R>& in = state.inner;
+    ++in.step;
+    const auto& pieces = state.shard_pieces();
+    const std::size_t es = size_of(params.empty() ? DType::f32 : params[0]->dtype());
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const auto& p = pieces[k];
+      auto piece = [&](Tensor& t) {
+        return Tensor::borrow(static_cast<std::byte*>(t.raw_data()) + static_cast<std::size_t>(p.lo) * es, {p.hi - p.lo},
+                              t.dtype(), t.device());
+      };
+      Tensor pp = piece(*params[p.leaf]);
+      const Tensor gg = piece(*reduced[p.leaf]);
+      in.rule.apply(in.slots[k], pp, gg, in.step);
+    }
+    detail::gather_shards(red, params);
+    state.count_step(false);
+    if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
+      check_replicas(red.backend(), std::tie(model, state.inner.step));
+    return;
+  }
   if (o.skip_non_finite) {
     const std::size_t bad = detail::first_non_finite(reduced);
     if (bad < reduced.size()) {

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <string>
 #include <vector>
@@ -64,6 +65,21 @@ struct DistributedOptions {
   /// collectives from another thread (Backend::concurrent_collectives); any other collective on
   /// the backend first waits for the thread's queue, so every rank keeps one order.
   bool comm_thread = true;
+  /// ZeRO stage 1 (DistributedOptimizer only): the trainable parameters, taken as one flat index
+  /// space in traversal order, are split into size() contiguous shards of ceil(total / size())
+  /// elements (the last ones shorter or empty). Each bucket's gradients are reduced onto the
+  /// ranks that own its elements (a reduce per owner instead of an allreduce), each rank applies
+  /// the rule to its own shard and keeps rule state only for it, and the updated parameters are
+  /// all-gathered. Needs an elementwise rule (R::elementwise, true for SGD and Adam) and
+  /// trainable tensors of one dtype (f32 or f64) on the CPU. After update() only this rank's
+  /// shard of the gradients holds the reduced values.
+  bool shard_optimizer_state = false;
+  /// Send f32 gradients as bf16 or f16 (half the bytes). Each gradient is rounded once into the
+  /// wire dtype; the sum is accumulated in f32 where the path allows it (the shared-memory path;
+  /// Open MPI's reductions round each partial sum to the wire dtype), and the division by the
+  /// number of ranks happens in f32 after the sum: the rule always sees f32. Host f32 gradients
+  /// only; any other dtype is an InvalidArgument.
+  std::optional<DType> wire_dtype;
 };
 
 namespace detail {
@@ -73,6 +89,12 @@ struct GradLeaf {
   DType dtype = DType::f32;
   Device device = Device::cpu();
 };
+
+/// The problem with these options for these leaves, or "" (checked on every rank before the
+/// ranks agree: wire_dtype 16-bit and gradients f32 on the host; sharding needs one float dtype
+/// on the CPU).
+std::string check_options(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                          const std::vector<std::string>& paths);
 
 /// Signature of a reducer setup (trainable leaves and options), for the cross-rank agreement
 /// check.
@@ -136,6 +158,16 @@ class GradientReducer {
   const std::vector<Tensor*>& reduce_bound();
 
   // --- what it did ------------------------------------------------------------------------------
+
+  /// Sharded mode (DistributedOptions::shard_optimizer_state): this rank's range [begin, end) of
+  /// the flat index space of the trainable tensors, and the shard length ceil(total / size()).
+  /// Not sharded: the whole space.
+  std::int64_t shard_begin() const noexcept;
+  std::int64_t shard_end() const noexcept;
+  std::int64_t shard_length() const noexcept;
+  /// Elements of all trainable tensors together, and where each one starts in the flat space.
+  std::int64_t total_numel() const noexcept;
+  const std::vector<std::int64_t>& leaf_offsets() const noexcept;
 
   std::size_t bucket_count() const noexcept;
   /// Number of buckets reduced in place (zero copy) by the last reduction.

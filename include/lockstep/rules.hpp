@@ -59,6 +59,9 @@ struct SGD {
   float dampening = 0.0f;
   float weight_decay = 0.0f;
   bool nesterov = false;
+  /// Every element is updated from that element alone (DistributedOptions::shard_optimizer_state
+  /// may split tensors between ranks).
+  static constexpr bool elementwise = true;
 
   /// Momentum buffer (empty when momentum == 0).
   struct Slot {
@@ -80,6 +83,8 @@ struct Adam {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   bool decoupled_weight_decay = false;
+  /// Elementwise, as SGD.
+  static constexpr bool elementwise = true;
 
   /// First and second moments.
   struct Slot {

@@ -209,6 +209,7 @@ void walk(X& x, V& v, PathBuilder& path) {
   } else if constexpr (is_flat<T>::value) {
     walk<kPaths>(x.get(), v, path);  // a Flat is walked as the structure it holds
   } else if constexpr (HasLockstepFields<T>) {
+    if constexpr (requires { v.object(x); }) v.object(x);
     lockstep_visit_fields(x, [&](const char* name, auto& field) {
       if constexpr (kPaths) {
         const auto m = path.mark();
@@ -226,6 +227,32 @@ void walk(X& x, V& v, PathBuilder& path) {
                   "arithmetic scalars, std::vector, std::array, std::tuple, std::pair, "
                   "std::map<std::string, T> and std::optional (see lockstep/traverse.hpp).");
   }
+}
+
+/// What a checkpoint is doing, told to the objects it walks (see checkpoint_phase).
+enum class CheckpointPhase { before_save, before_load, after_load_ok, after };
+
+/// Calls x.lockstep_checkpoint_phase(backend, root, phase) on every object with
+/// LOCKSTEP_FIELDS reachable from x that has one (a sharded DistributedState gathers or
+/// scatters its shards there), in traversal order.
+template <class B>
+struct CheckpointPhaseVisitor {
+  B& backend;
+  int root;
+  CheckpointPhase phase;
+  template <class L>
+  void leaf(const std::string&, L&) {}
+  template <class T>
+  void object(T& o) {
+    if constexpr (requires { o.lockstep_checkpoint_phase(backend, root, phase); })
+      o.lockstep_checkpoint_phase(backend, root, phase);
+  }
+};
+template <class B, class X>
+void checkpoint_phase(B& backend, X& x, int root, CheckpointPhase phase) {
+  CheckpointPhaseVisitor<B> v{backend, root, phase};
+  PathBuilder path;
+  walk<false>(x, v, path);
 }
 
 template <class F>

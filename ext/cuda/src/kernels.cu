@@ -39,6 +39,15 @@ bool pools_supported(int device) {
   if (cache[device] == 0) {
     int v = 0;
     LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMemoryPoolsSupported, device));
+    if (v) {
+      // The default pool's release threshold is 0: every synchronisation hands its free memory
+      // back to the driver, and the next cudaMallocAsync asks the driver again. Keep it (the
+      // tables are small; PyTorch's caching allocator keeps its memory the same way).
+      cudaMemPool_t pool = nullptr;
+      LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+      std::uint64_t keep = UINT64_MAX;
+      LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    }
     cache[device] = v ? 1 : 2;
   }
   return cache[device] == 1;

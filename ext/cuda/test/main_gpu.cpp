@@ -17,10 +17,24 @@
 
 #include "lockstep/cuda.hpp"
 #include "lockstep/lockstep.hpp"
+#if LOCKSTEP_GPU_TEST_WITH_NCCL
+#include "lockstep/nccl.hpp"
+#endif
 
 #ifndef LOCKSTEP_GPU_TEST_DEVICE_PER_RANK
 #define LOCKSTEP_GPU_TEST_DEVICE_PER_RANK 0
 #endif
+
+namespace {
+// NCCL before MPI: the NCCL backend holds an MPIBackend (and its watchdog thread) over MPI, so
+// it must be gone before MPI_Finalize, not destroyed later by its at-exit handler.
+void finalize_all() {
+#if LOCKSTEP_GPU_TEST_WITH_NCCL
+  lockstep::finalize<lockstep::NCCLBackend>();
+#endif
+  lockstep::finalize<lockstep::MPIBackend>();
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   lockstep::initialize<lockstep::MPIBackend>();
@@ -37,7 +51,7 @@ int main(int argc, char** argv) {
     if (rank == 0)
       std::cout << "skipped: this test needs " << needed << " CUDA device(s) per node, "
                 << devices << " visible\n";
-    lockstep::finalize<lockstep::MPIBackend>();
+    finalize_all();
     return 77;
   }
 
@@ -65,6 +79,6 @@ int main(int argc, char** argv) {
   MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && any_failed != 0 && failed == 0)
     std::cerr << "some rank other than 0 failed (see its report above)\n";
-  lockstep::finalize<lockstep::MPIBackend>();
+  finalize_all();
   return any_failed != 0 ? 1 : 0;
 }

@@ -1,8 +1,20 @@
 // NCCLBackend: the Backend interface over one NCCL communicator per rank, bootstrapped over MPI.
 #include "lockstep/nccl.hpp"
+#include "lockstep/errors.hpp"
+#include "lockstep/reliability.hpp"
 
+// cuda_bf16.h before nccl.h: older nccl.h headers declare ncclBfloat16 only when the bf16 types
+// are already defined (__CUDA_BF16_TYPES_EXIST__).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <nccl.h>
 
+// ncclAvg (2.10) and ncclGetLastError (2.12); CMake checks the same minimum (find_package(NCCL 2.12)).
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 12, 0)
+#error "Lockstep's NCCLBackend needs NCCL 2.12 or later (ncclAvg, ncclGetLastError)"
+#endif
+
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -33,7 +45,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
     case ReduceOp::prod: return ncclProd;
     case ReduceOp::min: return ncclMin;
     case ReduceOp::max: return ncclMax;
-    case ReduceOp::avg: return ncclAvg;  // NCCL >= 2.10; the FindNCCL version is 2.28 here
+    case ReduceOp::avg: return ncclAvg;  // NCCL >= 2.10 (the minimum is 2.12, checked above)
   }
   return ncclSum;
 }
@@ -151,10 +163,18 @@ struct NCCLBackend::Impl {
   }
 
   // Waits for `query` (a stream or an event) while polling NCCL for asynchronous errors, so a
-  // peer's failure surfaces as NcclError rather than a hang.
+  // peer's failure surfaces as NcclError rather than a hang. The wait is bounded by the
+  // collective deadline (lockstep::timeout(), LOCKSTEP_TIMEOUT, 600 s by default; 0: none): a
+  // peer that died or never called the collective produces no asynchronous error, so past the
+  // deadline the communicator is aborted and TimeoutError thrown. The other ranks in the
+  // collective then see an asynchronous error from the abort, or reach their own deadline:
+  // each of them throws too, none waits forever.
   template <class Query>
-  void wait_polling(Query&& query) {
-    for (;;) {
+  void wait_polling(Query&& query, const char* what = "an NCCL operation") {
+    const double limit = lockstep::timeout();
+    const auto start = std::chrono::steady_clock::now();
+    double waited = 0;  // seconds, updated every 1024 polls
+    for (std::uint64_t spins = 0;; ++spins) {
       check_usable("waiting for an NCCL operation");
       cudaError_t e = query();
       if (e == cudaSuccess) return;
@@ -162,7 +182,20 @@ struct NCCLBackend::Impl {
       ncclResult_t async = ncclSuccess;
       check(ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError");
       check(async, "an NCCL operation (asynchronous error)");
-      std::this_thread::yield();
+      if ((spins & 1023) == 0)
+        waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (limit > 0 && waited > limit) {
+        do_abort();
+        throw TimeoutError(detail::concat(
+            "NCCLBackend: ", what, " did not complete within ", limit,
+            " s (lockstep::timeout(), LOCKSTEP_TIMEOUT); a peer may have died or not called it. "
+            "The NCCL communicator was aborted",
+            detail::rank_suffix()));
+      }
+      // Spin (yielding) for the first 10 ms, which keeps short collectives fast; after that a
+      // long wait sleeps between polls instead of taking a core.
+      if (waited > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else std::this_thread::yield();
     }
   }
 
@@ -183,7 +216,7 @@ class NcclRequest final : public detail::RequestImpl {
   void wait() override {
     if (finished_) return;
     cudaEvent_t e = done_.get();
-    impl_->wait_polling([e] { return cudaEventQuery(e); });
+    impl_->wait_polling([e] { return cudaEventQuery(e); }, "a nonblocking NCCL operation");
     finished_ = true;
   }
   bool test() override {
@@ -235,7 +268,10 @@ NCCLBackend::NCCLBackend(MPI_Comm comm, Options options) : impl_(std::make_share
                                ok ? "another rank has no usable CUDA device" : why.c_str(),
                                detail::rank_suffix()));
 
-  cuda::DeviceGuard guard(im.device);
+  // This rank's device becomes its current device and stays so (as in PyTorch and Horovod):
+  // restoring the previous one would leave every rank's later work, and a CUDA context, on
+  // device 0.
+  cuda::set_device(im.device);
   im.stream = cuda::Stream::create(im.device, /*non_blocking=*/true);
   im.ready = cuda::Event::create(im.device);
 
