@@ -80,6 +80,8 @@ struct Options {
   std::int64_t checkpoint_every = 0;
   bool resume = false;
   std::string log;
+  bool shard_optimizer_state = false;
+  std::string wire_dtype = "f32";
 };
 
 /// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
@@ -105,6 +107,9 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   app.add_flag("--resume", o.resume, "continue from --checkpoint PATH (same seed, samples and batch)");
   app.add_option("--log", o.log, "write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)")
       ->type_name("CSV");
+  app.add_flag("--shard-optimizer-state", o.shard_optimizer_state, "ZeRO-1: each rank keeps Adam's state for 1/N of the parameters");
+  app.add_option("--wire-dtype", o.wire_dtype, "dtype of the gradients on the wire (bf16, f16: half the bytes)")
+      ->type_name("f32|bf16|f16")->check(cli::one_of({"f32", "bf16", "f16"}));
   // Checks across flags, after all of them are read.
   app.callback([&o, ranks] {
     if (o.batch % ranks != 0)
@@ -302,7 +307,9 @@ int run(const Options& o, ls::Backend& backend) {
   }
 #endif
   ls::synchronize(backend, model, 0);
-  auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr});
+  ls::DistributedOptions dopt{.shard_optimizer_state = o.shard_optimizer_state};
+  if (o.wire_dtype != "f32") dopt.wire_dtype = o.wire_dtype == "bf16" ? ls::DType::bf16 : ls::DType::f16;
+  auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr}, dopt);
   auto state = ls::setup(opt, model);
   ls::synchronize(backend, state, 0);
   // Gradients in one flat buffer: the optimizer reduces it without copying.

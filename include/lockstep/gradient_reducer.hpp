@@ -79,7 +79,7 @@ struct DistributedOptions {
   /// Open MPI's reductions round each partial sum to the wire dtype), and the division by the
   /// number of ranks happens in f32 after the sum: the rule always sees f32. Host f32 gradients
   /// only; any other dtype is an InvalidArgument.
-  std::optional<DType> wire_dtype;
+  std::optional<DType> wire_dtype = std::nullopt;
 };
 
 namespace detail {
