@@ -11,6 +11,7 @@
 #include "lockstep/dtype.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define LOCKSTEP_WIRE16_X86 1
 #endif
@@ -46,8 +47,18 @@ __attribute__((target("avx,f16c"))) inline void f16_to_f32_f16c(const std::uint1
     _mm256_storeu_ps(d + i, _mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))), k));
   for (; i < n; ++i) d[i] = to_float(half{s[i]}) / div;
 }
+// F16C and AVX in the CPU (CPUID leaf 1) and AVX state saved by the OS (XGETBV): read directly,
+// since clang's __builtin_cpu_supports does not know "f16c".
 inline bool have_f16c() noexcept {
-  static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const bool osxsave = (c >> 27) & 1u, avx = (c >> 28) & 1u, f16c = (c >> 29) & 1u;
+    if (!(osxsave && avx && f16c)) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 6u) == 6u;  // XMM and YMM state enabled
+  }();
   return yes;
 }
 #endif
