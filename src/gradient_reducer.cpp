@@ -739,9 +739,8 @@ void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine
   }
 }
 
-void scatter_field_from_full(const GradientReducer& red, const std::vector<ShardPiece>& pieces,
-                             const std::vector<Tensor*>& mine_pieces, const std::vector<Tensor*>& full) {
-  (void)red;
+void scatter_field_from_full(const std::vector<ShardPiece>& pieces, const std::vector<Tensor*>& mine_pieces,
+                             const std::vector<Tensor*>& full) {
   for (std::size_t k = 0; k < pieces.size() && k < mine_pieces.size(); ++k) {
     const auto& p = pieces[k];
     const Tensor* f = full[p.leaf];

@@ -87,7 +87,7 @@ void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params);
 void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
                           const std::vector<Tensor*>& full, int root);
 /// Copies this rank's shard of `full` (one slot field, every leaf full size) into its pieces.
-void scatter_field_from_full(const GradientReducer& red, const std::vector<ShardPiece>& pieces,
+void scatter_field_from_full(const std::vector<ShardPiece>& pieces,
                              const std::vector<Tensor*>& mine_pieces, const std::vector<Tensor*>& full);
 }  // namespace detail
 
@@ -206,13 +206,12 @@ class DistributedState {
   /// replicated state.
   void lockstep_checkpoint_phase(Backend& backend, int root, detail::CheckpointPhase phase) const {
     if (!sharded_) return;
-    auto& self = const_cast<DistributedState&>(*this);  // load phases: the state is not const there
     switch (phase) {
       case detail::CheckpointPhase::before_save: {
         full_.clear();
         if (backend.rank() == root) make_full();
         for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
-          detail::gather_field_to_root(self.live_reducer("save_checkpoint"), mine, full, root);
+          detail::gather_field_to_root(live_reducer("save_checkpoint"), mine, full, root);
         });
         materialized_ = true;
         break;
@@ -223,7 +222,7 @@ class DistributedState {
         break;
       case detail::CheckpointPhase::after_load_ok:
         for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
-          detail::scatter_field_from_full(self.live_reducer("load_checkpoint"), pieces_, mine, full);
+          detail::scatter_field_from_full(pieces_, mine, full);  // local copies: safe in a destructor
         });
         [[fallthrough]];
       case detail::CheckpointPhase::after:
