@@ -92,12 +92,4 @@ inline void from_wire16(DType wire, const void* src, float* dst, std::int64_t n,
   for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(half{s[i]}) / div;
 }
 
-/// One element of a 16-bit buffer as float, and back.
-inline float wire16_value(DType wire, std::uint16_t b) noexcept {
-  return wire == DType::bf16 ? bf16_value(b) : to_float(half{b});
-}
-inline std::uint16_t wire16_bits(DType wire, float f) noexcept {
-  return wire == DType::bf16 ? bf16_bits(f) : to_half(f).bits;
-}
-
 }  // namespace lockstep::detail
