@@ -81,8 +81,6 @@ MemoryFigure measure_memory(ls::MPIBackend& b, const std::vector<bench::Param>& 
   Model m = make_model(shapes);
   ls::Flat<Model> g = ls::flat_zeros_like(m);
   fill_grads(g, b.rank());
-  // The reducer's and the gather's own buffers are made by a first step of a throwaway state
-  // of the same kind, so that the measured growth is the rule state.
   auto opt = ls::DistributedOptimizer(b, ls::Adam{.lr = 1e-4f}, ls::DistributedOptions{.shard_optimizer_state = sharded});
   {
     // A throwaway state first: the backend's shared-memory segments and MPI's buffers that the
