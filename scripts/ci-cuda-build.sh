@@ -5,7 +5,8 @@
 #   scripts/ci-cuda-build.sh [BUILD_DIR]      (default: build-ci-cuda in the repository)
 #
 # Configures into its own build directory with -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON
-# (CMAKE_CUDA_ARCHITECTURES=90 unless set, to keep nvcc's time small), builds every target, and
+# (CMAKE_CUDA_ARCHITECTURES=90 unless set, to keep nvcc's time small), builds the libraries, the
+# programs with CUDA code and the executables of the tests below (not the CPU-only ones), and
 # runs ctest -L nccl twice: without DIST_TEST_NCCL (skipped by the gate) and with
 # DIST_TEST_NCCL=true (the programs start, find no GPU and exit 77 = skipped), then runs the
 # tests labelled nogpu (registration, argument checks and clean errors without a device, which
@@ -28,7 +29,23 @@ fi
 timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
   -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON -DLOCKSTEP_WITH_TORCH=OFF \
   -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}"
-timeout 1500 cmake --build "$build" -j "$jobs"
+# Only what this stage runs or what only it compiles: the libraries, the programs with CUDA code
+# (train has a CUDA path), and the executables of the tests it runs (labels nccl and nogpu,
+# read from CTest). The CPU tests, examples and benchmarks are the core stage's (same code, built
+# there without CUDA).
+mapfile -t test_targets < <(cd "$build" && ctest -N -L 'nccl|nogpu' --show-only=json-v1 |
+  python3 -c 'import json, os, sys
+b = sys.argv[1]
+names = {os.path.basename(a) for t in json.load(sys.stdin)["tests"] for a in t.get("command", [])
+         if a.startswith(b + "/")}
+print("\n".join(sorted(names)))' "$build")
+mapfile -t known < <(cmake --build "$build" --target help | sed -n 's/^\.\.\. \([A-Za-z0-9_]*\).*/\1/p')
+targets=(lockstep_core lockstep_cuda lockstep_nccl train)
+for t in "${test_targets[@]}"; do
+  if printf '%s\n' "${known[@]}" | grep -qxF "$t"; then targets+=("$t"); fi
+done
+echo "== building: ${targets[*]}"
+timeout 1500 cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
 echo "== ctest -L nccl (gate closed)"
 (cd "$build" && timeout 300 ctest -L nccl --output-on-failure) | tee "$build/ci-cuda-ctest-gated.log"
