@@ -1,7 +1,7 @@
 // bench_overhead: a probe for profilers. Calls MPIBackend::allreduce and the raw MPI_Allreduce
 // on the same 8-byte buffer, each from its own non-inlined loop, so that a profiler separates
 // what Lockstep adds per call from the MPI call itself. bench/profile_overhead.sh runs it under
-// valgrind --tool=callgrind and prints the instructions per call outside PMPI_Allreduce.
+// valgrind --tool=callgrind and prints the instructions per call, outside the transfer and in all.
 //
 // Run: mpiexec -n 2 ./bench_overhead [calls]   (exits non-zero if a result is wrong)
 #include <lockstep/lockstep.hpp>

@@ -439,6 +439,7 @@ void MPIBackend::abandon(const CallInfo& call, const std::exception& error) {
 void MPIBackend::do_broadcast(TensorView buf, int root) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::broadcast, &buf, buf.numel, -1, root);  // reliability hook
   if (guard.skipped()) return;
+  if (impl_->size == 1) return;  // one rank: the data is already everywhere
   Staged s(*impl_, buf, impl_->rank == root);
   // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
   // returns false, on every rank alike, when the call goes to MPI instead).
@@ -452,6 +453,7 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
+  if (impl_->size == 1 && buf.device.is_cpu()) return;  // one rank: the result is the data itself
   Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
   const bool host = s.host().device.is_cpu();
   if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
@@ -472,6 +474,10 @@ void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &send, send.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
+  if (impl_->size == 1 && send.device.is_cpu() && recv.device.is_cpu()) {  // one rank: a copy
+    if (send.data != recv.data) std::memcpy(recv.data, send.data, send.nbytes());
+    return;
+  }
   const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);

@@ -288,11 +288,14 @@ bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp
 }
 
 bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept {
-  if (!host) return false;
-  // From one slice up: below that there is no pipelining, and two copies (root into its slot,
-  // the others out of it) lose to MPI's single copy (bench_shm; measured again in this round
-  // with 64 KiB pieces below 4 MiB: several times slower than MPI under CPU contention).
-  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= std::max(min_bytes_, slice_bytes_);
+  if (!host || numel <= 0) return false;
+  const std::size_t bytes = static_cast<std::size_t>(numel) * size_of(dtype);
+  // Small: the ranks meet in a slot anyway to agree on the call, so the data travels with the
+  // header instead of in an MPI broadcast after it (one rendezvous instead of a rendezvous and a
+  // broadcast: bench_collectives, broadcast up to a few KiB). From one slice up: pipelined slices.
+  // In between, two copies (root into its slot, the others out of it) lose to MPI's single copy
+  // (bench_shm; several times slower than MPI under CPU contention with 64 KiB pieces).
+  return bytes <= kSmallBroadcastBytes || bytes >= std::max(min_bytes_, slice_bytes_);
 }
 
 ShmCollectives::SliceHeader* ShmCollectives::header(int peer, std::uint64_t k) const {

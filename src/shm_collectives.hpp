@@ -98,6 +98,8 @@ class ShmCollectives {
   void* map_ = nullptr;
   std::size_t map_bytes_ = 0;
   int rank_ = 0, size_ = 1;
+  // Broadcasts up to this size ride in the agreement slice (see handles_broadcast).
+  static constexpr std::size_t kSmallBroadcastBytes = 8192;
   std::size_t slice_bytes_ = 0, min_bytes_ = 0;
   char* base_[kMaxRanks] = {};  // each rank's segment, mapped into this process
   std::uint64_t next_ = 0;      // slices completed so far, the same on every rank
