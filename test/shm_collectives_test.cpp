@@ -174,6 +174,33 @@ TEST_CASE("broadcast: every root at the slice boundaries, several dtypes") {
   CHECK(wrong == 0);
 }
 
+TEST_CASE("broadcast: small sizes ride in the agreement slice, every root, around the 8 KiB limit") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  std::int64_t wrong = 0;
+  for (std::int64_t nb : {1, 3, 8, 17, 255, 4096, 8191, 8192, 8193, 12289}) {
+    for (int root = 0; root < n; ++root) {
+      ls::Tensor x = ls::Tensor::zeros({nb}, ls::DType::u8);
+      auto* bytes = static_cast<unsigned char*>(x.raw_data());
+      for (std::int64_t i = 0; i < nb; ++i) bytes[i] = static_cast<unsigned char>(rank == root ? i * 13 + root : 0xEE);
+      b.broadcast(x.view(), root);
+      for (std::int64_t i = 0; i < nb; ++i) wrong += bytes[i] == static_cast<unsigned char>(i * 13 + root) ? 0 : 1;
+    }
+  }
+  CHECK(wrong == 0);
+  // A count below the limit on one rank and above it on another is a disagreement like any other.
+  if (b.shared_memory()) {
+    ls::Tensor x(ls::Shape{2049});
+    bool threw = false;
+    try {
+      b.broadcast(x.view().slice(0, rank == 0 ? 2048 : 2049), 0);
+    } catch (const ls::MismatchError& e) {
+      threw = std::string(e.what()).find("elements") != std::string::npos;
+    }
+    CHECK(all_ranks(threw));
+  }
+}
+
 TEST_CASE("hundreds of calls in a row: sizes, roots and kinds alternate") {
   ls::MPIBackend& b = backend();
   const int n = b.size(), rank = b.rank();
