@@ -6,7 +6,10 @@
 // timed twice, in two sessions of the same run: with the session's receive cache
 // (remote_us: large received tensors land in reused buffers) and without it
 // (nocache_us, RemoteOptions::receive_cache_bytes = 0: every received tensor is new memory).
-//   bench_remote [max_bytes]
+// The three (raw ping-pongs, calls without the cache, calls with it) take turns, `rounds` times
+// (default 3), and every figure is the median over the rounds, so that a machine whose load
+// changes during the run affects them alike.
+//   bench_remote [max_bytes] [--rounds N]
 #include <mpi.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep_cli.hpp"
@@ -70,7 +74,10 @@ int main(int argc, char** argv) {
   auto& b = ls::get_distributed_backend<ls::MPIBackend>();
   std::size_t max_bytes = std::size_t{256} << 20;
   lockstep_cli::App app("bench_remote", "remote calls (remote.hpp) against raw MPI ping-pong, between ranks 0 and 1");
+  int rounds = 3;
   app.add_option("max_bytes", max_bytes, "largest tensor argument")->check(lockstep_cli::at_least(0));
+  app.add_option("--rounds", rounds, "turns of raw, uncached and cached timings (medians are printed)")
+      ->check(lockstep_cli::at_least(1));
   if (const auto rc = lockstep_cli::parse(app, argc, argv)) return *rc;
   if (b.size() < 2) {
     std::fprintf(stderr, "bench_remote needs 2 ranks\n");
@@ -82,12 +89,18 @@ int main(int argc, char** argv) {
   const int rank = b.rank();
   std::vector<std::size_t> sizes;
   for (std::size_t s = 1024; s <= max_bytes; s *= 4) sizes.push_back(s);
-  // Raw MPI first (outside the remote session), every size.
-  const double raw0 = pingpong(comm, rank, 0, 5000);
-  std::vector<double> raw, raw_fresh;
-  for (auto s : sizes) raw.push_back(pingpong(comm, rank, s, reps_for(s)));
-  for (auto s : sizes) raw_fresh.push_back(pingpong(comm, rank, s, reps_for(s), true));
-  MPI_Comm_free(&comm);
+  // Raw MPI (outside any remote session), every size.
+  struct Raw {
+    double zero = 0;
+    std::vector<double> reused, fresh;
+  };
+  auto raw_sweep = [&] {
+    Raw out;
+    out.zero = pingpong(comm, rank, 0, 5000);
+    for (auto s : sizes) out.reused.push_back(pingpong(comm, rank, s, reps_for(s)));
+    for (auto s : sizes) out.fresh.push_back(pingpong(comm, rank, s, reps_for(s), true));
+    return out;
+  };
 
   // The calls: one sweep per session (without, then with the receive cache).
   struct Sweep {
@@ -117,11 +130,42 @@ int main(int argc, char** argv) {
     session.close();
     return out;
   };
-  const Sweep off = sweep(0);
-  const Sweep on = sweep(ls::RemoteOptions{}.receive_cache_bytes);
-  if (rank == 0) {
-    std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run)\n");
-    std::printf("# receive cache on rank 0: %llu hits, %llu misses\n", static_cast<unsigned long long>(on.stats.hits),
+  std::vector<Raw> raws;
+  std::vector<Sweep> offs, ons;
+  for (int k = 0; k < rounds; ++k) {
+    raws.push_back(raw_sweep());
+    offs.push_back(sweep(0));
+    ons.push_back(sweep(ls::RemoteOptions{}.receive_cache_bytes));
+  }
+  MPI_Comm_free(&comm);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  auto med = [&](auto pick) {
+    std::vector<double> v;
+    for (int k = 0; k < rounds; ++k) v.push_back(pick(k));
+    return median(v);
+  };
+  if (rank != 0) {  // the calls were timed on rank 0
+    ls::finalize<ls::MPIBackend>();
+    return 0;
+  }
+  const double raw0 = med([&](int k) { return raws[k].zero; });
+  Sweep off, on;
+  on.stats = ons.back().stats;
+  off.call0 = med([&](int k) { return offs[k].call0; });
+  on.call0 = med([&](int k) { return ons[k].call0; });
+  std::vector<double> raw, raw_fresh;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    raw.push_back(med([&](int k) { return raws[k].reused[i]; }));
+    raw_fresh.push_back(med([&](int k) { return raws[k].fresh[i]; }));
+    off.rt.push_back(med([&](int k) { return offs[k].rt[i]; }));
+    on.rt.push_back(med([&](int k) { return ons[k].rt[i]; }));
+  }
+  {
+    std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run, median of %d rounds)\n", rounds);
+    std::printf("# receive cache on rank 0 (last round): %llu hits, %llu misses\n", static_cast<unsigned long long>(on.stats.hits),
                 static_cast<unsigned long long>(on.stats.misses));
     std::printf("%-10s %11s %11s %7s %11s %7s %11s %7s %11s %11s\n", "bytes", "remote_us", "raw_us", "ratio",
                 "rawfresh_us", "ratio_f", "nocache_us", "ratio_n", "remote_GB/s", "raw_GB/s");
