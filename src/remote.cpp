@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <iostream>
 #include <mutex>
@@ -171,17 +172,132 @@ void backoff(Clock::time_point since_active) {
   else std::this_thread::sleep_for(std::chrono::microseconds(500));
 }
 
-/// Polls the requests until they complete or the deadline passes (returns false then).
-bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline) {
+/// Polls the requests until they complete or the deadline passes (returns false then). With
+/// `statuses`, fills one status per request.
+bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
+                   std::vector<MPI_Status>* statuses = nullptr) {
   const auto start = Clock::now();
+  if (statuses != nullptr) statuses->resize(reqs.size());
   while (true) {
     int flag = 0;
-    LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
+    LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag,
+                                   statuses != nullptr ? statuses->data() : MPI_STATUSES_IGNORE));
     if (flag) return true;
     if (Clock::now() >= deadline) return false;
     backoff(start);
   }
 }
+
+// ---- the receive cache ----
+// Received tensors of kCacheMin bytes or more live in buffers of the session. The deleter of a
+// buffer's storage (it runs when the last Tensor over the buffer is released, on any thread)
+// gives the buffer back; the cache keeps it, within its byte limit, and hands it out again for
+// a message of about the same size. Without it every large received tensor is new memory, which
+// glibc maps afresh (allocations over its mmap threshold, at most 32 MiB), so that the page
+// faults of first touch cost more than the transfer itself. A buffer is handed out only after
+// its deleter ran: nothing received can alias a tensor still held.
+constexpr std::size_t kCacheMin = std::size_t{64} << 10;
+constexpr std::size_t kCacheMaxBuffers = 64;
+constexpr std::size_t kAlign = 64;
+
+class RecvCache : public std::enable_shared_from_this<RecvCache> {
+ public:
+  explicit RecvCache(std::size_t limit) : limit_(limit) {}
+  ~RecvCache() {
+    for (auto& b : kept_) std::free(b.p);
+  }
+  RecvCache(const RecvCache&) = delete;
+  RecvCache& operator=(const RecvCache&) = delete;
+
+  /// A host tensor of `shape` to receive into (contents unspecified: the receive fills it).
+  Tensor take(Shape shape, DType dt) {
+    const std::size_t n = nbytes_of(numel_of(shape), dt);
+    if (n < kCacheMin || limit_ == 0) return Tensor(std::move(shape), dt);
+    void* p = nullptr;
+    std::size_t cap = 0;
+    {
+      std::lock_guard lk(mu_);
+      // The smallest kept buffer that holds n bytes and wastes at most a quarter of n.
+      std::size_t best = kept_.size();
+      for (std::size_t i = 0; i < kept_.size(); ++i)
+        if (kept_[i].cap >= n && kept_[i].cap - n <= n / 4 && (best == kept_.size() || kept_[i].cap < kept_[best].cap))
+          best = i;
+      if (best != kept_.size()) {
+        p = kept_[best].p;
+        cap = kept_[best].cap;
+        kept_bytes_ -= cap;
+        kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(best));
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+    }
+    if (p == nullptr) {
+      cap = (n + kAlign - 1) / kAlign * kAlign;
+      p = std::aligned_alloc(kAlign, cap);
+      if (p == nullptr)
+        throw Error(concat("remote: out of memory: cannot allocate ", n, " bytes for a received ", name(dt),
+                           " tensor of shape ", lockstep::to_string(shape), rank_suffix()));
+    }
+    std::shared_ptr<void> owner;
+    try {
+      owner = std::shared_ptr<void>(p, [self = shared_from_this(), cap](void* q) { self->give(q, cap); });
+    } catch (...) {
+      std::free(p);
+      throw;
+    }
+    return Tensor::adopt(p, std::move(owner), std::move(shape), dt);
+  }
+
+  /// Frees what is kept; buffers given back later are freed at once.
+  void close() {
+    std::lock_guard lk(mu_);
+    closed_ = true;
+    for (auto& b : kept_) std::free(b.p);
+    kept_.clear();
+    kept_bytes_ = 0;
+  }
+
+  ReceiveCacheStats stats() {
+    std::lock_guard lk(mu_);
+    return ReceiveCacheStats{hits_, misses_, kept_bytes_, kept_.size()};
+  }
+
+ private:
+  struct Kept {
+    std::size_t cap;
+    void* p;
+    std::uint64_t stamp;
+  };
+
+  void give(void* p, std::size_t cap) noexcept {
+    std::lock_guard lk(mu_);
+    if (closed_ || cap > limit_) {
+      std::free(p);
+      return;
+    }
+    // Make room: the least recently given back go first.
+    while (!kept_.empty() && (kept_bytes_ + cap > limit_ || kept_.size() >= kCacheMaxBuffers)) {
+      auto oldest = std::min_element(kept_.begin(), kept_.end(),
+                                     [](const Kept& a, const Kept& b) { return a.stamp < b.stamp; });
+      std::free(oldest->p);
+      kept_bytes_ -= oldest->cap;
+      kept_.erase(oldest);
+    }
+    try {
+      kept_.push_back(Kept{cap, p, ++clock_});
+      kept_bytes_ += cap;
+    } catch (...) {
+      std::free(p);
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<Kept> kept_;
+  std::size_t limit_, kept_bytes_ = 0;
+  std::uint64_t clock_ = 0, hits_ = 0, misses_ = 0;
+  bool closed_ = false;
+};
 
 }  // namespace
 
@@ -220,6 +336,7 @@ struct Engine {
   Clock::time_point last_heard_driver = Clock::now();
   bool closing = false;
 
+  std::shared_ptr<RecvCache> cache;
   std::thread progress, executor;
   std::thread::id executor_id;
   std::atomic<bool> stop_progress{false};
@@ -228,9 +345,12 @@ struct Engine {
   Clock::time_point next_hb = Clock::now();
   Head hb_head{};
 
+  /// Requests given up on (a send past its deadline, a receive cancelled), kept with the memory
+  /// they use until MPI has let go of them.
   struct Orphan {
     std::vector<MPI_Request> reqs;
     Encoder keep;
+    std::vector<Tensor> segs;
   };
   std::vector<Orphan> orphans;
 
@@ -279,7 +399,7 @@ struct Engine {
     }
     if (!wait_requests(reqs, deadline)) {
       std::lock_guard lk(mu);
-      orphans.push_back(Orphan{std::move(reqs), std::move(m)});
+      orphans.push_back(Orphan{std::move(reqs), std::move(m), {}});
       throw TimeoutError(concat(what, ": rank ", dests.size() == 1 ? std::to_string(dests[0]) : std::string("s"),
                                 " did not take the message within ", timeout, " s", rank_suffix()));
     }
@@ -332,7 +452,7 @@ struct Engine {
       std::memcpy(shape.data(), t, 8 * nd);
       t += 8 * nd;
       try {
-        in.segs.emplace_back(shape, static_cast<DType>(dt));
+        in.segs.push_back(cache->take(std::move(shape), static_cast<DType>(dt)));
       } catch (const std::exception& x) {
         std::cerr << "lockstep remote: cannot allocate a received tensor: " << x.what() << "\n";
         ok = false;
@@ -345,20 +465,35 @@ struct Engine {
     }
     const bool reply = in.kind == k_rep_ok || in.kind == k_rep_err;
     std::vector<MPI_Request> reqs;
+    std::vector<int> sizes;
     for (auto& s : in.segs) {
       auto* p = static_cast<char*>(s.raw_data());
       for (std::size_t off = 0; off < s.nbytes(); off += kChunk) {
         const auto c = std::min(kChunk, s.nbytes() - off);
         reqs.emplace_back();
+        sizes.push_back(static_cast<int>(c));
         MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, data_tag(in.id, reply), comm, &reqs.back());
       }
     }
-    if (!reqs.empty() && !wait_requests(reqs, deadline_after(timeout))) {
+    std::vector<MPI_Status> sts;
+    if (!reqs.empty() && !wait_requests(reqs, deadline_after(timeout), &sts)) {
       for (auto& r : reqs)
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
       std::cerr << "lockstep remote: the tensors of a message from rank " << in.source
                 << " did not arrive within " << timeout << " s" << rank_suffix() << "\n";
+      // Their memory stays with the cancelled receives until MPI completes them.
+      std::lock_guard lk(mu);
+      orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs)});
       return;
+    }
+    for (std::size_t i = 0; i < sts.size(); ++i) {
+      int got = 0;
+      MPI_Get_count(&sts[i], MPI_BYTE, &got);
+      if (got != sizes[i]) {  // every byte of a received tensor comes from the sender
+        std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
+                  << got << " bytes where " << sizes[i] << " were announced" << rank_suffix() << "\n";
+        return;
+      }
     }
     std::lock_guard lk(mu);
     if (in.kind == k_req) {
@@ -585,6 +720,7 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     MPI_Comm_free(&e->comm);
     throw MismatchError(concat("RemoteSession: the ranks' options differ (", diff, ")"));
   }
+  e->cache = std::make_shared<RecvCache>(o.receive_cache_bytes);
   e->hb_head.magic = kMagic;
   e->hb_head.kind = k_heartbeat;
   e->progress = std::thread([p = e.get()] { p->progress_loop(); });
@@ -635,6 +771,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
     e->pending.clear();
     e->queue.clear();
   }
+  e->cache->close();
   e->cv.notify_all();
   if (ok) {
     if (!e->hb_reqs.empty()) wait_requests(e->hb_reqs, deadline_after(1.0));
@@ -646,6 +783,8 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
 }
 
 }  // namespace
+
+ReceiveCacheStats receive_cache_stats(const Backend& b) { return engine_of(b)->cache->stats(); }
 
 // ---- calls ----
 std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder&& args, const CallOptions& opts) {

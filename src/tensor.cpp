@@ -269,6 +269,12 @@ Tensor Tensor::borrow(void* data, Shape shape, DType dtype, Device device) {
   return t;
 }
 
+Tensor Tensor::adopt(void* data, std::shared_ptr<void> owner, Shape shape, DType dtype, Device device) {
+  Tensor t = borrow(data, std::move(shape), dtype, device);
+  t.storage_ = std::move(owner);
+  return t;
+}
+
 Tensor Tensor::clone() const { return to(device_); }
 
 Tensor Tensor::to(Device device) const {

@@ -91,7 +91,11 @@ std::int64_t count_plus(const ls::Tensor& x, std::int64_t offset) { return x.num
 // A remote function that itself calls rank 0 (the driver, which is waiting and so serves it).
 int nested(int x) { return ls::remote_sync_call(ls::get_distributed_backend<ls::MPIBackend>(), 0, add, x, 1000); }
 
+// The tensor back, as received (no copy): its memory is the buffer it arrived in.
+ls::Tensor echo_t(ls::Tensor t) { return t; }
+
 LOCKSTEP_REMOTE(add)
+LOCKSTEP_REMOTE(echo_t)
 LOCKSTEP_REMOTE(nested)
 LOCKSTEP_REMOTE(whoami)
 LOCKSTEP_REMOTE(nothing)
@@ -314,6 +318,178 @@ TEST_CASE("remote: a 100 MiB tensor there and back") {
       if (back.data<float>()[i] != 2.0f * static_cast<float>(i % 1000)) ++bad;
     CHECK(bad == 0);
   });
+}
+
+TEST_CASE("remote: concurrent 100 MiB calls to every rank, each result its own") {
+  auto& b = backend();
+  ls::run_driver(b, [&] {
+    const std::int64_t n = 100LL * 1024 * 1024 / 4;
+    auto t = ls::Tensor({n});
+    for (std::int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(i % 1000);
+    std::vector<ls::Future<ls::Tensor>> fs;
+    for (int r = 0; r < world(); ++r) fs.push_back(ls::remote_async_call(b, r, scaled, t, static_cast<float>(r + 1)));
+    auto rs = ls::wait_all(fs);
+    for (int r = 0; r < world(); ++r) {
+      REQUIRE(rs[r].numel() == n);
+      long bad = 0;
+      for (std::int64_t i = 0; i < n; ++i)
+        if (rs[r].data<float>()[i] != static_cast<float>(r + 1) * static_cast<float>(i % 1000)) ++bad;
+      CHECK(bad == 0);
+      for (int q = 0; q < r; ++q) CHECK_FALSE(ls::memory_overlaps(rs[r], rs[q]));
+    }
+  });
+}
+
+TEST_CASE("Tensor::adopt: the owner's deleter runs when the last tensor over the memory goes") {
+  int released = 0;
+  std::vector<float> mem(16, 2.0f);
+  {
+    std::shared_ptr<void> owner(mem.data(), [&](void*) { ++released; });
+    ls::Tensor t = ls::Tensor::adopt(mem.data(), std::move(owner), {4, 4}, ls::DType::f32);
+    CHECK(t.owns_memory());
+    CHECK(t.raw_data() == mem.data());
+    ls::Tensor v = t.slice_view(4, {4});
+    t = ls::Tensor();
+    CHECK(released == 0);  // the view still holds it
+    CHECK(v.data<float>()[3] == 2.0f);
+  }
+  CHECK(released == 1);
+  CHECK_THROWS_AS(ls::Tensor::adopt(nullptr, nullptr, {4}, ls::DType::f32), ls::InvalidArgument);
+}
+
+TEST_CASE("remote: a host tensor argument is sent from its own memory") {
+  namespace rd = ls::detail::remote;
+  auto t = ls::Tensor::ones({1024});
+  rd::Encoder e = rd::encode_args<double (*)(const ls::Tensor&)>(t);
+  REQUIRE(e.tensors().size() == 1);
+  CHECK(e.tensors()[0].raw_data() == t.raw_data());  // referenced, not copied
+  CHECK(e.bytes().size() < 256);                      // the data is not in the header message
+}
+
+TEST_CASE("remote: received tensors reuse the session's buffers, never one still held") {
+  auto& b = backend();
+  const std::size_t limit = std::size_t{5} << 20;
+  ls::RemoteSession session(b, ls::RemoteOptions{.timeout = 120, .receive_cache_bytes = limit});
+  ls::run_driver(b, [&] {
+    const int target = world() - 1;
+    const std::int64_t n = 1 << 18;  // 1 MiB of f32: over the cache's lower bound (64 KiB)
+    // Results held at once: each is its own memory with its own contents.
+    std::vector<ls::Tensor> held;
+    for (int i = 0; i < 4; ++i) held.push_back(ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({n}, i + 1.0)));
+    for (int i = 0; i < 4; ++i) {
+      CHECK(held[i].owns_memory());
+      for (int j = 0; j < i; ++j) CHECK_FALSE(ls::memory_overlaps(held[i], held[j]));
+    }
+    // A view keeps its buffer held as well: released tensors make room, the view's memory is
+    // not handed out again.
+    ls::Tensor view = held[0].slice_view(n - 100, {100});
+    held.clear();
+    std::vector<ls::Tensor> more;
+    for (int i = 0; i < 4; ++i) {
+      more.push_back(ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({n}, 10.0 + i)));
+      CHECK_FALSE(ls::memory_overlaps(more.back(), view));
+    }
+    long bad = 0;
+    for (float x : view.span<float>()) bad += x != 1.0f;
+    for (int i = 0; i < 4; ++i)
+      for (float x : more[i].span<float>()) bad += x != 10.0f + static_cast<float>(i);
+    CHECK(bad == 0);
+    more.clear();
+    view = ls::Tensor();
+    // Released buffers are used again (after the first call of this loop, every reply on this
+    // rank lands in one), and what is kept stays within the limit.
+    const auto before = ls::detail::remote::receive_cache_stats(b);
+    for (int i = 0; i < 20; ++i) {
+      auto r = ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({n}, 100.0 + i));
+      CHECK(r.data<float>()[0] == 100.0f + static_cast<float>(i));
+      CHECK(r.data<float>()[n - 1] == 100.0f + static_cast<float>(i));
+    }
+    const auto after = ls::detail::remote::receive_cache_stats(b);
+    CHECK(after.hits - before.hits >= 20);
+    CHECK(after.kept_bytes <= limit);
+    CHECK(after.kept_buffers >= 1);
+    // Small tensors are left to the allocator.
+    const auto small0 = ls::detail::remote::receive_cache_stats(b);
+    (void)ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({1000}, 1.0));
+    const auto small1 = ls::detail::remote::receive_cache_stats(b);
+    CHECK(small1.hits == small0.hits);
+    CHECK(small1.misses == small0.misses);
+  });
+  // A received tensor outlives its session: its memory is freed when it is released.
+  ls::Tensor kept = ls::run_driver(b, [&] { return ls::Tensor::full({1 << 18}, 3.0); });
+  session.close();
+  CHECK(kept.data<float>()[(1 << 18) - 1] == 3.0f);
+  kept = ls::Tensor();
+  // Without the cache, every received tensor is new memory.
+  ls::RemoteSession plain(b, ls::RemoteOptions{.timeout = 120, .receive_cache_bytes = 0});
+  ls::run_driver(b, [&] {
+    for (int i = 0; i < 3; ++i) (void)ls::remote_sync_call(b, world() - 1, echo_t, ls::Tensor::full({1 << 18}, 1.0));
+    const auto st = ls::detail::remote::receive_cache_stats(b);
+    CHECK(st.hits == 0);
+    CHECK(st.kept_bytes == 0);
+  });
+  plain.close();
+}
+
+TEST_CASE("remote: with background serving, a rank inside a collective of training still answers") {
+  auto& b = backend();
+  ls::RemoteSession session(b, ls::RemoteOptions{.background = true, .timeout = 120});
+  auto x = ls::Tensor::full({1000}, me() + 1.0);
+  if (me() == 0) {
+    // The others are (or are about to be) inside the allreduce below, waiting for this rank:
+    // only their background executors can answer.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    for (int r = 1; r < world(); ++r) {
+      CHECK(ls::remote_sync_call(b, ls::CallOptions{.timeout = 60}, r, whoami) == r);
+      CHECK(ls::remote_sync_call(b, ls::CallOptions{.timeout = 60}, r, sum_of, ls::Tensor::full({1 << 16}, 2.0)) ==
+            2.0 * (1 << 16));
+    }
+  }
+  // The calls' messages travel on the session's communicator, the allreduce on the backend's:
+  // neither disturbs the other.
+  ls::allreduce(b, x, ls::ReduceOp::sum);
+  long bad = 0;
+  for (float v : x.span<float>()) bad += v != static_cast<float>(world() * (world() + 1) / 2);
+  CHECK(bad == 0);
+  session.close();
+}
+
+TEST_CASE("remote: a call's default deadline is the session's timeout, by default lockstep::timeout()") {
+  auto& b = backend();
+  const int target = world() - 1;
+  // The session's timeout also bounds its own collectives (creating, agreeing, closing): the
+  // barriers on the backend (whose deadline is not that short) line the ranks up before them,
+  // so that a loaded machine does not make them late.
+  auto timed_out = [&](const char* within) {
+    ls::run_driver(b, [&] {
+      try {
+        ls::remote_sync_call(b, target, sleeper, 3.5);  // no CallOptions: the session's deadline
+        FAIL("no TimeoutError");
+      } catch (const ls::TimeoutError& e) {
+        CHECK_THAT(e.what(), Catch::Contains("'sleeper' on rank " + std::to_string(target) + " did not answer within " + within));
+      }
+      // Waits behind the sleeper (one background executor per rank).
+      CHECK(ls::remote_sync_call(b, ls::CallOptions{.timeout = 60}, target, add, 1, 2) == 3);
+    });
+    ls::barrier(b);
+  };
+  // RemoteOptions::timeout unset: lockstep::timeout() (LOCKSTEP_TIMEOUT) when the session starts.
+  // (Background serving, so that at one rank the call to self runs beside the waiting driver.)
+  const double saved = ls::timeout();
+  ls::barrier(b);
+  ls::set_timeout(2.0);
+  {
+    ls::RemoteSession session(b, ls::RemoteOptions{.background = true});
+    ls::set_timeout(saved);  // the session keeps what it read
+    timed_out("2 s");
+    session.close();
+  }
+  ls::barrier(b);
+  {
+    ls::RemoteSession session(b, ls::RemoteOptions{.background = true, .timeout = 2.5});
+    timed_out("2.5 s");
+    session.close();
+  }
 }
 
 TEST_CASE("remote: partitioners and reducers") {

@@ -3,3 +3,26 @@ lockstep_test_executable(test_remote remote_test.cpp)
 lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 3 TCP TIMEOUT 300)
+
+# A rank killed with SIGKILL while remote calls are pending (deadlines off): the job ends within
+# 10 s of the kill, and mpiexec names the dead rank. A worker killed from outside, and the driver
+# killed by a worker from inside a call the driver waits on.
+add_executable(lockstep_remote_kill remote_kill.cpp)
+target_link_libraries(lockstep_remote_kill PRIVATE lockstep::core lockstep_build_flags)
+function(lockstep_add_remote_kill_test mode dead)
+  foreach(n IN LISTS ARGN)
+    set(name remote.killed_${mode}.np${n})
+    add_test(NAME ${name}
+      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh
+              --abort --max-ms-after-fault 10000 ${n} $<TARGET_FILE:lockstep_remote_kill> --steps 20 --mode ${mode}
+              -- "process rank ${dead} with PID" "signal 9" "at unix time ms")
+    set_tests_properties(${name} PROPERTIES
+      PROCESSORS ${n}
+      TIMEOUT 90
+      LABELS "mpi;reliability"
+      SKIP_RETURN_CODE 77
+      ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE};LOCKSTEP_TIMEOUT=0")
+  endforeach()
+endfunction()
+lockstep_add_remote_kill_test(worker 1 2 3 4)
+lockstep_add_remote_kill_test(driver 0 2 4)

@@ -64,6 +64,13 @@ struct RemoteOptions {
   /// default 600 s; 0: none). Also bounds the session's own collectives and how long a serving
   /// rank waits without hearing from the driver.
   double timeout = -1.0;
+  /// Bytes of received-tensor memory this rank keeps for reuse (0: none). A tensor of 64 KiB or
+  /// more that a call or reply brings is received into a buffer of the session; once the last
+  /// Tensor over it is released, the buffer is kept (up to this many bytes, the least recently
+  /// returned given up first) and a later message of about its size is received into it, which
+  /// saves the page faults of fresh memory. A buffer is reused only when nothing refers to it.
+  /// Local to each rank (need not agree); the kept memory is freed when the session ends.
+  std::size_t receive_cache_bytes = std::size_t{512} << 20;
 };
 
 /// Options of one call.
@@ -360,6 +367,16 @@ bool register_static(const char* name, R (*fn)(A...)) {
   register_fn(name, signature_of<R, A...>(), reinterpret_cast<const void*>(fn), &invoke_fn<R, A...>);
   return true;
 }
+
+/// What the session's receive cache (RemoteOptions::receive_cache_bytes) did on this rank.
+struct ReceiveCacheStats {
+  std::uint64_t hits = 0;     ///< tensors received into a kept buffer
+  std::uint64_t misses = 0;   ///< tensors of the cached sizes received into new memory
+  std::size_t kept_bytes = 0; ///< memory kept for reuse now
+  std::size_t kept_buffers = 0;
+};
+/// The receive cache of b's session; InvalidArgument when b has no session.
+ReceiveCacheStats receive_cache_stats(const Backend& b);
 
 /// A call in flight (defined in remote.cpp).
 struct Call;

@@ -102,6 +102,11 @@ class Tensor {
                            Device device = Device::cpu());
   /// A tensor that borrows `data` (not freed by the tensor); the caller keeps it alive.
   static Tensor borrow(void* data, Shape shape, DType dtype, Device device = Device::cpu());
+  /// A tensor over `data` whose memory `owner` keeps alive: the tensor and every view of it
+  /// share `owner`, whose deleter runs when the last of them is released (for memory with its
+  /// own release path, e.g. a pool of buffers). `data` must hold the tensor's bytes.
+  static Tensor adopt(void* data, std::shared_ptr<void> owner, Shape shape, DType dtype,
+                      Device device = Device::cpu());
 
   const Shape& shape() const noexcept { return shape_; }
   /// Extent of dimension i; throws InvalidArgument if i >= ndim().
