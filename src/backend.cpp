@@ -288,6 +288,53 @@ Request Backend::ibroadcast(TensorView buf, int root, Loc loc) {
   return do_ibroadcast(buf, root);
 }
 
+Request Backend::iallreduce_many(std::span<const TensorView> bufs, ReduceOp op, Loc loc) {
+  detail::CallSiteScope site(loc, "iallreduce_many");
+  std::int64_t total = 0;
+  for (const auto& b : bufs) total += b.numel;
+  const CallInfo info{"iallreduce_many", total, bufs.empty() ? -1 : static_cast<int>(bufs[0].dtype),
+                      static_cast<int>(op), -1};
+  LOCKSTEP_FRONT_CHECKS(info, {
+    for (std::size_t i = 0; i < bufs.size(); ++i) {
+      check_view(bufs[i], "iallreduce_many", "a buffer");
+      check_op_for_dtype(op, bufs[i].dtype);
+    }
+    // In-place reductions of overlapping buffers would read each other's results.
+    std::vector<std::size_t> order(bufs.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return reinterpret_cast<std::uintptr_t>(bufs[a].data) < reinterpret_cast<std::uintptr_t>(bufs[b].data);
+    });
+    for (std::size_t k = 1; k < order.size(); ++k)
+      LOCKSTEP_CHECK_ARG(!overlaps(bufs[order[k - 1]], bufs[order[k]]), "iallreduce_many: buffers ",
+                         order[k - 1], " and ", order[k], " overlap in memory");
+  });
+  return do_iallreduce_many(bufs, op);
+}
+
+namespace {
+// The default iallreduce_many: the requests of one iallreduce per buffer, completed together.
+class ManyRequests final : public detail::RequestImpl {
+ public:
+  std::vector<Request> reqs;
+  void wait() override {
+    for (auto& r : reqs) r.wait();
+  }
+  bool test() override {
+    bool all = true;
+    for (auto& r : reqs) all = r.test() && all;
+    return all;
+  }
+};
+}  // namespace
+
+Request Backend::do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
+  auto many = std::make_unique<ManyRequests>();
+  many->reqs.reserve(bufs.size());
+  for (const auto& b : bufs) many->reqs.push_back(do_iallreduce(b, op));
+  return Request(std::move(many));
+}
+
 #undef LOCKSTEP_FRONT_CHECKS
 
 }  // namespace lockstep

@@ -55,7 +55,9 @@ struct GradientReducer::Impl {
     bool staged = false;  // reduced in `work` and unpacked afterwards
     bool finished = false;  // reduced, and unpacked or scaled
     Tensor wire;                    // the bucket in the wire dtype (DistributedOptions::wire_dtype)
-    std::vector<Request> requests;  // one per slice of at most bucket_bytes
+    // One per slice of at most bucket_bytes (host); a device bucket that reduce_bound sent
+    // with others in one iallreduce_many: the first of them holds the group's request.
+    std::vector<Request> requests;
     // on the communication thread
     bool threaded = false;  // handed to the thread this step
     bool done = false;      // the thread has reduced it (guarded by Impl::wm)
@@ -84,6 +86,7 @@ struct GradientReducer::Impl {
   bool is_bound = false;
   std::size_t next_launch = 0;
   std::size_t zero_copy = 0;
+  std::vector<DeviceCopy> copies;  // scratch of copy_device
 
   // accumulation
   int accumulated = 0;
@@ -200,13 +203,14 @@ struct GradientReducer::Impl {
   }
 
   void plan() {
-    const std::size_t cap = options.bucket_bytes;
     bucket_of.assign(leaves.size(), 0);
     // Walk backwards: the last leaves (produced first by backward) go into bucket 0.
     std::size_t i = leaves.size();
     while (i > 0) {
       const std::size_t last = i;
       std::size_t first = i - 1;
+      // Host and device buckets have their own size (a bucket never mixes devices).
+      const std::size_t cap = leaves[first].device.is_cpu() ? options.bucket_bytes : options.device_bucket_bytes;
       std::size_t bytes = static_cast<std::size_t>(leaves[first].numel) * size_of(leaves[first].dtype);
       while (first > 0) {
         const auto& prev = leaves[first - 1];
@@ -306,18 +310,19 @@ struct GradientReducer::Impl {
     }
   }
 
-  // Starts reducing bucket bi. Nonblocking (one request per slice) when backward reported it,
-  // so that the reduction overlaps the rest of backward; blocking, slice after slice, when
-  // update() reduces it itself and the bucket is in host memory: nothing is left to overlap
-  // then, and MPIBackend's blocking allreduce is the faster one (its shared-memory path on one
-  // machine; Open MPI's blocking algorithms elsewhere). Every rank takes the same branch for the
-  // same bucket as long as every rank reports the same gradients (the same model code does).
-  void launch(std::size_t bi, bool blocking = false) {
+  // Makes bucket bi ready to be reduced and returns the view to reduce (packed into the
+  // bucket's buffer unless its gradients lie back to back); an empty view when there is nothing
+  // to communicate: an empty bucket, or a device bucket at one rank (the sum and the mean of one
+  // rank are its gradients; accumulation and the wire dtype are host-only).
+  TensorView prepare(std::size_t bi) {
     Bucket& b = buckets[bi];
     b.launched = true;
-    if (b.numel == 0) return;
+    if (b.numel == 0) return {};
+    if (!b.device.is_cpu() && nranks == 1) {
+      if (contiguous(b)) ++zero_copy;  // in place, trivially
+      return {};
+    }
     const bool accumulating = accumulated > 0;
-    TensorView target;
     if (wire) {
       // Rounded once into the wire dtype: from the accumulator, or from the gradients.
       if (b.wire.numel() != b.numel) b.wire = Tensor::zeros({b.numel}, *wire, b.device);
@@ -329,21 +334,59 @@ struct GradientReducer::Impl {
                           leaves[j].numel);
       }
       b.staged = true;
-      target = b.wire.view();
-    } else if (accumulating) {
+      return b.wire.view();
+    }
+    if (accumulating) {
       add_bucket(b);
       b.staged = true;  // result stays in the accumulator; nothing to unpack
-      target = b.work.view();
-    } else if (contiguous(b)) {
+      return b.work.view();
+    }
+    if (contiguous(b)) {
       ++zero_copy;
-      target = TensorView{bound[b.first]->raw_data(), b.numel, b.dtype, b.device};
-    } else {
-      ensure_work(b);
+      return TensorView{bound[b.first]->raw_data(), b.numel, b.dtype, b.device};
+    }
+    ensure_work(b);
+    if (b.device.is_cpu()) {
       for (std::size_t j = b.first; j < b.last; ++j)
-        copy_bytes(leaf_in_work(b, j), b.device, bound[j]->raw_data(), bound[j]->device(),
-                   bound[j]->nbytes());
-      b.staged = true;
-      target = b.work.view();
+        copy_bytes(leaf_in_work(b, j), b.device, bound[j]->raw_data(), bound[j]->device(), bound[j]->nbytes());
+    } else {
+      copy_device(b, /*to_work=*/true);  // one launch, ordered on the current stream
+    }
+    b.staged = true;
+    return b.work.view();
+  }
+
+  // Packs (to_work) or unpacks the gradients of device bucket b with one copy launch, queued on
+  // the current stream of its device and not waited for.
+  void copy_device(Bucket& b, bool to_work) {
+    copies.clear();
+    for (std::size_t j = b.first; j < b.last; ++j) {
+      const std::size_t n = bound[j]->nbytes();
+      if (n == 0) continue;
+      if (to_work) copies.push_back({leaf_in_work(b, j), bound[j]->raw_data(), n});
+      else copies.push_back({bound[j]->raw_data(), leaf_in_work(b, j), n});
+    }
+    if (!copies.empty()) device_runtime("DistributedOptimizer").copy_many(copies, b.device.index);
+  }
+
+  // Starts reducing bucket bi. Nonblocking (one request per slice) when backward reported it,
+  // so that the reduction overlaps the rest of backward; blocking, slice after slice, when
+  // update() reduces it itself and the bucket is in host memory: nothing is left to overlap
+  // then, and MPIBackend's blocking allreduce is the faster one (its shared-memory path on one
+  // machine; Open MPI's blocking algorithms elsewhere). Every rank takes the same branch for the
+  // same bucket as long as every rank reports the same gradients (the same model code does).
+  // Device buckets are never sliced (the slices exist for the host's caches) and always go
+  // nonblocking; reduce_bound sends its device buckets together (iallreduce_many) instead.
+  void launch(std::size_t bi, bool blocking = false) {
+    Bucket& b = buckets[bi];
+    b.requests.clear();
+    const TensorView target = prepare(bi);
+    if (target.numel == 0) return;
+    const ReduceOp op = wire ? ReduceOp::sum : options.op;
+    if (!b.device.is_cpu()) {
+      detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
+      b.requests.push_back(backend->iallreduce(target, op));
+      return;
     }
     // A bucket larger than bucket_bytes (one large tensor) is reduced in slices of bucket_bytes:
     // each slice's reduction then works in cache, which one large reduction does not.
@@ -352,19 +395,17 @@ struct GradientReducer::Impl {
         options.bucket_bytes == 0
             ? target.numel
             : std::max<std::int64_t>(1, static_cast<std::int64_t>(options.bucket_bytes / size_of(b.dtype)));
-    b.requests.clear();
-    if (!blocking && b.device.is_cpu() && use_thread) {
+    if (!blocking && use_thread) {
       b.target = target;
       b.slice = step;
       enqueue(bi);
       return;
     }
-    if ((blocking && b.device.is_cpu()) || sharded) {
+    if (blocking || sharded) {
       // Sharded: reduces have no nonblocking form, so without the thread they run here.
       communicate(b, target, step);
       return;
     }
-    const ReduceOp op = wire ? ReduceOp::sum : options.op;
     for (std::int64_t off = 0; off < target.numel; off += step)
       b.requests.push_back(
           backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), op));
@@ -427,6 +468,10 @@ struct GradientReducer::Impl {
       return;
     }
     if (!b.staged) return;
+    if (!b.device.is_cpu()) {
+      copy_device(b, /*to_work=*/false);  // one launch; later work on the stream sees it done
+      return;
+    }
     for (std::size_t j = b.first; j < b.last; ++j)
       copy_bytes(bound[j]->raw_data(), bound[j]->device(), leaf_in_work(b, j), b.device,
                  bound[j]->nbytes());
@@ -528,15 +573,39 @@ void GradientReducer::accumulate() {
 const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
-  // Reduce what backward did not report, in bucket order, each bucket with blocking calls and
-  // unpacked right after, while it is still in cache (device buckets: nonblocking, see launch).
+  // Reduce what backward did not report, in bucket order, each host bucket with blocking calls
+  // and unpacked right after, while it is still in cache. Consecutive device buckets are packed
+  // (one launch each) and sent together in one iallreduce_many (one NCCL group); the group's
+  // request sits in its first bucket, which finish() reaches before the others.
+  std::vector<std::size_t> group;
+  std::vector<TensorView> views;
+  auto send_group = [&] {
+    if (!views.empty()) {
+      detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
+      m.buckets[group.front()].requests.push_back(m.backend->iallreduce_many(views, m.options.op));
+    }
+    group.clear();
+    views.clear();
+  };
   while (m.next_launch < m.buckets.size()) {
     m.verify_bound(m.buckets[m.next_launch]);
     const std::size_t bi = m.next_launch++;
+    auto& b = m.buckets[bi];
+    if (!b.device.is_cpu() && !m.wire) {
+      b.requests.clear();
+      const TensorView t = m.prepare(bi);
+      if (t.numel > 0) {
+        group.push_back(bi);
+        views.push_back(t);
+      }
+      continue;
+    }
+    send_group();
     m.launch(bi, /*blocking=*/true);
-    if (m.buckets[bi].requests.empty()) m.finish(m.buckets[bi]);
+    if (b.requests.empty()) m.finish(b);
     else m.poke();
   }
+  send_group();
   for (auto& b : m.buckets) m.finish(b);
   if (m.use_thread) {
     std::exception_ptr err;
@@ -783,7 +852,8 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
 }
 
 std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
-  std::string s = concat("bucket_bytes=", o.bucket_bytes, " op=", name(o.op),
+  std::string s = concat("bucket_bytes=", o.bucket_bytes, " device_bucket_bytes=", o.device_bucket_bytes,
+                         " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
                          " skip_non_finite=", o.skip_non_finite,
                          " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread,

@@ -283,6 +283,17 @@ struct MPIBackend::Impl {
 
 namespace {
 
+// Before a device buffer is read by MPI (`direct`: a CUDA-aware MPI reads the device memory
+// itself) or by a staging copy, the producer's writes must be complete. In general the whole
+// device is synchronised, whatever stream produced the buffer (Flux.jl issue #2591: wrong
+// averages without it). Inside a detail::StreamOrderedScope (GradientReducer's buckets) the
+// buffer was written on the current stream: a staging copy, queued on that stream, follows it
+// without any wait, and a direct read waits for that stream alone.
+void wait_for_producer(DeviceRuntime& rt, int index, bool direct) {
+  if (!detail::stream_ordered()) rt.synchronize(index);
+  else if (direct) rt.synchronize_stream(index);
+}
+
 // A host-side stand-in for a view during one blocking collective. For host views it is the
 // view itself; for device views it is either the device pointer (CUDA-aware MPI) or a pinned
 // host buffer from the backend's pool, copied in before and out after, and given back to the
@@ -295,10 +306,9 @@ class Staged {
       : pool_(impl.pinned_pool), orig_(v), host_(v) {
     if (v.device.is_cpu()) return;
     DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
-    // The whole device: the producer's writes, on whatever stream, must be complete before MPI
-    // (or the copy below) reads the buffer (Flux.jl issue #2591: wrong averages without it).
-    rt.synchronize(v.device.index);
-    if (impl.cuda_aware && !host_work) return;
+    const bool direct = impl.cuda_aware && !host_work;
+    wait_for_producer(rt, v.device.index, direct);
+    if (direct) return;
     host_.device = Device::cpu();
     host_.data = pool_->take(v.nbytes(), cls_);
     staged_ = true;
@@ -677,7 +687,7 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
   host = buf;
   if (buf.device.is_cpu()) return nullptr;
   DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
-  rt.synchronize(buf.device.index);  // see Staged
+  wait_for_producer(rt, buf.device.index, /*direct=*/false);  // see Staged
   // Always staged, CUDA-aware MPI or not: Open MPI's CUDA support covers only some blocking
   // calls, and the request's finish (the avg division) runs on the host.
   (void)impl.cuda_aware;

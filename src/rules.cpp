@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <utility>
 #include <sstream>
+#include <vector>
 
 namespace lockstep {
 
@@ -40,7 +41,89 @@ void check_disjoint(const char* rule, std::initializer_list<std::pair<const char
       LOCKSTEP_CHECK_ARG(!memory_overlaps(a->second->view(), b->second->view()), rule, ": the ",
                          a->first, " and the ", b->first, " overlap in memory");
 }
+
+// The checks of one SGD parameter (apply and apply_many alike).
+void sgd_check(const SGD& r, const SGD::Slot& slot, const Tensor& param, const Tensor& grad) {
+  check_pair("SGD", param, grad);
+  if (r.momentum != 0.0f)
+    LOCKSTEP_CHECK_ARG(slot.momentum_buffer.numel() == param.numel(),
+                       "SGD: momentum buffer has ", slot.momentum_buffer.numel(),
+                       " elements, parameter ", param.numel(),
+                       " (momentum was 0 when the state was set up?)");
+  if (r.momentum != 0.0f)
+    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}, {"momentum buffer", &slot.momentum_buffer}});
+  else
+    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}});
+}
+
+void sgd_host(const SGD& r, SGD::Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) {
+  const std::int64_t n = param.numel();
+  if (param.dtype() == DType::f32) {
+    auto c = math::sgd_coeffs<float>(r.lr, r.momentum, r.dampening, r.weight_decay, r.nesterov, step);
+    float* buf = r.momentum != 0.0f ? slot.momentum_buffer.data<float>() : nullptr;
+    math::sgd_update(param.data<float>(), grad.data<float>(), buf, n, c);
+  } else {
+    auto c = math::sgd_coeffs<double>(r.lr, r.momentum, r.dampening, r.weight_decay, r.nesterov, step);
+    double* buf = r.momentum != 0.0f ? slot.momentum_buffer.data<double>() : nullptr;
+    math::sgd_update(param.data<double>(), grad.data<double>(), buf, n, c);
+  }
+}
+
+void adam_check(const Adam::Slot& slot, const Tensor& param, const Tensor& grad) {
+  check_pair("Adam", param, grad);
+  LOCKSTEP_CHECK_ARG(slot.exp_avg.numel() == param.numel() && slot.exp_avg_sq.numel() == param.numel(),
+                     "Adam: moments have ", slot.exp_avg.numel(), " and ", slot.exp_avg_sq.numel(),
+                     " elements, parameter ", param.numel());
+  check_disjoint("Adam", {{"parameter", &param},
+                          {"gradient", &grad},
+                          {"first moment (exp_avg)", &slot.exp_avg},
+                          {"second moment (exp_avg_sq)", &slot.exp_avg_sq}});
+}
+
+void adam_host(const Adam& r, Adam::Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) {
+  const std::int64_t n = param.numel();
+  if (param.dtype() == DType::f32) {
+    auto c = math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay, r.decoupled_weight_decay, step);
+    math::adam_update(param.data<float>(), grad.data<float>(), slot.exp_avg.data<float>(),
+                      slot.exp_avg_sq.data<float>(), n, c);
+  } else {
+    auto c = math::adam_coeffs<double>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay, r.decoupled_weight_decay, step);
+    math::adam_update(param.data<double>(), grad.data<double>(), slot.exp_avg.data<double>(),
+                      slot.exp_avg_sq.data<double>(), n, c);
+  }
+}
+
+// Cuda parameters grouped by device and dtype, in the order they come (one launch per group).
+template <class Views>
+struct DeviceGroups {
+  struct Group {
+    int device;
+    DType dtype;
+    std::vector<Views> views;
+  };
+  std::vector<Group> groups;
+  void add(const Tensor& param, Views v) {
+    for (auto& g : groups)
+      if (g.device == param.device().index && g.dtype == param.dtype()) {
+        g.views.push_back(v);
+        return;
+      }
+    groups.push_back({param.device().index, param.dtype(), {v}});
+  }
+};
+
+void check_lists(const char* rule, std::size_t slots, std::size_t params, std::size_t grads) {
+  LOCKSTEP_CHECK_ARG(slots == params && grads == params, rule, ": ", slots, " slots, ", params,
+                     " parameters and ", grads, " gradients");
+}
 }  // namespace
+
+void DeviceOptimizerKernels::sgd_many(std::span<const SGDViews> params, const SGD& rule, std::int64_t step) {
+  for (const SGDViews& v : params) sgd(v.param, v.grad, v.momentum_buffer, rule, step);
+}
+void DeviceOptimizerKernels::adam_many(std::span<const AdamViews> params, const Adam& rule, std::int64_t step) {
+  for (const AdamViews& v : params) adam(v.param, v.grad, v.exp_avg, v.exp_avg_sq, rule, step);
+}
 
 void set_device_optimizer_kernels(DeviceOptimizerKernels* k) noexcept { g_device_kernels.store(k); }
 DeviceOptimizerKernels* find_device_optimizer_kernels() noexcept { return g_device_kernels.load(); }
@@ -51,30 +134,31 @@ SGD::Slot SGD::init(const Tensor& param) const {
 }
 
 void SGD::apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) const {
-  check_pair("SGD", param, grad);
-  if (momentum != 0.0f)
-    LOCKSTEP_CHECK_ARG(slot.momentum_buffer.numel() == param.numel(),
-                       "SGD: momentum buffer has ", slot.momentum_buffer.numel(),
-                       " elements, parameter ", param.numel(),
-                       " (momentum was 0 when the state was set up?)");
-  if (momentum != 0.0f)
-    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}, {"momentum buffer", &slot.momentum_buffer}});
-  else
-    check_disjoint("SGD", {{"parameter", &param}, {"gradient", &grad}});
+  sgd_check(*this, slot, param, grad);
   if (!param.device().is_cpu()) {
     device_kernels("SGD").sgd(param.view(), grad.view(), slot.momentum_buffer.view(), *this, step);
     return;
   }
-  const std::int64_t n = param.numel();
-  if (param.dtype() == DType::f32) {
-    auto c = math::sgd_coeffs<float>(lr, momentum, dampening, weight_decay, nesterov, step);
-    float* buf = momentum != 0.0f ? slot.momentum_buffer.data<float>() : nullptr;
-    math::sgd_update(param.data<float>(), grad.data<float>(), buf, n, c);
-  } else {
-    auto c = math::sgd_coeffs<double>(lr, momentum, dampening, weight_decay, nesterov, step);
-    double* buf = momentum != 0.0f ? slot.momentum_buffer.data<double>() : nullptr;
-    math::sgd_update(param.data<double>(), grad.data<double>(), buf, n, c);
+  sgd_host(*this, slot, param, grad, step);
+}
+
+void SGD::apply_many(std::vector<Slot>& slots, const std::vector<Tensor*>& params,
+                     const std::vector<Tensor*>& grads, std::int64_t step) const {
+  check_lists("SGD", slots.size(), params.size(), grads.size());
+  bool any_device = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    sgd_check(*this, slots[i], *params[i], *grads[i]);
+    any_device = any_device || !params[i]->device().is_cpu();
   }
+  DeviceOptimizerKernels* k = any_device ? &device_kernels("SGD") : nullptr;
+  DeviceGroups<SGDViews> dev;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i]->device().is_cpu())
+      sgd_host(*this, slots[i], *params[i], *grads[i], step);
+    else
+      dev.add(*params[i], {params[i]->view(), grads[i]->view(), slots[i].momentum_buffer.view()});
+  }
+  for (const auto& g : dev.groups) k->sgd_many(g.views, *this, step);
 }
 
 Adam::Slot Adam::init(const Tensor& param) const {
@@ -83,29 +167,32 @@ Adam::Slot Adam::init(const Tensor& param) const {
 }
 
 void Adam::apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) const {
-  check_pair("Adam", param, grad);
-  LOCKSTEP_CHECK_ARG(slot.exp_avg.numel() == param.numel() && slot.exp_avg_sq.numel() == param.numel(),
-                     "Adam: moments have ", slot.exp_avg.numel(), " and ", slot.exp_avg_sq.numel(),
-                     " elements, parameter ", param.numel());
-  check_disjoint("Adam", {{"parameter", &param},
-                          {"gradient", &grad},
-                          {"first moment (exp_avg)", &slot.exp_avg},
-                          {"second moment (exp_avg_sq)", &slot.exp_avg_sq}});
+  adam_check(slot, param, grad);
   if (!param.device().is_cpu()) {
     device_kernels("Adam").adam(param.view(), grad.view(), slot.exp_avg.view(),
                                 slot.exp_avg_sq.view(), *this, step);
     return;
   }
-  const std::int64_t n = param.numel();
-  if (param.dtype() == DType::f32) {
-    auto c = math::adam_coeffs<float>(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, step);
-    math::adam_update(param.data<float>(), grad.data<float>(), slot.exp_avg.data<float>(),
-                      slot.exp_avg_sq.data<float>(), n, c);
-  } else {
-    auto c = math::adam_coeffs<double>(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, step);
-    math::adam_update(param.data<double>(), grad.data<double>(), slot.exp_avg.data<double>(),
-                      slot.exp_avg_sq.data<double>(), n, c);
+  adam_host(*this, slot, param, grad, step);
+}
+
+void Adam::apply_many(std::vector<Slot>& slots, const std::vector<Tensor*>& params,
+                      const std::vector<Tensor*>& grads, std::int64_t step) const {
+  check_lists("Adam", slots.size(), params.size(), grads.size());
+  bool any_device = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    adam_check(slots[i], *params[i], *grads[i]);
+    any_device = any_device || !params[i]->device().is_cpu();
   }
+  DeviceOptimizerKernels* k = any_device ? &device_kernels("Adam") : nullptr;
+  DeviceGroups<AdamViews> dev;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i]->device().is_cpu())
+      adam_host(*this, slots[i], *params[i], *grads[i], step);
+    else
+      dev.add(*params[i], {params[i]->view(), grads[i]->view(), slots[i].exp_avg.view(), slots[i].exp_avg_sq.view()});
+  }
+  for (const auto& g : dev.groups) k->adam_many(g.views, *this, step);
 }
 
 namespace detail {

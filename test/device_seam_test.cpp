@@ -9,7 +9,8 @@
 // runtime would do: allocations, copies, synchronisations. The optimizer kernels installed
 // here stand in for the CUDA kernels only to count launches: each call is one launch on a GPU,
 // and it computes with optim_math.hpp (what the kernels run) so that the results can be checked
-// against the host rules.
+// against the host rules. The runtime's batched copies (copy_many: one pack or unpack kernel on
+// a GPU) count as launches too.
 //
 // What this shows and what it cannot: the routing (which calls stage, which hand device
 // pointers to MPI) and the per-step counts are those of the real MPIBackend, GradientReducer
@@ -27,6 +28,8 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
@@ -39,6 +42,8 @@ class GuardedHostRuntime final : public ls::DeviceRuntime {
  public:
   struct Counts {
     long allocations = 0, pinned_allocations = 0, copies = 0, zeroes = 0, syncs = 0;
+    long copy_launches = 0;  // copy_many: one launch of the pack/unpack kernel each
+    long stream_syncs = 0;   // synchronize_stream: the current stream only
   };
 
   void* allocate(std::size_t bytes, int) override {
@@ -75,6 +80,19 @@ class GuardedHostRuntime final : public ls::DeviceRuntime {
   void synchronize(int) override {
     std::lock_guard lock(m_);
     ++counts_.syncs;
+  }
+  void synchronize_stream(int) override {
+    std::lock_guard lock(m_);
+    ++counts_.stream_syncs;
+  }
+  void copy_many(std::span<const ls::DeviceCopy> copies, int) override {
+    std::lock_guard lock(m_);
+    ++counts_.copy_launches;
+    for (const auto& c : copies) {
+      if (c.bytes == 0) continue;
+      Open a(*this, c.dst), b(*this, c.src);  // both must be device memory of this runtime
+      std::memmove(c.dst, c.src, c.bytes);
+    }
   }
   void* allocate_pinned(std::size_t bytes) override {
     std::lock_guard lock(m_);
@@ -154,15 +172,78 @@ class CountingKernels final : public ls::DeviceOptimizerKernels {
     ++launches;
     REQUIRE(p.dtype == ls::DType::f32);
     rt_.open_all();
-    auto c = ls::math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay, r.decoupled_weight_decay,
-                                          step);
-    ls::math::adam_update(static_cast<float*>(p.data), static_cast<const float*>(g.data),
-                          static_cast<float*>(m.data), static_cast<float*>(v.data), p.numel, c);
+    adam_one(p, g, m, v, r, step);
+    rt_.close_all();
+  }
+  // Multi-tensor apply: one launch for every tensor of the group.
+  void sgd_many(std::span<const ls::SGDViews> ps, const ls::SGD& r, std::int64_t step) override {
+    ++launches;
+    rt_.open_all();
+    for (const auto& v : ps) {
+      REQUIRE(v.param.dtype == ls::DType::f32);
+      auto c = ls::math::sgd_coeffs<float>(r.lr, r.momentum, r.dampening, r.weight_decay, r.nesterov, step);
+      ls::math::sgd_update(static_cast<float*>(v.param.data), static_cast<const float*>(v.grad.data),
+                           r.momentum != 0.0f ? static_cast<float*>(v.momentum_buffer.data) : nullptr, v.param.numel, c);
+    }
+    rt_.close_all();
+  }
+  void adam_many(std::span<const ls::AdamViews> ps, const ls::Adam& r, std::int64_t step) override {
+    ++launches;
+    rt_.open_all();
+    for (const auto& v : ps) {
+      REQUIRE(v.param.dtype == ls::DType::f32);
+      adam_one(v.param, v.grad, v.exp_avg, v.exp_avg_sq, r, step);
+    }
     rt_.close_all();
   }
 
  private:
+  static void adam_one(ls::TensorView p, ls::TensorView g, ls::TensorView m, ls::TensorView v, const ls::Adam& r,
+                       std::int64_t step) {
+    auto c = ls::math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay, r.decoupled_weight_decay,
+                                          step);
+    ls::math::adam_update(static_cast<float*>(p.data), static_cast<const float*>(g.data),
+                          static_cast<float*>(m.data), static_cast<float*>(v.data), p.numel, c);
+  }
   GuardedHostRuntime& rt_;
+};
+
+// A backend that forwards every collective to an MPIBackend and counts the iallreduce_many
+// calls (the group of device buckets DistributedOptimizer sends at once).
+class CountingBackend final : public ls::Backend {
+ public:
+  explicit CountingBackend(ls::MPIBackend& inner) : inner_(inner) {}
+  long groups = 0, group_buffers = 0;
+
+  std::string name() const override { return "counting(mpi)"; }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  int local_rank() const override { return inner_.local_rank(); }
+  int local_size() const override { return inner_.local_size(); }
+
+ protected:
+  void do_broadcast(ls::TensorView b, int root) override { inner_.broadcast(b, root); }
+  void do_allreduce(ls::TensorView b, ls::ReduceOp op) override { inner_.allreduce(b, op); }
+  void do_allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { inner_.allreduce(s, r, op); }
+  void do_reduce(ls::TensorView b, ls::ReduceOp op, int root) override { inner_.reduce(b, op, root); }
+  void do_reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override {
+    inner_.reduce(s, r, op, root);
+  }
+  void do_allgather(ls::TensorView s, ls::TensorView r) override { inner_.allgather(s, r); }
+  void do_reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override {
+    inner_.reduce_scatter(s, r, op);
+  }
+  void do_barrier() override { inner_.barrier(); }
+  ls::Request do_iallreduce(ls::TensorView b, ls::ReduceOp op) override { return inner_.iallreduce(b, op); }
+  ls::Request do_ibroadcast(ls::TensorView b, int root) override { return inner_.ibroadcast(b, root); }
+  ls::Request do_iallreduce_many(std::span<const ls::TensorView> bufs, ls::ReduceOp op) override {
+    ++groups;
+    group_buffers += static_cast<long>(bufs.size());
+    return inner_.iallreduce_many(bufs, op);
+  }
+
+ private:
+  ls::MPIBackend& inner_;
 };
 
 // Installs the runtime and the kernels for one test case (and restores what was there).
@@ -295,6 +376,37 @@ TEST_CASE("MPIBackend with CUDA-aware MPI: device pointers never reach host code
     CHECK(in.rt.counts().syncs >= 1);  // the producer's work is waited for first
     CHECK(check_all(t, [&](std::int64_t i) { return expected_sum(i, size); }) == 0);
   }
+  SECTION("written on the current stream (a reducer's bucket): that stream is waited for, not the device") {
+    ls::Tensor t = device_ramp(n, rank);
+    in.rt.reset_counts();
+    in.rt.open_all();
+    {
+      ls::detail::StreamOrderedScope ordered;
+      mpi.allreduce(t.view(), ls::ReduceOp::sum);
+    }
+    in.rt.close_all();
+    const auto c = in.rt.counts();
+    CHECK(c.copies == 0);
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 1);  // MPI reads the device memory itself: the stream must be done
+    CHECK(check_all(t, [&](std::int64_t i) { return expected_sum(i, size); }) == 0);
+  }
+  SECTION("staged, written on the current stream: the staging copy follows the stream, no wait at all") {
+    mpi.set_cuda_aware(false);
+    ls::Tensor t = device_ramp(n, rank);
+    in.rt.reset_counts();
+    {
+      ls::detail::StreamOrderedScope ordered;
+      mpi.allreduce(t.view(), ls::ReduceOp::avg);
+      ls::Request r = mpi.iallreduce(t.view(), ls::ReduceOp::sum);
+      r.wait();
+    }
+    const auto c = in.rt.counts();
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 0);
+    CHECK(c.copies == 4);  // each call: staged in, and out
+    CHECK(check_all(t, [&](std::int64_t i) { return expected_sum(i, size); }) == 0);
+  }
 }
 
 namespace device_seam {
@@ -330,11 +442,15 @@ void set_grads(DevModel& g, int rank, int step) {
 
 // What one steady-state step of DistributedOptimizer(MPIBackend, Adam) costs on cuda tensors.
 struct StepCost {
-  long launches, copies, syncs, allocations, pinned_allocations;
+  long launches;     // optimizer kernels + pack/unpack copy kernels
+  long copies;       // waited copies (the staging of MPI)
+  long syncs;        // device-wide synchronisations
+  long stream_syncs;
+  long allocations, pinned_allocations;
 };
 
 template <class Grads>
-StepCost run_steps(Installed& in, ls::MPIBackend& mpi, DevModel& model, Grads& grads, DevModel& ref,
+StepCost run_steps(Installed& in, ls::Backend& mpi, DevModel& model, Grads& grads, DevModel& ref,
                    ls::DistributedOptions opts) {
   const int rank = mpi.rank(), size = mpi.size();
   ls::Adam rule{.lr = 1e-2f};
@@ -355,9 +471,19 @@ StepCost run_steps(Installed& in, ls::MPIBackend& mpi, DevModel& model, Grads& g
     in.kernels.launches = 0;
     ls::update(state, model, grads);  // device memory closed: host code touching it would crash
     const auto c = in.rt.counts();
-    cost = {in.kernels.launches, c.copies, c.syncs, c.allocations, c.pinned_allocations};
+    cost = {in.kernels.launches + c.copy_launches, c.copies, c.syncs, c.stream_syncs, c.allocations,
+            c.pinned_allocations};
     ls::update(ref_state, ref, ref_grads);
   }
+  // The gradients hold the mean over the ranks after update (unpacked, or reduced in place).
+  double worst_grad = 0;
+  for (int j = 0; j < kTensors; ++j) {
+    const auto got = host_values(grads.layers[static_cast<std::size_t>(j)]);
+    const float* want = static_cast<const float*>(ref_grads.layers[static_cast<std::size_t>(j)].raw_data());
+    for (std::size_t i = 0; i < got.size(); ++i)
+      worst_grad = std::max(worst_grad, static_cast<double>(std::fabs(got[i] - want[i])));
+  }
+  CHECK(worst_grad < 1e-6);
   double worst = 0;
   for (int j = 0; j < kTensors; ++j) {
     const auto got = host_values(model.layers[static_cast<std::size_t>(j)]);
@@ -373,7 +499,8 @@ void report(const char* what, const StepCost& c, int rank, int size) {
   if (rank == 0)
     std::cout << "device step cost (" << what << ", " << size << " rank(s), " << kTensors
               << " tensors): launches " << c.launches << ", waited copies " << c.copies
-              << ", synchronisations " << c.syncs << ", device allocations " << c.allocations
+              << ", device synchronisations " << c.syncs << ", stream synchronisations " << c.stream_syncs
+              << ", device allocations " << c.allocations
               << ", pinned allocations " << c.pinned_allocations << "\n";
 }
 }  // namespace
@@ -385,29 +512,94 @@ TEST_CASE("DistributedOptimizer on cuda tensors: launches, copies, syncs and all
   mpi.set_cuda_aware(false);  // Debian's Open MPI: the staged path
   const int size = mpi.size();
   DevModel model = make_model(kDev), ref = make_model(ls::Device::cpu());
-  // The counts of docs/gpu.md ("What one step costs"): update both together.
-  const ls::DistributedOptions opts{};  // 1 MiB buckets: every gradient here fits in one bucket
+  // The counts of docs/gpu.md ("What one step costs"): update both together. Before the
+  // device path was reworked, a step with separate gradients cost 8 launches, 18 waited copies
+  // and 1 device-wide synchronisation.
+  const ls::DistributedOptions opts{};  // 25 MiB device buckets: every gradient here fits in one
 
-  SECTION("separate gradient tensors: packed into a bucket and unpacked, one copy per tensor") {
+  SECTION("separate gradient tensors: one pack and one unpack launch per bucket") {
     DevModel grads = ls::zeros_like(model);
     const StepCost c = run_steps(in, mpi, model, grads, ref, opts);
     report("separate gradients", c, mpi.rank(), size);
-    CHECK(c.launches == kTensors);  // the rule path: one launch per tensor
-    CHECK(c.allocations == 0);      // no device allocation in a steady-state step
+    CHECK(c.allocations == 0);  // no device allocation in a steady-state step
     CHECK(c.pinned_allocations == 0);
-    // pack + unpack per tensor, plus the staging of the one bucket (in and out); at one rank
-    // too (the bucket is staged and reduced although one rank's sum is the data itself).
-    CHECK(c.copies == 2 * kTensors + 2);
-    CHECK(c.syncs == 1);  // one per collective: the staging waits for the whole device
+    CHECK(c.syncs == 0);         // the bucket is packed on the current stream: stream order suffices
+    CHECK(c.stream_syncs == 0);  // (the staging copies wait for that stream themselves)
+    if (size == 1) {
+      // One rank's mean is its gradient: nothing is packed, staged or sent.
+      CHECK(c.launches == 1);  // the optimizer, once over the 8 tensors
+      CHECK(c.copies == 0);
+    } else {
+      CHECK(c.launches == 3);  // pack, unpack, and the optimizer once over the 8 tensors
+      CHECK(c.copies == 2);    // the staging of the one bucket, in and out
+    }
   }
   SECTION("flat gradients (flat_zeros_like): reduced in place, no pack or unpack") {
     auto flat = ls::flat_zeros_like(model);
     const StepCost c = run_steps(in, mpi, model, flat.get(), ref, opts);
     report("flat gradients", c, mpi.rank(), size);
-    CHECK(c.launches == kTensors);
+    CHECK(c.launches == 1);
     CHECK(c.allocations == 0);
     CHECK(c.pinned_allocations == 0);
-    CHECK(c.copies == 2);  // the staging of the one bucket only
-    CHECK(c.syncs == 1);
+    CHECK(c.copies == (size == 1 ? 0 : 2));  // the staging of the one bucket only
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 0);
   }
+  SECTION("several device buckets: sent together in one iallreduce_many, never sliced") {
+    CountingBackend counting(mpi);
+    ls::DistributedOptions small = opts;
+    // 32 KiB: the last tensor (4 B) and the 20000-element one (80 KB, whole: device buckets
+    // are not sliced) are buckets of their own, the six before them one packed bucket.
+    small.device_bucket_bytes = 32 << 10;
+    DevModel grads = ls::zeros_like(model);
+    const StepCost c = run_steps(in, counting, model, grads, ref, small);
+    report("separate gradients, 3 buckets", c, mpi.rank(), size);
+    CHECK(c.allocations == 0);
+    CHECK(c.pinned_allocations == 0);
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 0);
+    if (size == 1) {
+      CHECK(counting.groups == 0);
+      CHECK(c.launches == 1);
+      CHECK(c.copies == 0);
+    } else {
+      CHECK(counting.groups == 3);         // one group per step, 3 steps
+      CHECK(counting.group_buffers == 9);  // of the 3 buckets each
+      CHECK(c.launches == 3);              // the two single-tensor buckets are reduced in place
+      CHECK(c.copies == 6);                // MPIBackend stages each bucket, in and out
+    }
+  }
+}
+
+TEST_CASE("SGD and Adam on many cuda tensors: one launch per device and dtype, checked first", "[device]") {
+  Installed in;
+  DevModel model = make_model(kDev), ref = make_model(ls::Device::cpu());
+  DevModel grads = ls::zeros_like(model), ref_grads = ls::zeros_like(ref);
+  set_grads(grads, 0, 1);
+  set_grads(ref_grads, 0, 1);
+  ls::SGD sgd{.lr = 0.1f, .momentum = 0.9f};
+  auto st = ls::setup(sgd, model);
+  auto ref_st = ls::setup(sgd, ref);
+  for (int step = 0; step < 2; ++step) {
+    in.kernels.launches = 0;
+    ls::update(st, model, grads);
+    CHECK(in.kernels.launches == 1);
+    ls::update(ref_st, ref, ref_grads);
+  }
+  double worst = 0;
+  for (int j = 0; j < kTensors; ++j) {
+    const auto got = host_values(model.layers[static_cast<std::size_t>(j)]);
+    const float* want = static_cast<const float*>(ref.layers[static_cast<std::size_t>(j)].raw_data());
+    for (std::size_t i = 0; i < got.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(got[i] - want[i])));
+  }
+  CHECK(worst < 1e-6);  // the same optim_math.hpp arithmetic
+  // A bad slot anywhere is refused before any tensor changes.
+  auto adam = ls::setup(ls::Adam{}, model);
+  adam.slots.back().exp_avg = ls::Tensor::zeros({2}, ls::DType::f32, kDev);
+  const auto before = host_values(model.layers[0]);
+  in.kernels.launches = 0;
+  CHECK_THROWS_AS(ls::update(adam, model, grads), ls::InvalidArgument);
+  CHECK(in.kernels.launches == 0);
+  CHECK(host_values(model.layers[0]) == before);
 }

@@ -7,6 +7,7 @@
 #include <exception>
 #include <memory>
 #include <source_location>
+#include <span>
 #include <string>
 
 #include "lockstep/tensor.hpp"
@@ -129,6 +130,10 @@ class Backend {
   Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Nonblocking broadcast.
   Request ibroadcast(TensorView buf, int root, Loc loc = Loc::current());
+  /// Nonblocking in-place allreduce of several buffers (gradient buckets; any dtypes, buffers
+  /// that do not overlap), one Request for all: NCCLBackend issues them in one NCCL group
+  /// (ncclGroupStart/End), other backends one iallreduce after another in order.
+  Request iallreduce_many(std::span<const TensorView> bufs, ReduceOp op, Loc loc = Loc::current());
 
  protected:
   // The hooks a backend implements; the front end above has validated the arguments.
@@ -144,6 +149,9 @@ class Backend {
   virtual void do_barrier() = 0;
   virtual Request do_iallreduce(TensorView buf, ReduceOp op) = 0;
   virtual Request do_ibroadcast(TensorView buf, int root) = 0;
+  /// The default calls do_iallreduce for each buffer in order and returns one Request that
+  /// waits for all of them.
+  virtual Request do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op);
 
   /// What a collective is, for abandon(): the operation's name and what must agree.
   struct CallInfo {

@@ -19,6 +19,15 @@
 // A bucket whose tensors lie back to back in memory is reduced in place (zero copy); otherwise
 // it is packed into a staging buffer and unpacked after its reduction.
 //
+// Device (cuda) gradients: buckets of options.device_bucket_bytes (25 MiB), packed and unpacked
+// with one copy launch per bucket (DeviceRuntime::copy_many), never sliced; the buckets reduce()
+// launches itself go to the backend in one iallreduce_many (NCCLBackend: one NCCL group). The
+// gradients are taken as written on the current stream of their device (as PyTorch's DDP takes
+// them): the reduction is ordered after that stream, not after the whole device, so a gradient
+// written on another stream must be waited for first (an event, or a StreamGuard around the
+// backward). At one rank device buckets are not communicated at all (the sum, and the mean, of
+// one rank is its gradient).
+//
 // Of DistributedOptions the reducer uses bucket_bytes, op and accumulation_steps; skip_non_finite
 // and check_replicas_every act on parameters and rule state, which only an optimizer has
 // (DistributedOptimizer, lockstep::torch's DistributedOptimizer).
@@ -41,11 +50,20 @@ namespace lockstep {
 
 /// Default bucket size in bytes, chosen by measurement on the CI machine (see docs/training.md).
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
+/// Default bucket size of device (cuda) gradients: PyTorch DDP's bucket_cap_mb (25 MiB).
+inline constexpr std::size_t kDefaultDeviceBucketBytes = std::size_t{25} << 20;
 
 /// Options of DistributedOptimizer and GradientReducer.
 struct DistributedOptions {
-  /// Largest bucket, in bytes (a larger tensor is a bucket of its own). 0: one bucket per tensor.
+  /// Largest bucket of host gradients, in bytes (a larger tensor is a bucket of its own, reduced
+  /// in slices of bucket_bytes so that each slice's reduction works in cache). 0: one bucket
+  /// per tensor.
   std::size_t bucket_bytes = kDefaultBucketBytes;
+  /// Largest bucket of device (cuda) gradients, in bytes (DDP's 25 MiB by default; a larger
+  /// tensor is a bucket of its own, reduced whole). 0: one bucket per tensor. The device
+  /// buckets that update() reduces go to the backend together, in one iallreduce_many (one
+  /// NCCL group); packing and unpacking a bucket is one copy launch each.
+  std::size_t device_bucket_bytes = kDefaultDeviceBucketBytes;
   /// ReduceOp::avg (default: mean over ranks) or ReduceOp::sum.
   ReduceOp op = ReduceOp::avg;
   /// Micro-batches per optimizer step (1: no accumulation).

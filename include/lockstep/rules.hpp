@@ -12,7 +12,13 @@
 //                             of the step being taken (1 on the first update).
 // setup(rule, model) calls init once per trainable tensor (floating-point tensors; integer
 // tensors and scalars are not trained); update(state, model, grads) increments state.step and
-// calls apply once per trainable tensor. Example (Lion, written by a user):
+// calls apply once per trainable tensor. A rule may also define
+//   void apply_many(std::vector<Slot>& slots, const std::vector<Tensor*>& params,
+//                   const std::vector<Tensor*>& grads, std::int64_t step) const
+//                             one update of every trainable tensor at once (aligned lists);
+// update() and DistributedOptimizer then call it instead of apply() per tensor. SGD and Adam
+// do: their cuda tensors go to one multi-tensor kernel launch per device and dtype.
+// Example (Lion, written by a user):
 //
 //   struct Lion {
 //     float lr = 1e-4f, beta1 = 0.9f, beta2 = 0.99f, weight_decay = 0.0f;
@@ -28,6 +34,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -71,6 +78,11 @@ struct SGD {
   Slot init(const Tensor& param) const;
   /// One SGD step on one parameter (f32 or f64; device tensors need the CUDA extension).
   void apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) const;
+  /// One SGD step on every parameter: every tensor is checked first (nothing changes if one is
+  /// refused); host tensors one after another, cuda tensors in one kernel launch per device and
+  /// dtype (DeviceOptimizerKernels::sgd_many).
+  void apply_many(std::vector<Slot>& slots, const std::vector<Tensor*>& params,
+                  const std::vector<Tensor*>& grads, std::int64_t step) const;
 };
 LOCKSTEP_FIELDS(SGD::Slot, momentum_buffer)
 
@@ -95,6 +107,9 @@ struct Adam {
   Slot init(const Tensor& param) const;
   /// One Adam/AdamW step on one parameter (f32 or f64; device tensors need the CUDA extension).
   void apply(Slot& slot, Tensor& param, const Tensor& grad, std::int64_t step) const;
+  /// One Adam/AdamW step on every parameter, as SGD::apply_many (DeviceOptimizerKernels::adam_many).
+  void apply_many(std::vector<Slot>& slots, const std::vector<Tensor*>& params,
+                  const std::vector<Tensor*>& grads, std::int64_t step) const;
 };
 LOCKSTEP_FIELDS(Adam::Slot, exp_avg, exp_avg_sq)
 
@@ -161,6 +176,18 @@ std::vector<Tensor*> trainable_leaves(X& x) {
 }
 
 namespace detail {
+/// One step of `rule` on every tensor: rule.apply_many where the rule has it, else rule.apply
+/// per tensor. The lists are aligned (slots[i] belongs to params[i] and grads[i]).
+template <class R>
+void apply_all(const R& rule, std::vector<typename R::Slot>& slots, const std::vector<Tensor*>& params,
+               const std::vector<Tensor*>& grads, std::int64_t step) {
+  if constexpr (requires { rule.apply_many(slots, params, grads, step); }) {
+    rule.apply_many(slots, params, grads, step);
+  } else {
+    for (std::size_t i = 0; i < params.size(); ++i) rule.apply(slots[i], *params[i], *grads[i], step);
+  }
+}
+
 /// Checks that grads has the model's trainable tensors (count, shape, dtype, no gradient sharing
 /// memory with its parameter); throws InvalidArgument naming the first bad leaf. `what`
 /// prefixes the message.
@@ -214,8 +241,7 @@ void update(OptState<R>& state, M& model, const G& grads) {
                      state.slots.size(), " slots but the model has ", params.size(),
                      " trainable tensors (was the state set up for this model, or moved from?)");
   ++state.step;
-  for (std::size_t i = 0; i < params.size(); ++i)
-    state.rule.apply(state.slots[i], *params[i], *gs[i], state.step);
+  detail::apply_all(state.rule, state.slots, params, gs, state.step);
 }
 
 /// Update from already-aligned tensor lists (used by DistributedOptimizer).
@@ -227,12 +253,21 @@ void update_leaves(OptState<R>& state, const std::vector<Tensor*>& params,
                      params.size(), " trainable tensors and grads ", grads.size(),
                      " (was the state set up for this model, or moved from?)");
   ++state.step;
-  for (std::size_t i = 0; i < params.size(); ++i)
-    state.rule.apply(state.slots[i], *params[i], *grads[i], state.step);
+  detail::apply_all(state.rule, state.slots, params, grads, state.step);
 }
+
+/// The buffers of one parameter in a batched SGD step (momentum_buffer empty without momentum).
+struct SGDViews {
+  TensorView param, grad, momentum_buffer;
+};
+/// The buffers of one parameter in a batched Adam/AdamW step.
+struct AdamViews {
+  TensorView param, grad, exp_avg, exp_avg_sq;
+};
 
 /// Kernels for device (CUDA) tensors, installed by the CUDA extension; the CPU rules call them
 /// for tensors whose device is not the CPU. Implementations use lockstep/optim_math.hpp.
+/// Asynchronous on the device's current stream.
 class DeviceOptimizerKernels {
  public:
   virtual ~DeviceOptimizerKernels() = default;
@@ -242,6 +277,11 @@ class DeviceOptimizerKernels {
   /// One Adam/AdamW step.
   virtual void adam(TensorView param, TensorView grad, TensorView exp_avg, TensorView exp_avg_sq,
                     const Adam& rule, std::int64_t step) = 0;
+  /// One SGD step on many parameters of one device and dtype (checked by the rule), meant as
+  /// one launch (multi-tensor apply). The default calls sgd() per parameter.
+  virtual void sgd_many(std::span<const SGDViews> params, const SGD& rule, std::int64_t step);
+  /// One Adam/AdamW step on many parameters of one device and dtype, as sgd_many.
+  virtual void adam_many(std::span<const AdamViews> params, const Adam& rule, std::int64_t step);
 };
 /// Installs the device kernels (nullptr uninstalls).
 void set_device_optimizer_kernels(DeviceOptimizerKernels* k) noexcept;

@@ -2,19 +2,25 @@
 // and the pack/unpack copies of gradient buckets.
 //
 // Many tensors, one launch: the host builds a table of the tensors (pointers, length) and of
-// fixed-size chunks (which tensor, where in it), copies it to the device with the launch, and
-// block b works on chunk b. A model with hundreds of small tensors thus costs one launch and one
+// fixed-size chunks (which tensor, where in it), copies it to the device with the launch (from
+// pinned memory into a reused device buffer, see DeviceTable), and block b works on chunk b. A model with hundreds of small tensors thus costs one launch and one
 // small copy, not hundreds of launches. Inside a chunk, 16-byte vector loads and stores are used
 // when every pointer of the tensor is 16-byte aligned (cudaMalloc memory always is).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
 #include <vector>
 
 #include "lockstep/cuda.hpp"
+#include "lockstep/device_runtime.hpp"
 
 namespace lockstep::cuda {
 namespace {
@@ -41,8 +47,9 @@ bool pools_supported(int device) {
     LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMemoryPoolsSupported, device));
     if (v) {
       // The default pool's release threshold is 0: every synchronisation hands its free memory
-      // back to the driver, and the next cudaMallocAsync asks the driver again. Keep it (the
-      // tables are small; PyTorch's caching allocator keeps its memory the same way).
+      // back to the driver, and the next cudaMallocAsync asks the driver again. Keep it, as
+      // PyTorch's caching allocator keeps its memory. (Lockstep's chunk tables no longer come
+      // from the pool, see DeviceTable; stream-ordered allocations of the program still do.)
       cudaMemPool_t pool = nullptr;
       LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
       std::uint64_t keep = UINT64_MAX;
@@ -53,36 +60,82 @@ bool pools_supported(int device) {
   return cache[device] == 1;
 }
 
-// The table lives in stream-ordered device memory: allocated, filled and freed in the order of
-// the stream, so it needs no host synchronisation and the next launch may reuse the memory.
+// The tables are uploaded from pinned host memory into device memory that is kept and reused
+// (before: a cudaMallocAsync, a copy from pageable memory and a cudaFreeAsync per launch). Per
+// device, a ring of kSlots slots, each a pinned host buffer, a device buffer and an event
+// recorded after the launch that reads it. A slot is reused once its event has completed (the
+// host waits only if kSlots launches on that device are still queued), and grown, rarely, when
+// a table does not fit (freed and allocated again at twice the size needed). The ring's lock is
+// held from the upload to the event, so threads launching on one device take turns.
+constexpr int kSlots = 8;
+struct TableSlot {
+  void* host = nullptr;
+  void* dev = nullptr;
+  std::size_t cap = 0;
+  cudaEvent_t done = nullptr;
+  bool in_use = false;  // `done` was recorded after the last launch that read this slot
+};
+struct TableRing {
+  std::mutex mutex;
+  TableSlot slots[kSlots];
+  int next = 0;
+};
+
+TableRing& ring_for(int device) {
+  static std::mutex m;
+  // Never destroyed, as the runtime: launches during static destruction may still need it.
+  static auto* rings = new std::vector<std::unique_ptr<TableRing>>();
+  std::lock_guard lock(m);
+  if (static_cast<std::size_t>(device) >= rings->size()) rings->resize(static_cast<std::size_t>(device) + 1);
+  auto& r = (*rings)[static_cast<std::size_t>(device)];
+  if (!r) {
+    (void)pools_supported(device);  // raises the default pool's release threshold, once
+    r = std::make_unique<TableRing>();
+  }
+  return *r;
+}
+
 class DeviceTable {
  public:
   DeviceTable(const std::vector<Entry>& entries, const std::vector<Chunk>& chunks, int device,
               cudaStream_t stream)
-      : stream_(stream), pooled_(pools_supported(device)) {
-    const std::size_t eb = entries.size() * sizeof(Entry);
+      : ring_(ring_for(device)), lock_(ring_.mutex), stream_(stream) {
+    const std::size_t eb = entries.size() * sizeof(Entry);  // a multiple of alignof(Chunk)
     const std::size_t cb = chunks.size() * sizeof(Chunk);
-    std::vector<unsigned char> host(eb + cb);
-    std::memcpy(host.data(), entries.data(), eb);
-    std::memcpy(host.data() + eb, chunks.data(), cb);
-    if (pooled_) {
-      LOCKSTEP_CUDA_CHECK(cudaMallocAsync(&mem_, host.size(), stream));
-    } else {
-      LOCKSTEP_CUDA_CHECK(cudaMalloc(&mem_, host.size()));
+    const std::size_t bytes = eb + cb;
+    slot_ = &ring_.slots[ring_.next];
+    ring_.next = (ring_.next + 1) % kSlots;
+    if (slot_->done == nullptr)
+      LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&slot_->done, cudaEventDisableTiming));
+    if (slot_->in_use) LOCKSTEP_CUDA_CHECK(cudaEventSynchronize(slot_->done));  // done long ago, as a rule
+    slot_->in_use = false;
+    if (slot_->cap < bytes) {
+      if (slot_->host != nullptr) LOCKSTEP_CUDA_CHECK(cudaFreeHost(slot_->host));
+      if (slot_->dev != nullptr) LOCKSTEP_CUDA_CHECK(cudaFree(slot_->dev));
+      slot_->host = slot_->dev = nullptr;
+      slot_->cap = 0;
+      const std::size_t cap = std::max<std::size_t>(4096, std::bit_ceil(bytes) * 2);
+      LOCKSTEP_CUDA_CHECK(cudaMallocHost(&slot_->host, cap));
+      LOCKSTEP_CUDA_CHECK(cudaMalloc(&slot_->dev, cap));
+      slot_->cap = cap;
     }
-    // From pageable memory: CUDA copies it to a staging buffer before returning, so `host` may
-    // go out of scope right after.
-    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(mem_, host.data(), host.size(), cudaMemcpyHostToDevice, stream));
-    entries_ = static_cast<const Entry*>(mem_);
-    chunks_ = reinterpret_cast<const Chunk*>(static_cast<unsigned char*>(mem_) + eb);
+    std::memcpy(slot_->host, entries.data(), eb);
+    std::memcpy(static_cast<unsigned char*>(slot_->host) + eb, chunks.data(), cb);
+    // From pinned memory: a true asynchronous copy, ordered before the launch on `stream`; the
+    // host buffer is not written again before the event after the launch has completed.
+    LOCKSTEP_CUDA_CHECK(cudaMemcpyAsync(slot_->dev, slot_->host, bytes, cudaMemcpyHostToDevice, stream));
+    slot_->in_use = true;  // the destructor records `done` after the launch
+    uploaded_ = true;
+    entries_ = static_cast<const Entry*>(slot_->dev);
+    chunks_ = reinterpret_cast<const Chunk*>(static_cast<unsigned char*>(slot_->dev) + eb);
   }
   ~DeviceTable() {
-    if (mem_ == nullptr) return;
-    if (pooled_) {
-      cudaFreeAsync(mem_, stream_);
-    } else {
-      cudaStreamSynchronize(stream_);  // the kernel must be done before cudaFree
-      cudaFree(mem_);
+    if (!uploaded_) return;
+    // After the launch: the slot is busy until everything queued so far on the stream is done.
+    if (cudaEventRecord(slot_->done, stream_) != cudaSuccess) {
+      cudaGetLastError();
+      cudaStreamSynchronize(stream_);  // no event: wait here instead
+      slot_->in_use = false;
     }
   }
   DeviceTable(const DeviceTable&) = delete;
@@ -91,9 +144,11 @@ class DeviceTable {
   const Chunk* chunks() const { return chunks_; }
 
  private:
+  TableRing& ring_;
+  std::unique_lock<std::mutex> lock_;
   cudaStream_t stream_;
-  bool pooled_;
-  void* mem_ = nullptr;
+  TableSlot* slot_ = nullptr;
+  bool uploaded_ = false;
   const Entry* entries_ = nullptr;
   const Chunk* chunks_ = nullptr;
 };
@@ -432,6 +487,17 @@ void unpack(TensorView bucket, std::span<const TensorView> destinations, std::in
             cudaStream_t stream) {
   pack_or_unpack(destinations, bucket, offset, stream, false);
 }
+
+namespace detail {
+void copy_regions(std::span<const DeviceCopy> copies, int device, cudaStream_t stream) {
+  std::vector<Entry> entries;
+  entries.reserve(copies.size());
+  for (const DeviceCopy& c : copies)
+    if (c.bytes > 0)
+      entries.push_back({{const_cast<void*>(c.src), c.dst, nullptr, nullptr}, static_cast<std::int64_t>(c.bytes)});
+  launch_copies(std::move(entries), device, stream);
+}
+}  // namespace detail
 
 void copy_kernel(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;

@@ -5,6 +5,8 @@
 
 #include "lockstep/rules.hpp"
 
+#include <vector>
+
 namespace lockstep::cuda::detail {
 
 namespace {
@@ -28,6 +30,30 @@ class CudaOptimizerKernels final : public DeviceOptimizerKernels {
     else
       adam_update({&span, 1}, math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay,
                                                         r.decoupled_weight_decay, step));
+  }
+  // Multi-tensor apply: every parameter of one device and dtype (the rule groups them) in ONE
+  // launch of the kernel, over a chunk table.
+  void sgd_many(std::span<const SGDViews> ps, const SGD& r, std::int64_t step) override {
+    if (ps.empty()) return;
+    std::vector<SgdSpan> spans;
+    spans.reserve(ps.size());
+    for (const auto& p : ps) spans.push_back({p.param, p.grad, p.momentum_buffer});
+    if (ps[0].param.dtype == DType::f64)
+      sgd_update(spans, math::sgd_coeffs<double>(r.lr, r.momentum, r.dampening, r.weight_decay, r.nesterov, step));
+    else
+      sgd_update(spans, math::sgd_coeffs<float>(r.lr, r.momentum, r.dampening, r.weight_decay, r.nesterov, step));
+  }
+  void adam_many(std::span<const AdamViews> ps, const Adam& r, std::int64_t step) override {
+    if (ps.empty()) return;
+    std::vector<AdamSpan> spans;
+    spans.reserve(ps.size());
+    for (const auto& p : ps) spans.push_back({p.param, p.grad, p.exp_avg, p.exp_avg_sq});
+    if (ps[0].param.dtype == DType::f64)
+      adam_update(spans, math::adam_coeffs<double>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay,
+                                                    r.decoupled_weight_decay, step));
+    else
+      adam_update(spans, math::adam_coeffs<float>(r.lr, r.beta1, r.beta2, r.eps, r.weight_decay,
+                                                   r.decoupled_weight_decay, step));
   }
 };
 }  // namespace

@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <iostream>
+#include <span>
 #include <vector>
 
 #include "lockstep/cuda.hpp"
@@ -11,6 +12,8 @@ namespace lockstep::cuda {
 
 namespace detail {
 void register_optimizer_kernels();  // optimizer_kernels.cpp
+// kernels.cu: the copies in one multi_copy launch (the kernel of cuda::pack/unpack), on `stream`.
+void copy_regions(std::span<const DeviceCopy> copies, int device, cudaStream_t stream);
 
 void check_cuda(cudaError_t code, const char* call, const std::source_location& loc) {
   if (code == cudaSuccess) return;
@@ -80,6 +83,19 @@ class CudaRuntime final : public DeviceRuntime {
     // user's own, cuBLAS's) must be finished before MPI reads it (Flux issue #2591).
     DeviceGuard g(index);
     LOCKSTEP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  void synchronize_stream(int index) override {
+    DeviceGuard g(index);
+    LOCKSTEP_CUDA_CHECK(cudaStreamSynchronize(current_stream(index)));
+  }
+
+  void copy_many(std::span<const DeviceCopy> copies, int index) override {
+    // One launch of the pack/unpack kernel on the current stream, not waited for: the
+    // collective or kernel queued next on that stream sees the copies done.
+    if (copies.empty()) return;
+    DeviceGuard g(index);
+    detail::copy_regions(copies, index, current_stream(index));
   }
 
   void* allocate_pinned(std::size_t bytes) override {

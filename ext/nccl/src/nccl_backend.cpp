@@ -514,25 +514,10 @@ void NCCLBackend::allreduce_many(std::span<const TensorView> bufs, ReduceOp op) 
   r.wait();
 }
 
-Request NCCLBackend::iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
+Request NCCLBackend::do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
   Impl& im = *impl_;
-  if (all_on_host(bufs, "iallreduce_many")) {
-    // MPI has no group call; the host requests are issued together and completed together.
-    struct Many final : detail::RequestImpl {
-      std::vector<Request> reqs;
-      void wait() override {
-        for (auto& r : reqs) r.wait();
-      }
-      bool test() override {
-        bool all = true;
-        for (auto& r : reqs) all = r.test() && all;
-        return all;
-      }
-    };
-    auto many = std::make_unique<Many>();
-    for (const auto& b : bufs) many->reqs.push_back(im.host.iallreduce(b, op));
-    return Request(std::move(many));
-  }
+  // MPI has no group call; the host requests are issued together and completed together.
+  if (all_on_host(bufs, "iallreduce_many")) return im.host.iallreduce_many(bufs, op);
   bool any = false;
   for (std::size_t i = 0; i < bufs.size(); ++i) {
     check_view(bufs[i], "iallreduce_many");

@@ -79,14 +79,16 @@ class NCCLBackend final : public Backend {
   void do_barrier() override;
   Request do_iallreduce(TensorView buf, ReduceOp op) override;
   Request do_ibroadcast(TensorView buf, int root) override;
+  /// The buffers in one NCCL group (ncclGroupStart/End), one event for the whole group.
+  Request do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) override;
 
  public:
 
   /// In-place allreduce of several buffers (gradient buckets) in one NCCL group call, so NCCL
-  /// fuses their launches; all on this backend's device (or all on the host).
+  /// fuses their launches; all on this backend's device (or all on the host). Its nonblocking
+  /// form is Backend::iallreduce_many (one Request for the whole group), which
+  /// DistributedOptimizer uses for its device buckets.
   void allreduce_many(std::span<const TensorView> bufs, ReduceOp op);
-  /// Nonblocking allreduce_many: one Request for the whole group.
-  Request iallreduce_many(std::span<const TensorView> bufs, ReduceOp op);
 
   // Hooks used by initialize<NCCLBackend>() and friends (see world.hpp).
   /// Initialises MPI (as initialize<MPIBackend>() does) and the CUDA runtime registration, then
