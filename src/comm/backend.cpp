@@ -14,7 +14,7 @@
 
 #include "lockstep/core/device_runtime.hpp"
 #include "lockstep/core/errors.hpp"
-#include "lockstep/reliability/settings.hpp"
+#include "lockstep/reliability/call_site.hpp"
 
 namespace lockstep {
 

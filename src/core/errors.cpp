@@ -1,7 +1,5 @@
 #include "lockstep/core/errors.hpp"
 
-#include <mpi.h>
-
 #include <string_view>
 
 namespace lockstep::detail {
@@ -12,16 +10,8 @@ std::string where(const std::source_location& loc) {
   return concat(file, ":", loc.line());
 }
 
-std::string rank_suffix() {
-  int init = 0, fin = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&fin);
-  if (!init || fin) return "";
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return concat(" [rank ", rank, "/", size, "]");
-}
+// rank_suffix() asks MPI_COMM_WORLD for the rank, so it is defined in the mpi layer
+// (src/mpi/world.cpp): nothing in the core includes <mpi.h>.
 
 void throw_invalid(const std::string& msg, const std::source_location& loc) {
   throw InvalidArgument(concat(where(loc), ": ", msg, rank_suffix()));

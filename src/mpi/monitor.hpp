@@ -1,6 +1,6 @@
-// Internal: the MPI side of reliability.hpp, used by mpi_backend.cpp. One CommMonitor per
-// MPIBackend communicator numbers its collectives, compares fingerprints, enforces deadlines and
-// answers other ranks' status queries from a watchdog thread.
+// Internal: the MPI side of reliability (lockstep/reliability/settings.hpp), used by
+// mpi_backend.cpp. One CommMonitor per MPIBackend communicator numbers its collectives, compares
+// fingerprints, enforces deadlines and answers other ranks' status queries from a watchdog thread.
 #pragma once
 
 #include <mpi.h>

@@ -35,6 +35,18 @@ int detail::world_rank() noexcept {
   return r;
 }
 
+// Declared in core/errors.hpp: every error message of the library names the rank.
+std::string detail::rank_suffix() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) return "";
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return concat(" [rank ", rank, "/", size, "]");
+}
+
 WorldInfo world_info() {
   if (!is_available()) return {};
   if (MPIBackend::initialized_global()) {

@@ -11,10 +11,10 @@
 #include <unordered_map>
 
 #include "lockstep/core/device_runtime.hpp"
+#include "lockstep/comm/consensus.hpp"
 #include "lockstep/core/errors.hpp"
-#include "lockstep/io/checkpoint.hpp"
 #include "lockstep/train/distributed_optimizer.hpp"
-#include "lockstep/reliability/settings.hpp"
+#include "lockstep/reliability/call_site.hpp"
 #include "core/wire16.hpp"
 
 namespace lockstep {

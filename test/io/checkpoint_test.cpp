@@ -152,6 +152,42 @@ TEST_CASE("both CRC-32C paths give the known values, over every length and align
   }
 }
 
+TEST_CASE("Checkpoint::find and add through the name index, after direct edits of tensors", "[checkpoint]") {
+  ls::Checkpoint ck;
+  for (int i = 0; i < 1000; ++i) ck.add("t" + std::to_string(i), ls::Tensor::full({1}, float(i)));
+  REQUIRE(ck.find("t999") != nullptr);
+  CHECK(ck.find("t999")->data<float>()[0] == 999.0f);
+  CHECK(ck.find("t1000") == nullptr);
+  CHECK_THROWS_WITH(ck.add("t5", ls::Tensor::full({1}, 0.0f)), Catch::Contains("duplicate tensor name \"t5\""));
+  // Appended directly, renamed in place, removed, reordered: every lookup sees the vector as it is.
+  ck.tensors.emplace_back("direct", ls::Tensor::full({1}, -1.0f));
+  REQUIRE(ck.find("direct") != nullptr);
+  CHECK(ck.find("direct")->data<float>()[0] == -1.0f);
+  ck.tensors[3].first = "renamed";
+  CHECK(ck.find("t3") == nullptr);
+  REQUIRE(ck.find("renamed") != nullptr);
+  CHECK(ck.find("renamed")->data<float>()[0] == 3.0f);
+  ck.tensors.erase(ck.tensors.begin());
+  CHECK(ck.find("t0") == nullptr);
+  REQUIRE(ck.find("t1") != nullptr);
+  CHECK(ck.find("t1")->data<float>()[0] == 1.0f);
+  std::swap(ck.tensors[0], ck.tensors[500]);
+  CHECK(ck.find("t1")->data<float>()[0] == 1.0f);
+  CHECK(ck.find("t501")->data<float>()[0] == 501.0f);
+  ck.add("t0", ls::Tensor::full({1}, 7.0f));  // free again after the erase
+  CHECK(ck.at("t0").data<float>()[0] == 7.0f);
+  CHECK_THROWS_AS(ck.at("nothing"), ls::CheckpointError);
+  // The index moves with the tensors; a moved-from checkpoint is empty and usable.
+  ls::Checkpoint moved = std::move(ck);
+  CHECK(moved.find("t501")->data<float>()[0] == 501.0f);
+  CHECK(ck.find("t501") == nullptr);
+  ck.add("t501", ls::Tensor::full({1}, 1.0f));
+  CHECK(ck.tensors.size() == 1);
+  // Two equal names given directly: the first is found, as by a scan.
+  ck.tensors.emplace_back("t501", ls::Tensor::full({1}, 2.0f));
+  CHECK(ck.find("t501")->data<float>()[0] == 1.0f);
+}
+
 TEST_CASE("round trip of every dtype, scalars, empty tensors, odd names", "[checkpoint]") {
   const ls::Checkpoint ck = sample_checkpoint();
   const auto bytes = ls::serialize_checkpoint(ck);

@@ -70,6 +70,13 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
+/// A checkpoint file is unreadable, corrupted, truncated, or does not fit what it is loaded into
+/// (io/checkpoint.hpp).
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// A remote call failed on the rank that ran it (remote.hpp): the function threw, is not
 /// registered there, has another signature there, or its arguments did not decode there.
 /// rank() is the rank that ran it, function() the registered name, message() that rank's text.

@@ -24,6 +24,8 @@
 #include <source_location>
 #include <limits>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -34,7 +36,8 @@
 #include <vector>
 
 #include "lockstep/comm/backend.hpp"
-#include "lockstep/reliability/settings.hpp"
+#include "lockstep/comm/consensus.hpp"
+#include "lockstep/reliability/call_site.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/train/synchronize.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -42,11 +45,30 @@
 
 namespace lockstep {
 
-/// A checkpoint file is unreadable, corrupted, truncated, or does not fit what it is loaded into.
-class CheckpointError : public Error {
- public:
-  using Error::Error;
+namespace detail {
+/// Checkpoint's index of its names (see Checkpoint::find): name -> position in `tensors`, for
+/// the first `covered` entries. Moves with the tensors; its mutex guards lookups.
+struct CheckpointNames {
+  struct Hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  std::mutex mutex;
+  std::unordered_map<std::string, std::size_t, Hash, std::equal_to<>> pos;
+  std::size_t covered = 0;
+
+  CheckpointNames() = default;
+  CheckpointNames(CheckpointNames&& o) noexcept : pos(std::move(o.pos)), covered(std::exchange(o.covered, 0)) {
+    o.pos.clear();
+  }
+  CheckpointNames& operator=(CheckpointNames&& o) noexcept {
+    pos = std::move(o.pos);
+    covered = std::exchange(o.covered, 0);
+    o.pos.clear();
+    return *this;
+  }
 };
+}  // namespace detail
 
 /// Named tensors (in file order) and string metadata: what one checkpoint file holds.
 /// Move-only like Tensor. A moved-from Checkpoint is empty (no tensors, no metadata) and usable;
@@ -57,7 +79,7 @@ struct Checkpoint {
 
   Checkpoint() = default;
   Checkpoint(Checkpoint&& other) noexcept
-      : tensors(std::move(other.tensors)), metadata(std::move(other.metadata)) {
+      : tensors(std::move(other.tensors)), metadata(std::move(other.metadata)), index_(std::move(other.index_)) {
     other.tensors.clear();
     other.metadata.clear();
   }
@@ -65,6 +87,7 @@ struct Checkpoint {
     if (this != &other) {
       tensors = std::move(other.tensors);
       metadata = std::move(other.metadata);
+      index_ = std::move(other.index_);
       other.tensors.clear();
       other.metadata.clear();
     }
@@ -75,12 +98,22 @@ struct Checkpoint {
 
   /// Appends a tensor; throws InvalidArgument if the name is empty, starts with "__" or is taken.
   void add(std::string name, Tensor t);
-  /// The tensor called `name`, or nullptr.
+  /// The tensor called `name` (the first one, if `tensors` was given a name twice), or nullptr.
+  /// Names are indexed with a hash map, built on first use and extended by what was appended to
+  /// `tensors` since (through add or directly): a name that is there is found in O(1). A name
+  /// that is not there costs one scan of `tensors`, so that entries renamed, replaced or
+  /// removed in `tensors` directly are still seen (the index is then rebuilt).
   const Tensor* find(std::string_view name) const noexcept;
   Tensor* find(std::string_view name) noexcept;
   /// The tensor called `name`; throws CheckpointError if there is none.
   const Tensor& at(std::string_view name) const;
   Tensor& at(std::string_view name);
+
+ private:
+  /// Position of `name` in `tensors` (verified against `tensors`), or tensors.size();
+  /// `scan_on_miss` confirms a miss with a scan.
+  std::size_t position(std::string_view name, bool scan_on_miss) const noexcept;
+  mutable detail::CheckpointNames index_;
 };
 
 /// How strictly parse_checkpoint() treats files from other writers.
@@ -272,12 +305,6 @@ std::vector<std::string> check_against_checkpoint(const CheckpointIndex& index, 
 /// name is empty, reserved, not UTF-8, repeated, or already in ck. Linear in the sizes.
 void append_tensors(Checkpoint& ck, std::vector<std::pair<std::string, Tensor>> add);
 
-/// Root broadcasts `error` (empty: success) to every rank; returns it on every rank.
-std::string broadcast_status(Backend& backend, std::string error, int root);
-
-/// Root broadcasts `s` to every rank (length first); returns it on every rank.
-std::string broadcast_string(Backend& backend, const std::string& s, int root);
-
 /// Root broadcasts `meta` to every rank; returns it on every rank.
 std::map<std::string, std::string> broadcast_metadata(Backend& backend,
                                                       const std::map<std::string, std::string>& meta,
@@ -360,38 +387,8 @@ void restore_from_checkpoint(const Checkpoint& ck, X& x, std::string_view prefix
 // collective.
 
 namespace detail {
-/// Message of the exception being handled, for broadcasting (never empty).
-std::string current_error_message();
 /// Throws CheckpointError(msg) on every rank, saying on non-root ranks that root reported it.
 [[noreturn]] void throw_root_error(const Backend& backend, const std::string& msg, int root);
-
-/// One rank's verdict on a collective's inputs: the error it would throw (kind none: fine).
-struct Verdict {
-  enum class Kind : std::int32_t { none = 0, checkpoint = 1, invalid_argument = 2, mismatch = 3, other = 4 };
-  Kind kind = Kind::none;
-  std::string message;
-};
-/// The Verdict of the exception being handled.
-Verdict current_verdict();
-/// Runs f() and returns its failure as a Verdict (kind none if it returned).
-template <class F>
-Verdict verdict_of(F&& f) {
-  try {
-    f();
-    return {};
-  } catch (...) {
-    return current_verdict();
-  }
-}
-
-/// Collective (one allgather; one broadcast more when a rank failed). Every rank passes the root
-/// it was given, its verdict and a signature (0 if unused). Throws on every rank the same error
-/// if the ranks passed different roots or an invalid root (InvalidArgument), or if any rank's
-/// verdict failed (the lowest failing rank's error, of its kind, naming the ranks that failed;
-/// `consequence` says what was left undone). Otherwise returns whether every rank passed root's
-/// signature.
-bool agree(Backend& backend, const char* what, int root, const Verdict& mine, std::uint64_t signature,
-           const char* consequence);
 
 /// fnv1a of x's structure signature (what synchronize compares).
 template <class X>

@@ -20,10 +20,9 @@
 // and LOCKSTEP_FAULT (fault injection, see docs/reliability.md).
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
-#include <source_location>
-#include <string>
+
+#include "lockstep/reliability/call_site.hpp"  // kept here for the users of the old reliability.hpp
 
 namespace lockstep {
 
@@ -63,55 +62,4 @@ TimeoutAction timeout_action();
 /// "off", "first", "always".
 const char* name(CheckLevel level) noexcept;
 
-namespace detail {
-
-/// Where the collective the calling thread is about to start was called: `loc` is the call of
-/// the Backend collective itself (recorded by the front end in backend.hpp, so a collective
-/// issued inside the library names the library's line), `outer` the user's call of the library
-/// function that issued it (synchronize, update, a checkpoint), when there is one. `op` names
-/// the collective ("allreduce", ...). Read by the backend when it records the collective.
-struct CallSite {
-  std::source_location loc;
-  std::source_location outer;
-  const char* op = nullptr;
-  bool known = false;
-  bool has_outer = false;
-};
-inline thread_local CallSite t_call_site;
-
-/// Records a call site for the duration of one call, restoring the previous one after. Nested
-/// scopes keep the outermost site as `outer` and the innermost as `loc`.
-class CallSiteScope {
- public:
-  explicit CallSiteScope(const std::source_location& loc, const char* op = nullptr) noexcept
-      : saved_(t_call_site) {
-    CallSite s;
-    s.loc = loc;
-    s.known = true;
-    s.op = op != nullptr ? op : saved_.op;
-    if (saved_.has_outer) {
-      s.outer = saved_.outer;
-      s.has_outer = true;
-    } else if (saved_.known) {
-      s.outer = saved_.loc;
-      s.has_outer = true;
-    }
-    t_call_site = s;
-  }
-  ~CallSiteScope() { t_call_site = saved_; }
-  CallSiteScope(const CallSiteScope&) = delete;
-  CallSiteScope& operator=(const CallSiteScope&) = delete;
-
- private:
-  CallSite saved_;
-};
-
-/// "allreduce called at train.cpp:40 (inside the call at main.cpp:12)" for the current call
-/// site of this thread; "a collective" when none is recorded.
-std::string describe_call_site();
-
-/// 64-bit hash of `bytes` bytes (not cryptographic; equal inputs give equal hashes on every rank).
-std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept;
-
-}  // namespace detail
 }  // namespace lockstep

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "lockstep/comm/backend.hpp"
-#include "lockstep/reliability/settings.hpp"
+#include "lockstep/reliability/call_site.hpp"
 #include "lockstep/train/synchronize.hpp"
 #include "lockstep/core/traverse.hpp"
 

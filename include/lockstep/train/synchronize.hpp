@@ -4,7 +4,7 @@
 
 #include <source_location>
 
-#include "lockstep/reliability/settings.hpp"
+#include "lockstep/reliability/call_site.hpp"
 
 #include <cstddef>
 #include <cstdint>
