@@ -40,7 +40,7 @@
 #include <fstream>
 #include <iostream>
 
-#include "../src/crc32c.hpp"
+#include "../src/io/crc32c.hpp"
 #include "bench_common.hpp"
 
 extern char** environ;

@@ -1,4 +1,4 @@
-// bench_shm: MPIBackend's shared-memory path (src/shm_collectives.*) against the raw MPI call and
+// bench_shm: MPIBackend's shared-memory path (src/mpi/shm/shm_collectives.*) against the raw MPI call and
 // against MPIBackend with the path off (LOCKSTEP_SHM=0), for allreduce (sum, in place) and
 // broadcast of f32, over message sizes and slice sizes, all interleaved in one run. Each slice
 // size is its own MPIBackend, constructed with LOCKSTEP_SHM_SLICE_BYTES set (and

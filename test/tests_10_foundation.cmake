@@ -2,26 +2,26 @@
 # life cycle of the global backend, messages above 2^31 elements (large), and the package
 # (install + find_package, add_subdirectory).
 
-lockstep_test_executable(test_tensor tensor_test.cpp)
+lockstep_test_executable(test_tensor core/tensor_test.cpp)
 lockstep_add_unit_test(NAME tensor TARGET test_tensor TIMEOUT 120)
 
-lockstep_test_executable(test_collective collective_test.cpp)
+lockstep_test_executable(test_collective mpi/collective_test.cpp)
 lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 2 TCP TIMEOUT 300)
 
-lockstep_test_executable(test_world world_test.cpp)
+lockstep_test_executable(test_world mpi/world_test.cpp)
 lockstep_add_mpi_test(NAME world TARGET test_world RANKS 1 2 3 4 TIMEOUT 120)
 
 # Its own main: the shared test main initialises MPI, which is what these scenarios vary.
-add_executable(test_world_lifecycle world_lifecycle_test.cpp)
+add_executable(test_world_lifecycle mpi/world_lifecycle_test.cpp)
 target_link_libraries(test_world_lifecycle PRIVATE lockstep::core lockstep_build_flags)
 foreach(mode IN ITEMS owned borrowed autoinit atexit)
   lockstep_add_mpi_test(NAME world_lifecycle.${mode} TARGET test_world_lifecycle RANKS 1 3
                         ARGS ${mode} TIMEOUT 60)
 endforeach()
 
-lockstep_test_executable(test_collective_large collective_large_test.cpp)
+lockstep_test_executable(test_collective_large mpi/collective_large_test.cpp)
 lockstep_add_mpi_test(NAME collective_large TARGET test_collective_large RANKS 2 LABELS large
                       TIMEOUT 180)
 
@@ -51,7 +51,7 @@ endforeach()
 # default slice; 4 KiB slices and no threshold, so that every call crosses many slices; and the
 # MPI path (LOCKSTEP_SHM=0, the [shm] cases left out). The collective suite runs once more with
 # small slices, so that every dtype, op and size of it goes through shared memory.
-lockstep_test_executable(test_shm_collectives shm_collectives_test.cpp)
+lockstep_test_executable(test_shm_collectives mpi/shm_collectives_test.cpp)
 lockstep_add_mpi_test(NAME shm_collectives TARGET test_shm_collectives RANKS 2 3 4 TIMEOUT 300)
 lockstep_add_mpi_test(NAME shm_collectives.small_slices TARGET test_shm_collectives RANKS 2 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)

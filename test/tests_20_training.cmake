@@ -1,17 +1,17 @@
 # Training core: optimizer rules and traversal (unit), synchronize, DistributedOptimizer and data
 # partitioning (mpi, at 1 to 4 ranks).
-lockstep_test_executable(test_optimizer_rules optimizer_rules_test.cpp)
+lockstep_test_executable(test_optimizer_rules train/optimizer_rules_test.cpp)
 lockstep_add_unit_test(NAME optimizer_rules TARGET test_optimizer_rules TIMEOUT 120)
 
-lockstep_test_executable(test_training training_test.cpp)
+lockstep_test_executable(test_training train/training_test.cpp)
 lockstep_add_mpi_test(NAME training TARGET test_training RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME training TARGET test_training RANKS 3 TCP TIMEOUT 300)
 
-lockstep_test_executable(test_synchronize synchronize_test.cpp)
+lockstep_test_executable(test_synchronize train/synchronize_test.cpp)
 lockstep_add_mpi_test(NAME synchronize TARGET test_synchronize RANKS 1 2 3 4 TIMEOUT 120)
 
-lockstep_test_executable(test_data data_test.cpp)
+lockstep_test_executable(test_data train/data_test.cpp)
 lockstep_add_mpi_test(NAME data TARGET test_data RANKS 1 2 3 4 TIMEOUT 120)
 
 # A type that is not traversable is a compile-time error with Lockstep's message.
@@ -25,7 +25,7 @@ foreach(d IN LISTS _ls_inc)
 endforeach()
 add_test(NAME traverse_not_traversable
   COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only ${_ls_inc_flags}
-          ${CMAKE_CURRENT_SOURCE_DIR}/traverse_not_traversable.cpp)
+          ${CMAKE_CURRENT_SOURCE_DIR}/core/traverse_not_traversable.cpp)
 set_tests_properties(traverse_not_traversable PROPERTIES LABELS unit
   PASS_REGULAR_EXPRESSION "this type is not traversable")
 
@@ -34,7 +34,7 @@ if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
   foreach(rule IN ITEMS ADAM SGD)
     add_test(NAME optim_math_vectorizes.${rule}
       COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -O3 -fno-math-errno -fopt-info-vec-optimized
-              -DPROBE_${rule} ${_ls_inc_flags} -c ${CMAKE_CURRENT_SOURCE_DIR}/optim_vectorize_probe.cpp
+              -DPROBE_${rule} ${_ls_inc_flags} -c ${CMAKE_CURRENT_SOURCE_DIR}/train/optim_vectorize_probe.cpp
               -o /dev/null)
     set_tests_properties(optim_math_vectorizes.${rule} PROPERTIES LABELS unit
       PASS_REGULAR_EXPRESSION "optim_math.hpp:[0-9]+:[0-9]+: optimized: loop vectorized")
@@ -43,7 +43,7 @@ endif()
 
 # Scale options: ZeRO-1 sharded optimizer state and 16-bit gradients on the wire, at 1 to 4
 # ranks; a sharded checkpoint saved at 4 ranks and resumed at 3 (sharded) and 1 (replicated).
-lockstep_test_executable(test_sharded sharded_test.cpp)
+lockstep_test_executable(test_sharded train/sharded_test.cpp)
 lockstep_add_mpi_test(NAME sharded TARGET test_sharded RANKS 1 2 3 4 TIMEOUT 300)
 set(_ls_sharded_ckpt ${CMAKE_CURRENT_BINARY_DIR}/sharded_resume.safetensors)
 lockstep_add_mpi_test(NAME sharded_ckpt_save TARGET test_sharded RANKS 4 TIMEOUT 120 ARGS "[.ckpt_save]"

@@ -1,10 +1,10 @@
 # Checkpoints (reader, writer, rank-aware save/resume) and the examples run as a user runs them.
-lockstep_test_executable(test_checkpoint checkpoint_test.cpp)
+lockstep_test_executable(test_checkpoint io/checkpoint_test.cpp)
 lockstep_add_unit_test(NAME checkpoint TARGET test_checkpoint LABELS checkpoint TIMEOUT 120)
-lockstep_test_executable(test_checkpoint_mpi checkpoint_mpi_test.cpp)
+lockstep_test_executable(test_checkpoint_mpi io/checkpoint_mpi_test.cpp)
 lockstep_add_mpi_test(NAME checkpoint_mpi TARGET test_checkpoint_mpi RANKS 2 3 TIMEOUT 60)
 # Two processes saving one path at once: every save succeeds, the file is one of theirs.
-add_executable(lockstep_checkpoint_concurrent_writers checkpoint_concurrent_writers.cpp)
+add_executable(lockstep_checkpoint_concurrent_writers io/checkpoint_concurrent_writers.cpp)
 target_link_libraries(lockstep_checkpoint_concurrent_writers PRIVATE lockstep::core lockstep_build_flags)
 lockstep_add_unit_test(NAME checkpoint.concurrent_writers TARGET lockstep_checkpoint_concurrent_writers
                        LABELS checkpoint TIMEOUT 120)

@@ -1,5 +1,5 @@
 # Remote calls (remote.hpp): TorchOpt's driver/worker model over MPI, at 1 to 4 ranks.
-lockstep_test_executable(test_remote remote_test.cpp)
+lockstep_test_executable(test_remote remote/remote_test.cpp)
 lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 3 TCP TIMEOUT 300)
@@ -7,7 +7,7 @@ lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 3 TCP TIMEOUT 300)
 # A rank killed with SIGKILL while remote calls are pending (deadlines off): the job ends within
 # 10 s of the kill, and mpiexec names the dead rank. A worker killed from outside, and the driver
 # killed by a worker from inside a call the driver waits on.
-add_executable(lockstep_remote_kill remote_kill.cpp)
+add_executable(lockstep_remote_kill remote/remote_kill.cpp)
 target_link_libraries(lockstep_remote_kill PRIVATE lockstep::core lockstep_build_flags)
 function(lockstep_add_remote_kill_test mode dead)
   foreach(n IN LISTS ARGN)

@@ -1,0 +1,178 @@
+// The Backend interface: the collectives every communication library behind Lockstep provides.
+// Training code depends on Backend& only, so MPI and NCCL are interchangeable at run time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <exception>
+#include <memory>
+#include <source_location>
+#include <span>
+#include <string>
+
+#include "lockstep/core/tensor.hpp"
+
+namespace lockstep {
+
+/// Reduction operator. avg is sum followed by division by the number of ranks (floating types only).
+enum class ReduceOp : std::uint8_t { sum, prod, min, max, avg };
+
+/// "sum", "prod", ...
+const char* name(ReduceOp op) noexcept;
+
+/// Throws InvalidArgument if `op` is not defined for `dtype` (avg on integers, for example).
+void check_op_for_dtype(ReduceOp op, DType dtype);
+
+namespace detail {
+/// What a backend implements for one nonblocking operation.
+class RequestImpl {
+ public:
+  virtual ~RequestImpl() = default;
+  /// Blocks until the operation completed, then finishes it (avg scaling, unstaging).
+  virtual void wait() = 0;
+  /// True once complete (and finished); never blocks.
+  virtual bool test() = 0;
+};
+}  // namespace detail
+
+/// Handle of a nonblocking collective. Move-only; the destructor waits if still pending
+/// (errors there are reported to stderr, never thrown).
+class Request {
+ public:
+  Request() = default;
+  explicit Request(std::unique_ptr<detail::RequestImpl> impl) : impl_(std::move(impl)) {}
+  Request(Request&&) noexcept = default;
+  Request& operator=(Request&& other) noexcept;
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+  ~Request();
+
+  /// Blocks until the operation completed; the buffer may then be read. Idempotent.
+  void wait();
+  /// True if the operation completed (then the buffer may be read); never blocks.
+  bool test();
+  /// True while the request refers to an operation not yet waited for.
+  bool pending() const noexcept { return static_cast<bool>(impl_); }
+
+ private:
+  std::unique_ptr<detail::RequestImpl> impl_;
+};
+
+class Backend;
+namespace detail {
+/// Collectives queued on a communication thread (GradientReducer's) must complete before any
+/// other collective on the same backend starts, so that every rank issues them in the same
+/// order: the front end of every collective calls the drains registered for its backend, except
+/// on a communication thread itself. `key` identifies the registration.
+void register_drain(const Backend* backend, const void* key, std::function<void()> drain);
+void unregister_drain(const void* key) noexcept;
+/// Runs the drains registered for `backend` (nothing when there are none, or on a
+/// communication thread).
+void drain_pending(const Backend* backend);
+/// Set on a communication thread: its collectives do not wait for themselves.
+inline thread_local bool t_on_comm_thread = false;
+}  // namespace detail
+
+
+/// Abstract communication backend. All collectives are blocking unless named i...; all
+/// element counts are in elements of the view's dtype.
+///
+/// The public collectives are a non-virtual front end (the same for every backend: MPIBackend,
+/// NCCLBackend, a user's own): it records the call site (the defaulted `loc`, which fingerprint
+/// mismatches, stall reports and MPI errors name), validates the arguments once (roots, counts,
+/// dtypes, devices, overlap), makes rank-asymmetric checks agree across ranks (the recv of an
+/// out-of-place reduce exists only on root: root's verdict is broadcast before any data moves),
+/// and then calls the backend's protected do_* hook. A subclass implements the hooks and may
+/// assume valid arguments. When a rank's arguments fail a check that its peers may pass, the
+/// front end calls abandon() before throwing, so that a backend can tell its peers (MPIBackend:
+/// at a checked call every rank throws the same MismatchError; otherwise the peers are told and
+/// the communicator is marked unusable, see docs/reliability.md).
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  /// "mpi", "nccl".
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Rank among the processes on this node, and their number.
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  /// True if collectives may be called from a thread other than the one that created the
+  /// backend (one thread at a time). GradientReducer then reduces the buckets that backward
+  /// completes on a communication thread of its own (MPIBackend: when MPI provides
+  /// MPI_THREAD_MULTIPLE). Default false.
+  virtual bool concurrent_collectives() const { return false; }
+
+  using Loc = std::source_location;
+
+  /// Copies root's buffer into every rank's buffer.
+  void broadcast(TensorView buf, int root, Loc loc = Loc::current());
+  /// In place: buf becomes the reduction of every rank's buf.
+  void allreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
+  /// Out of place: recv becomes the reduction of every rank's send (same dtype and numel).
+  void allreduce(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
+  /// In place on root; other ranks' buf is left unchanged. Each rank may call either form of
+  /// reduce whatever the others call (both issue the same collectives, verdict broadcast included).
+  void reduce(TensorView buf, ReduceOp op, int root, Loc loc = Loc::current());
+  /// Out of place; recv is only written on root (other ranks may pass an empty view). Root's
+  /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
+  /// recv is the same InvalidArgument on every rank and no contribution is left in flight.
+  void reduce(TensorView send, TensorView recv, ReduceOp op, int root, Loc loc = Loc::current());
+  /// recv (numel = size() * send.numel) receives every rank's send, in rank order.
+  void allgather(TensorView send, TensorView recv, Loc loc = Loc::current());
+  /// send (numel = size() * recv.numel) is reduced elementwise; rank r receives block r.
+  void reduce_scatter(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
+  /// Blocks until every rank entered the barrier.
+  void barrier(Loc loc = Loc::current());
+
+  /// Nonblocking in-place allreduce; buf must stay alive and untouched until wait().
+  Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
+  /// Nonblocking broadcast.
+  Request ibroadcast(TensorView buf, int root, Loc loc = Loc::current());
+  /// Nonblocking in-place allreduce of several buffers (gradient buckets; any dtypes, buffers
+  /// that do not overlap), one Request for all: NCCLBackend issues them in one NCCL group
+  /// (ncclGroupStart/End), other backends one iallreduce after another in order.
+  Request iallreduce_many(std::span<const TensorView> bufs, ReduceOp op, Loc loc = Loc::current());
+
+ protected:
+  // The hooks a backend implements; the front end above has validated the arguments.
+  virtual void do_broadcast(TensorView buf, int root) = 0;
+  virtual void do_allreduce(TensorView buf, ReduceOp op) = 0;
+  /// send and recv do not overlap (the same buffer twice goes to the in-place hook).
+  virtual void do_allreduce(TensorView send, TensorView recv, ReduceOp op) = 0;
+  virtual void do_reduce(TensorView buf, ReduceOp op, int root) = 0;
+  /// recv is empty on ranks other than root.
+  virtual void do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) = 0;
+  virtual void do_allgather(TensorView send, TensorView recv) = 0;
+  virtual void do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) = 0;
+  virtual void do_barrier() = 0;
+  virtual Request do_iallreduce(TensorView buf, ReduceOp op) = 0;
+  virtual Request do_ibroadcast(TensorView buf, int root) = 0;
+  /// The default calls do_iallreduce for each buffer in order and returns one Request that
+  /// waits for all of them.
+  virtual Request do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op);
+
+  /// What a collective is, for abandon(): the operation's name and what must agree.
+  struct CallInfo {
+    const char* op;        ///< "allreduce", "broadcast", ...
+    std::int64_t count;    ///< element count
+    int dtype;             ///< static_cast<int>(DType), -1 if none
+    int reduce_op;         ///< static_cast<int>(ReduceOp), -1 if none
+    int root;              ///< -1 if none
+  };
+  /// Called by the front end on a rank whose arguments failed a check, before the error is
+  /// thrown. May throw an error of its own instead (for example the MismatchError every rank
+  /// throws at a checked call). The default does nothing.
+  virtual void abandon(const CallInfo& call, const std::exception& error);
+  /// For a backend that forwards to another one (a wrapper): passes a refusal on to `inner`, so
+  /// that the ranks of inner's communicator are told. A wrapper overrides abandon() to call it.
+  static void forward_abandon(Backend& inner, const CallInfo& call, const std::exception& error) {
+    inner.abandon(call, error);
+  }
+  /// Throws lockstep::Error if this backend cannot be used (for example a moved-from one). The
+  /// default does nothing.
+  virtual void check_usable() const {}
+};
+
+}  // namespace lockstep

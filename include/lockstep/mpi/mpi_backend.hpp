@@ -1,0 +1,96 @@
+// MPIBackend: the Backend over an MPI communicator (Open MPI in CI).
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+
+#include "lockstep/comm/backend.hpp"
+
+namespace lockstep {
+
+/// Backend over MPI. The constructor duplicates `comm` (MPI_Comm_dup), sets MPI_ERRORS_RETURN
+/// on the duplicate and frees it in the destructor; the caller keeps ownership of `comm`.
+/// Requires MPI to be initialised (initialize<MPIBackend>() does that). The constructor is a
+/// collective: it reads every LOCKSTEP_* setting and checks that all ranks agree on them (a
+/// malformed or differing value is the same InvalidArgument on every rank). A moved-from
+/// MPIBackend is empty: rank() and size() return 0 and every collective throws.
+class MPIBackend final : public Backend {
+ public:
+  explicit MPIBackend(MPI_Comm comm = MPI_COMM_WORLD);
+  ~MPIBackend() override;
+  MPIBackend(MPIBackend&&) noexcept;
+  MPIBackend& operator=(MPIBackend&&) noexcept;
+  MPIBackend(const MPIBackend&) = delete;
+  MPIBackend& operator=(const MPIBackend&) = delete;
+
+  /// The duplicated communicator this backend uses (owned by the backend).
+  MPI_Comm comm() const noexcept;
+  /// Whether device memory is handed to MPI directly (CUDA-aware MPI) rather than staged through
+  /// pinned host memory. Detected with MPIX_Query_cuda_support where the MPI has it; the
+  /// environment variable LOCKSTEP_CUDA_AWARE_MPI=0/1 or set_cuda_aware() forces either way.
+  bool cuda_aware() const noexcept;
+  void set_cuda_aware(bool on) noexcept;
+  /// Whether host-memory allreduce and broadcast go through a shared-memory segment instead of
+  /// MPI: true when every rank of the communicator runs on this machine (2 to 8 ranks) and
+  /// LOCKSTEP_SHM=0 is not set. Then every blocking host allreduce of f32/f64/i32/i64 (from
+  /// LOCKSTEP_SHM_MIN_BYTES, default 0) and every blocking host broadcast of at least one slice
+  /// takes it, deadlines included; the other blocking host allreduces and broadcasts first agree on the call through
+  /// it and then go to MPI. See docs/architecture.md.
+  bool shared_memory() const noexcept;
+
+  struct Impl;
+
+  std::string name() const override { return "mpi"; }
+  int rank() const override;
+  int size() const override;
+  int local_rank() const override;
+  int local_size() const override;
+  /// True when MPI provides MPI_THREAD_MULTIPLE (initialize<MPIBackend> asks for it).
+  bool concurrent_collectives() const override;
+
+  // Every collective of Backend's front end (backend.hpp) lands in one of these.
+ protected:
+  void do_broadcast(TensorView buf, int root) override;
+  void do_allreduce(TensorView buf, ReduceOp op) override;
+  void do_allreduce(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_reduce(TensorView buf, ReduceOp op, int root) override;
+  void do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) override;
+  void do_allgather(TensorView send, TensorView recv) override;
+  void do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) override;
+  void do_barrier() override;
+  Request do_iallreduce(TensorView buf, ReduceOp op) override;
+  Request do_ibroadcast(TensorView buf, int root) override;
+  void abandon(const CallInfo& call, const std::exception& error) override;
+  void check_usable() const override;
+
+ public:
+  /// Whether this backend is usable: false for a moved-from one and after a stall or a refused
+  /// collective (docs/reliability.md), after which every collective throws.
+  bool usable() const noexcept;
+
+  // Hooks used by initialize<MPIBackend>() and friends (see world.hpp).
+  /// MPI_Init_thread(MPI_THREAD_MULTIPLE) if MPI is not initialised yet, then creates the
+  /// global backend over MPI_COMM_WORLD. Idempotent. If Lockstep initialised MPI, it finalises
+  /// it at exit.
+  static void initialize_global();
+  static bool initialized_global() noexcept;
+  /// The global backend; throws lockstep::Error if initialize<MPIBackend>() was not called.
+  static MPIBackend& global();
+  /// Destroys the global backend and finalises MPI if Lockstep initialised it.
+  static void finalize_global();
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+/// Throws MpiError naming the call, file:line and rank if `code` is not MPI_SUCCESS.
+void check_mpi(int code, const char* call,
+               const std::source_location& loc = std::source_location::current());
+}  // namespace detail
+
+}  // namespace lockstep
+
+/// Checks an MPI call: LOCKSTEP_MPI_CHECK(MPI_Barrier(comm));
+#define LOCKSTEP_MPI_CHECK(call) ::lockstep::detail::check_mpi((call), #call)

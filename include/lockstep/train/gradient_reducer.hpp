@@ -1,0 +1,205 @@
+// GradientReducer: the bucketed, overlapped gradient reduction behind DistributedOptimizer, for
+// code that keeps its own optimizer (LibTorch's torch::optim, a hand-written CUDA trainer).
+//
+//   std::vector<ls::Tensor> grads = ...;                 // or any traversable structure
+//   ls::GradientReducer red(backend, grads);             // collective: ranks must agree
+//   for (...) {
+//     backward(..., [&](ls::Tensor& g) { red.ready(g); });  // optional: overlap with backward
+//     if (red.reduce()) my_optimizer.step(grads);        // grads now hold the average
+//   }
+//
+// Buckets: the trainable (floating-point) gradients, taken from the last one backwards (the
+// order backward produces them), are grouped into buckets of at most options.bucket_bytes (a
+// tensor larger than that is a bucket of its own, reduced in slices of bucket_bytes; dtype or
+// device changes start a new bucket). Bucket 0 holds the last tensors. Buckets are launched
+// strictly in index order on every rank, whatever order ready() reports come in, so the
+// collectives always match across ranks. A bucket that ready() completes starts as nonblocking
+// allreduces (overlapping the rest of backward), or is handed to the reducer's communication
+// thread (DistributedOptions::comm_thread); reduce() launches the rest, blocking, in order.
+// A bucket whose tensors lie back to back in memory is reduced in place (zero copy); otherwise
+// it is packed into a staging buffer and unpacked after its reduction.
+//
+// Device (cuda) gradients: buckets of options.device_bucket_bytes (25 MiB), packed and unpacked
+// with one copy launch per bucket (DeviceRuntime::copy_many), never sliced; the buckets reduce()
+// launches itself go to the backend in one iallreduce_many (NCCLBackend: one NCCL group). The
+// gradients are taken as written on the current stream of their device (as PyTorch's DDP takes
+// them): the reduction is ordered after that stream, not after the whole device, so a gradient
+// written on another stream must be waited for first (an event, or a StreamGuard around the
+// backward). At one rank device buckets are not communicated at all (the sum, and the mean, of
+// one rank is its gradient).
+//
+// Of DistributedOptions the reducer uses bucket_bytes, op and accumulation_steps; skip_non_finite
+// and check_replicas_every act on parameters and rule state, which only an optimizer has
+// (DistributedOptimizer, lockstep::torch's DistributedOptimizer).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/backend.hpp"
+#include "lockstep/train/rules.hpp"
+#include "lockstep/train/synchronize.hpp"
+#include "lockstep/core/tensor.hpp"
+
+namespace lockstep {
+
+/// Default bucket size in bytes, chosen by measurement on the CI machine (see docs/training.md).
+inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
+/// Default bucket size of device (cuda) gradients: PyTorch DDP's bucket_cap_mb (25 MiB).
+inline constexpr std::size_t kDefaultDeviceBucketBytes = std::size_t{25} << 20;
+
+/// Options of DistributedOptimizer and GradientReducer.
+struct DistributedOptions {
+  /// Largest bucket of host gradients, in bytes (a larger tensor is a bucket of its own, reduced
+  /// in slices of bucket_bytes so that each slice's reduction works in cache). 0: one bucket
+  /// per tensor.
+  std::size_t bucket_bytes = kDefaultBucketBytes;
+  /// Largest bucket of device (cuda) gradients, in bytes (DDP's 25 MiB by default; a larger
+  /// tensor is a bucket of its own, reduced whole). 0: one bucket per tensor. The device
+  /// buckets that update() reduces go to the backend together, in one iallreduce_many (one
+  /// NCCL group); packing and unpacking a bucket is one copy launch each.
+  std::size_t device_bucket_bytes = kDefaultDeviceBucketBytes;
+  /// ReduceOp::avg (default: mean over ranks) or ReduceOp::sum.
+  ReduceOp op = ReduceOp::avg;
+  /// Micro-batches per optimizer step (1: no accumulation).
+  int accumulation_steps = 1;
+  /// If a gradient holds a NaN or an infinity on any rank, every rank skips the step (the
+  /// parameters and the rule's state are left as they were); counted by
+  /// DistributedState::skipped_steps(), and the rank it came from logs the tensor. No extra
+  /// collective: a NaN or Inf on any rank makes the reduced gradient non-finite on every rank,
+  /// so the decision is taken on the reduced values (see docs/reliability.md).
+  bool skip_non_finite = false;
+  /// Run check_replicas on the model and the optimizer state every K optimizer steps (0: never).
+  int check_replicas_every = 0;
+  /// Host buckets that ready reports complete during backward are reduced on a communication
+  /// thread, with the backend's blocking collectives (MPIBackend: its shared-memory path on one
+  /// machine), while backward goes on; false: nonblocking collectives (MPI_Iallreduce), which
+  /// Open MPI progresses only when the program calls into it. Used only where the backend allows
+  /// collectives from another thread (Backend::concurrent_collectives); any other collective on
+  /// the backend first waits for the thread's queue, so every rank keeps one order.
+  bool comm_thread = true;
+  /// ZeRO stage 1 (DistributedOptimizer only): the trainable parameters, taken as one flat index
+  /// space in traversal order, are split into size() contiguous shards of ceil(total / size())
+  /// elements (the last ones shorter or empty). Each bucket's gradients are reduced onto the
+  /// ranks that own its elements (a reduce per owner instead of an allreduce), each rank applies
+  /// the rule to its own shard and keeps rule state only for it, and the updated parameters are
+  /// all-gathered. Needs an elementwise rule (R::elementwise, true for SGD and Adam) and
+  /// trainable tensors of one dtype (f32 or f64) on the CPU. After update() only this rank's
+  /// shard of the gradients holds the reduced values.
+  bool shard_optimizer_state = false;
+  /// Send f32 gradients as bf16 or f16 (half the bytes). Each gradient is rounded once into the
+  /// wire dtype; the sum is accumulated in f32 where the path allows it (the shared-memory path;
+  /// Open MPI's reductions round each partial sum to the wire dtype), and the division by the
+  /// number of ranks happens in f32 after the sum: the rule always sees f32. Host f32 gradients
+  /// only; any other dtype is an InvalidArgument.
+  std::optional<DType> wire_dtype = std::nullopt;
+};
+
+namespace detail {
+/// What the reducer knows of one trainable gradient.
+struct GradLeaf {
+  std::int64_t numel = 0;
+  DType dtype = DType::f32;
+  Device device = Device::cpu();
+};
+
+/// The problem with these options for these leaves, or "" (checked on every rank before the
+/// ranks agree: wire_dtype 16-bit and gradients f32 on the host; sharding needs one float dtype
+/// on the CPU).
+std::string check_options(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                          const std::vector<std::string>& paths);
+
+/// Signature of a reducer setup (trainable leaves and options), for the cross-rank agreement
+/// check.
+std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves);
+}  // namespace detail
+
+/// The bucketed, overlapped gradient reduction (see the top of this file). Not copyable or
+/// movable (backward hooks hold its address); one per set of gradients.
+class GradientReducer {
+ public:
+  /// Collective: a reducer for the trainable tensors of `grads` (any structure Lockstep
+  /// traverses: a Tensor, a std::vector, a LOCKSTEP_FIELDS struct...). Every rank must pass the
+  /// same structure (names, dtypes, sizes, devices) and options: MismatchError on every rank
+  /// naming the first difference otherwise. The tensors are used in place, every step: they
+  /// must stay where they are, with the same sizes, while the reducer lives (checked before each
+  /// bucket is read).
+  template <class G>
+  GradientReducer(Backend& backend, G& grads, DistributedOptions options = {},
+                  std::source_location loc = std::source_location::current())
+      : GradientReducer(backend, trainable_leaves(grads), detail::trainable_paths(grads), options,
+                        loc) {}
+  /// The same for explicit tensors and their names (as messages and checks name them).
+  GradientReducer(Backend& backend, std::vector<Tensor*> grads, std::vector<std::string> names,
+                  DistributedOptions options = {},
+                  std::source_location loc = std::source_location::current());
+  /// Internal (DistributedOptimizer's setup, which has checked the ranks agree): a reducer for
+  /// gradients of these sizes, bound step by step with bind().
+  GradientReducer(Backend& backend, const DistributedOptions& options,
+                  std::vector<detail::GradLeaf> leaves, std::vector<std::string> paths);
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // --- the public cycle (reducers made from gradients) ---------------------------------------
+
+  /// Reports gradient `g` (one of the reducer's tensors, the same object) as final for this
+  /// step: a bucket whose tensors are all final starts reducing at once, in bucket order.
+  /// InvalidArgument for a tensor that is not one of them, or one reported twice in a step.
+  void ready(const Tensor& g);
+  /// Launches what ready() did not, waits for everything, and leaves the reduced values in the
+  /// gradients; returns true. With accumulation_steps = k, the first k-1 calls of a cycle only
+  /// add the gradients into an accumulator (no communication; the gradients are left as they
+  /// are) and return false; the k-th reduces the accumulated sum once (divided by k as well as
+  /// by the ranks with ReduceOp::avg) and writes it into the gradients. Collective.
+  bool reduce();
+
+  // --- step by step (DistributedOptimizer) -----------------------------------------------------
+
+  /// Binds this step's gradients (validated against the plan) and arms ready reports.
+  void bind(const std::vector<Tensor*>& grads);
+  /// True if bind() was called with exactly these tensors and the step is not finished.
+  bool bound_to(const std::vector<Tensor*>& grads) const noexcept;
+  /// Reports a bound gradient as final; may launch buckets.
+  void mark_ready(const Tensor& grad);
+  /// True if the next reduction completes an optimizer step (not an accumulate-only micro-step).
+  bool final_micro_step() const noexcept;
+  /// Adds the bound gradients into the accumulator (no communication) and unbinds.
+  void accumulate();
+  /// Launches what is not yet in flight, waits for everything and returns the reduced
+  /// gradients (the bound tensors, or the accumulator's). Unbinds.
+  const std::vector<Tensor*>& reduce_bound();
+
+  // --- what it did ------------------------------------------------------------------------------
+
+  /// Sharded mode (DistributedOptions::shard_optimizer_state): this rank's range [begin, end) of
+  /// the flat index space of the trainable tensors, and the shard length ceil(total / size()).
+  /// Not sharded: the whole space.
+  std::int64_t shard_begin() const noexcept;
+  std::int64_t shard_end() const noexcept;
+  std::int64_t shard_length() const noexcept;
+  /// Elements of all trainable tensors together, and where each one starts in the flat space.
+  std::int64_t total_numel() const noexcept;
+  const std::vector<std::int64_t>& leaf_offsets() const noexcept;
+
+  std::size_t bucket_count() const noexcept;
+  /// Number of buckets reduced in place (zero copy) by the last reduction.
+  std::size_t zero_copy_buckets() const noexcept;
+  /// Number of micro-batches accumulated and not yet reduced.
+  int accumulated() const noexcept;
+  /// The names of the reducer's gradients, in order.
+  const std::vector<std::string>& names() const noexcept;
+  Backend& backend() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<Tensor*> own_;  // the gradients of a reducer made from gradients
+};
+
+}  // namespace lockstep

@@ -1,0 +1,495 @@
+// Node-local collectives through a shared-memory segment (see shm_collectives.hpp).
+#include "mpi/shm/shm_collectives.hpp"
+#include "core/wire16.hpp"
+
+#include <fcntl.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "lockstep/core/errors.hpp"
+#include "lockstep/mpi/mpi_backend.hpp"
+#include "mpi/monitor.hpp"
+
+
+namespace lockstep::detail {
+
+namespace {
+
+constexpr std::size_t kPage = 4096;  // each rank's region starts on its own page
+constexpr std::size_t kLine = 64;
+// Defaults chosen from bench_collectives / bench_gradsync sweeps (docs/performance.md).
+constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
+// Every size: a call that goes to MPI instead must first agree on it with the other ranks (one
+// more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
+constexpr std::size_t kDefaultMinBytes = 0;
+
+enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2, reduce = 3, allgather = 4 };
+
+// Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
+// staying modified in this core's cache. The peers then read them from memory at full speed,
+// rather than snooping them out of this core's cache, which on some virtual machines is fast
+// only while the two vCPUs share a last-level cache (docs/performance.md, "Phases", has the
+// figures). Ends with a store fence, so the data is visible before the flag that publishes it.
+void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
+#if defined(__SSE2__)
+  // Small copies stay in cache: there the fence and the trip to memory cost more than they save.
+  if (bytes < (std::size_t{32} << 10)) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  std::size_t i = 0;
+  if ((reinterpret_cast<std::uintptr_t>(d) & 15) == 0) {
+    for (; i + 64 <= bytes; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+  }
+  if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// out[i] = (((s[0][i] op s[1][i]) op s[2][i]) ...), then / n for avg. The same order on every
+// rank, so every rank gets the same bits.
+template <class T, ReduceOp Op>
+void reduce_slots(T* out, const T* const* s, int n, std::size_t m) {
+  auto combine = [](T a, T b) {
+    if constexpr (Op == ReduceOp::sum || Op == ReduceOp::avg) return static_cast<T>(a + b);
+    else if constexpr (Op == ReduceOp::prod) return static_cast<T>(a * b);
+    else if constexpr (Op == ReduceOp::min) return std::min(a, b);
+    else return std::max(a, b);
+  };
+  if (n == 2) {
+    const T* a = s[0];
+    const T* b = s[1];
+    if constexpr (Op == ReduceOp::avg) {
+      // x * 0.5 is x / 2 exactly (a power of two), and a multiplication is several times
+      // cheaper than a division: at 1 MiB slices the division alone took as long as the copy.
+      for (std::size_t i = 0; i < m; ++i) out[i] = (a[i] + b[i]) * T(0.5);
+    } else {
+      for (std::size_t i = 0; i < m; ++i) out[i] = combine(a[i], b[i]);
+    }
+    return;
+  }
+  {
+    const T* a = s[0];
+    const T* b = s[1];
+    for (std::size_t i = 0; i < m; ++i) out[i] = combine(a[i], b[i]);
+  }
+  for (int p = 2; p < n; ++p) {
+    const T* b = s[p];
+    for (std::size_t i = 0; i < m; ++i) out[i] = combine(out[i], b[i]);
+  }
+  if constexpr (Op == ReduceOp::avg) {
+    if ((n & (n - 1)) == 0) {  // a power of two: multiplying by 1/n is exact, the same bits as / n
+      const T inv = T(1) / static_cast<T>(n);
+      for (std::size_t i = 0; i < m; ++i) out[i] *= inv;
+    } else {
+      const T d = static_cast<T>(n);
+      for (std::size_t i = 0; i < m; ++i) out[i] /= d;
+    }
+  }
+}
+
+template <class T>
+void reduce_dispatch(ReduceOp op, T* out, const T* const* s, int n, std::size_t m) {
+  switch (op) {
+    case ReduceOp::sum: return reduce_slots<T, ReduceOp::sum>(out, s, n, m);
+    case ReduceOp::prod: return reduce_slots<T, ReduceOp::prod>(out, s, n, m);
+    case ReduceOp::min: return reduce_slots<T, ReduceOp::min>(out, s, n, m);
+    case ReduceOp::max: return reduce_slots<T, ReduceOp::max>(out, s, n, m);
+    case ReduceOp::avg:
+      if constexpr (std::is_floating_point_v<T>) return reduce_slots<T, ReduceOp::avg>(out, s, n, m);
+      else return;  // rejected before (avg needs a floating dtype)
+  }
+}
+
+// 16-bit floats (bf16, f16), sum and avg: each element's sum is accumulated in f32, in rank
+// order, and rounded once (Open MPI's operators round every partial sum); avg divides in f32
+// before that rounding. A block is read from every slot before it is written, so `out` may be
+// one of the inputs.
+void reduce16(DType w, ReduceOp op, std::uint16_t* out, const std::uint16_t* const* s, int n, std::size_t m) {
+  constexpr std::size_t kBlock = 512;
+  float acc[kBlock];
+  const bool pow2 = (n & (n - 1)) == 0;
+  const float inv = 1.0f / static_cast<float>(n), d = static_cast<float>(n);
+  for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
+    const std::size_t len = std::min(kBlock, m - i0);
+    if (w == DType::bf16) {
+      for (std::size_t i = 0; i < len; ++i) acc[i] = bf16_value(s[0][i0 + i]);
+      for (int p = 1; p < n; ++p)
+        for (std::size_t i = 0; i < len; ++i) acc[i] += bf16_value(s[p][i0 + i]);
+    } else {
+      from_wire16(w, s[0] + i0, acc, static_cast<std::int64_t>(len), 1.0f);
+      float tmp[kBlock];
+      for (int p = 1; p < n; ++p) {
+        from_wire16(w, s[p] + i0, tmp, static_cast<std::int64_t>(len), 1.0f);
+        for (std::size_t i = 0; i < len; ++i) acc[i] += tmp[i];
+      }
+    }
+    if (op == ReduceOp::avg) {
+      if (pow2)
+        for (std::size_t i = 0; i < len; ++i) acc[i] *= inv;
+      else
+        for (std::size_t i = 0; i < len; ++i) acc[i] /= d;
+    }
+    to_wire16(w, acc, out + i0, static_cast<std::int64_t>(len));
+  }
+}
+
+// out = op over the n slots of m elements of `dtype` (a dtype handles_allreduce() accepted).
+void reduce_any(DType dtype, ReduceOp op, char* out, const void* const* slots, int n, std::size_t m) {
+  switch (dtype) {
+    case DType::f32:
+      return reduce_dispatch(op, reinterpret_cast<float*>(out), reinterpret_cast<const float* const*>(slots), n, m);
+    case DType::f64:
+      return reduce_dispatch(op, reinterpret_cast<double*>(out), reinterpret_cast<const double* const*>(slots), n, m);
+    case DType::i32:
+      return reduce_dispatch(op, reinterpret_cast<std::int32_t*>(out), reinterpret_cast<const std::int32_t* const*>(slots),
+                             n, m);
+    case DType::i64:
+      return reduce_dispatch(op, reinterpret_cast<std::int64_t*>(out), reinterpret_cast<const std::int64_t* const*>(slots),
+                             n, m);
+    case DType::bf16:
+    case DType::f16:
+      return reduce16(dtype, op, reinterpret_cast<std::uint16_t*>(out), reinterpret_cast<const std::uint16_t* const*>(slots),
+                      n, m);
+    default: return;  // handles_allreduce() said no
+  }
+}
+
+}  // namespace
+
+// Per-rank flags, each on its own cache line: slices this rank has written into its slot, and
+// slices this rank has finished reading (from every slot).
+struct ShmCollectives::Control {
+  alignas(kLine) std::atomic<std::uint64_t> written{0};
+  alignas(kLine) std::atomic<std::uint64_t> done{0};
+};
+
+// What a rank was asked to do, stored with each slice so the peers can compare.
+struct ShmCollectives::SliceHeader {
+  std::uint64_t call;     // calls so far on this communicator
+  std::int64_t numel;     // the caller's element count
+  std::uint32_t kind;     // Kind
+  std::uint32_t dtype;    // DType
+  std::int32_t op_root;   // ReduceOp for allreduce, root for broadcast
+  std::uint32_t host;     // 1: host memory; 0: device memory handed to MPI directly
+};
+
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+              "shared-memory flags need lock-free 64-bit atomics");
+
+namespace {
+constexpr std::size_t kControlBytes = 2 * kLine;
+constexpr std::size_t kHeaderBytes = kLine;
+}  // namespace
+
+std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm, int node_size) {
+  int size = 1, rank = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  if (size == 1) return nullptr;
+
+  // Every rank must agree: on one machine, within the rank limit, enabled everywhere; the slice
+  // size and threshold are rank 0's.
+  // The settings were parsed strictly and agreed by every rank (agree_on_settings, in the
+  // MPIBackend constructor); the placement is checked here.
+  int ok = (node_size == size && size <= kMaxRanks && settings_shm().value_or(true)) ? 1 : 0;
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
+  if (!ok) return nullptr;
+  const std::size_t slice = settings_shm_slice_bytes().value_or(kDefaultSliceBytes);
+  const std::size_t min_bytes = settings_shm_min_bytes().value_or(kDefaultMinBytes);
+
+  std::unique_ptr<ShmCollectives> self(new ShmCollectives());
+  self->rank_ = rank;
+  self->size_ = size;
+  self->slice_bytes_ = slice;
+  self->min_bytes_ = min_bytes;
+
+  // One POSIX shared-memory object for all ranks, created by rank 0 and removed from the name
+  // space as soon as every rank has mapped it: nothing is left behind if the job dies, and
+  // tearing down is a local munmap (no collective call in a destructor that may run on one rank
+  // only, while an exception unwinds).
+  const std::size_t region = (kControlBytes + 2 * (kHeaderBytes + slice) + kPage - 1) / kPage * kPage;
+  const std::size_t total = region * static_cast<std::size_t>(size);
+  char shm_name[64] = {};
+  int ok_local = 1;
+  int fd = -1;
+  if (rank == 0) {
+    static std::atomic<unsigned> counter{0};
+    std::snprintf(shm_name, sizeof shm_name, "/lockstep-%ld-%u-%lx", static_cast<long>(getpid()),
+                  counter.fetch_add(1), static_cast<unsigned long>(std::random_device{}()));
+    fd = shm_open(shm_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    ok_local = fd >= 0 && posix_fallocate(fd, 0, static_cast<off_t>(total)) == 0 ? 1 : 0;
+  }
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(shm_name, sizeof shm_name, MPI_CHAR, 0, comm));
+  LOCKSTEP_MPI_CHECK(MPI_Bcast(&ok_local, 1, MPI_INT, 0, comm));
+  if (rank != 0 && ok_local) {
+    fd = shm_open(shm_name, O_RDWR, 0600);
+    ok_local = fd >= 0 ? 1 : 0;
+  }
+  void* map = MAP_FAILED;
+  if (ok_local) {
+    map = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ok_local = map != MAP_FAILED ? 1 : 0;
+  }
+  if (fd >= 0) close(fd);
+  int ok_all = ok_local;
+  // Also the barrier after which no rank needs the name any more.
+  const int rc = MPI_Allreduce(MPI_IN_PLACE, &ok_all, 1, MPI_INT, MPI_MIN, comm);
+  if (rank == 0 && shm_name[0] != '\0') shm_unlink(shm_name);
+  LOCKSTEP_MPI_CHECK(rc);
+  if (!ok_all) {
+    if (map != MAP_FAILED) munmap(map, total);
+    return nullptr;
+  }
+  self->map_ = map;
+  self->map_bytes_ = total;
+  for (int p = 0; p < size; ++p) self->base_[p] = static_cast<char*>(map) + region * static_cast<std::size_t>(p);
+  new (self->base_[rank]) Control();
+  // Every rank's control block is constructed before anyone reads it.
+  LOCKSTEP_MPI_CHECK(MPI_Barrier(comm));
+  return self;
+}
+
+ShmCollectives::~ShmCollectives() {
+  if (map_ != nullptr) munmap(map_, map_bytes_);
+}
+
+bool ShmCollectives::handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept {
+  if (!host) return false;
+  const bool half16 = (dtype == DType::bf16 || dtype == DType::f16) && (op == ReduceOp::sum || op == ReduceOp::avg);
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64 && !half16) return false;
+  return numel > 0 && static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+}
+
+bool ShmCollectives::handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept {
+  if (!host || numel <= 0) return false;
+  const std::size_t bytes = static_cast<std::size_t>(numel) * size_of(dtype);
+  // Small: the ranks meet in a slot anyway to agree on the call, so the data travels with the
+  // header instead of in an MPI broadcast after it (one rendezvous instead of a rendezvous and a
+  // broadcast: bench_collectives, broadcast up to a few KiB). From one slice up: pipelined slices.
+  // In between, two copies (root into its slot, the others out of it) lose to MPI's single copy
+  // (bench_shm; several times slower than MPI under CPU contention with 64 KiB pieces).
+  return bytes <= kSmallBroadcastBytes || bytes >= std::max(min_bytes_, slice_bytes_);
+}
+
+ShmCollectives::SliceHeader* ShmCollectives::header(int peer, std::uint64_t k) const {
+  return reinterpret_cast<SliceHeader*>(base_[peer] + kControlBytes + (k & 1) * (kHeaderBytes + slice_bytes_));
+}
+
+char* ShmCollectives::slot(int peer, std::uint64_t k) const {
+  return reinterpret_cast<char*>(header(peer, k)) + kHeaderBytes;
+}
+
+void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v) {
+  // Poll (the peer is usually a few microseconds away), then yield the core: with more ranks
+  // than cores the peer may need this one to make progress. No PAUSE instruction in the loop:
+  // in a virtual machine a PAUSE loop makes the hypervisor deschedule the waiting vCPU
+  // (pause-loop exiting), which costs far more than the wait; Open MPI's polling does not pause
+  // either. At every yield the hook runs (stall notices, the deadline): it may throw, so no wait
+  // here outlives a stall, a dead peer past the deadline, or a refused collective elsewhere.
+  int polls = 0;
+  while (a.load(std::memory_order_acquire) < v) {
+    if (++polls == 4096) {
+      if (hook_ != nullptr) hook_(hook_ctx_);
+      sched_yield();
+      polls = 0;
+    }
+  }
+}
+
+void ShmCollectives::wait_written(int peer, std::uint64_t k) {
+  spin_until(reinterpret_cast<Control*>(base_[peer])->written, k + 1);
+}
+
+void ShmCollectives::wait_done_all(std::uint64_t k) {
+  // Slot k & 1 was last used by slice k - 2; every rank must have finished reading it.
+  if (k < 2) return;
+  for (int p = 0; p < size_; ++p) spin_until(reinterpret_cast<Control*>(base_[p])->done, k - 1);
+}
+
+std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, const char* what) const {
+  const SliceHeader& theirs = *header(peer, next_);
+  auto describe = [](const SliceHeader& h) {
+    const auto k = static_cast<Kind>(h.kind);
+    std::string s = k == Kind::allreduce ? "allreduce" : k == Kind::broadcast ? "broadcast" : k == Kind::reduce ? "reduce" : "allgather";
+    s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
+    if (k == Kind::allreduce)
+      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
+    else if (k == Kind::broadcast)
+      s += concat(" from root ", h.op_root);
+    else if (k == Kind::reduce)
+      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root & 0xff)), " onto root ", h.op_root >> 8);
+    if (!h.host) s += " in device memory";
+    s += concat(" (call number ", h.call, " on this communicator)");
+    return s;
+  };
+  return concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", describe(mine),
+                ", rank ", peer, " called ", describe(theirs), rank_suffix());
+}
+
+// One call, slice by slice: write this rank's header (and data, through `fill`) into its slot,
+// publish it, wait for every peer's slot of the same slice, compare the headers, then `use` the
+// slots. A disagreement is seen by every rank at the same slice; all of them mark the slice done
+// and throw, so the slice counters stay equal and the next call starts in step.
+template <class Fill, class Use>
+void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what,
+                         Fill&& fill, Use&& use) {
+  auto* me = reinterpret_cast<Control*>(base_[rank_]);
+  for (std::size_t off = 0; off < total; off += per, ++next_) {
+    const std::size_t m = std::min(per, total - off);
+    wait_done_all(next_);
+    *header(rank_, next_) = mine;
+    fill(slot(rank_, next_), off, m);
+    me->written.store(next_ + 1, std::memory_order_release);
+    int bad = -1;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      wait_written(p, next_);
+      const SliceHeader& h = *header(p, next_);
+      if (bad < 0 && (h.call != mine.call || h.numel != mine.numel || h.kind != mine.kind ||
+                      h.dtype != mine.dtype || h.op_root != mine.op_root || h.host != mine.host))
+        bad = p;
+    }
+    if (bad >= 0) {
+      std::string msg = mismatch_message(bad, mine, what);
+      me->done.store(next_ + 1, std::memory_order_release);
+      ++next_;
+      throw MismatchError(msg);
+    }
+    use(off, m);
+    me->done.store(next_ + 1, std::memory_order_release);
+  }
+}
+
+// A call that goes to MPI: its header alone is exchanged (one slice with no data), so that every
+// rank knows every other rank made the same call, and so takes MPI too.
+void ShmCollectives::agree(const SliceHeader& mine, const char* what) {
+  run(mine, 1, 1, what, [](char*, std::size_t, std::size_t) {}, [](std::size_t, std::size_t) {});
+}
+
+bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                               bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  if (!handles_allreduce(numel, dtype, op, host)) {
+    agree(mine, "allreduce");
+    return false;
+  }
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    const void* slots[kMaxRanks];
+    // This rank's own contribution is read from its send buffer, still in cache from the copy
+    // (the slot copy went to memory); the same bits, so the order of the sum is unchanged. In
+    // place, out is that very buffer, which the first pass (ranks 0 and 1) reads element by
+    // element before writing it, but which later passes find already overwritten: ranks from 2
+    // up then read their own slot.
+    for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_);
+    if (rank_ < 2 || send != recv) slots[rank_] = static_cast<const char*>(send) + off * es;
+    reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allreduce", fill, use);
+  return true;
+}
+
+bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+                            bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce), static_cast<std::uint32_t>(dtype),
+                         static_cast<std::int32_t>(static_cast<int>(op) | (root << 8)), host ? 1u : 0u};
+  if (!handles_allreduce(numel, dtype, op, host)) {
+    agree(mine, "reduce");
+    return false;
+  }
+  const bool is_root = rank_ == root;
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    if (!is_root) copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    if (!is_root) return;  // only root reads: every rank's slice into root's recv
+    const void* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_);
+    // Root's own slice is read from its buffer (it wrote no slot). In place, the first pass
+    // (ranks 0 and 1) reads each element before writing it; a root from rank 2 up would read
+    // its own overwritten values in later passes, so it copies its slice into its slot first.
+    if (rank_ < 2 || send != recv) {
+      slots[rank_] = static_cast<const char*>(send) + off * es;
+    } else {
+      std::memcpy(slot(rank_, next_), static_cast<const char*>(send) + off * es, m * es);
+    }
+    reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "reduce", fill, use);
+  return true;
+}
+
+bool ShmCollectives::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allgather),
+                         static_cast<std::uint32_t>(dtype), 0, host ? 1u : 0u};
+  if (!(host && numel > 0 && static_cast<std::size_t>(numel) * es * static_cast<std::size_t>(size_) >= min_bytes_)) {
+    agree(mine, "allgather");
+    return false;
+  }
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    for (int p = 0; p < size_; ++p) {
+      char* out = static_cast<char*>(recv) + (static_cast<std::size_t>(p) * static_cast<std::size_t>(numel) + off) * es;
+      const void* from = p == rank_ ? static_cast<const char*>(send) + off * es : slot(p, next_);
+      if (from != out) std::memcpy(out, from, m * es);
+    }
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allgather", fill, use);
+  return true;
+}
+
+bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::broadcast),
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(root), host ? 1u : 0u};
+  if (!handles_broadcast(numel, dtype, host)) {
+    agree(mine, "broadcast");
+    return false;
+  }
+  const bool is_root = rank_ == root;
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    if (is_root) copy_to_slot(dst, static_cast<const char*>(buf) + off * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    if (!is_root) std::memcpy(static_cast<char*>(buf) + off * es, slot(root, next_), m * es);
+  };
+  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "broadcast", fill, use);
+  return true;
+}
+
+}  // namespace lockstep::detail

@@ -1,0 +1,111 @@
+// Node-local collectives through a shared-memory segment, for communicators whose ranks all run
+// on one machine. Used by MPIBackend for host-memory allreduce, reduce, allgather and broadcast;
+// everything else goes through MPI.
+//
+// Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
+// transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has
+// the figures). Here each rank copies
+// a slice of its buffer into its own slot of a shared segment, waits until every rank has done
+// the same, and computes the reduction of that slice itself, reading every rank's slot in rank
+// order and writing the result straight into its own buffer. The copy into the slot uses
+// streaming stores, so the peers read it from memory rather than out of the writer's cache, and
+// two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k. Every rank
+// sums in the same order, so all ranks get bitwise identical results.
+//
+// The ranks agree before they choose a path: every blocking allreduce, reduce, allgather and
+// broadcast on such a
+// communicator, whatever its size, dtype or memory, first publishes its call (count, dtype, op or
+// root, host or device memory) in its slot; only when every rank published the same call does
+// any rank act, and then all of them take the same path (this one, or MPI after the header-only
+// exchange). A rank whose call differs from a peer's throws MismatchError, on every rank, before
+// any buffer is written. Every wait polls a hook (stall notices, the collective's deadline), so
+// no wait here is unbounded.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "lockstep/comm/backend.hpp"
+#include "lockstep/core/tensor.hpp"
+
+namespace lockstep::detail {
+
+class ShmCollectives {
+ public:
+  /// Collective over `comm`; `node_size` is the number of its ranks on this machine (from
+  /// MPI_Comm_split_type). Returns nullptr (on every rank) when the ranks are not all on one
+  /// machine, when there is only one rank, when there are more than kMaxRanks ranks, when the
+  /// segment cannot be created, or when LOCKSTEP_SHM=0 on any rank.
+  static std::unique_ptr<ShmCollectives> create(MPI_Comm comm, int node_size);
+  ~ShmCollectives();
+  ShmCollectives(const ShmCollectives&) = delete;
+  ShmCollectives& operator=(const ShmCollectives&) = delete;
+
+  static constexpr int kMaxRanks = 8;
+
+  /// Whether allreduce() moves this call's data itself (same answer on every rank for the same
+  /// arguments): host memory, f32/f64/i32/i64 (and bf16/f16 for sum and avg, summed in f32), at
+  /// least min_bytes().
+  bool handles_allreduce(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
+  /// Whether broadcast() moves this call's data itself (host memory, from one slice up).
+  bool handles_broadcast(std::int64_t numel, DType dtype, bool host) const noexcept;
+
+  /// Agrees on the call with every rank, then, if handles_allreduce(), computes recv = op over
+  /// ranks of send (send may equal recv: in place; avg divides the sum by the rank count) and
+  /// returns true; returns false (on every rank alike) when the caller must run it over MPI.
+  /// Throws MismatchError on every rank when the ranks' calls differ.
+  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  /// The same for reduce: root's recv = op over ranks of send (recv unused elsewhere); the
+  /// dtypes and sizes of allreduce. Every rank copies its slice into its slot and only root
+  /// reads them, so a sharded gradient reduction moves each byte once.
+  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  /// The same for allgather: recv (size() x numel) = every rank's send in rank order; any dtype,
+  /// host memory, from min_bytes() of recv up.
+  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+  /// The same for broadcast: buf on every rank = buf on root.
+  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
+
+  /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
+  /// (the communicator is then unusable, which the hook's owner knows).
+  void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
+    hook_ = hook;
+    hook_ctx_ = ctx;
+  }
+
+  std::size_t slice_bytes() const noexcept { return slice_bytes_; }
+  std::size_t min_bytes() const noexcept { return min_bytes_; }
+
+ private:
+  ShmCollectives() = default;
+  struct Control;
+  struct SliceHeader;
+  void wait_written(int peer, std::uint64_t k);
+  void wait_done_all(std::uint64_t k);
+  void spin_until(const std::atomic<std::uint64_t>& a, std::uint64_t v);
+  void agree(const SliceHeader& mine, const char* what);
+  SliceHeader* header(int peer, std::uint64_t k) const;
+  char* slot(int peer, std::uint64_t k) const;
+  std::string mismatch_message(int peer, const SliceHeader& mine, const char* what) const;
+  template <class Fill, class Use>
+  void run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what, Fill&& fill,
+           Use&& use);
+
+  void* map_ = nullptr;
+  std::size_t map_bytes_ = 0;
+  int rank_ = 0, size_ = 1;
+  // Broadcasts up to this size ride in the agreement slice (see handles_broadcast).
+  static constexpr std::size_t kSmallBroadcastBytes = 8192;
+  std::size_t slice_bytes_ = 0, min_bytes_ = 0;
+  char* base_[kMaxRanks] = {};  // each rank's segment, mapped into this process
+  std::uint64_t next_ = 0;      // slices completed so far, the same on every rank
+  std::uint64_t calls_ = 0;     // calls so far, the same on every rank
+  void (*hook_)(void*) = nullptr;
+  void* hook_ctx_ = nullptr;
+};
+
+}  // namespace lockstep::detail

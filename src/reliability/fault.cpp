@@ -1,0 +1,101 @@
+// Fault injection (fault.hpp): LOCKSTEP_FAULT=rank=R,kind=...,after=N,seconds=S.
+#include "reliability/fault.hpp"
+
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+#include "lockstep/core/errors.hpp"
+
+namespace lockstep::detail {
+namespace {
+
+FaultSpec parse_fault(const char* env) {
+  FaultSpec f;
+  std::string spec = env;
+  std::stringstream ss(spec);
+  std::string item;
+  auto bad = [&](const std::string& why) {
+    return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
+                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan|kill[,after=N][,seconds=S])"));
+  };
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    if (eq == std::string::npos) throw bad("item '" + item + "' has no '='");
+    std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    char* end = nullptr;
+    if (key == "rank") {
+      f.rank = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (end == value.c_str() || *end != '\0' || f.rank < 0) throw bad("rank must be an integer >= 0");
+    } else if (key == "after") {
+      f.after = std::strtoll(value.c_str(), &end, 10);
+      if (end == value.c_str() || *end != '\0' || f.after < 0) throw bad("after must be an integer >= 0");
+    } else if (key == "seconds") {
+      f.seconds = std::strtod(value.c_str(), &end);
+      if (end == value.c_str() || *end != '\0' || !(f.seconds >= 0)) throw bad("seconds must be >= 0");
+    } else if (key == "kind") {
+      if (value == "delay") f.kind = FaultKind::delay;
+      else if (value == "skip") f.kind = FaultKind::skip;
+      else if (value == "shape") f.kind = FaultKind::shape;
+      else if (value == "dtype") f.kind = FaultKind::dtype;
+      else if (value == "nan") f.kind = FaultKind::nan;
+      else if (value == "kill") f.kind = FaultKind::kill;
+      else throw bad("unknown kind '" + value + "'");
+    } else {
+      throw bad("unknown key '" + key + "'");
+    }
+  }
+  if (f.kind == FaultKind::none) throw bad("kind is missing");
+  if (f.rank < 0) throw bad("rank is missing");
+  return f;
+}
+
+}  // namespace
+
+const FaultSpec& fault_spec() {
+  static const FaultSpec spec = [] {
+    const char* env = std::getenv("LOCKSTEP_FAULT");
+    return env != nullptr && *env != '\0' ? parse_fault(env) : FaultSpec{};
+  }();
+  return spec;
+}
+
+const char* fault_name(FaultKind k) {
+  switch (k) {
+    case FaultKind::none: return "none";
+    case FaultKind::delay: return "delay";
+    case FaultKind::skip: return "skip";
+    case FaultKind::shape: return "shape";
+    case FaultKind::dtype: return "dtype";
+    case FaultKind::nan: return "nan";
+    case FaultKind::kill: return "kill";
+  }
+  return "?";
+}
+
+DType other_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return DType::i32;
+    case DType::i32: return DType::f32;
+    case DType::f64: return DType::i64;
+    case DType::i64: return DType::f64;
+    case DType::f16: return DType::bf16;
+    case DType::bf16: return DType::f16;
+    case DType::u8: return DType::u8;
+  }
+  return t;
+}
+
+void poke_nan(TensorView& v) {
+  if (v.numel == 0 || v.data == nullptr || !v.device.is_cpu()) return;
+  switch (v.dtype) {
+    case DType::f32: static_cast<float*>(v.data)[0] = std::nanf(""); break;
+    case DType::f64: static_cast<double*>(v.data)[0] = std::nan(""); break;
+    case DType::f16: static_cast<std::uint16_t*>(v.data)[0] = 0x7E00; break;
+    case DType::bf16: static_cast<std::uint16_t*>(v.data)[0] = 0x7FC0; break;
+    default: break;  // integers have no NaN
+  }
+}
+
+}  // namespace lockstep::detail

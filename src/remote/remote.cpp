@@ -1,0 +1,1076 @@
+// Remote calls (remote.hpp): the registry, the wire format, and the engine of a session (a
+// duplicated communicator and a progress thread per rank).
+//
+// Messages on the session's communicator: a header message (tag 1 request, 2 reply, 3 control:
+// the end of a driver's run and heartbeats) holding [fixed head][payload][name][tensor table],
+// then one message per tensor (chunks of 1 GiB), sent from the tensor's memory and received
+// into the new tensor, with a tag derived from the sender's call id (requests even, replies
+// odd), so that the tensors of concurrent calls never mix. Only the progress thread receives.
+#include "lockstep/remote/remote.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "lockstep/mpi/mpi_backend.hpp"
+#include "lockstep/reliability/settings.hpp"
+
+namespace lockstep::detail::remote {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kTagReq = 1, kTagRep = 2, kTagCtrl = 3, kDataBase = 16;
+constexpr std::uint32_t kMagic = 0x4C535243;  // "LSRC"
+constexpr std::size_t kChunk = std::size_t{1} << 30;
+
+enum Kind : std::uint8_t { k_req = 1, k_rep_ok, k_rep_err, k_stop_ok, k_stop_err, k_heartbeat };
+
+struct Head {
+  std::uint32_t magic;
+  std::uint8_t kind;
+  std::uint8_t pad[3];
+  std::uint64_t id;
+  std::uint64_t run;
+  std::uint64_t payload_len;
+  std::uint32_t name_len;
+  std::uint32_t nseg;
+  std::uint64_t table_len;
+};
+constexpr std::size_t kHead = sizeof(Head);
+
+// ---- registry ----
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, FnInfo> by_name;
+  std::map<const void*, std::string> by_fn;
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::optional<FnInfo> find_by_name(const std::string& name) {
+  auto& r = registry();
+  std::lock_guard lk(r.mu);
+  auto it = r.by_name.find(name);
+  if (it == r.by_name.end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace
+
+void register_fn(const std::string& name, std::string sig, const void* fn, Invoke invoke) {
+  auto& r = registry();
+  std::lock_guard lk(r.mu);
+  auto it = r.by_name.find(name);
+  if (it != r.by_name.end()) {
+    if (it->second.fn == fn) return;
+    throw InvalidArgument(concat("register_remote: the name '", name,
+                                 "' is already registered for another function"));
+  }
+  r.by_name[name] = FnInfo{name, std::move(sig), fn, invoke};
+  r.by_fn[fn] = name;
+}
+
+bool unregister_fn(const std::string& name) {
+  auto& r = registry();
+  std::lock_guard lk(r.mu);
+  auto it = r.by_name.find(name);
+  if (it == r.by_name.end()) return false;
+  r.by_fn.erase(it->second.fn);
+  r.by_name.erase(it);
+  return true;
+}
+
+std::optional<FnInfo> find_fn(const void* fn) {
+  auto& r = registry();
+  std::lock_guard lk(r.mu);
+  auto it = r.by_fn.find(fn);
+  if (it == r.by_fn.end()) return std::nullopt;
+  return r.by_name.at(it->second);
+}
+
+// ---- encoder / decoder ----
+Encoder::Encoder() { bytes_.resize(kHead); }
+
+void Encoder::tensor(const Tensor& t) {
+  u32(static_cast<std::uint32_t>(tensors_.size()));
+  if (t.device().is_cpu())
+    tensors_.push_back(t.slice_view(0, t.shape()));  // shares (and keeps alive) t's memory
+  else
+    tensors_.push_back(t.to(Device::cpu()));  // device tensors are staged once
+}
+
+void Decoder::fail(const std::string& what) const {
+  throw DecodeError(concat("expected ", what, " at byte ", pos_, " of ", n_));
+}
+
+void Decoder::get(void* out, std::size_t n) {
+  if (n > n_ - pos_) fail(concat(n, " more bytes (the message is shorter)"));
+  if (n > 0) std::memcpy(out, p_ + pos_, n);
+  pos_ += n;
+}
+
+void Decoder::expect(std::uint8_t want, const char* what) {
+  if (pos_ >= n_) fail(concat(what, " (the message ended)"));
+  const auto got = static_cast<std::uint8_t>(p_[pos_]);
+  if (got != want) fail(concat(what, " (wire tag 0x", std::hex, int(want), ", found 0x", int(got), std::dec, ")"));
+  ++pos_;
+}
+
+std::uint64_t Decoder::count(std::size_t min_each) {
+  const auto n = u64();
+  if (n > (n_ - pos_) / std::max<std::size_t>(min_each, 1)) fail(concat("a count that fits the message (got ", n, ")"));
+  return n;
+}
+
+Tensor Decoder::tensor() {
+  const auto i = u32();
+  if (tensors_ == nullptr || i != next_tensor_ || i >= tensors_->size()) fail("the next tensor of the message");
+  ++next_tensor_;
+  return std::move((*tensors_)[i]);
+}
+
+void Decoder::finish() {
+  if (pos_ != n_) fail(concat("the end of the message (", n_ - pos_, " bytes left over)"));
+  if (tensors_ != nullptr && next_tensor_ != tensors_->size()) fail("no more tensors");
+}
+
+// ---- the engine ----
+namespace {
+
+struct Incoming {
+  int source = -1;
+  Kind kind = k_req;
+  std::uint64_t id = 0, run = 0;
+  std::string name, sig;
+  std::vector<std::byte> buf;
+  std::size_t poff = kHead, plen = 0;
+  std::vector<Tensor> segs;
+};
+
+double resolve_timeout(double t) { return t < 0 ? lockstep::timeout() : t; }
+
+Clock::time_point deadline_after(double seconds) {
+  if (seconds <= 0) return Clock::time_point::max();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+void backoff(Clock::time_point since_active) {
+  const auto idle = Clock::now() - since_active;
+  if (idle < std::chrono::milliseconds(2)) std::this_thread::yield();
+  else if (idle < std::chrono::milliseconds(200)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  else std::this_thread::sleep_for(std::chrono::microseconds(500));
+}
+
+/// Polls the requests until they complete or the deadline passes (returns false then). With
+/// `statuses`, fills one status per request.
+bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
+                   std::vector<MPI_Status>* statuses = nullptr) {
+  const auto start = Clock::now();
+  if (statuses != nullptr) statuses->resize(reqs.size());
+  while (true) {
+    int flag = 0;
+    LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag,
+                                   statuses != nullptr ? statuses->data() : MPI_STATUSES_IGNORE));
+    if (flag) return true;
+    if (Clock::now() >= deadline) return false;
+    backoff(start);
+  }
+}
+
+// ---- the receive cache ----
+// Received tensors of kCacheMin bytes or more live in buffers of the session. The deleter of a
+// buffer's storage (it runs when the last Tensor over the buffer is released, on any thread)
+// gives the buffer back; the cache keeps it, within its byte limit, and hands it out again for
+// a message of about the same size. Without it every large received tensor is new memory, which
+// glibc maps afresh (allocations over its mmap threshold, at most 32 MiB), so that the page
+// faults of first touch cost more than the transfer itself. A buffer is handed out only after
+// its deleter ran: nothing received can alias a tensor still held.
+constexpr std::size_t kCacheMin = std::size_t{64} << 10;
+constexpr std::size_t kCacheMaxBuffers = 64;
+constexpr std::size_t kAlign = 64;
+
+class RecvCache : public std::enable_shared_from_this<RecvCache> {
+ public:
+  explicit RecvCache(std::size_t limit) : limit_(limit) {}
+  ~RecvCache() {
+    for (auto& b : kept_) std::free(b.p);
+  }
+  RecvCache(const RecvCache&) = delete;
+  RecvCache& operator=(const RecvCache&) = delete;
+
+  /// A host tensor of `shape` to receive into (contents unspecified: the receive fills it).
+  Tensor take(Shape shape, DType dt) {
+    const std::size_t n = nbytes_of(numel_of(shape), dt);
+    if (n < kCacheMin || limit_ == 0) return Tensor(std::move(shape), dt);
+    void* p = nullptr;
+    std::size_t cap = 0;
+    {
+      std::lock_guard lk(mu_);
+      // The smallest kept buffer that holds n bytes and wastes at most a quarter of n.
+      std::size_t best = kept_.size();
+      for (std::size_t i = 0; i < kept_.size(); ++i)
+        if (kept_[i].cap >= n && kept_[i].cap - n <= n / 4 && (best == kept_.size() || kept_[i].cap < kept_[best].cap))
+          best = i;
+      if (best != kept_.size()) {
+        p = kept_[best].p;
+        cap = kept_[best].cap;
+        kept_bytes_ -= cap;
+        kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(best));
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+    }
+    if (p == nullptr) {
+      cap = (n + kAlign - 1) / kAlign * kAlign;
+      p = std::aligned_alloc(kAlign, cap);
+      if (p == nullptr)
+        throw Error(concat("remote: out of memory: cannot allocate ", n, " bytes for a received ", name(dt),
+                           " tensor of shape ", lockstep::to_string(shape), rank_suffix()));
+    }
+    std::shared_ptr<void> owner;
+    try {
+      owner = std::shared_ptr<void>(p, [self = shared_from_this(), cap](void* q) { self->give(q, cap); });
+    } catch (...) {
+      std::free(p);
+      throw;
+    }
+    return Tensor::adopt(p, std::move(owner), std::move(shape), dt);
+  }
+
+  /// Frees what is kept; buffers given back later are freed at once.
+  void close() {
+    std::lock_guard lk(mu_);
+    closed_ = true;
+    for (auto& b : kept_) std::free(b.p);
+    kept_.clear();
+    kept_bytes_ = 0;
+  }
+
+  ReceiveCacheStats stats() {
+    std::lock_guard lk(mu_);
+    return ReceiveCacheStats{hits_, misses_, kept_bytes_, kept_.size()};
+  }
+
+ private:
+  struct Kept {
+    std::size_t cap;
+    void* p;
+    std::uint64_t stamp;
+  };
+
+  void give(void* p, std::size_t cap) noexcept {
+    std::lock_guard lk(mu_);
+    if (closed_ || cap > limit_) {
+      std::free(p);
+      return;
+    }
+    // Make room: the least recently given back go first.
+    while (!kept_.empty() && (kept_bytes_ + cap > limit_ || kept_.size() >= kCacheMaxBuffers)) {
+      auto oldest = std::min_element(kept_.begin(), kept_.end(),
+                                     [](const Kept& a, const Kept& b) { return a.stamp < b.stamp; });
+      std::free(oldest->p);
+      kept_bytes_ -= oldest->cap;
+      kept_.erase(oldest);
+    }
+    try {
+      kept_.push_back(Kept{cap, p, ++clock_});
+      kept_bytes_ += cap;
+    } catch (...) {
+      std::free(p);
+    }
+  }
+
+  std::mutex mu_;
+  std::vector<Kept> kept_;
+  std::size_t limit_, kept_bytes_ = 0;
+  std::uint64_t clock_ = 0, hits_ = 0, misses_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace
+
+struct Engine;
+
+struct Call {
+  std::shared_ptr<Engine> e;
+  std::uint64_t id = 0;
+  int rank = 0;
+  std::string fn;
+  double timeout = 0;
+  Clock::time_point deadline;
+  bool done = false, abandoned = false;
+  Kind kind = k_rep_ok;
+  std::vector<std::byte> buf;
+  std::size_t poff = kHead, plen = 0;
+  std::vector<Tensor> segs;
+  std::string closed;  // set when the session ended first
+};
+
+struct Engine {
+  Backend* backend = nullptr;
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+  int tag_span = 1 << 15;
+  RemoteOptions opts;
+  double timeout = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Incoming> queue;
+  std::map<std::uint64_t, std::shared_ptr<Call>> pending;
+  std::map<std::uint64_t, Incoming> stops;  // run -> the driver's end-of-run message
+  std::atomic<std::uint64_t> next_id{1};
+  std::uint64_t run_counter = 0;
+  Clock::time_point last_heard_driver = Clock::now();
+  bool closing = false;
+
+  std::shared_ptr<RecvCache> cache;
+  std::thread progress, executor;
+  std::thread::id executor_id;
+  std::atomic<bool> stop_progress{false};
+  std::atomic<bool> driving{false};
+  std::vector<MPI_Request> hb_reqs;
+  Clock::time_point next_hb = Clock::now();
+  Head hb_head{};
+
+  /// Requests given up on (a send past its deadline, a receive cancelled), kept with the memory
+  /// they use until MPI has let go of them.
+  struct Orphan {
+    std::vector<MPI_Request> reqs;
+    Encoder keep;
+    std::vector<Tensor> segs;
+  };
+  std::vector<Orphan> orphans;
+
+  int data_tag(std::uint64_t id, bool reply) const {
+    return kDataBase + static_cast<int>((2 * id + (reply ? 1 : 0)) % static_cast<std::uint64_t>(tag_span));
+  }
+
+  /// Sends message m to every rank of dests (returns when sent); TimeoutError past the deadline.
+  void send(const std::vector<int>& dests, int tag, Kind kind, std::uint64_t id, std::uint64_t run,
+            const std::string& name, Encoder& m, Clock::time_point deadline, const char* what) {
+    auto& bytes = m.bytes();
+    auto& tensors = m.tensors();
+    Head h{};
+    h.magic = kMagic;
+    h.kind = kind;
+    h.id = id;
+    h.run = run;
+    h.payload_len = bytes.size() - kHead;
+    h.name_len = static_cast<std::uint32_t>(name.size());
+    h.nseg = static_cast<std::uint32_t>(tensors.size());
+    m.put(name.data(), name.size());
+    const auto table_start = bytes.size();
+    for (const auto& t : tensors) {
+      m.u8(static_cast<std::uint8_t>(t.dtype()));
+      m.u8(static_cast<std::uint8_t>(t.ndim()));
+      for (auto d : t.shape()) m.u64(static_cast<std::uint64_t>(d));
+    }
+    h.table_len = bytes.size() - table_start;
+    std::memcpy(bytes.data(), &h, kHead);
+    LOCKSTEP_CHECK_ARG(bytes.size() <= static_cast<std::size_t>(INT32_MAX),
+                       "remote call: the non-tensor part of a message is over 2 GiB (send large "
+                       "arrays as Tensors)");
+    const bool reply = kind == k_rep_ok || kind == k_rep_err;
+    std::vector<MPI_Request> reqs;
+    for (int dest : dests) {
+      reqs.emplace_back();
+      LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
+      for (auto& t : tensors) {
+        auto* p = static_cast<char*>(t.raw_data());
+        for (std::size_t off = 0; off < t.nbytes(); off += kChunk) {
+          const auto n = std::min(kChunk, t.nbytes() - off);
+          reqs.emplace_back();
+          LOCKSTEP_MPI_CHECK(MPI_Isend(p + off, static_cast<int>(n), MPI_BYTE, dest, data_tag(id, reply), comm, &reqs.back()));
+        }
+      }
+    }
+    if (!wait_requests(reqs, deadline)) {
+      std::lock_guard lk(mu);
+      orphans.push_back(Orphan{std::move(reqs), std::move(m), {}});
+      throw TimeoutError(concat(what, ": rank ", dests.size() == 1 ? std::to_string(dests[0]) : std::string("s"),
+                                " did not take the message within ", timeout, " s", rank_suffix()));
+    }
+  }
+
+  // ---- progress thread ----
+  void receive(MPI_Message& msg, MPI_Status& st) {
+    int n = 0;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    Incoming in;
+    in.source = st.MPI_SOURCE;
+    in.buf.resize(static_cast<std::size_t>(n));
+    MPI_Mrecv(in.buf.data(), n, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+    Head h{};
+    if (static_cast<std::size_t>(n) < kHead) {
+      std::cerr << "lockstep remote: dropped a short message from rank " << in.source << rank_suffix() << "\n";
+      return;
+    }
+    std::memcpy(&h, in.buf.data(), kHead);
+    if (h.magic != kMagic || kHead + h.payload_len + h.name_len + h.table_len != static_cast<std::size_t>(n)) {
+      std::cerr << "lockstep remote: dropped a malformed message from rank " << in.source << rank_suffix() << "\n";
+      return;
+    }
+    if (in.source == 0) {
+      std::lock_guard lk(mu);
+      last_heard_driver = Clock::now();
+    }
+    in.kind = static_cast<Kind>(h.kind);
+    if (in.kind == k_heartbeat) return;
+    in.id = h.id;
+    in.run = h.run;
+    in.plen = h.payload_len;
+    std::string name(reinterpret_cast<const char*>(in.buf.data() + kHead + h.payload_len), h.name_len);
+    if (auto z = name.find('\0'); z != std::string::npos) {
+      in.sig = name.substr(z + 1);
+      name.resize(z);
+    }
+    in.name = std::move(name);
+    // The tensor table, then the tensors themselves, straight into their new memory.
+    const std::byte* t = in.buf.data() + kHead + h.payload_len + h.name_len;
+    const std::byte* tend = t + h.table_len;
+    bool ok = true;
+    for (std::uint32_t i = 0; i < h.nseg && ok; ++i) {
+      if (tend - t < 2) { ok = false; break; }
+      const auto dt = static_cast<std::uint8_t>(t[0]);
+      const auto nd = static_cast<std::uint8_t>(t[1]);
+      t += 2;
+      if (dt > static_cast<std::uint8_t>(DType::u8) || tend - t < 8 * nd) { ok = false; break; }
+      Shape shape(nd);
+      std::memcpy(shape.data(), t, 8 * nd);
+      t += 8 * nd;
+      try {
+        in.segs.push_back(cache->take(std::move(shape), static_cast<DType>(dt)));
+      } catch (const std::exception& x) {
+        std::cerr << "lockstep remote: cannot allocate a received tensor: " << x.what() << "\n";
+        ok = false;
+      }
+    }
+    if (!ok) {
+      std::cerr << "lockstep remote: dropped a message with a bad tensor table from rank " << in.source
+                << rank_suffix() << "\n";
+      return;  // (its tensor messages, if any, stay unreceived)
+    }
+    const bool reply = in.kind == k_rep_ok || in.kind == k_rep_err;
+    std::vector<MPI_Request> reqs;
+    std::vector<int> sizes;
+    for (auto& s : in.segs) {
+      auto* p = static_cast<char*>(s.raw_data());
+      for (std::size_t off = 0; off < s.nbytes(); off += kChunk) {
+        const auto c = std::min(kChunk, s.nbytes() - off);
+        reqs.emplace_back();
+        sizes.push_back(static_cast<int>(c));
+        MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, data_tag(in.id, reply), comm, &reqs.back());
+      }
+    }
+    std::vector<MPI_Status> sts;
+    if (!reqs.empty() && !wait_requests(reqs, deadline_after(timeout), &sts)) {
+      for (auto& r : reqs)
+        if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+      std::cerr << "lockstep remote: the tensors of a message from rank " << in.source
+                << " did not arrive within " << timeout << " s" << rank_suffix() << "\n";
+      // Their memory stays with the cancelled receives until MPI completes them.
+      std::lock_guard lk(mu);
+      orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs)});
+      return;
+    }
+    for (std::size_t i = 0; i < sts.size(); ++i) {
+      int got = 0;
+      MPI_Get_count(&sts[i], MPI_BYTE, &got);
+      if (got != sizes[i]) {  // every byte of a received tensor comes from the sender
+        std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
+                  << got << " bytes where " << sizes[i] << " were announced" << rank_suffix() << "\n";
+        return;
+      }
+    }
+    std::lock_guard lk(mu);
+    if (in.kind == k_req) {
+      queue.push_back(std::move(in));
+    } else if (reply) {
+      auto it = pending.find(in.id);
+      if (it == pending.end()) return;  // not ours (cannot happen) or already closed
+      auto c = it->second;
+      pending.erase(it);
+      if (c->abandoned) return;  // timed out or dropped: discard
+      c->kind = in.kind;
+      c->buf = std::move(in.buf);
+      c->poff = kHead;
+      c->plen = in.plen;
+      c->segs = std::move(in.segs);
+      c->done = true;
+    } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
+      stops[in.run] = std::move(in);
+    }
+    cv.notify_all();
+  }
+
+  bool poll_once() {
+    bool did = false;
+    for (int tag : {kTagReq, kTagRep, kTagCtrl}) {
+      int flag = 0;
+      MPI_Message msg;
+      MPI_Status st;
+      MPI_Improbe(MPI_ANY_SOURCE, tag, comm, &flag, &msg, &st);
+      if (flag) {
+        receive(msg, st);
+        did = true;
+      }
+    }
+    return did;
+  }
+
+  void housekeeping() {
+    if (!hb_reqs.empty()) {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(hb_reqs.size()), hb_reqs.data(), &flag, MPI_STATUSES_IGNORE);
+      if (flag) hb_reqs.clear();
+    }
+    if (driving.load() && hb_reqs.empty() && Clock::now() >= next_hb) {
+      for (int r = 1; r < size; ++r) {
+        hb_reqs.emplace_back();
+        MPI_Isend(&hb_head, static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
+      }
+      const double every = timeout > 0 ? std::clamp(timeout / 5, 0.02, 1.0) : 1.0;
+      next_hb = deadline_after(every);
+    }
+    std::lock_guard lk(mu);
+    for (auto it = orphans.begin(); it != orphans.end();) {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
+      it = flag ? orphans.erase(it) : it + 1;
+    }
+  }
+
+  void progress_loop() {
+    auto active = Clock::now();
+    while (!stop_progress.load()) {
+      bool did = false;
+      try {
+        did = poll_once();
+        housekeeping();
+      } catch (const std::exception& x) {
+        std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
+      }
+      if (did) active = Clock::now();
+      else backoff(active);
+    }
+    // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped.
+    for (int i = 0; i < 3; ++i)
+      while (poll_once()) {}
+  }
+
+  // ---- running calls ----
+  void execute(Incoming& in) {
+    Encoder out;
+    Kind k = k_rep_ok;
+    auto fail = [&](std::uint8_t code, const std::string& msg) {
+      out = Encoder();
+      out.u8(code);
+      encode(out, msg);
+      k = k_rep_err;
+    };
+    auto info = find_by_name(in.name);
+    if (!info) {
+      fail(2, concat("'", in.name, "' is not registered on rank ", rank,
+                     " (that rank runs other code, or did not register it)"));
+    } else if (info->sig != in.sig) {
+      fail(3, concat("'", in.name, "' is registered on rank ", rank, " with another signature (",
+                     info->sig, " there, ", in.sig, " at the caller)"));
+    } else {
+      try {
+        Decoder d(in.buf.data() + in.poff, in.plen, &in.segs);
+        info->invoke(info->fn, d, out);
+      } catch (const DecodeError& x) {
+        fail(4, concat("the arguments do not decode on rank ", rank, ": ", x.what()));
+      } catch (const std::exception& x) {
+        fail(1, x.what());
+      } catch (...) {
+        fail(1, "an exception that is not a std::exception");
+      }
+    }
+    try {
+      send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_after(timeout), "remote reply");
+    } catch (const std::exception& x) {
+      std::cerr << "lockstep remote: the reply to rank " << in.source << " was not sent: " << x.what() << "\n";
+    }
+  }
+
+  bool can_help() const { return !opts.background || std::this_thread::get_id() == executor_id; }
+
+  void executor_loop() {
+    std::unique_lock lk(mu);
+    while (true) {
+      cv.wait_for(lk, std::chrono::milliseconds(100), [&] { return closing || !queue.empty(); });
+      if (closing) break;
+      if (queue.empty()) continue;
+      Incoming in = std::move(queue.front());
+      queue.pop_front();
+      lk.unlock();
+      execute(in);
+      lk.lock();
+    }
+  }
+};
+
+namespace {
+
+std::mutex g_mu;
+std::map<const Backend*, std::shared_ptr<Engine>> g_engines;
+
+std::shared_ptr<Engine> find_engine(const Backend& b) {
+  std::lock_guard lk(g_mu);
+  auto it = g_engines.find(&b);
+  return it == g_engines.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Engine> engine_of(const Backend& b) {
+  auto e = find_engine(b);
+  LOCKSTEP_CHECK_ARG(e != nullptr,
+                     "remote call without a remote session on this backend: call it inside "
+                     "ls::run_driver (or ls::serve), or create an ls::RemoteSession");
+  return e;
+}
+
+/// Iallgather of n bytes per rank over comm, within the deadline.
+std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, double timeout, const char* what) {
+  std::vector<std::byte> all(static_cast<std::size_t>(n) * size);
+  MPI_Request r;
+  LOCKSTEP_MPI_CHECK(MPI_Iallgather(mine, n, MPI_BYTE, all.data(), n, MPI_BYTE, comm, &r));
+  std::vector<MPI_Request> reqs{r};
+  if (!wait_requests(reqs, deadline_after(timeout)))
+    throw TimeoutError(concat(what, ": not every rank joined within ", timeout, " s", rank_suffix()));
+  return all;
+}
+
+std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) throw Error("remote calls need MPI: call lockstep::initialize<MPIBackend>() first");
+  int level = 0;
+  MPI_Query_thread(&level);
+  if (level != MPI_THREAD_MULTIPLE)
+    throw Error(concat("remote calls need MPI_THREAD_MULTIPLE (this MPI provides level ", level, ")", rank_suffix()));
+  LOCKSTEP_CHECK_ARG(find_engine(b) == nullptr, "this backend already has a remote session");
+  MPI_Comm base = MPI_COMM_WORLD;
+  if (auto* m = dynamic_cast<MPIBackend*>(&b)) {
+    base = m->comm();
+  } else {
+    int wr = 0, ws = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &wr);
+    MPI_Comm_size(MPI_COMM_WORLD, &ws);
+    LOCKSTEP_CHECK_ARG(wr == b.rank() && ws == b.size(),
+                       "remote calls over a backend that is not an MPIBackend need its ranks to be "
+                       "those of MPI_COMM_WORLD");
+  }
+  auto e = std::make_shared<Engine>();
+  e->backend = &b;
+  e->opts = o;
+  e->timeout = resolve_timeout(o.timeout);
+  MPI_Request r;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_idup(base, &e->comm, &r));
+  std::vector<MPI_Request> reqs{r};
+  if (!wait_requests(reqs, deadline_after(e->timeout)))
+    throw TimeoutError(concat("RemoteSession: not every rank created the session within ", e->timeout, " s", rank_suffix()));
+  MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(e->comm, &e->rank);
+  MPI_Comm_size(e->comm, &e->size);
+  void* ub = nullptr;
+  int flag = 0;
+  MPI_Comm_get_attr(e->comm, MPI_TAG_UB, &ub, &flag);
+  if (flag && ub != nullptr) e->tag_span = *static_cast<int*>(ub) - kDataBase;
+  // The settings must agree.
+  struct Mine {
+    double timeout;
+    std::int32_t background;
+    std::int32_t pad;
+  } mine{e->timeout, o.background ? 1 : 0, 0};
+  std::vector<std::byte> all;
+  try {
+    all = agree(e->comm, e->size, &mine, sizeof mine, e->timeout, "RemoteSession");
+  } catch (...) {
+    MPI_Comm_free(&e->comm);
+    throw;
+  }
+  Mine first;
+  std::memcpy(&first, all.data(), sizeof(Mine));
+  std::string diff;
+  bool same = true;
+  for (int i = 0; i < e->size; ++i) {
+    Mine m;
+    std::memcpy(&m, all.data() + i * sizeof(Mine), sizeof(Mine));
+    diff += concat(i ? ", " : "", "rank ", i, ": timeout ", m.timeout, " s, background ", m.background ? "on" : "off");
+    if (m.timeout != first.timeout || m.background != first.background) {
+      same = false;
+      diff += " (differs)";
+    }
+  }
+  if (!same) {
+    MPI_Comm_free(&e->comm);
+    throw MismatchError(concat("RemoteSession: the ranks' options differ (", diff, ")"));
+  }
+  e->cache = std::make_shared<RecvCache>(o.receive_cache_bytes);
+  e->hb_head.magic = kMagic;
+  e->hb_head.kind = k_heartbeat;
+  e->progress = std::thread([p = e.get()] { p->progress_loop(); });
+  if (o.background) {
+    e->executor = std::thread([p = e.get()] { p->executor_loop(); });
+    e->executor_id = e->executor.get_id();
+  }
+  std::lock_guard lk(g_mu);
+  g_engines[&b] = e;
+  return e;
+}
+
+/// Collective: ends the session of e. Throws TimeoutError when not every rank closed in time
+/// (then the communicator is left allocated) unless quiet.
+void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
+  {
+    std::lock_guard lk(g_mu);
+    auto it = g_engines.find(e->backend);
+    if (it != g_engines.end() && it->second == e) g_engines.erase(it);
+  }
+  {
+    std::lock_guard lk(e->mu);
+    e->closing = true;
+  }
+  e->cv.notify_all();
+  if (e->executor.joinable()) e->executor.join();
+  e->driving = false;
+  bool ok = true;
+  MPI_Request r;
+  if (MPI_Ibarrier(e->comm, &r) == MPI_SUCCESS) {
+    std::vector<MPI_Request> reqs{r};
+    try {
+      ok = wait_requests(reqs, deadline_after(e->timeout));
+    } catch (...) {
+      ok = false;
+    }
+  } else {
+    ok = false;
+  }
+  e->stop_progress = true;
+  if (e->progress.joinable()) e->progress.join();
+  {
+    std::lock_guard lk(e->mu);
+    for (auto& [id, c] : e->pending) {
+      c->closed = concat("the remote session ended before rank ", c->rank, " answered the call of '", c->fn, "'");
+      c->done = true;
+    }
+    e->pending.clear();
+    e->queue.clear();
+  }
+  e->cache->close();
+  e->cv.notify_all();
+  if (ok) {
+    if (!e->hb_reqs.empty()) wait_requests(e->hb_reqs, deadline_after(1.0));
+    MPI_Comm_free(&e->comm);
+  }
+  if (!ok && !quiet)
+    throw TimeoutError(concat("closing the remote session: not every rank closed it within ", e->timeout, " s",
+                              rank_suffix()));
+}
+
+}  // namespace
+
+ReceiveCacheStats receive_cache_stats(const Backend& b) { return engine_of(b)->cache->stats(); }
+
+// ---- calls ----
+std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder&& args, const CallOptions& opts) {
+  auto e = engine_of(b);
+  LOCKSTEP_CHECK_ARG(rank >= 0 && rank < e->size, "remote call of '", fn.name, "' to rank ", rank,
+                     ", which is outside the world of ", e->size, " ranks");
+  auto c = std::make_shared<Call>();
+  c->e = e;
+  c->id = e->next_id.fetch_add(1);
+  c->rank = rank;
+  c->fn = fn.name;
+  c->timeout = opts.timeout < 0 ? e->timeout : opts.timeout;
+  c->deadline = deadline_after(c->timeout);
+  {
+    std::lock_guard lk(e->mu);
+    LOCKSTEP_CHECK_ARG(!e->closing, "remote call of '", fn.name, "' on a remote session that is closing");
+    e->pending[c->id] = c;
+  }
+  try {
+    e->send({rank}, kTagReq, k_req, c->id, 0, fn.name + std::string(1, '\0') + fn.sig, args, c->deadline,
+            ("remote call of '" + fn.name + "'").c_str());
+  } catch (...) {
+    std::lock_guard lk(e->mu);
+    e->pending.erase(c->id);
+    throw;
+  }
+  return c;
+}
+
+bool call_ready(Call& c) {
+  std::lock_guard lk(c.e->mu);
+  return c.done;
+}
+
+Decoder call_result(Call& c) {
+  Engine& e = *c.e;
+  {
+    std::unique_lock lk(e.mu);
+    while (!c.done) {
+      if (e.can_help() && !e.queue.empty()) {
+        Incoming in = std::move(e.queue.front());
+        e.queue.pop_front();
+        lk.unlock();
+        e.execute(in);
+        lk.lock();
+        continue;
+      }
+      const auto now = Clock::now();
+      if (now >= c.deadline) {
+        c.abandoned = true;  // the late reply is received and dropped
+        throw TimeoutError(concat("remote call of '", c.fn, "' on rank ", c.rank, " did not answer within ",
+                                  c.timeout, " s", rank_suffix()));
+      }
+      e.cv.wait_until(lk, std::min(c.deadline, now + std::chrono::milliseconds(50)));
+    }
+  }
+  if (!c.closed.empty()) throw Error(c.closed + rank_suffix());
+  if (c.kind == k_rep_err) {
+    Decoder d(c.buf.data() + c.poff, c.plen, nullptr);
+    std::string msg;
+    d.u8();
+    decode(d, msg);
+    throw RemoteError(c.rank, c.fn, msg);
+  }
+  return Decoder(c.buf.data() + c.poff, c.plen, &c.segs);
+}
+
+// ---- driver runs ----
+namespace {
+enum ErrCode : std::uint8_t {
+  e_invalid = 1, e_mismatch, e_timeout, e_remote, e_not_compiled, e_mpi, e_error, e_std, e_other
+};
+}
+
+struct DriverRun::Impl {
+  std::shared_ptr<Engine> e;
+  bool own = false, closed = false;
+  std::uint64_t run = 0;
+  Incoming stop;
+
+  void close(bool quiet) {
+    if (own && !closed) {
+      closed = true;
+      close_engine(e, quiet);
+    }
+  }
+};
+
+DriverRun::DriverRun(Backend& b, bool serve_only, const std::string& result_sig) : impl_(std::make_unique<Impl>()) {
+  impl_->e = find_engine(b);
+  if (!impl_->e) {
+    impl_->e = create_engine(b, RemoteOptions{});
+    impl_->own = true;
+  }
+  Engine& e = *impl_->e;
+  impl_->run = ++e.run_counter;
+  struct Mine {
+    std::uint64_t run;
+    std::uint64_t sig;
+    std::int32_t role;  // 1 run_driver, 2 serve
+    std::int32_t pad;
+  } mine{impl_->run, serve_only ? 0 : lockstep::detail::hash_bytes(result_sig.data(), result_sig.size()),
+         serve_only ? 2 : 1, 0};
+  std::vector<std::byte> all;
+  try {
+    all = agree(e.comm, e.size, &mine, sizeof mine, e.timeout, "run_driver");
+  } catch (...) {
+    impl_->close(true);
+    throw;
+  }
+  std::vector<Mine> ms(e.size);
+  std::memcpy(ms.data(), all.data(), all.size());
+  std::string problem;
+  if (ms[0].role != 1) problem = "rank 0 (the driver) called serve, not run_driver";
+  for (int i = 1; i < e.size && problem.empty(); ++i) {
+    if (ms[i].run != ms[0].run) problem = concat("rank ", i, " is in its run ", ms[i].run, " of run_driver, rank 0 in its run ", ms[0].run);
+    else if (ms[i].role == 1 && ms[i].sig != ms[0].sig) problem = concat("rank ", i, " expects another result type of f than rank 0");
+  }
+  if (!problem.empty()) {
+    impl_->close(true);
+    throw MismatchError(concat("run_driver: ", problem));
+  }
+  driver_ = e.rank == 0;
+  {
+    std::lock_guard lk(e.mu);
+    e.last_heard_driver = Clock::now();
+  }
+  if (driver_) e.driving = true;
+}
+
+DriverRun::~DriverRun() {
+  if (impl_) {
+    impl_->e->driving = false;
+    try {
+      impl_->close(true);
+    } catch (...) {
+    }
+  }
+}
+
+namespace {
+std::vector<int> others(const Engine& e) {
+  std::vector<int> v;
+  for (int r = 1; r < e.size; ++r) v.push_back(r);
+  return v;
+}
+}  // namespace
+
+void DriverRun::finish_ok(Encoder&& result) {
+  Engine& e = *impl_->e;
+  e.driving = false;
+  Encoder m = std::move(result);
+  if (e.size > 1)
+    e.send(others(e), kTagCtrl, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
+           deadline_after(e.timeout), "run_driver (telling the workers that f returned)");
+  impl_->close(false);
+}
+
+void DriverRun::finish_error(std::exception_ptr ep) {
+  Engine& e = *impl_->e;
+  e.driving = false;
+  Encoder m;
+  std::uint8_t code = e_other;
+  std::string what = "the driver's function threw an exception that is not a std::exception";
+  std::int32_t rrank = -1, mpi_code = 0;
+  std::string rfn, rmsg;
+  try {
+    std::rethrow_exception(ep);
+  } catch (const RemoteError& x) {
+    code = e_remote, what = x.what(), rrank = x.rank(), rfn = x.function(), rmsg = x.message();
+  } catch (const InvalidArgument& x) {
+    code = e_invalid, what = x.what();
+  } catch (const MismatchError& x) {
+    code = e_mismatch, what = x.what();
+  } catch (const TimeoutError& x) {
+    code = e_timeout, what = x.what();
+  } catch (const NotCompiled& x) {
+    code = e_not_compiled, what = x.what();
+  } catch (const MpiError& x) {
+    code = e_mpi, what = x.what(), mpi_code = x.code();
+  } catch (const Error& x) {
+    code = e_error, what = x.what();
+  } catch (const std::exception& x) {
+    code = e_std, what = x.what();
+  } catch (...) {
+  }
+  m.u8(code);
+  encode(m, what);
+  encode(m, rrank);
+  encode(m, rfn);
+  encode(m, rmsg);
+  encode(m, mpi_code);
+  try {
+    if (e.size > 1)
+      e.send(others(e), kTagCtrl, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
+             deadline_after(e.timeout), "run_driver (telling the workers that f threw)");
+  } catch (const std::exception& x) {
+    std::cerr << "lockstep remote: " << x.what() << "\n";
+  }
+  impl_->close(true);
+}
+
+Decoder DriverRun::serve_until_done() {
+  Engine& e = *impl_->e;
+  bool idle_timeout = false;
+  {
+    std::unique_lock lk(e.mu);
+    while (true) {
+      if (auto it = e.stops.find(impl_->run); it != e.stops.end()) {
+        impl_->stop = std::move(it->second);
+        e.stops.erase(it);
+        break;
+      }
+      if (!e.queue.empty()) {
+        Incoming in = std::move(e.queue.front());
+        e.queue.pop_front();
+        lk.unlock();
+        e.execute(in);
+        lk.lock();
+        continue;
+      }
+      if (e.timeout > 0 && Clock::now() >= e.last_heard_driver + std::chrono::duration_cast<Clock::duration>(
+                                                                    std::chrono::duration<double>(e.timeout))) {
+        idle_timeout = true;
+        break;
+      }
+      e.cv.wait_for(lk, std::chrono::milliseconds(50));
+    }
+  }
+  if (idle_timeout) {
+    impl_->close(true);
+    throw TimeoutError(concat("rank ", e.rank, " heard nothing from the driver (rank 0) for ", e.timeout,
+                              " s while serving in run_driver", rank_suffix()));
+  }
+  impl_->close(false);
+  auto& s = impl_->stop;
+  if (s.kind == k_stop_err) {
+    Decoder d(s.buf.data() + s.poff, s.plen, nullptr);
+    const auto code = d.u8();
+    std::string what, rfn, rmsg;
+    std::int32_t rrank = 0, mpi_code = 0;
+    decode(d, what);
+    decode(d, rrank);
+    decode(d, rfn);
+    decode(d, rmsg);
+    decode(d, mpi_code);
+    switch (code) {
+      case e_invalid: throw InvalidArgument(what);
+      case e_mismatch: throw MismatchError(what);
+      case e_timeout: throw TimeoutError(what);
+      case e_remote: throw RemoteError(rrank, rfn, rmsg);
+      case e_not_compiled: throw NotCompiled(what);
+      case e_mpi: throw MpiError(what, mpi_code);
+      default: throw Error(what);
+    }
+  }
+  return Decoder(s.buf.data() + s.poff, s.plen, &s.segs);
+}
+
+}  // namespace lockstep::detail::remote
+
+namespace lockstep {
+
+RemoteSession::RemoteSession(Backend& b, RemoteOptions options) : backend_(&b) {
+  detail::remote::create_engine(b, options);
+}
+
+RemoteSession::~RemoteSession() {
+  try {
+    if (backend_ != nullptr) {
+      if (auto e = detail::remote::find_engine(*backend_)) detail::remote::close_engine(e, true);
+    }
+  } catch (...) {
+  }
+}
+
+void RemoteSession::close() {
+  if (backend_ == nullptr) return;
+  auto e = detail::remote::find_engine(*backend_);
+  backend_ = nullptr;
+  if (e) detail::remote::close_engine(e, false);
+}
+
+void serve(Backend& b) {
+  detail::remote::DriverRun run(b, true, std::string());
+  (void)run.serve_until_done();
+}
+
+}  // namespace lockstep

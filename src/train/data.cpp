@@ -1,0 +1,740 @@
+// DistributedDataContainer (equal shares, shared per-epoch shuffle), the dimension partitioner,
+// tensor slicing and the cross-rank combination of parallelize's results.
+#include "lockstep/train/data.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+
+#include "lockstep/core/device_runtime.hpp"
+#include "lockstep/train/synchronize.hpp"
+
+namespace lockstep {
+
+using detail::concat;
+
+namespace {
+// splitmix64: a small generator whose output is the same on every platform, so every rank (and
+// every standard library) computes the same permutation from the same seed.
+std::uint64_t splitmix64(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [0, bound) without modulo bias (rejection).
+std::uint64_t bounded(std::uint64_t& s, std::uint64_t bound) {
+  const std::uint64_t limit = ~std::uint64_t{0} - (~std::uint64_t{0} % bound);
+  for (;;) {
+    const std::uint64_t x = splitmix64(s);
+    if (x < limit) return x % bound;
+  }
+}
+}  // namespace
+
+DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::int64_t n_samples,
+                                                         DataOptions options, std::int64_t data_size)
+    : backend_(&backend), rank_(backend.rank()), ranks_(backend.size()), n_(n_samples), options_(options) {
+  // Nothing is thrown before every rank has compared its arguments: a rank that threw alone
+  // would leave the others waiting in the comparison. Ranks that disagree on the dataset would
+  // run different numbers of batches and deadlock later; catch it here, on every rank.
+  std::string problem;
+  if (n_samples < 0)
+    problem = concat("n_samples must be >= 0, got ", n_samples);
+  else if (data_size >= 0 && n_samples > data_size)
+    problem = concat("n_samples ", n_samples, " is more than the dataset holds (", data_size, ")");
+  else if (options.batch_size < 0)
+    problem = concat("DataOptions::batch_size must be >= 0 (0: not set), got ", options.batch_size);
+  else if (options.global_batch_size < 0)
+    problem = concat("DataOptions::global_batch_size must be >= 0 (0: not set), got ", options.global_batch_size);
+  else if (options.batch_size > 0 && options.global_batch_size > 0)
+    problem = concat("DataOptions: set batch_size (per rank, ", options.batch_size, ") or global_batch_size (",
+                     options.global_batch_size, "), not both");
+  else if (options.remainder != Remainder::pad && options.remainder != Remainder::drop &&
+           options.remainder != Remainder::uneven)
+    problem = concat("DataOptions::remainder is not a Remainder (",
+                     static_cast<int>(options.remainder), ")");
+  const char* rem = options.remainder == Remainder::pad      ? "pad"
+                    : options.remainder == Remainder::drop   ? "drop"
+                    : options.remainder == Remainder::uneven ? "uneven"
+                                                             : "invalid";
+  const std::string sig =
+      concat("n_samples=", n_samples, " shuffle=", options.shuffle, " seed=", options.seed,
+             " remainder=", rem, " batch_size=", options.batch_size,
+             " global_batch_size=", options.global_batch_size, " drop_last=", options.drop_last,
+             problem.empty() ? std::string() : concat(" (", problem, ")"));
+  detail::check_same_structure(backend, sig, 0, 0, "DistributedDataContainer", [&] {
+    return std::vector<detail::StructureEntry>{{"dataset", sig}};
+  });
+  // Every rank has the same arguments, hence the same problem.
+  LOCKSTEP_CHECK_ARG(problem.empty(), "DistributedDataContainer: ", problem);
+  rebuild();
+}
+
+DistributedDataContainer<void>::DistributedDataContainer(DistributedDataContainer&& other) noexcept
+    : backend_(other.backend_),
+      rank_(other.rank_),
+      ranks_(other.ranks_),
+      n_(other.n_),
+      epoch_(other.epoch_),
+      options_(other.options_),
+      indices_(std::move(other.indices_)) {
+  other.n_ = 0;
+  other.epoch_ = 0;
+  other.indices_.clear();
+}
+
+DistributedDataContainer<void>& DistributedDataContainer<void>::operator=(
+    DistributedDataContainer&& other) noexcept {
+  if (this != &other) {
+    backend_ = other.backend_;
+    rank_ = other.rank_;
+    ranks_ = other.ranks_;
+    n_ = other.n_;
+    epoch_ = other.epoch_;
+    options_ = other.options_;
+    indices_ = std::move(other.indices_);
+    other.n_ = 0;
+    other.epoch_ = 0;
+    other.indices_.clear();
+  }
+  return *this;
+}
+
+void DistributedDataContainer<void>::rebuild() {
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(n_));
+  for (std::int64_t i = 0; i < n_; ++i) perm[static_cast<std::size_t>(i)] = i;
+  if (options_.shuffle && n_ > 1) {
+    std::uint64_t s = options_.seed ^ (0xD1B54A32D192ED03ull * (static_cast<std::uint64_t>(epoch_) + 1));
+    for (std::int64_t i = n_ - 1; i > 0; --i) {
+      const auto j = static_cast<std::int64_t>(bounded(s, static_cast<std::uint64_t>(i + 1)));
+      std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(j)]);
+    }
+  }
+  std::int64_t per_rank = 0;
+  if (n_ > 0) {
+    if (options_.remainder == Remainder::pad)
+      per_rank = n_ / ranks_ + (n_ % ranks_ != 0);
+    else if (options_.remainder == Remainder::drop)
+      per_rank = n_ / ranks_;
+    else  // uneven: positions rank, rank + ranks, ... below n
+      per_rank = n_ / ranks_ + (rank_ < n_ % ranks_ ? 1 : 0);
+  }
+  indices_.resize(static_cast<std::size_t>(per_rank));
+  for (std::int64_t k = 0; k < per_rank; ++k) {
+    const std::int64_t pos = rank_ + k * ranks_;  // position in the padded permutation
+    indices_[static_cast<std::size_t>(k)] = perm[static_cast<std::size_t>(pos % n_)];
+  }
+}
+
+std::int64_t DistributedDataContainer<void>::global_index(std::int64_t i) const {
+  LOCKSTEP_CHECK_ARG(i >= 0 && i < size(), "DistributedDataContainer: index ", i,
+                     " out of range [0, ", size(), ")");
+  return indices_[static_cast<std::size_t>(i)];
+}
+
+void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
+  // Collective: ranks in different epochs would visit different permutations (samples seen
+  // twice or never) without any error.
+  const int n = backend_->size();
+  std::int64_t mine = e;
+  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+  backend_->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
+                      TensorView{all.data(), n, DType::i64, Device::cpu()});
+  if (std::any_of(all.begin(), all.end(), [&](std::int64_t v) { return v != all[0]; })) {
+    std::string msg = "DistributedDataContainer::set_epoch: the ranks passed different epochs:";
+    for (int r = 0; r < n && r < 8; ++r)
+      msg += concat(r == 0 ? " " : ", ", "rank ", r, ": ", all[static_cast<std::size_t>(r)]);
+    if (n > 8) msg += ", ...";
+    throw MismatchError(msg + detail::rank_suffix());
+  }
+  epoch_ = e;
+  rebuild();
+}
+
+std::int64_t DistributedDataContainer<void>::num_batches(std::int64_t batch_size, bool drop_last) const {
+  LOCKSTEP_CHECK_ARG(batch_size > 0, "num_batches: batch_size must be > 0, got ", batch_size);
+  // No size() + batch_size - 1: that overflows for a batch_size near the int64 maximum.
+  return size() / batch_size + (!drop_last && size() % batch_size != 0 ? 1 : 0);
+}
+
+// The number of permutation positions the ranks visit together (the padded, dropped or whole
+// dataset), the same on every rank.
+std::int64_t DistributedDataContainer<void>::used_positions() const noexcept {
+  if (n_ == 0) return 0;
+  if (options_.remainder == Remainder::pad) return (n_ / ranks_ + (n_ % ranks_ != 0)) * ranks_;
+  if (options_.remainder == Remainder::drop) return n_ / ranks_ * ranks_;
+  return n_;
+}
+
+std::int64_t DistributedDataContainer<void>::num_batches() const {
+  if (options_.global_batch_size > 0) {
+    const std::int64_t g = options_.global_batch_size, used = used_positions();
+    return used / g + (!options_.drop_last && used % g != 0 ? 1 : 0);
+  }
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0, "num_batches(): neither DataOptions::batch_size nor "
+                                              "global_batch_size is set; set one, or pass the batch size");
+  return num_batches(options_.batch_size, options_.drop_last);
+}
+
+std::int64_t DistributedDataContainer<void>::global_rows(std::int64_t b) const {
+  LOCKSTEP_CHECK_ARG(options_.global_batch_size > 0, "global_rows: DataOptions::global_batch_size is not set");
+  LOCKSTEP_CHECK_ARG(b >= 0 && b < num_batches(), "global_rows: batch ", b, " is out of range (",
+                     num_batches(), " global batches)");
+  const std::int64_t g = options_.global_batch_size;
+  return std::min(g, used_positions() - b * g);
+}
+
+std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b,
+                                                                    std::int64_t batch_size) const {
+  // b < ceil(size / batch_size), written without b * batch_size (which can overflow); batch 0
+  // of an empty share is the empty span.
+  LOCKSTEP_CHECK_ARG(batch_size > 0 && b >= 0 && (b == 0 || b < num_batches(batch_size)),
+                     "batch: batch ", b, " of size ", batch_size, " is out of range (", size(),
+                     " samples)");
+  if (size() == 0) return {};
+  const std::int64_t start = b * batch_size;
+  const std::int64_t count = std::min(batch_size, size() - start);
+  return std::span<const std::int64_t>(indices_).subspan(static_cast<std::size_t>(start),
+                                                         static_cast<std::size_t>(count));
+}
+
+std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b) const {
+  if (options_.global_batch_size > 0) {
+    const std::int64_t rows = global_rows(b);  // checks b
+    // This rank's k-th sample sits at position rank + k ranks: the ones in [b G, b G + rows).
+    const std::int64_t first = b * options_.global_batch_size, last = first + rows;
+    auto k_from = [&](std::int64_t pos) {  // the first k with rank + k ranks >= pos
+      return pos <= rank_ ? 0 : (pos - rank_ + ranks_ - 1) / ranks_;
+    };
+    const std::int64_t lo = std::min(k_from(first), size()), hi = std::min(k_from(last), size());
+    return std::span<const std::int64_t>(indices_).subspan(static_cast<std::size_t>(lo),
+                                                            static_cast<std::size_t>(hi - lo));
+  }
+  LOCKSTEP_CHECK_ARG(options_.batch_size > 0, "batch(b): neither DataOptions::batch_size nor "
+                                              "global_batch_size is set; set one, or pass the batch size");
+  return batch(b, options_.batch_size);
+}
+
+std::vector<Partition> DimPartitioner::partitions(std::int64_t batch_size, int ranks) const {
+  LOCKSTEP_CHECK_ARG(batch_size >= 0 && ranks > 0, "partitions: bad batch_size ", batch_size,
+                     " or ranks ", ranks);
+  std::vector<Partition> out;
+  if (exclusive) {
+    for (std::int64_t i = 0; i < batch_size; ++i)
+      out.push_back({i, 1, static_cast<int>(i % ranks)});
+    return out;
+  }
+  LOCKSTEP_CHECK_ARG(keepdim, "dim_partitioner: keepdim = false needs exclusive = true");
+  const std::int64_t parts = std::min<std::int64_t>(batch_size, ranks);
+  std::int64_t start = 0;
+  for (std::int64_t i = 0; i < parts; ++i) {
+    const std::int64_t count = batch_size / parts + (i < batch_size % parts ? 1 : 0);
+    out.push_back({start, count, static_cast<int>(i)});
+    start += count;
+  }
+  return out;
+}
+
+Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim) {
+  LOCKSTEP_CHECK_ARG(dim >= 0 && static_cast<std::size_t>(dim) < t.ndim(), "slice_along: dimension ",
+                     dim, " of a tensor of shape ", to_string(t.shape()));
+  const std::int64_t extent = t.dim(static_cast<std::size_t>(dim));
+  // count <= extent - start, not start + count <= extent: the sum can overflow.
+  LOCKSTEP_CHECK_ARG(start >= 0 && count >= 0 && start <= extent && count <= extent - start,
+                     "slice_along: ", count, " elements from ", start, " are out of range for dimension ",
+                     dim, " of shape ", to_string(t.shape()));
+  LOCKSTEP_CHECK_ARG(keepdim || count == 1, "slice_along: keepdim = false needs count 1, got ", count);
+  Shape out_shape = t.shape();
+  out_shape[static_cast<std::size_t>(dim)] = count;
+  if (!keepdim) out_shape.erase(out_shape.begin() + dim);
+  // No elements: nothing to point at or copy (and the products of the other extents, which a
+  // zero extent no longer bounds, are never formed).
+  if (t.numel() == 0 || count == 0) return Tensor(std::move(out_shape), t.dtype(), t.device());
+  // Every extent is now >= 1, so each partial product is at most t.numel(): no overflow.
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= t.dim(static_cast<std::size_t>(d));
+  for (std::size_t d = static_cast<std::size_t>(dim) + 1; d < t.ndim(); ++d) inner *= t.dim(d);
+  if (outer == 1) {
+    // Contiguous: a view that shares t's memory and keeps it alive.
+    return t.slice_view(start * inner, std::move(out_shape));
+  }
+  const std::size_t es = size_of(t.dtype());
+  Tensor out(std::move(out_shape), t.dtype(), t.device());
+  const auto* src = static_cast<const std::byte*>(t.raw_data());
+  auto* dst = static_cast<std::byte*>(out.raw_data());
+  const std::size_t row = static_cast<std::size_t>(count * inner) * es;
+  for (std::int64_t o = 0; o < outer; ++o) {
+    const auto* s = src + static_cast<std::size_t>((o * extent + start) * inner) * es;
+    auto* d = dst + static_cast<std::size_t>(o) * row;
+    if (t.device().is_cpu())
+      std::memcpy(d, s, row);
+    else
+      device_runtime("slice_along").copy(d, t.device(), s, t.device(), row);
+  }
+  return out;
+}
+
+namespace detail {
+
+namespace {
+template <class T>
+void add_scaled_typed(T* dst, const T* src, std::int64_t n, double w) {
+  const T tw = static_cast<T>(w);
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += tw * src[i];
+}
+template <class T>
+void add_typed(T* dst, const T* src, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+}  // namespace
+
+void add_scaled(Tensor& dst, const Tensor& src, double weight) {
+  LOCKSTEP_CHECK_ARG(dst.numel() == src.numel() && dst.dtype() == src.dtype(),
+                     "parallelize: results of different partitions differ: ", name(dst.dtype()), " ",
+                     to_string(dst.shape()), " vs ", name(src.dtype()), " ", to_string(src.shape()));
+  LOCKSTEP_CHECK_ARG(dst.device().is_cpu() && src.device().is_cpu(),
+                     "parallelize: results must be host tensors");
+  const auto n = dst.numel();
+  switch (dst.dtype()) {
+    case DType::f32: add_scaled_typed(dst.data<float>(), src.data<float>(), n, weight); break;
+    case DType::f64: add_scaled_typed(dst.data<double>(), src.data<double>(), n, weight); break;
+    case DType::i32: add_typed(dst.data<std::int32_t>(), src.data<std::int32_t>(), n); break;
+    case DType::i64: add_typed(dst.data<std::int64_t>(), src.data<std::int64_t>(), n); break;
+    default:
+      throw InvalidArgument(concat("parallelize: results of dtype ", name(dst.dtype()),
+                                   " are not supported (f32, f64, i32, i64)"));
+  }
+}
+
+void reduce_results(Backend& b, std::vector<Tensor*>& tensors, std::vector<double*>& fscalars,
+                    std::vector<std::int64_t*>& iscalars, double weight, bool mean) {
+  // Floating leaves (and the weight) in one double buffer, integer leaves in one int64 buffer.
+  std::vector<double> fb;
+  std::vector<std::int64_t> ib;
+  bool has_int = !iscalars.empty();
+  for (auto* t : tensors) {
+    LOCKSTEP_CHECK_ARG(t->device().is_cpu(), "parallelize: results must be host tensors");
+    switch (t->dtype()) {
+      case DType::f32: for (float v : t->span<float>()) fb.push_back(v); break;
+      case DType::f64: for (double v : t->span<double>()) fb.push_back(v); break;
+      case DType::i32: has_int = true; for (auto v : t->span<std::int32_t>()) ib.push_back(v); break;
+      case DType::i64: has_int = true; for (auto v : t->span<std::int64_t>()) ib.push_back(v); break;
+      default:
+        throw InvalidArgument(concat("parallelize: results of dtype ", name(t->dtype()),
+                                     " are not supported (f32, f64, i32, i64)"));
+    }
+  }
+  LOCKSTEP_CHECK_ARG(!(mean && has_int),
+                     "parallelize: mean_reducer needs floating-point results (use sum_reducer)");
+  for (auto* f : fscalars) fb.push_back(*f);
+  for (auto* i : iscalars) ib.push_back(*i);
+  fb.push_back(weight);
+  b.allreduce(TensorView{fb.data(), static_cast<std::int64_t>(fb.size()), DType::f64, Device::cpu()},
+              ReduceOp::sum);
+  if (!ib.empty())
+    b.allreduce(TensorView{ib.data(), static_cast<std::int64_t>(ib.size()), DType::i64, Device::cpu()},
+                ReduceOp::sum);
+  const double total = fb.back();
+  const double scale = mean ? 1.0 / total : 1.0;
+  std::size_t fi = 0, ii = 0;
+  for (auto* t : tensors) {
+    switch (t->dtype()) {
+      case DType::f32: for (float& v : t->span<float>()) v = static_cast<float>(fb[fi++] * scale); break;
+      case DType::f64: for (double& v : t->span<double>()) v = fb[fi++] * scale; break;
+      case DType::i32: for (auto& v : t->span<std::int32_t>()) v = static_cast<std::int32_t>(ib[ii++]); break;
+      case DType::i64: for (auto& v : t->span<std::int64_t>()) v = ib[ii++]; break;
+      default: break;
+    }
+  }
+  for (auto* f : fscalars) *f = fb[fi++] * scale;
+  for (auto* i : iscalars) *i = ib[ii++];
+}
+
+void share_result_layout(Backend& b, std::vector<Tensor*>& tensors, bool have_result, int root) {
+  // Root's layout: count, then per tensor dtype, ndim, extents.
+  std::vector<std::int64_t> layout;
+  if (b.rank() == root) {
+    layout.push_back(static_cast<std::int64_t>(tensors.size()));
+    for (auto* t : tensors) {
+      layout.push_back(static_cast<std::int64_t>(t->dtype()));
+      layout.push_back(static_cast<std::int64_t>(t->ndim()));
+      for (auto e : t->shape()) layout.push_back(e);
+    }
+  }
+  std::int64_t len = static_cast<std::int64_t>(layout.size());
+  b.broadcast(TensorView{&len, 1, DType::i64, Device::cpu()}, root);
+  layout.resize(static_cast<std::size_t>(len));
+  b.broadcast(TensorView{layout.data(), len, DType::i64, Device::cpu()}, root);
+  std::int64_t failed = 0;
+  if (!have_result) {
+    if (layout.empty() || layout[0] != static_cast<std::int64_t>(tensors.size())) {
+      failed = 1;
+    } else {
+      std::size_t pos = 1;
+      for (auto* t : tensors) {
+        const auto dt = static_cast<DType>(layout[pos++]);
+        const auto nd = static_cast<std::size_t>(layout[pos++]);
+        Shape s(layout.begin() + static_cast<std::ptrdiff_t>(pos),
+                layout.begin() + static_cast<std::ptrdiff_t>(pos + nd));
+        pos += nd;
+        *t = Tensor::zeros(s, dt);
+      }
+    }
+  }
+  // Every rank learns whether a rank could not shape its empty result (no rank may leave the
+  // others waiting in the reduction).
+  b.allreduce(TensorView{&failed, 1, DType::i64, Device::cpu()}, ReduceOp::max);
+  if (failed != 0)
+    throw InvalidArgument(concat("parallelize: some rank ran no partition (fewer samples than "
+                                 "ranks) and its result type has a variable structure (a vector, "
+                                 "map or optional of tensors); use a result with fixed structure",
+                                 rank_suffix()));
+}
+
+namespace {
+constexpr std::size_t kMaxText = 1500;  // per rank, in the messages of a failed agreement
+constexpr int kMaxListed = 8;          // ranks named in one message
+
+TensorView u8_view(void* data, std::size_t n) {
+  return TensorView{data, static_cast<std::int64_t>(n), DType::u8, Device::cpu()};
+}
+
+// Every rank's string, in rank order (lengths first, then one padded allgather).
+std::vector<std::string> allgather_strings(Backend& b, std::string mine) {
+  if (mine.size() > kMaxText) {
+    mine.resize(kMaxText - 3);
+    mine += "...";
+  }
+  const int n = b.size();
+  std::int64_t len = static_cast<std::int64_t>(mine.size());
+  std::vector<std::int64_t> lens(static_cast<std::size_t>(n));
+  b.allgather(TensorView{&len, 1, DType::i64, Device::cpu()},
+              TensorView{lens.data(), n, DType::i64, Device::cpu()});
+  const auto longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+  std::vector<char> send(longest, '\0'), recv(longest * static_cast<std::size_t>(n));
+  std::memcpy(send.data(), mine.data(), mine.size());
+  b.allgather(u8_view(send.data(), send.size()), u8_view(recv.data(), recv.size()));
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(recv.data() + longest * static_cast<std::size_t>(r),
+                     static_cast<std::size_t>(lens[static_cast<std::size_t>(r)]));
+  return out;
+}
+
+// " rank 0: a; rank 1: b" for the ranks `pick` selects, at most kMaxListed of them.
+template <class Pick>
+std::string list_ranks(const std::vector<std::string>& texts, Pick pick) {
+  std::string out;
+  int shown = 0, more = 0;
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    if (!pick(static_cast<int>(r))) continue;
+    if (shown == kMaxListed) {
+      ++more;
+      continue;
+    }
+    out += concat(shown == 0 ? " " : "; ", "rank ", r, ": ", texts[r]);
+    ++shown;
+  }
+  if (more > 0) out += concat(" (and ", more, " more rank", more == 1 ? "" : "s", ")");
+  return out;
+}
+
+std::string hint(ReducerKind k, int dim) {
+  if (k == ReducerKind::concat)
+    return concat("concat_reducer needs results that agree on everything but dimension ", dim,
+                  ": structure, dtypes and the other extents");
+  return concat(reducer_name(k), " combines results of one shape; a result with a value per sample "
+                "(shaped by its partition) needs concat_reducer");
+}
+
+std::string describe_partitioner(const DimPartitioner& p) {
+  return concat("partitioned along dimension ", p.dim, p.exclusive ? " (exclusive" : " (contiguous",
+                p.keepdim ? ")" : ", dimension removed)");
+}
+}  // namespace
+
+const char* reducer_name(ReducerKind k) noexcept {
+  switch (k) {
+    case ReducerKind::mean: return "mean_reducer";
+    case ReducerKind::sum: return "sum_reducer";
+    case ReducerKind::concat: return "concat_reducer";
+  }
+  return "?";
+}
+
+void ResultDescriber::add_text(const std::string& path, const std::string& desc) {
+  if (text_full_) return;
+  if (text.size() > 400) {
+    text += ", ...";
+    text_full_ = true;
+    return;
+  }
+  if (!text.empty()) text += ", ";
+  text += path.empty() ? desc : concat(path, ": ", desc);
+}
+
+void ResultDescriber::leaf(const std::string& path, const Tensor& t) {
+  ++tensors;
+  const bool wildcard = for_concat_ && keepdim_;
+  sig += concat("T ", name(t.dtype()), " [");
+  for (std::size_t d = 0; d < t.ndim(); ++d) {
+    if (d > 0) sig += ',';
+    sig += wildcard && static_cast<int>(d) == dim_ ? std::string("*") : std::to_string(t.dim(d));
+  }
+  sig += "]|";
+  const std::string shape = to_string(t.shape());
+  add_text(path, concat(name(t.dtype()), " ", shape));
+  if (for_concat_ && concat_problem.empty()) {
+    const std::string what = path.empty() ? std::string("the result") : concat("'", path, "'");
+    const auto nd = static_cast<std::int64_t>(t.ndim());
+    if (keepdim_ && nd <= dim_)
+      concat_problem = concat(what, " has shape ", shape, ", which has no dimension ", dim_,
+                              " to concatenate along");
+    else if (!keepdim_ && nd < dim_)
+      concat_problem = concat(what, " has shape ", shape, ", which cannot be stacked along a new "
+                              "dimension ", dim_);
+  }
+}
+
+void ResultDescriber::scalar(const std::string& path, bool floating, bool is_signed, std::size_t bytes) {
+  ++(floating ? fscalars : iscalars);
+  const std::string desc = floating ? concat("float", bytes * 8) : concat(is_signed ? "int" : "uint", bytes * 8);
+  sig += concat("S ", desc, "|");
+  add_text(path, concat("scalar ", desc));
+  if (for_concat_ && concat_problem.empty())
+    concat_problem = concat(path.empty() ? std::string("the result") : concat("'", path, "'"),
+                            " is a scalar (return a tensor, e.g. of shape [1])");
+}
+
+void ResultDescriber::node(const std::string& /*path*/, const char* kind, std::size_t n) {
+  if (std::strcmp(kind, "optional") == 0)
+    sig += n != 0 ? "optional set|" : "optional empty|";
+  else
+    sig += concat(kind, " of ", n, "|");
+}
+
+void ResultDescriber::key(const std::string& /*path*/, const std::string& k) {
+  sig += concat("key ", k.size(), ":", k, "|");
+}
+
+void ParallelCall::fail(std::exception_ptr e) {
+  error = e;
+  try {
+    std::rethrow_exception(e);
+  } catch (const InvalidArgument& x) {
+    error_kind = 1, error_text = x.what();
+  } catch (const MismatchError& x) {
+    error_kind = 2, error_text = x.what();
+  } catch (const Error& x) {
+    error_kind = 3, error_text = x.what();
+  } catch (const std::exception& x) {
+    error_kind = 4, error_text = concat("f threw: ", x.what());
+  } catch (...) {
+    error_kind = 4, error_text = "f threw an exception that is not a std::exception";
+  }
+}
+
+void ParallelCall::describe_arg(const Tensor* t) {
+  if (!args.empty()) args += ", ";
+  args += t != nullptr ? concat(name(t->dtype()), " ", to_string(t->shape())) : std::string("(not a tensor)");
+}
+
+void ParallelCall::add_result(const ResultDescriber& d, std::size_t index,
+                              const std::vector<Partition>& parts) {
+  auto part_name = [&](std::size_t i) {
+    return concat("partition ", i, " (samples [", parts[i].start, ", ", parts[i].start + parts[i].count, "))");
+  };
+  if (kind == ReducerKind::concat && !d.concat_problem.empty())
+    throw InvalidArgument(concat("parallelize: concat_reducer cannot combine the result of ",
+                                 part_name(index), ": ", d.concat_problem, rank_suffix()));
+  if (!have) {
+    result_sig = d.sig;
+    result_text = d.text;
+    first_index = index;
+    return;
+  }
+  if (d.sig != result_sig)
+    throw MismatchError(concat("parallelize: the results of ", part_name(first_index), " and ",
+                               part_name(index), " differ: ", result_text.empty() ? "(no leaves)" : result_text,
+                               " vs ", d.text.empty() ? "(no leaves)" : d.text, " (",
+                               hint(kind, partitioner.dim), ")", rank_suffix()));
+}
+
+void ParallelCall::pack(const Tensor& t) {
+  LOCKSTEP_CHECK_ARG(t.device().is_cpu(), "parallelize: concat_reducer needs host tensors, got one on ",
+                     to_string(t.device()));
+  extents.push_back(partitioner.keepdim ? t.dim(static_cast<std::size_t>(partitioner.dim)) : 1);
+  if (t.nbytes() == 0) return;
+  const auto* p = static_cast<const std::byte*>(t.raw_data());
+  bytes.insert(bytes.end(), p, p + t.nbytes());
+}
+
+std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c) {
+  const int n = b.size();
+  const std::string args = concat(c.args.empty() ? std::string("(no arguments)") : c.args, "; ",
+                                  describe_partitioner(c.partitioner), "; ", reducer_name(c.kind));
+  constexpr std::size_t K = 8;
+  enum { kError, kArgs, kHave, kResult, kTensors, kFloats, kInts, kPayload };
+  const std::int64_t mine[K] = {
+      c.error_kind,
+      static_cast<std::int64_t>(fnv1a(args.data(), args.size())),
+      c.have ? 1 : 0,
+      static_cast<std::int64_t>(fnv1a(c.result_sig.data(), c.result_sig.size())),
+      c.tensors,
+      c.fscalars,
+      c.iscalars,
+      static_cast<std::int64_t>(c.extents.size() * sizeof(std::int64_t) + c.bytes.size())};
+  std::vector<std::int64_t> all(K * static_cast<std::size_t>(n));
+  b.allgather(TensorView{const_cast<std::int64_t*>(mine), static_cast<std::int64_t>(K), DType::i64, Device::cpu()},
+              TensorView{all.data(), static_cast<std::int64_t>(all.size()), DType::i64, Device::cpu()});
+  auto at = [&](int r, int k) { return all[static_cast<std::size_t>(r) * K + static_cast<std::size_t>(k)]; };
+
+  // Every rank sees the same table, so every rank takes the same branch below.
+  // 1. A rank threw (f, or a check of its own): every rank throws.
+  int first_failed = -1, type = 0;
+  for (int r = 0; r < n; ++r) {
+    if (at(r, kError) == 0) continue;
+    if (first_failed < 0) first_failed = r;
+    if (type == 0 && at(r, kError) <= 3) type = static_cast<int>(at(r, kError));
+  }
+  if (first_failed >= 0) {
+    const auto texts = allgather_strings(b, c.error_text);
+    if (c.error_kind == 4) std::rethrow_exception(c.error);  // the user's own exception, as it was
+    const std::string msg =
+        concat("parallelize: the call failed before the results were combined, so it fails on every rank:",
+               list_ranks(texts, [&](int r) { return at(r, kError) != 0; }), rank_suffix());
+    if (type == 1) throw InvalidArgument(msg);
+    if (type == 2) throw MismatchError(msg);
+    throw Error(msg);
+  }
+  // 2. Different arguments (batch size, feature shapes, dtypes), partitioner or reducer.
+  bool same_args = true;
+  for (int r = 0; r < n; ++r) same_args = same_args && at(r, kArgs) == at(0, kArgs);
+  if (!same_args) {
+    const auto texts = allgather_strings(b, args);
+    throw MismatchError(concat("parallelize: the ranks called it with different arguments (every rank "
+                               "must pass the same whole batch, partitioner and reducer):",
+                               list_ranks(texts, [](int) { return true; }), rank_suffix()));
+  }
+  // 3. Results of different structures or shapes on the ranks that ran a partition.
+  int first_have = -1;
+  bool same_results = true;
+  for (int r = 0; r < n; ++r) {
+    if (at(r, kHave) == 0) continue;
+    if (first_have < 0) first_have = r;
+    same_results = same_results && at(r, kResult) == at(first_have, kResult);
+  }
+  if (!same_results) {
+    const auto texts = allgather_strings(
+        b, c.have ? (c.result_text.empty() ? std::string("(no leaves)") : c.result_text)
+                  : std::string("(no partition)"));
+    throw MismatchError(concat("parallelize: the ranks' results differ, so ", reducer_name(c.kind),
+                               " cannot combine them (", hint(c.kind, c.partitioner.dim), "):",
+                               list_ranks(texts, [&](int r) { return at(r, kHave) != 0; }), rank_suffix()));
+  }
+  // 4. A rank without a partition must be able to hold the result (the same leaves).
+  if (first_have < 0) throw Error(concat("parallelize: no rank ran a partition", rank_suffix()));
+  for (int r = 0; r < n; ++r) {
+    if (at(r, kHave) != 0) continue;
+    for (int k : {kTensors, kFloats, kInts})
+      if (at(r, k) != at(first_have, k))
+        throw InvalidArgument(concat("parallelize: some rank ran no partition (fewer samples than "
+                                     "ranks) and its result type has a variable structure (a vector, "
+                                     "map or optional of tensors); use a result with fixed structure",
+                                     rank_suffix()));
+  }
+  std::vector<std::int64_t> sizes(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) sizes[static_cast<std::size_t>(r)] = at(r, kPayload);
+  return sizes;
+}
+
+void concat_results(Backend& b, const ParallelCall& c, const std::vector<std::int64_t>& sizes,
+                    std::vector<Tensor*>& tensors, const std::vector<Partition>& parts) {
+  const int n = b.size();
+  const std::size_t nt = tensors.size();
+  const int dim = c.partitioner.dim;
+  const bool keepdim = c.partitioner.keepdim;
+  const auto longest = static_cast<std::size_t>(*std::max_element(sizes.begin(), sizes.end()));
+  // One padded allgather of every rank's pieces: [extents (int64)][bytes].
+  std::vector<std::byte> send(longest), recv(longest * static_cast<std::size_t>(n));
+  const std::size_t meta = c.extents.size() * sizeof(std::int64_t);
+  if (meta > 0) std::memcpy(send.data(), c.extents.data(), meta);
+  if (!c.bytes.empty()) std::memcpy(send.data() + meta, c.bytes.data(), c.bytes.size());
+  b.allgather(u8_view(send.data(), send.size()), u8_view(recv.data(), recv.size()));
+
+  // Which partitions each rank ran, in order, and where each partition is in its rank's list.
+  std::vector<std::size_t> local_count(static_cast<std::size_t>(n), 0), local_index(parts.size());
+  for (std::size_t p = 0; p < parts.size(); ++p)
+    local_index[p] = local_count[static_cast<std::size_t>(parts[p].rank)]++;
+  // Per leaf: the layout of one piece (outer x extent x inner elements) from the template.
+  std::vector<std::int64_t> outer(nt, 1), inner(nt, 1);
+  std::vector<std::size_t> esize(nt);
+  for (std::size_t l = 0; l < nt; ++l) {
+    const Shape& s = tensors[l]->shape();
+    for (std::size_t d = 0; d < s.size(); ++d) {
+      if (static_cast<int>(d) < dim) outer[l] *= s[d];
+      else if (static_cast<int>(d) > dim || (!keepdim && static_cast<int>(d) == dim)) inner[l] *= s[d];
+    }
+    esize[l] = size_of(tensors[l]->dtype());
+  }
+  // Per rank: the extents of its pieces and where each piece starts in its payload.
+  auto extent = [&](int r, std::size_t k, std::size_t l) {
+    std::int64_t e = 0;
+    std::memcpy(&e, recv.data() + longest * static_cast<std::size_t>(r) + (k * nt + l) * sizeof e, sizeof e);
+    return e;
+  };
+  auto piece_bytes = [&](std::int64_t e, std::size_t l) {
+    return static_cast<std::size_t>(outer[l] * e * inner[l]) * esize[l];
+  };
+  std::vector<std::vector<std::size_t>> offset(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> total(nt, 0);
+  for (int r = 0; r < n; ++r) {
+    const std::size_t k_count = local_count[static_cast<std::size_t>(r)];
+    std::size_t pos = k_count * nt * sizeof(std::int64_t);
+    auto& off = offset[static_cast<std::size_t>(r)];
+    off.resize(k_count * nt);
+    for (std::size_t k = 0; k < k_count; ++k)
+      for (std::size_t l = 0; l < nt; ++l) {
+        const std::int64_t e = extent(r, k, l);
+        if (e < 0) throw Error(concat("parallelize: corrupt concat payload of rank ", r, rank_suffix()));
+        off[k * nt + l] = pos;
+        pos += piece_bytes(e, l);
+        total[l] += e;
+      }
+    if (static_cast<std::int64_t>(pos) != sizes[static_cast<std::size_t>(r)])
+      throw Error(concat("parallelize: the concat payload of rank ", r, " has ", sizes[static_cast<std::size_t>(r)],
+                         " bytes, expected ", pos, rank_suffix()));
+  }
+  // Assemble every leaf in partition order.
+  for (std::size_t l = 0; l < nt; ++l) {
+    Shape shape = tensors[l]->shape();
+    if (keepdim)
+      shape[static_cast<std::size_t>(dim)] = total[l];
+    else
+      shape.insert(shape.begin() + dim, total[l]);
+    Tensor out(shape, tensors[l]->dtype());
+    auto* dst = static_cast<std::byte*>(out.raw_data());
+    const std::size_t out_row = static_cast<std::size_t>(total[l] * inner[l]) * esize[l];
+    std::int64_t at_extent = 0;
+    for (std::size_t p = 0; p < parts.size(); ++p) {
+      const int r = parts[p].rank;
+      const std::size_t k = local_index[p];
+      const std::int64_t e = extent(r, k, l);
+      const std::size_t row = static_cast<std::size_t>(e * inner[l]) * esize[l];
+      const std::byte* src = recv.data() + longest * static_cast<std::size_t>(r) +
+                             offset[static_cast<std::size_t>(r)][k * nt + l];
+      const std::size_t at_bytes = static_cast<std::size_t>(at_extent * inner[l]) * esize[l];
+      if (row > 0)
+        for (std::int64_t o = 0; o < outer[l]; ++o)
+          std::memcpy(dst + static_cast<std::size_t>(o) * out_row + at_bytes,
+                      src + static_cast<std::size_t>(o) * row, row);
+      at_extent += e;
+    }
+    *tensors[l] = std::move(out);
+  }
+}
+
+}  // namespace detail
+}  // namespace lockstep

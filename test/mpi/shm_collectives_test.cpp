@@ -1,0 +1,317 @@
+// MPIBackend's shared-memory path for large host allreduce and broadcast (src/mpi/shm/shm_collectives.*):
+// when it is on, results at slice boundaries and across many calls, bitwise agreement with a
+// rank-order reference, out-of-place calls, and ranks that disagree about a call getting
+// MismatchError on every rank with the backend still usable afterwards. ctest runs this binary
+// with the default slice, with 4 KiB slices (every call crosses many slices), and with
+// LOCKSTEP_SHM=0 (the MPI path; the [shm] cases are left out there).
+#include <catch2/catch.hpp>
+
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
+
+bool shm_disabled_by_env() {
+  const char* v = std::getenv("LOCKSTEP_SHM");
+  return v != nullptr && (std::string(v) == "0" || std::string(v) == "off");
+}
+
+std::size_t env_size(const char* name, std::size_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  std::size_t x = std::strtoull(v, nullptr, 10);
+  std::string s = v;
+  if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) x <<= 10;
+  if (!s.empty() && (s.back() == 'M' || s.back() == 'm')) x <<= 20;
+  return x;
+}
+
+// Element counts around the slice boundaries (f32), all above the shared-memory threshold.
+std::vector<std::int64_t> boundary_sizes() {
+  const std::int64_t slice = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_SLICE_BYTES", 1 << 20)) / 4;
+  const std::int64_t floor = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_MIN_BYTES", 4 << 10)) / 4 + 1;
+  std::vector<std::int64_t> out;
+  for (std::int64_t s : {slice - 1, slice, slice + 1, 2 * slice, 3 * slice + 5, std::int64_t{1} << 20})
+    out.push_back(std::max(s, floor));
+  return out;
+}
+
+// Rank r's input: non-integer values, so that the order of the sum shows in the last bits.
+float input(int r, std::int64_t i) {
+  return static_cast<float>(std::sin(0.001 * static_cast<double>(i) + r)) * (1.0f + 0.37f * r);
+}
+
+// What every rank must get: the fold over ranks in rank order, then / n for avg.
+float fold(ls::ReduceOp op, int n, std::int64_t i) {
+  float acc = input(0, i);
+  for (int r = 1; r < n; ++r) {
+    float x = input(r, i);
+    switch (op) {
+      case ls::ReduceOp::sum:
+      case ls::ReduceOp::avg: acc = acc + x; break;
+      case ls::ReduceOp::prod: acc = acc * x; break;
+      case ls::ReduceOp::min: acc = std::min(acc, x); break;
+      case ls::ReduceOp::max: acc = std::max(acc, x); break;
+    }
+  }
+  if (op == ls::ReduceOp::avg) acc = acc / static_cast<float>(n);
+  return acc;
+}
+
+// A hash of a buffer, gathered from every rank: true when all ranks hold the same bits.
+bool same_on_every_rank(const void* p, std::size_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
+  std::uint64_t lo = h, hi = h;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
+}
+
+// Rank-combined verdict, so that no rank stops before the others.
+bool all_ranks(bool ok) {
+  int v = ok ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return v == 1;
+}
+
+}  // namespace
+
+TEST_CASE("the shared-memory path is on exactly where it can be") {
+  ls::MPIBackend& b = backend();
+  const bool expected = b.size() >= 2 && b.size() <= 8 && !shm_disabled_by_env();
+  CHECK(b.shared_memory() == expected);
+  ls::MPIBackend self(MPI_COMM_SELF);  // one rank: nothing to share
+  CHECK_FALSE(self.shared_memory());
+}
+
+TEST_CASE("allreduce: every op at the slice boundaries, in place and out of place") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const bool bitwise = b.shared_memory();  // MPI may sum in another order for n > 2
+  std::vector<std::string> bad;
+  for (std::int64_t count : boundary_sizes()) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg, ls::ReduceOp::prod, ls::ReduceOp::min,
+                            ls::ReduceOp::max}) {
+      for (bool in_place : {true, false}) {
+        ls::Tensor x(ls::Shape{count}), out(ls::Shape{count});
+        float* px = x.data<float>();
+        for (std::int64_t i = 0; i < count; ++i) px[i] = input(rank, i);
+        if (in_place) b.allreduce(x.view(), op);
+        else b.allreduce(x.view(), out.view(), op);
+        const float* got = in_place ? px : out.data<float>();
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          const float want = fold(op, n, i);
+          const bool ok = bitwise ? std::memcmp(&got[i], &want, 4) == 0
+                                  : std::fabs(got[i] - want) <= 1e-5f * (1.0f + std::fabs(want));
+          wrong += ok ? 0 : 1;
+        }
+        if (!in_place)
+          for (std::int64_t i = 0; i < count; ++i) wrong += px[i] == input(rank, i) ? 0 : 1;  // send untouched
+        const bool same = same_on_every_rank(got, count * 4);  // collective: every rank calls it
+        if (wrong != 0 || (bitwise && !same))
+          bad.push_back(ls::detail::concat(ls::name(op), " count ", count, in_place ? " in place" : " out of place",
+                                           ": ", wrong, " wrong elements"));
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(bad.empty());
+}
+
+TEST_CASE("allreduce: integers and doubles are exact") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const std::int64_t count = (std::int64_t{1} << 18) + 3;
+  ls::Tensor a = ls::Tensor::zeros({count}, ls::DType::i32), l = ls::Tensor::zeros({count}, ls::DType::i64),
+             d = ls::Tensor::zeros({count}, ls::DType::f64);
+  for (std::int64_t i = 0; i < count; ++i) {
+    a.data<std::int32_t>()[i] = static_cast<std::int32_t>(i % 1000) - rank;
+    l.data<std::int64_t>()[i] = (std::int64_t{1} << 40) + i * (rank + 1);
+    d.data<double>()[i] = 0.5 * static_cast<double>(i % 77) + rank;
+  }
+  b.allreduce(a.view(), ls::ReduceOp::min);
+  b.allreduce(l.view(), ls::ReduceOp::sum);
+  b.allreduce(d.view(), ls::ReduceOp::max);
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i) {
+    wrong += a.data<std::int32_t>()[i] == static_cast<std::int32_t>(i % 1000) - (n - 1) ? 0 : 1;
+    wrong += l.data<std::int64_t>()[i] == n * (std::int64_t{1} << 40) + i * n * (n + 1) / 2 ? 0 : 1;
+    wrong += d.data<double>()[i] == 0.5 * static_cast<double>(i % 77) + (n - 1) ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("broadcast: every root at the slice boundaries, several dtypes") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  std::int64_t wrong = 0;
+  for (std::int64_t count : boundary_sizes()) {
+    for (ls::DType t : {ls::DType::f32, ls::DType::u8, ls::DType::f16}) {
+      const std::int64_t elems = count * 4 / static_cast<std::int64_t>(ls::size_of(t)) + 1;  // odd byte counts
+      for (int root = 0; root < n; ++root) {
+        ls::Tensor x = ls::Tensor::zeros({elems}, t);
+        auto* bytes = static_cast<unsigned char*>(x.raw_data());
+        const std::size_t nb = x.nbytes();
+        for (std::size_t i = 0; i < nb; ++i) bytes[i] = static_cast<unsigned char>(rank == root ? i * 7 + root : 0xEE);
+        b.broadcast(x.view(), root);
+        for (std::size_t i = 0; i < nb; ++i) wrong += bytes[i] == static_cast<unsigned char>(i * 7 + root) ? 0 : 1;
+      }
+    }
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("broadcast: small sizes ride in the agreement slice, every root, around the 8 KiB limit") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  std::int64_t wrong = 0;
+  for (std::int64_t nb : {1, 3, 8, 17, 255, 4096, 8191, 8192, 8193, 12289}) {
+    for (int root = 0; root < n; ++root) {
+      ls::Tensor x = ls::Tensor::zeros({nb}, ls::DType::u8);
+      auto* bytes = static_cast<unsigned char*>(x.raw_data());
+      for (std::int64_t i = 0; i < nb; ++i) bytes[i] = static_cast<unsigned char>(rank == root ? i * 13 + root : 0xEE);
+      b.broadcast(x.view(), root);
+      for (std::int64_t i = 0; i < nb; ++i) wrong += bytes[i] == static_cast<unsigned char>(i * 13 + root) ? 0 : 1;
+    }
+  }
+  CHECK(wrong == 0);
+  // A count below the limit on one rank and above it on another is a disagreement like any other.
+  if (b.shared_memory()) {
+    ls::Tensor x(ls::Shape{2049});
+    bool threw = false;
+    try {
+      b.broadcast(x.view().slice(0, rank == 0 ? 2048 : 2049), 0);
+    } catch (const ls::MismatchError& e) {
+      threw = std::string(e.what()).find("elements") != std::string::npos;
+    }
+    CHECK(all_ranks(threw));
+  }
+}
+
+TEST_CASE("hundreds of calls in a row: sizes, roots and kinds alternate") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const auto sizes = boundary_sizes();
+  std::int64_t wrong = 0;
+  for (int call = 0; call < 120; ++call) {
+    const std::int64_t count = sizes[static_cast<std::size_t>(call) % sizes.size()] + call;
+    ls::Tensor x(ls::Shape{count});
+    float* p = x.data<float>();
+    if (call % 3 == 2) {
+      const int root = call % n;
+      for (std::int64_t i = 0; i < count; ++i) p[i] = rank == root ? static_cast<float>(i % 4099 + call) : -1.0f;
+      b.broadcast(x.view(), root);
+      for (std::int64_t i = 0; i < count; ++i) wrong += p[i] == static_cast<float>(i % 4099 + call) ? 0 : 1;
+    } else {
+      for (std::int64_t i = 0; i < count; ++i) p[i] = static_cast<float>((i + call) % 1024 + rank);
+      b.allreduce(x.view(), ls::ReduceOp::sum);
+      for (std::int64_t i = 0; i < count; ++i)
+        wrong += p[i] == static_cast<float>(n * ((i + call) % 1024) + n * (n - 1) / 2) ? 0 : 1;
+    }
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("a deadline keeps large calls correct (they go through MPI, which can time out)") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const double before = ls::timeout();
+  ls::set_timeout(60);
+  const std::int64_t count = std::int64_t{1} << 20;
+  ls::Tensor x(ls::Shape{count});
+  for (std::int64_t i = 0; i < count; ++i) x.data<float>()[i] = static_cast<float>(rank + i % 3);
+  b.allreduce(x.view(), ls::ReduceOp::sum);
+  ls::set_timeout(before);
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i)
+    wrong += x.data<float>()[i] == static_cast<float>(n * (n - 1) / 2 + n * (i % 3)) ? 0 : 1;
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and can go on", "[shm]") {
+  ls::MPIBackend& b = backend();
+  REQUIRE(b.shared_memory());  // this case runs only where the path is on (see the ctest list)
+  const int rank = b.rank();
+  const std::int64_t count = std::int64_t{1} << 18;
+  int round = 0;
+  auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
+    ls::Tensor x(ls::Shape{count + 1});
+    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+    std::string text;
+    bool threw = false;
+    try {
+      call(x);
+    } catch (const ls::MismatchError& e) {
+      threw = true;
+      text = e.what();
+    }
+    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+    CHECK(all_ranks(threw));
+    CHECK(all_ranks(text.find(part) != std::string::npos));
+    CHECK(all_ranks(text.find("rank") != std::string::npos));
+    // The buffer is as it was: nothing was written before the disagreement was seen.
+    std::int64_t changed = 0;
+    for (std::int64_t i = 0; i <= count; ++i) changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+    CHECK(all_ranks(changed == 0));
+    // And the backend is still in step: a correct call works.
+    ls::Tensor y(ls::Shape{count});
+    for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = 1.0f;
+    b.allreduce(y.view(), ls::ReduceOp::sum);
+    std::int64_t wrong = 0;
+    for (std::int64_t i = 0; i < count; ++i) wrong += y.data<float>()[i] == static_cast<float>(b.size()) ? 0 : 1;
+    CHECK(all_ranks(wrong == 0));
+    ++round;
+  };
+  expect_mismatch("element count", "elements", [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, rank == 0 ? count : count + 1), ls::ReduceOp::sum);
+  });
+  expect_mismatch("op", "op", [&](ls::Tensor& x) {
+    b.allreduce(x.view(), rank == 0 ? ls::ReduceOp::sum : ls::ReduceOp::max);
+  });
+  expect_mismatch("root", "root", [&](ls::Tensor& x) { b.broadcast(x.view(), rank == 0 ? 0 : 1); });
+  expect_mismatch("allreduce against broadcast", "different collectives", [&](ls::Tensor& x) {
+    if (rank == 0) b.allreduce(x.view(), ls::ReduceOp::sum);
+    else b.broadcast(x.view(), 0);
+  });
+  CHECK(round == 4);
+}
+
+TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {
+  ls::MPIBackend& b = backend();
+  REQUIRE(b.shared_memory());
+  const int n = b.size(), rank = b.rank();
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : boundary_sizes()) {
+        ls::Tensor t = ls::Tensor::zeros({count}, w);
+        auto* p = static_cast<std::uint16_t*>(t.raw_data());
+        auto bits = [&](float f) { return w == ls::DType::bf16 ? ls::to_bfloat16(f).bits : ls::to_half(f).bits; };
+        auto value = [&](std::uint16_t u) { return w == ls::DType::bf16 ? ls::to_float(ls::bfloat16{u}) : ls::to_float(ls::half{u}); };
+        for (std::int64_t i = 0; i < count; ++i) p[i] = bits(input(rank, i));
+        b.allreduce(t.view(), op);
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          float acc = value(bits(input(0, i)));
+          for (int r = 1; r < n; ++r) acc += value(bits(input(r, i)));
+          if (op == ls::ReduceOp::avg) acc = (n & (n - 1)) == 0 ? acc * (1.0f / static_cast<float>(n)) : acc / static_cast<float>(n);
+          wrong += p[i] == bits(acc) ? 0 : 1;
+        }
+        INFO(ls::name(w) << " " << ls::name(op) << " of " << count << " elements: " << wrong << " wrong");
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}

@@ -1,0 +1,46 @@
+# The layers of lockstep::core (cmake/LockstepLayers.cmake, docs/architecture.md "Layers").
+get_property(_ls_layers GLOBAL PROPERTY LOCKSTEP_LAYERS)
+set(_ls_layer_specs "")
+foreach(layer IN LISTS _ls_layers)
+  get_property(_below GLOBAL PROPERTY LOCKSTEP_LAYER_BELOW_${layer})
+  string(REPLACE ";" "," _below "${_below}")
+  list(APPEND _ls_layer_specs "${layer}:${_below}")
+endforeach()
+
+# Every #include in src/<layer> and include/lockstep/<layer> names its own layer or one below;
+# and the check reports each kind of violation planted in a copy of the tree.
+add_test(NAME layers.includes
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_includes.sh ${PROJECT_SOURCE_DIR} ${_ls_layer_specs})
+set_tests_properties(layers.includes PROPERTIES LABELS unit PASS_REGULAR_EXPRESSION "includes: OK")
+add_test(NAME layers.includes_self_test
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_includes.sh --self-test ${PROJECT_SOURCE_DIR}
+          ${_ls_layer_specs})
+set_tests_properties(layers.includes_self_test PROPERTIES LABELS unit PASS_REGULAR_EXPRESSION "self-test: OK")
+
+# Each public header compiles alone with only its layer's links: it includes what it uses, and
+# nothing of a higher layer (headers that no source of the layer includes are checked too).
+foreach(layer IN LISTS _ls_layers)
+  file(GLOB _headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/lockstep/${layer}/*.hpp)
+  set(_tus "")
+  foreach(h IN LISTS _headers)
+    get_filename_component(_name ${h} NAME_WE)
+    set(_tu ${CMAKE_CURRENT_BINARY_DIR}/layers/${layer}/${_name}.cpp)
+    file(CONFIGURE OUTPUT ${_tu} CONTENT "#include \"lockstep/${layer}/${_name}.hpp\"\n")
+    list(APPEND _tus ${_tu})
+  endforeach()
+  add_library(lockstep_headers_${layer} OBJECT ${_tus})
+  target_link_libraries(lockstep_headers_${layer} PRIVATE lockstep_layer_${layer} lockstep_build_flags)
+endforeach()
+
+# An upward include fails to build: the train layer's include path finds train's header and
+# not io's.
+get_property(_below GLOBAL PROPERTY LOCKSTEP_LAYER_BELOW_train)
+set(_train_flags -I${PROJECT_BINARY_DIR}/include)
+foreach(layer IN ITEMS train ${_below})
+  list(APPEND _train_flags -I${PROJECT_BINARY_DIR}/layers/${layer}/include -I${PROJECT_BINARY_DIR}/layers/${layer}/src)
+endforeach()
+add_test(NAME layers.upward_include_fails
+  COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only ${_train_flags}
+          ${CMAKE_CURRENT_SOURCE_DIR}/layers/upward_include.cpp)
+set_tests_properties(layers.upward_include_fails PROPERTIES LABELS unit
+  PASS_REGULAR_EXPRESSION "lockstep/io/checkpoint.hpp: No such file or directory")
