@@ -214,19 +214,28 @@ struct GradientReducer::Impl {
   // rank's piece is packed into a buffer of the bucket's size, gathered there, and unpacked.
   void gather(const std::vector<Tensor*>& params) {
     if (!sharded || nranks == 1 || params.empty()) return;
-    for (const Bucket& b : buckets) {
+    // Which buckets' parameters lie back to back; the buffer is made once, for the largest of
+    // the others (at most bucket_bytes: a bucket of several tensors is no larger).
+    std::vector<char> apart(buckets.size(), 0);
+    std::int64_t need = 0;
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const Bucket& b = buckets[k];
+      for (std::size_t j = b.first + 1; j < b.last && !apart[k]; ++j)
+        apart[k] = static_cast<const std::byte*>(params[j]->raw_data()) !=
+                   static_cast<const std::byte*>(params[j - 1]->raw_data()) + params[j - 1]->nbytes();
+      if (apart[k]) need = std::max(need, b.numel);
+    }
+    if (need > gather_buf.numel()) gather_buf = Tensor::zeros({need}, buckets[0].dtype, buckets[0].device);
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const Bucket& b = buckets[k];
       if (b.numel == 0) continue;
       const std::size_t es = size_of(b.dtype);
-      bool together = true;
-      for (std::size_t j = b.first + 1; j < b.last && together; ++j)
-        together = static_cast<const std::byte*>(params[j]->raw_data()) ==
-                   static_cast<const std::byte*>(params[j - 1]->raw_data()) + params[j - 1]->nbytes();
+      const bool together = !apart[k];
       const auto [lo, hi] = piece(b.numel, my_rank);
       TensorView whole;
       if (together) {
         whole = TensorView{params[b.first]->raw_data(), b.numel, b.dtype, b.device};
       } else {
-        if (gather_buf.numel() < b.numel) gather_buf = Tensor::zeros({b.numel}, b.dtype, b.device);
         whole = gather_buf.view().slice(0, b.numel);
         for (std::size_t j = b.first; j < b.last; ++j) {
           const std::int64_t o = b.offsets[j - b.first];
