@@ -178,10 +178,10 @@ int main(int argc, char** argv) {
                   [&] { return mean_ok(g32, 1e-6f); }});
     vs.push_back({"gradient sync, bf16 on the wire", [&] { r16.reduce(); }, [&] { fill_grads(g16, rank); },
                   [&] { return mean_ok(g16, 2e-2f); }});  // bf16: 8 bits of mantissa
-    // Where a sharded step's time goes: its gradient reduction (onto the owners) and its
-    // parameter gather, alone.
+    // Where a sharded step's time goes: its gradient reduction (a reduce-scatter per bucket) and
+    // its parameter gather (an all-gather per bucket), alone.
     auto sh_params = ls::trainable_leaves(m_sh);
-    vs.push_back({"  sharded: gradient reduce onto owners", [&] {
+    vs.push_back({"  sharded: gradient reduce-scatter", [&] {
                     auto gs = ls::trainable_leaves(*g_sh);
                     s_sh.reducer().bind(gs);
                     s_sh.reducer().reduce_bound();
@@ -194,7 +194,8 @@ int main(int argc, char** argv) {
     bool ok = true;
     for (const auto& r : res) ok = ok && r.correct;
     // Sharded and replicated took the same steps from the same gradients: equal parameters
-    // (bitwise up to 2 ranks, where a reduce and an allreduce add in the same order).
+    // (bitwise: the shared-memory reduce-scatter adds in the allreduce's order; over MPI, up to
+    // 2 ranks, where there is one addition).
     if (n <= 2 && !bench::all_ranks(hash_of(m_rep) == hash_of(m_sh))) {
       ok = false;
       if (rank == 0) std::fprintf(stderr, "bench_scale: sharded and replicated parameters differ\n");

@@ -102,6 +102,13 @@ bool same_buffer(const TensorView& a, const TensorView& b) {
   return a.data == b.data && a.numel == b.numel && a.dtype == b.dtype && a.device == b.device;
 }
 
+// Block r (of `n` elements) of v.
+TensorView block_of(const TensorView& v, int r, std::int64_t n) {
+  if (v.data == nullptr) return TensorView{nullptr, n, v.dtype, v.device};
+  return TensorView{static_cast<char*>(v.data) + static_cast<std::size_t>(r) * static_cast<std::size_t>(n) * size_of(v.dtype),
+                    n, v.dtype, v.device};
+}
+
 void check_pair(const TensorView& send, const TensorView& recv, const char* what) {
   check_view(send, what, "send", false);
   check_view(recv, what, "recv", false);
@@ -251,7 +258,10 @@ void Backend::reduce(TensorView send, TensorView recv, ReduceOp op, int root, Lo
 void Backend::allgather(TensorView send, TensorView recv, Loc loc) {
   detail::CallSiteScope site(loc, "allgather");
   const CallInfo info{"allgather", send.numel, static_cast<int>(send.dtype), -1, -1};
-  LOCKSTEP_FRONT_CHECKS(info, check_pair(send, recv, "allgather");
+  // In place: send is this rank's block of recv (MPI_IN_PLACE, NCCL's in-place form).
+  const bool in_place = recv.numel == times(send.numel, size()) &&
+                        same_buffer(send, block_of(recv, rank(), send.numel));
+  LOCKSTEP_FRONT_CHECKS(info, in_place ? check_view(recv, "allgather", "recv") : check_pair(send, recv, "allgather");
                         LOCKSTEP_CHECK_ARG(recv.numel == times(send.numel, size()),
                                            "allgather: recv must hold size() x send = ", size(), " x ",
                                            send.numel, " elements, but holds ", recv.numel));
@@ -261,7 +271,11 @@ void Backend::allgather(TensorView send, TensorView recv, Loc loc) {
 void Backend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op, Loc loc) {
   detail::CallSiteScope site(loc, "reduce_scatter");
   const CallInfo info{"reduce_scatter", recv.numel, static_cast<int>(send.dtype), static_cast<int>(op), -1};
-  LOCKSTEP_FRONT_CHECKS(info, check_pair(send, recv, "reduce_scatter"); check_op_for_dtype(op, send.dtype);
+  // In place: recv is this rank's block of send.
+  const bool in_place = send.numel == times(recv.numel, size()) &&
+                        same_buffer(recv, block_of(send, rank(), recv.numel));
+  LOCKSTEP_FRONT_CHECKS(info, in_place ? check_view(send, "reduce_scatter", "send") : check_pair(send, recv, "reduce_scatter");
+                        check_op_for_dtype(op, send.dtype);
                         LOCKSTEP_CHECK_ARG(send.numel == times(recv.numel, size()),
                                            "reduce_scatter: send must hold size() x recv = ", size(), " x ",
                                            recv.numel, " elements, but holds ", send.numel));

@@ -552,22 +552,26 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) {
                                 -1);  // reliability hook
   if (guard.skipped()) return;
   const std::int64_t n = send.numel;
-  const bool host_work = n > kMaxChunk;  // the large form copies this rank's block on the host
+  const std::size_t es = size_of(send.dtype);
+  // In place (send is this rank's block of recv, which the front end allows): device memory is
+  // staged (two host buffers, so nothing aliases there); host memory goes as MPI_IN_PLACE.
+  const bool in_place = send.nbytes() > 0 && send.data == static_cast<const char*>(recv.data) + impl_->rank * n * es;
+  const bool host_work = n > kMaxChunk || (in_place && !send.device.is_cpu());  // the large form copies on the host
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);
-  const std::size_t es = size_of(send.dtype);
+  const bool host_in_place = in_place && ss.host().data == static_cast<const char*>(rs.host().data) + impl_->rank * n * es;
   if (impl_->shm && impl_->shm->allgather(ss.host().data, rs.host().data, n, send.dtype,
                                           ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
     rs.copy_out();
     return;
   }
   if (n <= kMaxChunk) {
-    LOCKSTEP_MPI_CHECK(detail::guarded_allgather(ss.host().data, static_cast<int>(n), mpi_type(send.dtype),
-                                                 rs.host().data, static_cast<int>(n), mpi_type(send.dtype),
-                                                 impl_->comm));
+    LOCKSTEP_MPI_CHECK(detail::guarded_allgather(host_in_place ? MPI_IN_PLACE : ss.host().data, static_cast<int>(n),
+                                                 mpi_type(send.dtype), rs.host().data, static_cast<int>(n),
+                                                 mpi_type(send.dtype), impl_->comm));
   } else {
     // Above the int count limit: each rank's block is broadcast from its owner, in chunks.
-    std::memcpy(static_cast<char*>(rs.host().data) + impl_->rank * n * es, ss.host().data, n * es);
+    if (!host_in_place) std::memcpy(static_cast<char*>(rs.host().data) + impl_->rank * n * es, ss.host().data, n * es);
     for (int r = 0; r < impl_->size; ++r)
       chunked_bcast(impl_->comm, static_cast<char*>(rs.host().data) + r * n * es, n, send.dtype, r);
   }
@@ -579,20 +583,43 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &send, recv.numel,
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
-  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
-  Staged ss(*impl_, send, true, host_work);
-  Staged rs(*impl_, recv, false, host_work);
   const std::int64_t n = recv.numel;
   const std::size_t es = size_of(send.dtype);
+  // In place (recv is this rank's block of send, which the front end allows): as in allgather.
+  const bool in_place = recv.nbytes() > 0 && recv.data == static_cast<const char*>(send.data) + impl_->rank * n * es;
+  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype) || (in_place && !send.device.is_cpu());
+  Staged ss(*impl_, send, true, host_work);
+  Staged rs(*impl_, recv, false, host_work);
+  char* const sh = static_cast<char*>(ss.host().data);
+  const bool host_in_place = in_place && rs.host().data == sh + impl_->rank * n * es;
+  // The shared-memory path: each rank reduces only its block (avg included).
+  if (impl_->shm && impl_->shm->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
+                                               ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
+    rs.copy_out();
+    return;
+  }
   if (n <= kMaxChunk) {
-    LOCKSTEP_MPI_CHECK(detail::guarded_reduce_scatter_block(ss.host().data, rs.host().data, static_cast<int>(n),
-                                                            mpi_type(send.dtype), mpi_op(op, send.dtype),
-                                                            impl_->comm));
+    if (host_in_place) {
+      // MPI_IN_PLACE takes the input from the receive buffer (all of send) and leaves the result
+      // in its first block: moved to this rank's block.
+      LOCKSTEP_MPI_CHECK(detail::guarded_reduce_scatter_block(MPI_IN_PLACE, sh, static_cast<int>(n),
+                                                              mpi_type(send.dtype), mpi_op(op, send.dtype),
+                                                              impl_->comm));
+      if (impl_->rank != 0) std::memmove(rs.host().data, sh, static_cast<std::size_t>(n) * es);
+    } else {
+      LOCKSTEP_MPI_CHECK(detail::guarded_reduce_scatter_block(ss.host().data, rs.host().data, static_cast<int>(n),
+                                                              mpi_type(send.dtype), mpi_op(op, send.dtype),
+                                                              impl_->comm));
+    }
   } else {
     // Above the int count limit: block r is reduced onto rank r, in chunks.
-    for (int r = 0; r < impl_->size; ++r)
-      chunked_reduce(impl_->comm, static_cast<const char*>(ss.host().data) + r * n * es,
-                r == impl_->rank ? rs.host().data : nullptr, n, send.dtype, op, r, impl_->rank);
+    for (int r = 0; r < impl_->size; ++r) {
+      if (r == impl_->rank && host_in_place)
+        chunked_reduce(impl_->comm, MPI_IN_PLACE, rs.host().data, n, send.dtype, op, r, impl_->rank);
+      else
+        chunked_reduce(impl_->comm, sh + r * n * es, r == impl_->rank ? rs.host().data : nullptr, n, send.dtype, op, r,
+                       impl_->rank);
+    }
   }
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();

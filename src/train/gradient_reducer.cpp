@@ -72,12 +72,15 @@ struct GradientReducer::Impl {
   std::vector<Bucket> buckets;  // bucket 0 holds the last leaves
   std::vector<std::size_t> bucket_of;
 
-  // The flat index space of the leaves (forward order) and this rank's shard of it.
+  // The flat index space of the leaves (forward order) and this rank's shard of it: piece
+  // `my_rank` of every bucket (see piece()).
   std::vector<std::int64_t> leaf_off;
-  std::int64_t total = 0, shard_len = 0, my_begin = 0, my_end = 0;
+  std::int64_t total = 0, my_numel = 0;
+  std::vector<FlatRange> my_ranges;
   bool sharded = false;
-  int nranks = 1;
+  int nranks = 1, my_rank = 0;
   std::optional<DType> wire;
+  Tensor gather_buf;  // the parameter gather of buckets whose parameters are not back to back
 
   // per step
   std::vector<Tensor*> bound;
@@ -160,23 +163,100 @@ struct GradientReducer::Impl {
     wcv.notify_all();
   }
 
+  // Sharded: rank r's piece [lo, hi) of a bucket of n elements (bucket-relative). The bucket is
+  // cut into nranks contiguous pieces of n / nranks elements; the last rank's piece also takes
+  // the n % nranks left over (the tail), so a bucket smaller than nranks elements is the last
+  // rank's alone.
+  std::pair<std::int64_t, std::int64_t> piece(std::int64_t n, int r) const {
+    const std::int64_t q = n / nranks;
+    return {r * q, r == nranks - 1 ? n : (r + 1) * q};
+  }
+
   // The reduction of one bucket, blocking, in slices of `step` elements: an allreduce of each
-  // slice; sharded, a reduce of each slice onto the rank that owns it (a bucket that straddles
-  // shard boundaries is cut there). With a wire dtype the sum is taken and divided afterwards.
-  void communicate(const Bucket& b, TensorView target, std::int64_t step) {
+  // slice. Sharded: one in-place reduce-scatter of the bucket's first nranks * q elements (rank r
+  // receives the sum of its piece; every rank reduces 1/nranks of the bucket, all at once), and
+  // an allreduce of the tail (n % nranks elements, fewer than nranks), of which only the last
+  // rank uses the result: the tail has a collective of its own because the bucket is often the
+  // user's memory (zero copy), which cannot be padded to a multiple of nranks, and padding a
+  // copy would cost a copy of the whole bucket where the tail costs one small call (an
+  // allreduce rather than a reduce onto the last rank, whose front end first broadcasts the
+  // root's verdict on its buffer: two calls). With a wire dtype the sum is taken and divided
+  // afterwards.
+  void communicate(const Bucket& /*b*/, TensorView target, std::int64_t step) {
     const ReduceOp op = wire ? ReduceOp::sum : options.op;
     if (!sharded) {
       for (std::int64_t off = 0; off < target.numel; off += step)
         backend->allreduce(target.slice(off, std::min(step, target.numel - off)), op);
       return;
     }
-    const std::int64_t a = leaf_off[b.first];
-    const std::int64_t e = a + target.numel;
-    for (std::int64_t r = a / shard_len; r < nranks && r * shard_len < e; ++r) {
-      const std::int64_t lo = std::max(a, r * shard_len) - a;
-      const std::int64_t hi = std::min(e, (r + 1) * shard_len) - a;
-      for (std::int64_t off = lo; off < hi; off += step)
-        backend->reduce(target.slice(off, std::min(step, hi - off)), op, static_cast<int>(r));
+    // Each call is whole: MPIBackend's shared-memory path slices it itself (each slice holds a
+    // part of every rank's piece, so every rank reduces in every slice).
+    const std::int64_t q = target.numel / nranks, t = target.numel - q * nranks;
+    if (q > 0) backend->reduce_scatter(target.slice(0, q * nranks), target.slice(my_rank * q, q), op);
+    if (t > 0) backend->allreduce(target.slice(q * nranks, t), op);
+  }
+
+  // Rank r's ranges of the flat space, in flat order (the last bucket holds the first leaves).
+  std::vector<FlatRange> ranges_of(int r) const {
+    std::vector<FlatRange> out;
+    if (!sharded) {
+      if (total > 0) out.push_back({0, total});
+      return out;
+    }
+    for (std::size_t k = buckets.size(); k-- > 0;) {
+      const Bucket& b = buckets[k];
+      const auto [lo, hi] = piece(b.numel, r);
+      if (hi > lo) out.push_back({leaf_off[b.first] + lo, leaf_off[b.first] + hi});
+    }
+    return out;
+  }
+
+  // Sharded update, last part: piece r of every bucket of `params` (the tensors the reducer was
+  // set up for, updated on their owner) is all-gathered into every rank's params. A bucket whose
+  // parameters lie back to back (any one-tensor bucket) is gathered in place; otherwise this
+  // rank's piece is packed into a buffer of the bucket's size, gathered there, and unpacked.
+  void gather(const std::vector<Tensor*>& params) {
+    if (!sharded || nranks == 1 || params.empty()) return;
+    // Which buckets' parameters lie back to back; the buffer is made once, for the largest of
+    // the others (at most bucket_bytes: a bucket of several tensors is no larger).
+    std::vector<char> apart(buckets.size(), 0);
+    std::int64_t need = 0;
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const Bucket& b = buckets[k];
+      for (std::size_t j = b.first + 1; j < b.last && !apart[k]; ++j)
+        apart[k] = static_cast<const std::byte*>(params[j]->raw_data()) !=
+                   static_cast<const std::byte*>(params[j - 1]->raw_data()) + params[j - 1]->nbytes();
+      if (apart[k]) need = std::max(need, b.numel);
+    }
+    if (need > gather_buf.numel()) gather_buf = Tensor::zeros({need}, buckets[0].dtype, buckets[0].device);
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const Bucket& b = buckets[k];
+      if (b.numel == 0) continue;
+      const std::size_t es = size_of(b.dtype);
+      const bool together = !apart[k];
+      const auto [lo, hi] = piece(b.numel, my_rank);
+      TensorView whole;
+      if (together) {
+        whole = TensorView{params[b.first]->raw_data(), b.numel, b.dtype, b.device};
+      } else {
+        whole = gather_buf.view().slice(0, b.numel);
+        for (std::size_t j = b.first; j < b.last; ++j) {
+          const std::int64_t o = b.offsets[j - b.first];
+          const std::int64_t a = std::max(lo, o), e = std::min(hi, o + leaves[j].numel);
+          if (e > a)
+            std::memcpy(static_cast<std::byte*>(whole.data) + static_cast<std::size_t>(a) * es,
+                        static_cast<const std::byte*>(params[j]->raw_data()) + static_cast<std::size_t>(a - o) * es,
+                        static_cast<std::size_t>(e - a) * es);
+        }
+      }
+      const std::int64_t q = b.numel / nranks, t = b.numel - q * nranks;
+      if (q > 0) backend->allgather(whole.slice(my_rank * q, q), whole.slice(0, q * nranks));
+      if (t > 0) backend->broadcast(whole.slice(q * nranks, t), nranks - 1);
+      if (together) continue;
+      for (std::size_t j = b.first; j < b.last; ++j)
+        std::memcpy(params[j]->raw_data(),
+                    static_cast<const std::byte*>(whole.data) + static_cast<std::size_t>(b.offsets[j - b.first]) * es,
+                    params[j]->nbytes());
     }
   }
 
@@ -189,17 +269,12 @@ struct GradientReducer::Impl {
       total += leaves[j].numel;
     }
     nranks = backend->size();
+    my_rank = backend->rank();
     wire = options.wire_dtype;
     sharded = options.shard_optimizer_state;
-    if (sharded) {
-      shard_len = (total + nranks - 1) / nranks;
-      my_begin = std::min<std::int64_t>(total, shard_len * backend->rank());
-      my_end = std::min<std::int64_t>(total, shard_len * (backend->rank() + 1));
-    } else {
-      shard_len = total;
-      my_begin = 0;
-      my_end = total;
-    }
+    my_ranges = ranges_of(my_rank);
+    my_numel = 0;
+    for (const auto& r : my_ranges) my_numel += r.end - r.begin;
   }
 
   void plan() {
@@ -445,9 +520,11 @@ struct GradientReducer::Impl {
       const float div = options.op == ReduceOp::avg ? static_cast<float>(nranks) : 1.0f;
       for (std::size_t j = b.first; j < b.last; ++j) {
         std::int64_t lo = 0, hi = leaves[j].numel;
-        if (sharded) {  // only this rank's shard holds a reduced value
-          lo = std::clamp<std::int64_t>(my_begin - leaf_off[j], 0, hi);
-          hi = std::clamp<std::int64_t>(my_end - leaf_off[j], lo, hi);
+        if (sharded) {  // only this rank's piece of the bucket holds a reduced value
+          const auto [pl, ph] = piece(b.numel, my_rank);
+          const std::int64_t o = b.offsets[j - b.first];
+          lo = std::clamp<std::int64_t>(pl - o, 0, hi);
+          hi = std::clamp<std::int64_t>(ph - o, lo, hi);
         }
         float* dst = (accumulated > 0 ? reinterpret_cast<float*>(leaf_in_work(b, j)) : bound[j]->data<float>()) + lo;
         detail::from_wire16(*wire,
@@ -629,9 +706,14 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   return m.result;
 }
 
-std::int64_t GradientReducer::shard_begin() const noexcept { return impl_->my_begin; }
-std::int64_t GradientReducer::shard_end() const noexcept { return impl_->my_end; }
-std::int64_t GradientReducer::shard_length() const noexcept { return impl_->shard_len; }
+std::vector<FlatRange> GradientReducer::shard_ranges(int rank) const {
+  LOCKSTEP_CHECK_ARG(rank >= 0 && rank < impl_->nranks, "GradientReducer::shard_ranges: rank ", rank,
+                     " is out of range [0, ", impl_->nranks, ")");
+  return impl_->ranges_of(rank);
+}
+const std::vector<FlatRange>& GradientReducer::shard_ranges() const noexcept { return impl_->my_ranges; }
+std::int64_t GradientReducer::shard_numel() const noexcept { return impl_->my_numel; }
+void GradientReducer::gather_shards(const std::vector<Tensor*>& params) { impl_->gather(params); }
 std::int64_t GradientReducer::total_numel() const noexcept { return impl_->total; }
 const std::vector<std::int64_t>& GradientReducer::leaf_offsets() const noexcept { return impl_->leaf_off; }
 
@@ -728,14 +810,19 @@ bool GradientReducer::reduce() {
 
 namespace detail {
 std::vector<ShardPiece> shard_pieces(const GradientReducer& red) {
+  // Each range of this rank's shard lies in one bucket, and each leaf in one bucket: every leaf
+  // has at most one piece. Both lists are in flat order.
   std::vector<ShardPiece> out;
   const auto& off = red.leaf_offsets();
-  const std::int64_t b = red.shard_begin(), e = red.shard_end();
-  for (std::size_t j = 0; j < off.size(); ++j) {
-    const std::int64_t n = (j + 1 < off.size() ? off[j + 1] : red.total_numel()) - off[j];
-    const std::int64_t lo = std::clamp<std::int64_t>(b - off[j], 0, n);
-    const std::int64_t hi = std::clamp<std::int64_t>(e - off[j], lo, n);
-    if (hi > lo) out.push_back({j, lo, hi});
+  const std::size_t L = off.size();
+  auto end_of = [&](std::size_t j) { return j + 1 < L ? off[j + 1] : red.total_numel(); };
+  std::size_t j = 0;
+  for (const FlatRange& r : red.shard_ranges()) {
+    while (j < L && end_of(j) <= r.begin) ++j;
+    for (std::size_t k = j; k < L && off[k] < r.end; ++k) {
+      const std::int64_t lo = std::max(r.begin, off[k]), hi = std::min(r.end, end_of(k));
+      if (hi > lo) out.push_back({k, lo - off[k], hi - off[k]});
+    }
   }
   return out;
 }
@@ -760,36 +847,27 @@ void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int6
   }
 }
 
-void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params) {
-  // Each piece of every rank's shard (the part of one tensor a rank owns) is broadcast from its
-  // owner straight into the tensor on every rank: no packing, and on one machine each byte is
-  // copied once by its owner into shared memory and once out by every peer (MPIBackend's
-  // shared-memory broadcast), against four copies for an allgather through staging buffers.
-  Backend& b = red.backend();
-  const int n = b.size();
-  const std::int64_t S = red.shard_length(), total = red.total_numel();
-  if (n == 1 || S == 0 || params.empty()) return;
-  const auto& off = red.leaf_offsets();
-  for (int r = 0; r < n; ++r) {
-    const std::int64_t lo = std::min(total, r * S), hi = std::min(total, (r + 1) * S);
-    for (std::size_t j = 0; j < params.size(); ++j) {
-      const std::int64_t a = std::max(lo, off[j]) - off[j];
-      const std::int64_t e = std::min(hi, off[j] + params[j]->numel()) - off[j];
-      if (e > a) b.broadcast(params[j]->view().slice(a, e - a), r);
-    }
-  }
-}
+void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params) { red.gather_shards(params); }
 
 void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
                           const std::vector<Tensor*>& full, int root) {
   Backend& b = red.backend();
   const int n = b.size();
-  const std::int64_t S = red.shard_length(), total = red.total_numel();
   const DType dt = !mine_pieces.empty() ? mine_pieces[0]->dtype() : !full.empty() ? full[0]->dtype() : DType::f32;
   const std::size_t es = size_of(dt);
-  if (S == 0) return;
-  // This rank's shard, packed (its pieces lie back to back in the flat space).
-  Tensor mine = Tensor::zeros({S}, dt), other = Tensor::zeros({S}, dt);
+  // Every rank's shard, as every rank computes it.
+  std::vector<std::vector<FlatRange>> ranges(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> count(static_cast<std::size_t>(n), 0);
+  std::int64_t most = 0;
+  for (int r = 0; r < n; ++r) {
+    ranges[static_cast<std::size_t>(r)] = red.shard_ranges(r);
+    for (const auto& x : ranges[static_cast<std::size_t>(r)]) count[static_cast<std::size_t>(r)] += x.end - x.begin;
+    most = std::max(most, count[static_cast<std::size_t>(r)]);
+  }
+  if (most == 0) return;
+  // This rank's shard, packed (its pieces, in flat order, are its ranges cut at tensor ends).
+  const std::int64_t mc = count[static_cast<std::size_t>(b.rank())];
+  Tensor mine = Tensor::zeros({std::max<std::int64_t>(mc, 1)}, dt), other = Tensor::zeros({most}, dt);
   {
     std::int64_t at = 0;
     for (const Tensor* p : mine_pieces) {
@@ -799,12 +877,17 @@ void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine
   }
   const bool is_root = b.rank() == root;
   for (int r = 0; r < n; ++r) {
-    const std::int64_t at = r * S;
-    const std::int64_t m = std::clamp<std::int64_t>(total - at, 0, S);
+    const std::int64_t m = count[static_cast<std::size_t>(r)];
     if (m == 0) continue;  // every rank computes the same: no broadcast for an empty shard
     Tensor& buf = r == b.rank() ? mine : other;
     if (r != root) b.broadcast(buf.view().slice(0, m), r);
-    if (is_root) copy_flat_range(full, red.leaf_offsets(), at, m, static_cast<std::byte*>(buf.raw_data()), false);
+    if (!is_root) continue;
+    std::int64_t at = 0;
+    for (const auto& x : ranges[static_cast<std::size_t>(r)]) {
+      copy_flat_range(full, red.leaf_offsets(), x.begin, x.end - x.begin,
+                      static_cast<std::byte*>(buf.raw_data()) + static_cast<std::size_t>(at) * es, false);
+      at += x.end - x.begin;
+    }
   }
 }
 

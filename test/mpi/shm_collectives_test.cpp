@@ -1,4 +1,5 @@
-// MPIBackend's shared-memory path for large host allreduce and broadcast (src/mpi/shm/shm_collectives.*):
+// MPIBackend's shared-memory path for large host allreduce and broadcast (src/mpi/shm/shm_collectives.*),
+// and for reduce_scatter and allgather (in place and not):
 // when it is on, results at slice boundaries and across many calls, bitwise agreement with a
 // rank-order reference, out-of-place calls, and ranks that disagree about a call getting
 // MismatchError on every rank with the backend still usable afterwards. ctest runs this binary
@@ -286,7 +287,12 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     if (rank == 0) b.allreduce(x.view(), ls::ReduceOp::sum);
     else b.broadcast(x.view(), 0);
   });
-  CHECK(round == 4);
+  expect_mismatch("reduce_scatter against allreduce", "different collectives", [&](ls::Tensor& x) {
+    const std::int64_t c = count / b.size();
+    if (rank == 0) b.allreduce(x.view().slice(0, c), ls::ReduceOp::sum);
+    else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
+  });
+  CHECK(round == 5);
 }
 
 TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {
@@ -314,4 +320,94 @@ TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-m
       }
     }
   }
+}
+
+TEST_CASE("reduce_scatter: each rank's block of the allreduce, bit for bit, in place and out of place") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const bool bitwise = b.shared_memory();  // the same fold as allreduce's there
+  std::vector<std::string> bad;
+  std::vector<std::int64_t> counts = boundary_sizes();
+  for (std::int64_t c : {1, 2, 3, 1000}) counts.push_back(c);  // below one slice per rank, and tiny
+  for (std::int64_t count : counts) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg, ls::ReduceOp::max}) {
+      for (bool in_place : {true, false}) {
+        const std::int64_t all = count * n;
+        ls::Tensor x(ls::Shape{all}), out(ls::Shape{count});
+        float* px = x.data<float>();
+        for (std::int64_t i = 0; i < all; ++i) px[i] = input(rank, i);
+        ls::TensorView recv = in_place ? x.view().slice(rank * count, count) : out.view();
+        b.reduce_scatter(x.view(), recv, op);
+        const float* got = static_cast<const float*>(recv.data);
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          const float want = fold(op, n, rank * count + i);
+          const bool ok = bitwise ? std::memcmp(&got[i], &want, 4) == 0
+                                  : std::fabs(got[i] - want) <= 1e-5f * (1.0f + std::fabs(want));
+          wrong += ok ? 0 : 1;
+        }
+        // Out of place, send is untouched (in place, the other blocks are left undefined: MPI's
+        // in-place form leaves its result in the first block).
+        if (!in_place)
+          for (std::int64_t i = 0; i < all; ++i) wrong += px[i] == input(rank, i) ? 0 : 1;
+        if (wrong != 0)
+          bad.push_back(ls::detail::concat(ls::name(op), " count ", count, in_place ? " in place" : " out of place",
+                                           ": ", wrong, " wrong elements"));
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(all_ranks(bad.empty()));
+}
+
+TEST_CASE("allgather in place: send is this rank's block of recv") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  std::vector<std::int64_t> counts = boundary_sizes();
+  for (std::int64_t c : {1, 3, 1000}) counts.push_back(c);
+  std::int64_t wrong = 0;
+  for (std::int64_t count : counts) {
+    for (bool in_place : {true, false}) {
+      ls::Tensor all(ls::Shape{count * n}), mine(ls::Shape{count});
+      float* pa = all.data<float>();
+      for (std::int64_t i = 0; i < count * n; ++i) pa[i] = i / count == rank ? static_cast<float>(i % 8191 + rank) : -1.0f;
+      for (std::int64_t i = 0; i < count; ++i) mine.data<float>()[i] = static_cast<float>((rank * count + i) % 8191 + rank);
+      b.allgather(in_place ? all.view().slice(rank * count, count) : mine.view(), all.view());
+      for (std::int64_t i = 0; i < count * n; ++i) wrong += pa[i] == static_cast<float>(i % 8191 + i / count) ? 0 : 1;
+    }
+  }
+  CHECK(all_ranks(wrong == 0));
+  // Any other overlap of send and recv is still refused, on every rank alike.
+  ls::Tensor t(ls::Shape{4 * n + 1});
+  bool refused = false;
+  try {
+    b.allgather(t.view().slice(1, 4), t.view().slice(0, 4 * n));  // no rank's own block
+  } catch (const ls::InvalidArgument& e) {
+    refused = std::string(e.what()).find("overlap") != std::string::npos;
+  }
+  CHECK(all_ranks(refused));
+}
+
+TEST_CASE("reduce_scatter of bf16 and f16: each block as the allreduce has it", "[shm]") {
+  ls::MPIBackend& b = backend();
+  REQUIRE(b.shared_memory());
+  const int n = b.size(), rank = b.rank();
+  std::int64_t wrong = 0;
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : boundary_sizes()) {
+        ls::Tensor a = ls::Tensor::zeros({count * n}, w), r = ls::Tensor::zeros({count * n}, w);
+        auto* pa = static_cast<std::uint16_t*>(a.raw_data());
+        auto* pr = static_cast<std::uint16_t*>(r.raw_data());
+        for (std::int64_t i = 0; i < count * n; ++i) {
+          const float f = input(rank, i);
+          pa[i] = pr[i] = w == ls::DType::bf16 ? ls::to_bfloat16(f).bits : ls::to_half(f).bits;
+        }
+        b.allreduce(a.view(), op);
+        b.reduce_scatter(r.view(), r.view().slice(rank * count, count), op);
+        for (std::int64_t i = rank * count; i < (rank + 1) * count; ++i) wrong += pa[i] == pr[i] ? 0 : 1;
+      }
+    }
+  }
+  CHECK(all_ranks(wrong == 0));
 }

@@ -171,21 +171,159 @@ TEST_CASE("sharded Adam and AdamW equal the replicated optimizer", "[sharded]") 
   check_rule(ls::AdamW(1e-2f, 0.05f));
 }
 
-TEST_CASE("shards split the flat space evenly, inside tensors and across small ones", "[sharded]") {
+namespace {
+// The layout of a sharded reducer: the ranks' ranges partition the flat space exactly; each
+// bucket is cut into n pieces of numel / n elements, the last rank's taking the rest; this rank's
+// ranges, pieces and state bytes agree with each other. "" or what is wrong.
+template <class State>
+std::string check_layout(const State& st, std::int64_t total, int n, int rank, std::size_t slot_tensors) {
+  const auto& red = st.reducer();
+  if (red.total_numel() != total) return "total_numel " + std::to_string(red.total_numel());
+  std::vector<ls::FlatRange> all;
+  std::vector<int> owner;
+  for (int r = 0; r < n; ++r)
+    for (const auto& x : red.shard_ranges(r)) {
+      if (x.end <= x.begin) return "an empty range listed for rank " + std::to_string(r);
+      all.push_back(x);
+      owner.push_back(r);
+    }
+  std::vector<std::size_t> order(all.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](auto a, auto b) { return all[a].begin < all[b].begin; });
+  std::int64_t at = 0;
+  for (std::size_t i : order) {
+    if (all[i].begin != at) return "the ranges leave a gap or overlap at " + std::to_string(at);
+    at = all[i].end;
+  }
+  if (at != total) return "the ranges end at " + std::to_string(at);
+  // The pieces of one bucket are consecutive ranges, ranks in order; all but the last rank's
+  // are of one length q, the last rank's of q + (bucket % n) < q + n.
+  if (n > 1) {
+    std::size_t i = 0;
+    while (i < order.size()) {
+      // A bucket: a run of ranges with ranks increasing (the ranks whose piece is not empty).
+      std::size_t k = i + 1;
+      while (k < order.size() && owner[order[k]] > owner[order[k - 1]]) ++k;
+      const std::int64_t q = all[order[i]].end - all[order[i]].begin;
+      if (k - i == 1) {
+        // A bucket smaller than n elements: the last rank's alone.
+        if (owner[order[i]] != n - 1 || q >= n) return "a whole bucket of " + std::to_string(q) + " elements owned by one rank";
+      } else {
+        if (k - i != static_cast<std::size_t>(n)) return "a bucket cut into fewer than n pieces";
+        for (std::size_t m = i; m < k; ++m) {
+          const std::int64_t len = all[order[m]].end - all[order[m]].begin;
+          if (owner[order[m]] == n - 1 ? !(len >= q && len < q + n) : len != q) return "uneven pieces in a bucket";
+        }
+      }
+      i = k;
+    }
+  }
+  std::int64_t owned = 0;
+  for (const auto& x : red.shard_ranges()) owned += x.end - x.begin;
+  if (owned != red.shard_numel()) return "shard_numel " + std::to_string(red.shard_numel());
+  if (red.shard_ranges(rank).size() != red.shard_ranges().size()) return "shard_ranges() is not shard_ranges(rank)";
+  std::int64_t in_pieces = 0;
+  for (const auto& p : st.shard_pieces()) in_pieces += p.hi - p.lo;
+  if (in_pieces != owned) return "the pieces hold " + std::to_string(in_pieces) + " elements, the ranges " + std::to_string(owned);
+  if (st.local_state_bytes() != static_cast<std::size_t>(owned) * slot_tensors * sizeof(float))
+    return "local_state_bytes " + std::to_string(st.local_state_bytes());
+  return {};
+}
+}  // namespace
+
+TEST_CASE("shards: piece r of every bucket, inside tensors and across small ones", "[sharded]") {
   auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = backend.rank(), n = backend.size();
   Mlp model = make_mlp(3);  // 35 + 7 + 21 + 3 = 66 elements
-  auto opt = ls::DistributedOptimizer(backend, ls::Adam{}, ls::DistributedOptions{.shard_optimizer_state = true});
-  auto st = ls::setup(opt, model);
-  const std::int64_t S = (66 + n - 1) / n;
-  std::int64_t owned = 0;
-  bool ok = st.reducer().shard_length() == S && st.reducer().total_numel() == 66 &&
-            st.reducer().shard_begin() == std::min<std::int64_t>(66, rank * S);
-  for (const auto& p : st.shard_pieces()) owned += p.hi - p.lo;
-  ok = ok && owned == st.reducer().shard_end() - st.reducer().shard_begin();
-  ok = ok && st.local_state_bytes() == static_cast<std::size_t>(owned) * 2 * sizeof(float);
-  CHECK(all_ranks(backend, ok));
-  CHECK(ls::allreduce(backend, owned, ls::ReduceOp::sum) == 66);
+  for (std::size_t bb : {std::size_t{1} << 20, std::size_t{0}, std::size_t{40}, std::size_t{8}}) {
+    auto opt = ls::DistributedOptimizer(backend, ls::Adam{},
+                                        ls::DistributedOptions{.bucket_bytes = bb, .shard_optimizer_state = true});
+    auto st = ls::setup(opt, model);
+    const std::string why = check_layout(st, 66, n, rank, 2);
+    INFO("bucket_bytes " << bb << ": " << why);
+    CHECK(all_ranks(backend, why.empty()));
+    CHECK(ls::allreduce(backend, st.reducer().shard_numel(), ls::ReduceOp::sum) == 66);
+    if (bb == (std::size_t{1} << 20)) {
+      // One bucket of 66: rank r < n - 1 owns [r q, (r + 1) q), the last rank the rest.
+      const std::int64_t q = 66 / n;
+      const auto& mine = st.reducer().shard_ranges();
+      const std::int64_t b = rank * q, e = rank == n - 1 ? 66 : (rank + 1) * q;
+      CHECK(all_ranks(backend, mine.size() == 1 && mine[0].begin == b && mine[0].end == e));
+    }
+  }
+  bool threw = false;
+  try {
+    (void)ls::setup(ls::DistributedOptimizer(backend, ls::Adam{}, ls::DistributedOptions{.shard_optimizer_state = true}),
+                    model)
+        .reducer()
+        .shard_ranges(n);
+  } catch (const ls::InvalidArgument&) {
+    threw = true;
+  }
+  CHECK(all_ranks(backend, threw));
+}
+
+namespace {
+// A model of many small tensors (below n elements, uneven, one of a million), trained sharded and
+// replicated from the same integer gradients: the parameters must agree (bitwise up to 2 ranks)
+// and the replicas stay equal, for one bucket, many buckets and one bucket per tensor.
+struct Tiny {
+  std::vector<ls::Tensor> t;
+};
+LOCKSTEP_FIELDS(Tiny, t)
+
+Tiny make_tiny(bool big) {
+  Tiny m;
+  std::vector<std::int64_t> sizes = {1, 2, 3, 5, 8, 1, 13, 4, 7, 1};
+  if (big) sizes.push_back((std::int64_t{1} << 20) + 3);
+  for (std::int64_t k : sizes) {
+    m.t.push_back(ls::Tensor::zeros({k}));
+    float* p = m.t.back().data<float>();
+    for (std::int64_t i = 0; i < k; ++i) p[i] = 0.125f * static_cast<float>((i * 7 + k) % 9);
+  }
+  return m;
+}
+}  // namespace
+
+TEST_CASE("sharded layouts: tails, buckets smaller than N elements, one bucket, many buckets", "[sharded]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank(), n = backend.size();
+  for (bool big : {false, true}) {
+    for (std::size_t bb : {std::size_t{1} << 30, std::size_t{12}, std::size_t{0}, std::size_t{1} << 20}) {
+      for (bool flat : {false, true}) {
+        Tiny ms = make_tiny(big), mr = make_tiny(big);
+        const std::int64_t total = [&] {
+          std::int64_t x = 0;
+          for (const auto& t : ms.t) x += t.numel();
+          return x;
+        }();
+        auto so = ls::DistributedOptimizer(backend, ls::SGD{.lr = 0.5f, .momentum = 0.5f},
+                                           ls::DistributedOptions{.bucket_bytes = bb, .shard_optimizer_state = true});
+        auto ro = ls::DistributedOptimizer(backend, ls::SGD{.lr = 0.5f, .momentum = 0.5f},
+                                           ls::DistributedOptions{.bucket_bytes = bb});
+        auto ss = ls::setup(so, ms);
+        auto rs = ls::setup(ro, mr);
+        std::string why = check_layout(ss, total, n, rank, 1);
+        ls::Flat<Tiny> fs = ls::flat_zeros_like(ms), fr = ls::flat_zeros_like(mr);
+        Tiny zs = ls::zeros_like(ms), zr = ls::zeros_like(mr);
+        Tiny& gs = flat ? *fs : zs;
+        Tiny& gr = flat ? *fr : zr;
+        for (int step = 0; step < 3; ++step) {
+          for (Tiny* g : {&gs, &gr})
+            for (auto& t : g->t)
+              for (std::int64_t i = 0; i < t.numel(); ++i)
+                t.data<float>()[i] = static_cast<float>((i + step + rank) % 5) - 2.0f;
+          ls::update(ss, ms, gs);
+          ls::update(rs, mr, gr);
+        }
+        const double d = max_rel_diff(ms, mr);
+        if (why.empty() && !(n <= 2 ? d == 0 : d <= 1e-6)) why = "sharded differs from replicated by " + std::to_string(d);
+        INFO((big ? "with a large tensor, " : "") << "bucket_bytes " << bb << (flat ? ", flat" : "") << ": " << why);
+        CHECK(all_ranks(backend, why.empty()));
+        CHECK(same_on_all_ranks(backend, content_hash(ms)));
+      }
+    }
+  }
 }
 
 TEST_CASE("16-bit gradients on the wire: bf16 and f16 averages, the rule sees f32", "[sharded][wire]") {

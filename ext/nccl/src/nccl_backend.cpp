@@ -433,7 +433,10 @@ void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
                      " differs from recv dtype ", lockstep::name(recv.dtype));
   LOCKSTEP_CHECK_ARG(recv.numel == send.numel * size(), "allgather: recv must hold size() x send = ", size(),
                      " x ", send.numel, " = ", send.numel * size(), " elements, but holds ", recv.numel);
-  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "allgather: send and recv overlap in memory");
+  // In place (send is this rank's block of recv) is NCCL's own in-place form; no other overlap.
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv) ||
+                         send.data == static_cast<char*>(recv.data) + static_cast<std::size_t>(rank()) * send.nbytes(),
+                     "allgather: send and recv overlap in memory");
   if (send.numel == 0) return;
   cuda::DeviceGuard g(im.device);
   im.begin("allgather");
@@ -454,7 +457,10 @@ void NCCLBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp o
                      " differs from recv dtype ", lockstep::name(recv.dtype));
   LOCKSTEP_CHECK_ARG(send.numel == recv.numel * size(), "reduce_scatter: send must hold size() x recv = ",
                      size(), " x ", recv.numel, " = ", recv.numel * size(), " elements, but holds ", send.numel);
-  LOCKSTEP_CHECK_ARG(!overlaps(send, recv), "reduce_scatter: send and recv overlap in memory");
+  // In place (recv is this rank's block of send) is NCCL's own in-place form; no other overlap.
+  LOCKSTEP_CHECK_ARG(!overlaps(send, recv) ||
+                         recv.data == static_cast<char*>(send.data) + static_cast<std::size_t>(rank()) * recv.nbytes(),
+                     "reduce_scatter: send and recv overlap in memory");
   check_op_for_dtype(op, send.dtype);
   if (recv.numel == 0) return;
   cuda::DeviceGuard g(im.device);

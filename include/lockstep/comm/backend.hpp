@@ -119,9 +119,11 @@ class Backend {
   /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
   /// recv is the same InvalidArgument on every rank and no contribution is left in flight.
   void reduce(TensorView send, TensorView recv, ReduceOp op, int root, Loc loc = Loc::current());
-  /// recv (numel = size() * send.numel) receives every rank's send, in rank order.
+  /// recv (numel = size() * send.numel) receives every rank's send, in rank order. In place:
+  /// send is this rank's block of recv (any other overlap is an InvalidArgument).
   void allgather(TensorView send, TensorView recv, Loc loc = Loc::current());
-  /// send (numel = size() * recv.numel) is reduced elementwise; rank r receives block r.
+  /// send (numel = size() * recv.numel) is reduced elementwise; rank r receives block r. In
+  /// place: recv is this rank's block of send; the other blocks of send are then undefined.
   void reduce_scatter(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
   /// Blocks until every rank entered the barrier.
   void barrier(Loc loc = Loc::current());

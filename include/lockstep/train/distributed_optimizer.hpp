@@ -79,11 +79,12 @@ std::vector<ShardPiece> shard_pieces(const GradientReducer& red);
 void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int64_t>& offsets,
                      std::int64_t begin, std::int64_t n, std::byte* buf, bool to_buf);
 /// Sharded update, last part: every rank's shard of `params` (the tensors the reducer was set
-/// up for) is all-gathered into every rank's params, in chunks. Collective.
+/// up for) is all-gathered into every rank's params, bucket by bucket
+/// (GradientReducer::gather_shards). Collective.
 void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params);
-/// Sharded checkpoint support: rank `owner` broadcasts its shard of one slot field (packed,
-/// shard_length() elements); root unpacks every owner's into `full` (the field of every leaf,
-/// full size; empty on the other ranks). Collective.
+/// Sharded checkpoint support: every rank in turn broadcasts its shard of one slot field
+/// (packed: its pieces back to back, shard_numel() elements); root unpacks every rank's into
+/// `full` (the field of every leaf, full size; empty on the other ranks). Collective.
 void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
                           const std::vector<Tensor*>& full, int root);
 /// Copies this rank's shard of `full` (one slot field, every leaf full size) into its pieces.

@@ -83,14 +83,15 @@ struct DistributedOptions {
   /// collectives from another thread (Backend::concurrent_collectives); any other collective on
   /// the backend first waits for the thread's queue, so every rank keeps one order.
   bool comm_thread = true;
-  /// ZeRO stage 1 (DistributedOptimizer only): the trainable parameters, taken as one flat index
-  /// space in traversal order, are split into size() contiguous shards of ceil(total / size())
-  /// elements (the last ones shorter or empty). Each bucket's gradients are reduced onto the
-  /// ranks that own its elements (a reduce per owner instead of an allreduce), each rank applies
-  /// the rule to its own shard and keeps rule state only for it, and the updated parameters are
-  /// all-gathered. Needs an elementwise rule (R::elementwise, true for SGD and Adam) and
-  /// trainable tensors of one dtype (f32 or f64) on the CPU. After update() only this rank's
-  /// shard of the gradients holds the reduced values.
+  /// ZeRO stage 1 (DistributedOptimizer only): every bucket is cut into size() contiguous pieces
+  /// of numel / size() elements (the last rank's piece also takes the numel % size() left over)
+  /// and rank r owns piece r of every bucket: its shard, interleaved by bucket as in FSDP and
+  /// llm.c (GradientReducer::shard_ranges). Each bucket's gradients are reduce-scattered (every
+  /// rank reduces its own piece, all at once), each rank applies the rule to its shard and keeps
+  /// rule state only for it, and each bucket's updated parameters are all-gathered. Needs an
+  /// elementwise rule (R::elementwise, true for SGD and Adam) and trainable tensors of one dtype
+  /// (f32 or f64) on the CPU. After update() only this rank's shard of the gradients holds the
+  /// reduced values.
   bool shard_optimizer_state = false;
   /// Send f32 gradients as bf16 or f16 (half the bytes). Each gradient is rounded once into the
   /// wire dtype; the sum is accumulated in f32 where the path allows it (the shared-memory path;
@@ -98,6 +99,12 @@ struct DistributedOptions {
   /// number of ranks happens in f32 after the sum: the rule always sees f32. Host f32 gradients
   /// only; any other dtype is an InvalidArgument.
   std::optional<DType> wire_dtype = std::nullopt;
+};
+
+/// An element range [begin, end) of the flat index space of a reducer's trainable tensors (the
+/// tensors in traversal order, back to back).
+struct FlatRange {
+  std::int64_t begin = 0, end = 0;
 };
 
 namespace detail {
@@ -174,15 +181,20 @@ class GradientReducer {
   /// Launches what is not yet in flight, waits for everything and returns the reduced
   /// gradients (the bound tensors, or the accumulator's). Unbinds.
   const std::vector<Tensor*>& reduce_bound();
+  /// Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, host
+  /// memory) into every rank's, one bucket at a time. Nothing when not sharded. Collective.
+  void gather_shards(const std::vector<Tensor*>& params);
 
   // --- what it did ------------------------------------------------------------------------------
 
-  /// Sharded mode (DistributedOptions::shard_optimizer_state): this rank's range [begin, end) of
-  /// the flat index space of the trainable tensors, and the shard length ceil(total / size()).
-  /// Not sharded: the whole space.
-  std::int64_t shard_begin() const noexcept;
-  std::int64_t shard_end() const noexcept;
-  std::int64_t shard_length() const noexcept;
+  /// Sharded mode (DistributedOptions::shard_optimizer_state): the ranges of the flat index
+  /// space of the trainable tensors that `rank` owns, piece `rank` of every bucket, in flat order
+  /// (empty pieces left out). Not sharded: the whole space. InvalidArgument for a rank outside
+  /// [0, size()).
+  std::vector<FlatRange> shard_ranges(int rank) const;
+  /// This rank's ranges, and the number of elements in them.
+  const std::vector<FlatRange>& shard_ranges() const noexcept;
+  std::int64_t shard_numel() const noexcept;
   /// Elements of all trainable tensors together, and where each one starts in the flat space.
   std::int64_t total_numel() const noexcept;
   const std::vector<std::int64_t>& leaf_offsets() const noexcept;

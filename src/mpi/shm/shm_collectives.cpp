@@ -36,7 +36,7 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
 constexpr std::size_t kDefaultMinBytes = 0;
 
-enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2, reduce = 3, allgather = 4 };
+enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2, reduce = 3, allgather = 4, reduce_scatter = 5 };
 
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
@@ -337,9 +337,13 @@ std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, 
   const SliceHeader& theirs = *header(peer, next_);
   auto describe = [](const SliceHeader& h) {
     const auto k = static_cast<Kind>(h.kind);
-    std::string s = k == Kind::allreduce ? "allreduce" : k == Kind::broadcast ? "broadcast" : k == Kind::reduce ? "reduce" : "allgather";
+    std::string s = k == Kind::allreduce        ? "allreduce"
+                    : k == Kind::broadcast      ? "broadcast"
+                    : k == Kind::reduce         ? "reduce"
+                    : k == Kind::reduce_scatter ? "reduce_scatter"
+                                                : "allgather";
     s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
-    if (k == Kind::allreduce)
+    if (k == Kind::allreduce || k == Kind::reduce_scatter)
       s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
     else if (k == Kind::broadcast)
       s += concat(" from root ", h.op_root);
@@ -448,6 +452,39 @@ bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DT
     reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
   };
   run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "reduce", fill, use);
+  return true;
+}
+
+bool ShmCollectives::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                                    bool host) {
+  const std::size_t es = size_of(dtype);
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce_scatter),
+                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  if (!handles_allreduce(numel, dtype, op, host)) {
+    agree(mine, "reduce_scatter");
+    return false;
+  }
+  const std::size_t n = static_cast<std::size_t>(numel), ranks = static_cast<std::size_t>(size_);
+  const char* in = static_cast<const char*>(send);
+  const char* own = in + static_cast<std::size_t>(rank_) * n * es;  // this rank's block of send
+  // In place (recv is this rank's block of send), the first pass of the sum (ranks 0 and 1)
+  // reads each element before it writes it, but later passes would find a rank from 2 up's own
+  // values overwritten: such a rank copies its own block into its slot too and reads it there.
+  const bool own_in_slot = rank_ >= 2 && recv == own;
+  // Slice k holds, for every rank p, elements [k * per, k * per + m) of block p, back to back.
+  const std::size_t per = std::max<std::size_t>(1, slice_bytes_ / es / ranks);
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    for (std::size_t p = 0; p < ranks; ++p)
+      if (p != static_cast<std::size_t>(rank_) || own_in_slot)
+        copy_to_slot(dst + p * m * es, in + (p * n + off) * es, m * es);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    const void* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p) slots[p] = slot(p, next_) + static_cast<std::size_t>(rank_) * m * es;
+    if (!own_in_slot) slots[rank_] = own + off * es;
+    reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
+  };
+  run(mine, n, per, "reduce_scatter", fill, use);
   return true;
 }
 

@@ -1,6 +1,6 @@
 // Node-local collectives through a shared-memory segment, for communicators whose ranks all run
-// on one machine. Used by MPIBackend for host-memory allreduce, reduce, allgather and broadcast;
-// everything else goes through MPI.
+// on one machine. Used by MPIBackend for host-memory allreduce, reduce, reduce_scatter, allgather and
+// broadcast; everything else goes through MPI.
 //
 // Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
 // transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has
@@ -12,8 +12,8 @@
 // two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k. Every rank
 // sums in the same order, so all ranks get bitwise identical results.
 //
-// The ranks agree before they choose a path: every blocking allreduce, reduce, allgather and
-// broadcast on such a
+// The ranks agree before they choose a path: every blocking allreduce, reduce, reduce_scatter,
+// allgather and broadcast on such a
 // communicator, whatever its size, dtype or memory, first publishes its call (count, dtype, op or
 // root, host or device memory) in its slot; only when every rank published the same call does
 // any rank act, and then all of them take the same path (this one, or MPI after the header-only
@@ -67,6 +67,12 @@ class ShmCollectives {
   /// The same for allgather: recv (size() x numel) = every rank's send in rank order; any dtype,
   /// host memory, from min_bytes() of recv up.
   bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+  /// The same for reduce_scatter: recv (numel elements) = op over ranks of block rank() of send
+  /// (size() x numel elements); recv may be that very block (in place). The dtypes and ops of
+  /// allreduce. Slice by slice, every rank copies the other ranks' blocks of the slice into its
+  /// slot and reduces only its own block, reading the slots in rank order: the same sum, bit
+  /// for bit, as allreduce's, with each rank doing 1/size() of the arithmetic.
+  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
   /// The same for broadcast: buf on every rank = buf on root.
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 
