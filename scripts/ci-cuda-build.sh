@@ -16,7 +16,9 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-build=${1:-$root/build-ci-cuda}
+# Absolute: the executables of the tests are picked below by matching the (absolute) paths in
+# the commands CTest lists.
+build=$(realpath -m "${1:-$root/build-ci-cuda}")
 jobs=${LOCKSTEP_JOBS:-2}
 export PATH=$PATH:/usr/local/cuda/bin
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -892,6 +892,9 @@ MPIBackend& MPIBackend::global() {
   return *g_backend;
 }
 
+// How long a rank that leaves without MPI_Finalize after a stall waits first (see there).
+constexpr int kStallExitGraceMs = 500;
+
 void MPIBackend::finalize_global() {
   std::lock_guard lock(g_mutex);
   // Reliability hook: finalising under pending requests would crash inside MPI_Finalize.
@@ -914,6 +917,11 @@ void MPIBackend::finalize_global() {
         std::cerr << "lockstep: not calling MPI_Finalize after a stall or a refused collective (it would wait for "
                      "the other ranks); this process exits without it, which ends the job"
                   << rank_suffix_noexcept() << std::endl;
+        // The other ranks that waited for the same collective reach their own deadline at about
+        // the same time, or have just been told of this one's: a bounded pause lets them print
+        // their error before this exit makes mpiexec end them (on a loaded machine a rank a few
+        // milliseconds behind was ended before its report).
+        std::this_thread::sleep_for(std::chrono::milliseconds(kStallExitGraceMs));
         return;
       }
       // MPI_Finalize synchronises with every rank and, in Open MPI, cannot be interrupted: a
