@@ -10,13 +10,17 @@
 # The test layers.includes (test/layers/check_includes.sh) catches the one escape the compiler
 # cannot see, a relative include that climbs out of its folder ("../mpi/...").
 #
-# lockstep_add_layer(NAME name [BELOW layers...] [MPI] [LIBS targets...])
+# lockstep_add_layer(NAME name [BELOW layers...] [MPI] [LIBS targets...] [DEFINES defs...]
+#                    [EXCLUDE files...])
 #   BELOW: the layers this one may use (linked PUBLIC, so a layer above gets them too);
 #   MPI: the layer (and so every layer linking it) may include <mpi.h>; LIBS: other private
-#   dependencies. The global property LOCKSTEP_LAYERS lists the layers, bottom first.
+#   dependencies; DEFINES: private compile definitions (LOCKSTEP_FAULT_INJECTION=0|1 for the
+#   layers that have fault code); EXCLUDE: sources of src/<name>/ left out of this build
+#   (fault.cpp without fault injection). The global property LOCKSTEP_LAYERS lists the layers,
+#   bottom first.
 
 function(lockstep_add_layer)
-  cmake_parse_arguments(L "MPI" "NAME" "BELOW;LIBS" ${ARGN})
+  cmake_parse_arguments(L "MPI" "NAME" "BELOW;LIBS;DEFINES;EXCLUDE" ${ARGN})
   set(name ${L_NAME})
   set(stage ${PROJECT_BINARY_DIR}/layers/${name})
   file(MAKE_DIRECTORY ${stage}/include/lockstep ${stage}/src)
@@ -24,6 +28,9 @@ function(lockstep_add_layer)
   file(CREATE_LINK ${PROJECT_SOURCE_DIR}/src/${name} ${stage}/src/${name} SYMBOLIC)
 
   file(GLOB_RECURSE sources CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/${name}/*.cpp)
+  foreach(excluded IN LISTS L_EXCLUDE)
+    list(REMOVE_ITEM sources ${PROJECT_SOURCE_DIR}/src/${name}/${excluded})
+  endforeach()
   add_library(lockstep_layer_${name} OBJECT ${sources})
   set_target_properties(lockstep_layer_${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
   target_compile_features(lockstep_layer_${name} PUBLIC cxx_std_20)
@@ -37,6 +44,9 @@ function(lockstep_add_layer)
     target_link_libraries(lockstep_layer_${name} PUBLIC lockstep_layer_${below})
   endforeach()
   target_link_libraries(lockstep_layer_${name} PRIVATE lockstep_build_flags ${L_LIBS})
+  if(L_DEFINES)
+    target_compile_definitions(lockstep_layer_${name} PRIVATE ${L_DEFINES})
+  endif()
   if(L_MPI)
     target_link_libraries(lockstep_layer_${name} PUBLIC MPI::MPI_CXX)
   endif()

@@ -45,7 +45,7 @@ export LOCKSTEP_REQUIRE_GNUPLOT=1
 # The core (and the LibTorch adapter) with CUDA hidden: configure, build everything, run every test.
 stage_core() {
   without_cuda cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
-    -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=ON || return 1
+    -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=ON -DLOCKSTEP_FAULT_INJECTION=ON || return 1
   without_cuda cmake --build "$BUILD_DIR" --parallel "$JOBS" || return 1
   # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
   (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" ${LOCKSTEP_CTEST_ARGS:-})

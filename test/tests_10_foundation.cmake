@@ -2,16 +2,12 @@
 # life cycle of the global backend, messages above 2^31 elements (large), and the package
 # (install + find_package, add_subdirectory).
 
-lockstep_test_executable(test_tensor core/tensor_test.cpp)
-lockstep_add_unit_test(NAME tensor TARGET test_tensor TIMEOUT 120)
-
-lockstep_test_executable(test_collective mpi/collective_test.cpp)
-lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 1 2 3 4 TIMEOUT 300)
-# Once over TCP, the transport a multi-node job takes.
+lockstep_add_unit_test(NAME tensor TARGET test_tensor SOURCES core/tensor_test.cpp TIMEOUT 120)
+# The collectives at 1 to 4 ranks, and once over TCP, the transport a multi-node job takes.
+lockstep_add_mpi_test(NAME collective TARGET test_collective SOURCES mpi/collective_test.cpp RANKS 1 2 3 4
+                      TIMEOUT 300)
 lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 2 TCP TIMEOUT 300)
-
-lockstep_test_executable(test_world mpi/world_test.cpp)
-lockstep_add_mpi_test(NAME world TARGET test_world RANKS 1 2 3 4 TIMEOUT 120)
+lockstep_add_mpi_test(NAME world TARGET test_world SOURCES mpi/world_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
 
 # Its own main: the shared test main initialises MPI, which is what these scenarios vary.
 add_executable(test_world_lifecycle mpi/world_lifecycle_test.cpp)

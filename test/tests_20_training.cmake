@@ -1,18 +1,13 @@
 # Training core: optimizer rules and traversal (unit), synchronize, DistributedOptimizer and data
 # partitioning (mpi, at 1 to 4 ranks).
-lockstep_test_executable(test_optimizer_rules train/optimizer_rules_test.cpp)
-lockstep_add_unit_test(NAME optimizer_rules TARGET test_optimizer_rules TIMEOUT 120)
-
-lockstep_test_executable(test_training train/training_test.cpp)
-lockstep_add_mpi_test(NAME training TARGET test_training RANKS 1 2 3 4 TIMEOUT 300)
-# Once over TCP, the transport a multi-node job takes.
+lockstep_add_unit_test(NAME optimizer_rules TARGET test_optimizer_rules SOURCES train/optimizer_rules_test.cpp
+                       TIMEOUT 120)
+# DistributedOptimizer at 1 to 4 ranks, and at 3 over TCP (a multi-node job's transport).
+lockstep_add_mpi_test(NAME training TARGET test_training SOURCES train/training_test.cpp RANKS 1 2 3 4 TIMEOUT 300)
 lockstep_add_mpi_test(NAME training TARGET test_training RANKS 3 TCP TIMEOUT 300)
-
-lockstep_test_executable(test_synchronize train/synchronize_test.cpp)
-lockstep_add_mpi_test(NAME synchronize TARGET test_synchronize RANKS 1 2 3 4 TIMEOUT 120)
-
-lockstep_test_executable(test_data train/data_test.cpp)
-lockstep_add_mpi_test(NAME data TARGET test_data RANKS 1 2 3 4 TIMEOUT 120)
+foreach(area IN ITEMS synchronize data)
+  lockstep_add_mpi_test(NAME ${area} TARGET test_${area} SOURCES train/${area}_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
+endforeach()
 
 # A type that is not traversable is a compile-time error with Lockstep's message.
 get_target_property(_ls_inc lockstep_core INCLUDE_DIRECTORIES)

@@ -15,16 +15,8 @@ lockstep_add_unit_test(NAME checkpoint.concurrent_writers TARGET lockstep_checkp
 # lockstep_add_example_test(NAME name SCRIPT script.sh TARGET example RANKS max TIMEOUT s)
 function(lockstep_add_example_test)
   cmake_parse_arguments(T "" "NAME;SCRIPT;TARGET;RANKS;TIMEOUT" "" ${ARGN})
-  add_test(NAME ${T_NAME}
-    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
-            bash ${CMAKE_CURRENT_SOURCE_DIR}/examples/${T_SCRIPT} ${MPIEXEC_EXECUTABLE}
-            $<TARGET_FILE:${T_TARGET}> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/${T_NAME})
-  set_tests_properties(${T_NAME} PROPERTIES
-    PROCESSORS ${T_RANKS}
-    TIMEOUT ${T_TIMEOUT}
-    LABELS "mpi;examples"
-    SKIP_RETURN_CODE 77
-    ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+  lockstep_add_script_test(NAME ${T_NAME} SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/examples/${T_SCRIPT}
+    TARGET ${T_TARGET} PROCESSORS ${T_RANKS} TIMEOUT ${T_TIMEOUT} LABELS examples)
 endfunction()
 
 if(LOCKSTEP_BUILD_EXAMPLES)

@@ -8,11 +8,14 @@ endif()
 
 set(_gpu_test_dir ${PROJECT_SOURCE_DIR}/ext/cuda/test)
 
-# lockstep_gpu_test_executable(target [DEVICE_PER_RANK] sources...): a Catch2 program with the
-# GPU test main (skips without a GPU; DEVICE_PER_RANK: without one GPU per node-local rank).
+# lockstep_gpu_test_executable(target [DEVICE_PER_RANK] [NCCL] sources...): a Catch2 program
+# with the test main in its GPU form (main_mpi.cpp with LOCKSTEP_TEST_GPU: skips without a GPU;
+# DEVICE_PER_RANK: without one GPU per node-local rank; NCCL: links lockstep::nccl and finalises
+# its backend).
 function(lockstep_gpu_test_executable target)
-  cmake_parse_arguments(G "DEVICE_PER_RANK" "" "" ${ARGN})
-  add_executable(${target} ${_gpu_test_dir}/main_gpu.cpp ${G_UNPARSED_ARGUMENTS})
+  cmake_parse_arguments(G "DEVICE_PER_RANK;NCCL" "" "" ${ARGN})
+  add_executable(${target} ${CMAKE_CURRENT_SOURCE_DIR}/main_mpi.cpp ${G_UNPARSED_ARGUMENTS})
+  target_compile_definitions(${target} PRIVATE LOCKSTEP_TEST_GPU=1)
   target_link_libraries(${target} PRIVATE lockstep::cuda lockstep::core Catch2::Catch2 lockstep_build_flags)
   target_include_directories(${target} PRIVATE ${_gpu_test_dir})
   # The CPU reference arithmetic in the tests must not be contracted into FMA (the default of
@@ -20,7 +23,11 @@ function(lockstep_gpu_test_executable target)
   # (built with --fmad=false) would compare different roundings.
   target_compile_options(${target} PRIVATE -ffp-contract=off)
   if(G_DEVICE_PER_RANK)
-    target_compile_definitions(${target} PRIVATE LOCKSTEP_GPU_TEST_DEVICE_PER_RANK=1)
+    target_compile_definitions(${target} PRIVATE LOCKSTEP_TEST_GPU_DEVICE_PER_RANK=1)
+  endif()
+  if(G_NCCL)
+    target_link_libraries(${target} PRIVATE lockstep::nccl)
+    target_compile_definitions(${target} PRIVATE LOCKSTEP_TEST_GPU_WITH_NCCL=1)
   endif()
 endfunction()
 
@@ -35,14 +42,10 @@ lockstep_add_mpi_test(NAME mpi_device TARGET test_mpi_device RANKS 1 2 GATE DIST
 
 if(TARGET lockstep::nccl)
   set(_nccl_test_dir ${PROJECT_SOURCE_DIR}/ext/nccl/test)
-  lockstep_gpu_test_executable(test_nccl_backend DEVICE_PER_RANK ${_nccl_test_dir}/nccl_backend_test.cpp)
-  target_link_libraries(test_nccl_backend PRIVATE lockstep::nccl)
-  target_compile_definitions(test_nccl_backend PRIVATE LOCKSTEP_GPU_TEST_WITH_NCCL=1)
+  lockstep_gpu_test_executable(test_nccl_backend DEVICE_PER_RANK NCCL ${_nccl_test_dir}/nccl_backend_test.cpp)
   lockstep_add_mpi_test(NAME nccl_backend TARGET test_nccl_backend RANKS 1 2 GATE DIST_TEST_NCCL
     LABELS nccl TIMEOUT 300)
-  lockstep_gpu_test_executable(test_nccl_training DEVICE_PER_RANK ${_nccl_test_dir}/nccl_training_test.cpp)
-  target_link_libraries(test_nccl_training PRIVATE lockstep::nccl)
-  target_compile_definitions(test_nccl_training PRIVATE LOCKSTEP_GPU_TEST_WITH_NCCL=1)
+  lockstep_gpu_test_executable(test_nccl_training DEVICE_PER_RANK NCCL ${_nccl_test_dir}/nccl_training_test.cpp)
   lockstep_add_mpi_test(NAME nccl_training TARGET test_nccl_training RANKS 1 2 GATE DIST_TEST_NCCL
     LABELS nccl TIMEOUT 300)
 endif()
@@ -57,10 +60,6 @@ if(TARGET lockstep::nccl)
 endif()
 # gpu_bench's command line (parsed before it looks for a GPU): --help, and bad flags named.
 if(TARGET gpu_bench)
-  add_test(NAME gpu_bench.flags
-    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
-            bash ${CMAKE_CURRENT_SOURCE_DIR}/examples/gpu_bench_flags.sh ${MPIEXEC_EXECUTABLE}
-            $<TARGET_FILE:gpu_bench> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/gpu_bench.flags)
-  set_tests_properties(gpu_bench.flags PROPERTIES LABELS "mpi;nogpu;bench" TIMEOUT 120
-    SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+  lockstep_add_script_test(NAME gpu_bench.flags SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/examples/gpu_bench_flags.sh
+    TARGET gpu_bench PROCESSORS 1 TIMEOUT 120 LABELS nogpu bench)
 endif()

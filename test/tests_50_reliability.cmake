@@ -12,43 +12,36 @@ lockstep_add_mpi_test(NAME reliability TARGET test_reliability RANKS 1 2 3 4 TIM
 set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 
 # lockstep_add_fault_test(NAME name RANKS 2 3 4 ENV VAR=value... [ABORT] [TIMEOUT s]
-#                         [STEPS n] EXPECT pattern...)
+#                         [STEPS n] [MODE m] [ENDED_RANK r] [MAX_MS_AFTER_FAULT ms]
+#                         [NO_FAULTS] EXPECT pattern...)
+#   reliability.<name>.npN: run_fault.sh over fault_program. A test whose ENV sets LOCKSTEP_FAULT
+#   is reported skipped in a build without fault injection; NO_FAULTS: one checking such a build.
 function(lockstep_add_fault_test)
-  cmake_parse_arguments(T "ABORT" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE;ENDED_RANK" "RANKS;ENV;EXPECT" ${ARGN})
-  if(NOT T_TIMEOUT)
-    set(T_TIMEOUT 60)
-  endif()
-  if(NOT T_RANKS)
-    set(T_RANKS 2 3 4)
-  endif()
-  if(NOT T_STEPS)
-    set(T_STEPS 8)
-  endif()
-  if(NOT T_MODE)
-    set(T_MODE blocking)
-  endif()
-  set(abort_flag "")
+  cmake_parse_arguments(T "ABORT;NO_FAULTS" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE;ENDED_RANK"
+                        "RANKS;ENV;EXPECT" ${ARGN})
+  lockstep_default(T_TIMEOUT 60)
+  lockstep_default(T_STEPS 8)
+  lockstep_default(T_MODE blocking)
+  set(flags "")
   if(T_ABORT)
-    set(abort_flag --abort)
+    list(APPEND flags --abort)
   endif()
   if(DEFINED T_ENDED_RANK)
-    list(APPEND abort_flag --ended-rank ${T_ENDED_RANK})
+    list(APPEND flags --ended-rank ${T_ENDED_RANK})
   endif()
   if(T_MAX_MS_AFTER_FAULT)
-    list(APPEND abort_flag --max-ms-after-fault ${T_MAX_MS_AFTER_FAULT})
+    list(APPEND flags --max-ms-after-fault ${T_MAX_MS_AFTER_FAULT})
   endif()
-  foreach(n IN LISTS T_RANKS)
-    set(test_name reliability.${T_NAME}.np${n})
-    add_test(NAME ${test_name}
-      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_FAULT} ${abort_flag} ${n}
-              $<TARGET_FILE:lockstep_fault_program> --steps ${T_STEPS} --mode ${T_MODE} -- ${T_EXPECT})
-    set_tests_properties(${test_name} PROPERTIES
-      PROCESSORS ${n}
-      TIMEOUT ${T_TIMEOUT}
-      LABELS "mpi;reliability"
-      SKIP_RETURN_CODE 77
-      ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE};${T_ENV}")
-  endforeach()
+  set(needs "")
+  if(T_NO_FAULTS)
+    set(needs NO_FAULTS)
+  elseif("${T_ENV}" MATCHES "LOCKSTEP_FAULT=")
+    set(needs FAULTS)
+  endif()
+  lockstep_add_rank_tests(NAME reliability.${T_NAME} RANKS ${T_RANKS} TIMEOUT ${T_TIMEOUT} LABELS reliability
+    ENV ${T_ENV} ${needs}
+    COMMAND ${LOCKSTEP_RUN_FAULT} ${flags} <N> $<TARGET_FILE:lockstep_fault_program> --steps ${T_STEPS}
+            --mode ${T_MODE} -- ${T_EXPECT})
 endfunction()
 
 # No fault, every check on: the program runs to the end on every rank.
@@ -125,6 +118,28 @@ lockstep_add_fault_test(NAME bad_setting RANKS 2
 lockstep_add_fault_test(NAME bad_fault_spec RANKS 2
   ENV "LOCKSTEP_FAULT=rank=1,kind=explode"
   EXPECT "InvalidArgument" "unknown kind 'explode'")
+# A build without fault injection (LOCKSTEP_FAULT_INJECTION=OFF, a library to install) refuses
+# LOCKSTEP_FAULT on every rank at initialisation instead of ignoring it (package.subdir checks
+# the same of a vendored build).
+lockstep_add_fault_test(NAME fault_injection_off RANKS 2 NO_FAULTS
+  ENV "LOCKSTEP_FAULT=rank=1,kind=skip,after=3"
+  EXPECT "InvalidArgument" "this build of Lockstep has no fault injection (LOCKSTEP_FAULT_INJECTION=OFF); unset LOCKSTEP_FAULT" "!OK")
+
+# The monitor of a build without fault injection has no fault code (its preprocessed source
+# names none of the identifiers that the build with it names), whatever this build chose.
+get_property(_below GLOBAL PROPERTY LOCKSTEP_LAYER_BELOW_mpi)
+set(_mpi_flags -I${PROJECT_BINARY_DIR}/include)
+foreach(layer IN ITEMS mpi ${_below})
+  list(APPEND _mpi_flags -I${PROJECT_BINARY_DIR}/layers/${layer}/include -I${PROJECT_BINARY_DIR}/layers/${layer}/src)
+endforeach()
+foreach(dir IN LISTS MPI_CXX_INCLUDE_DIRS)
+  list(APPEND _mpi_flags -I${dir})
+endforeach()
+add_test(NAME reliability.no_fault_code_without_fault_injection
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/reliability/check_no_fault_code.sh ${CMAKE_CXX_COMPILER}
+          ${PROJECT_SOURCE_DIR}/src/mpi/monitor.cpp ${_mpi_flags})
+set_tests_properties(reliability.no_fault_code_without_fault_injection PROPERTIES LABELS "unit;reliability"
+  PASS_REGULAR_EXPRESSION "no fault code: OK")
 
 # The checks' cost on a ResNet-50 gradient sync (built, not run as a test: speed is for benches).
 add_executable(lockstep_check_cost reliability/check_cost.cpp)
@@ -168,13 +183,8 @@ lockstep_add_unit_test(NAME reliability.killed_checkpoint_writer TARGET lockstep
 # A rank killed mid-training: the job ends naming it, and the last checkpoint resumes bitwise.
 # (examples/ is added after test/: the same condition as tests_30_examples.cmake, not TARGET.)
 if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CBLAS_H))
-  add_test(NAME reliability.kill_resume
-    COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI
-            bash ${CMAKE_CURRENT_SOURCE_DIR}/reliability/kill_resume.sh ${MPIEXEC_EXECUTABLE}
-            $<TARGET_FILE:train> ${CMAKE_CURRENT_BINARY_DIR}/examples-work/reliability.kill_resume)
-  set_tests_properties(reliability.kill_resume PROPERTIES
-    PROCESSORS 3 TIMEOUT 300 LABELS "mpi;reliability;examples" SKIP_RETURN_CODE 77
-    ENVIRONMENT "${LOCKSTEP_TEST_ENV}")
+  lockstep_add_script_test(NAME reliability.kill_resume SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/kill_resume.sh
+    TARGET train PROCESSORS 3 TIMEOUT 300 LABELS reliability examples FAULTS)
 endif()
 
 # Trust (issue 11): checks above every backend, the shared-memory path agreeing on its calls,
@@ -188,6 +198,7 @@ lockstep_add_mpi_test(NAME trust.noshm TARGET test_trust RANKS 2 3 TIMEOUT 120 L
 # Cases that end a process or the job: run_trust.sh checks every rank's line and the time taken.
 add_executable(lockstep_trust_program reliability/trust_program.cpp)
 target_link_libraries(lockstep_trust_program PRIVATE lockstep::core lockstep_build_flags)
+target_include_directories(lockstep_trust_program PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 set(LOCKSTEP_RUN_TRUST ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_trust.sh)
 
 # lockstep_add_trust_test(NAME name SCENARIO s RANKS 2 3 MAX seconds ARGS ... EXPECT pattern...
@@ -198,30 +209,18 @@ set(LOCKSTEP_RUN_TRUST ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_trust.sh)
 #   and CI stays green.
 function(lockstep_add_trust_test)
   cmake_parse_arguments(T "KNOWN_FAILURE" "NAME;SCENARIO;MAX;PROGRAM;PREFIX" "RANKS;ARGS;EXPECT" ${ARGN})
-  if(NOT T_RANKS)
-    set(T_RANKS 2 3)
-  endif()
-  if(NOT T_PROGRAM)
-    set(T_PROGRAM lockstep_trust_program)
-  endif()
-  if(NOT T_PREFIX)
-    set(T_PREFIX trust)
-  endif()
-  set(labels "mpi;reliability")
+  lockstep_default(T_RANKS 2 3)
+  lockstep_default(T_PROGRAM lockstep_trust_program)
+  lockstep_default(T_PREFIX trust)
+  set(labels reliability)
+  set(disabled "")
   if(T_KNOWN_FAILURE)
-    set(labels "mpi;reliability;known_failure")
+    list(APPEND labels known_failure)
+    set(disabled DISABLED)
   endif()
-  foreach(n IN LISTS T_RANKS)
-    set(test_name reliability.${T_PREFIX}.${T_NAME}.np${n})
-    add_test(NAME ${test_name}
-      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:${T_PROGRAM}>
-              ${T_SCENARIO} ${n} ${T_MAX} ${T_ARGS} -- ${T_EXPECT})
-    set_tests_properties(${test_name} PROPERTIES PROCESSORS ${n} TIMEOUT 120 LABELS "${labels}"
-      SKIP_RETURN_CODE 77 ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE}")
-    if(T_KNOWN_FAILURE)
-      set_tests_properties(${test_name} PROPERTIES DISABLED TRUE)
-    endif()
-  endforeach()
+  lockstep_add_rank_tests(NAME reliability.${T_PREFIX}.${T_NAME} RANKS ${T_RANKS} TIMEOUT 120 LABELS ${labels}
+    ${disabled} COMMAND ${LOCKSTEP_RUN_TRUST} $<TARGET_FILE:${T_PROGRAM}> ${T_SCENARIO} <N> ${T_MAX} ${T_ARGS}
+                        -- ${T_EXPECT})
 endfunction()
 
 # A malformed setting on one rank: every rank stops with the same error, nobody waits.
@@ -283,6 +282,7 @@ lockstep_add_mpi_test(NAME adversarial.slice4k TARGET test_adversarial RANKS 3 4
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4k)
 add_executable(lockstep_adversarial_program reliability/adversarial_program.cpp)
 target_link_libraries(lockstep_adversarial_program PRIVATE lockstep::core lockstep_build_flags)
+target_include_directories(lockstep_adversarial_program PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 
 # lockstep_add_adversarial_test(...): lockstep_add_trust_test over lockstep_adversarial_program.
 function(lockstep_add_adversarial_test)

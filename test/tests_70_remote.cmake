@@ -10,19 +10,11 @@ lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 3 TCP TIMEOUT 300)
 add_executable(lockstep_remote_kill remote/remote_kill.cpp)
 target_link_libraries(lockstep_remote_kill PRIVATE lockstep::core lockstep_build_flags)
 function(lockstep_add_remote_kill_test mode dead)
-  foreach(n IN LISTS ARGN)
-    set(name remote.killed_${mode}.np${n})
-    add_test(NAME ${name}
-      COMMAND ${LOCKSTEP_GATE_SCRIPT} DIST_TEST_MPI ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh
-              --abort --max-ms-after-fault 10000 ${n} $<TARGET_FILE:lockstep_remote_kill> --steps 20 --mode ${mode}
-              -- "process rank ${dead} with PID" "signal 9" "at unix time ms")
-    set_tests_properties(${name} PROPERTIES
-      PROCESSORS ${n}
-      TIMEOUT 90
-      LABELS "mpi;reliability"
-      SKIP_RETURN_CODE 77
-      ENVIRONMENT "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE};LOCKSTEP_TIMEOUT=0")
-  endforeach()
+  lockstep_add_rank_tests(NAME remote.killed_${mode} RANKS ${ARGN} TIMEOUT 90 LABELS reliability
+    ENV LOCKSTEP_TIMEOUT=0
+    COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh --abort --max-ms-after-fault 10000 <N>
+            $<TARGET_FILE:lockstep_remote_kill> --steps 20 --mode ${mode}
+            -- "process rank ${dead} with PID" "signal 9" "at unix time ms")
 endfunction()
 lockstep_add_remote_kill_test(worker 1 2 3 4)
 lockstep_add_remote_kill_test(driver 0 2 4)

@@ -1,6 +1,9 @@
 // The monitor of a communicator (monitor.hpp): collective fingerprints, stall timeouts with
-// blame, and the application of injected faults, over MPI. The settings it reads are the
-// reliability layer's (src/reliability/settings.cpp), the faults too (src/reliability/fault.cpp).
+// blame, over MPI. The settings it reads are the reliability layer's
+// (src/reliability/settings.cpp). In a build with LOCKSTEP_FAULT_INJECTION (the tests' builds) it
+// also injects the faults of LOCKSTEP_FAULT (src/reliability/fault.cpp); without it, the code
+// between `#if LOCKSTEP_FAULT_INJECTION` and `#endif` below does not exist, and the fast path has
+// no fault check at all.
 // The design in short:
 // - each monitored communicator gets two duplicates: `check_` for the fingerprint exchange (so a
 //   fingerprint can never be matched against a data collective) and `ctrl_` for status queries;
@@ -15,7 +18,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -37,8 +39,10 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/monitor.hpp"
-#include "reliability/fault.hpp"
 #include "reliability/settings_state.hpp"
+#if LOCKSTEP_FAULT_INJECTION
+#include "reliability/fault.hpp"
+#endif
 
 namespace lockstep {
 namespace detail {
@@ -254,8 +258,10 @@ class CommMonitor {
     }
     check_mpi(MPI_Bcast(&comm_id_, 1, MPI_UINT64_T, 0, ctrl_), "MPI_Bcast(monitor identity)");
     (void)settings();  // a bad environment variable fails at creation, on every rank alike
+#if LOCKSTEP_FAULT_INJECTION
     const FaultSpec& f = fault_spec();
     fault_pending_ = f.kind != FaultKind::none && f.rank == rank_;
+#endif
     int provided = MPI_THREAD_SINGLE;
     MPI_Query_thread(&provided);
     // Without MPI_THREAD_MULTIPLE there is no watchdog; a timed-out rank then names the ranks
@@ -315,14 +321,10 @@ class CommMonitor {
       return rc;
     }
     {
+      Fingerprint fp;
+      std::copy(std::begin(op.v), std::end(op.v), fp.v);
       std::lock_guard lock(mutex_);
-      in_collective_ = true;
-      fast_current_ = -1;
-      checking_ = false;
-      waiting_request_ = true;
-      std::copy(std::begin(op.v), std::end(op.v), current_.v);
-      current_site_ = op.site;
-      since_ = entered_ = Clock::now();
+      record_entered(fp, op.site, /*checking=*/false, /*waiting=*/true);
     }
     int rc = poll([&](int* flag) {
       return MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, MPI_STATUSES_IGNORE);
@@ -340,8 +342,10 @@ class CommMonitor {
   /// (and no collective under a deadline anywhere in the process, so that guarded_* calls can
   /// tell from one global counter that they need not look further), no fault to inject.
   bool fast_ok() const noexcept {
-    return !fault_pending_ && g_settings.quiet.load(std::memory_order_relaxed) &&
-           g_deadline_scopes.load(std::memory_order_relaxed) == 0;
+#if LOCKSTEP_FAULT_INJECTION
+    if (fault_pending_) return false;
+#endif
+    return g_settings.quiet.load(std::memory_order_relaxed) && g_deadline_scopes.load(std::memory_order_relaxed) == 0;
   }
 
   /// The fast path of enter(), when fast_ok(): the collective takes its sequence number (and
@@ -372,44 +376,20 @@ class CommMonitor {
     completed_.store(completed_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   }
 
-  /// Enters a collective; returns false if an injected skip fault says not to take part.
+  /// Enters a collective; returns false if an injected skip fault says not to take part (never
+  /// in a build without fault injection).
   bool enter(Coll coll, TensorView* data, std::int64_t count, int op, int root) {
     // Only this thread writes started_, so reading it here needs no lock; one lock per
     // collective keeps this path cheap too.
     const std::int64_t seq = started_.load(std::memory_order_relaxed);
+#if LOCKSTEP_FAULT_INJECTION
     // Fault injection happens before the rank counts as inside the collective, so that a delayed
     // rank looks like a rank that has not arrived yet (which is what it simulates).
-    const FaultSpec& f = fault_spec();
-    if (fault_pending_ && seq == f.after) {
+    if (fault_pending_ && seq == fault_spec().after) {
       fault_pending_ = false;
-      const auto unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                               std::chrono::system_clock::now().time_since_epoch())
-                               .count();
-      std::cerr << "lockstep: injecting fault kind=" << fault_name(f.kind) << " on rank " << rank_
-                << " at collective #" << seq << " (" << name_of(coll) << ") at unix time ms " << unix_ms
-                << std::endl;
-      switch (f.kind) {
-        case FaultKind::delay:
-          std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
-          break;
-        case FaultKind::skip: return false;
-        case FaultKind::shape:
-          if (count > 0) --count;
-          if (data != nullptr && data->numel > 0) --data->numel;
-          break;
-        case FaultKind::dtype:
-          if (data != nullptr) data->dtype = other_dtype(data->dtype);
-          break;
-        case FaultKind::nan:
-          if (data != nullptr) poke_nan(*data);
-          break;
-        case FaultKind::kill:
-          // The hardest way to die: no destructor, no MPI_Finalize, no message.
-          std::raise(SIGKILL);
-          break;
-        case FaultKind::none: break;
-      }
+      if (!inject_fault(fault_spec(), rank_, seq, name_of(coll), data, count)) return false;
     }
+#endif
     throw_if_stalled();
 
     if (seq >= pending_min_seq_.load(std::memory_order_relaxed)) check_pending_refusal(seq);
@@ -425,13 +405,7 @@ class CommMonitor {
     {
       std::lock_guard lock(mutex_);
       started_.store(seq + 1, std::memory_order_relaxed);
-      in_collective_ = true;
-      fast_current_ = -1;
-      checking_ = check;
-      current_ = fp;
-      current_site_ = site;
-      since_ = Clock::now();
-      entered_ = since_;
+      record_entered(fp, site, check, /*waiting=*/false);
       deadline_at_ = entered_ + after_seconds(deadline_ ? polled_timeout() : 0.0);
     }
     if (check) {
@@ -566,12 +540,7 @@ class CommMonitor {
       {
         std::lock_guard lock(mutex_);
         started_.store(seq + 1, std::memory_order_relaxed);
-        in_collective_ = true;
-        fast_current_ = -1;
-        checking_ = true;
-        current_ = fp;
-        current_site_ = site;
-        since_ = entered_ = Clock::now();
+        record_entered(fp, site, /*checking=*/true, /*waiting=*/false);
         refusal_ = message;
       }
       try {
@@ -788,13 +757,7 @@ class CommMonitor {
     if (d.req == MPI_REQUEST_NULL) return;
     {
       std::lock_guard lock(mutex_);
-      in_collective_ = true;
-      fast_current_ = -1;
-      waiting_request_ = true;
-      checking_ = true;
-      current_ = d.fp;
-      current_site_ = d.site;
-      since_ = entered_ = Clock::now();
+      record_entered(d.fp, d.site, /*checking=*/true, /*waiting=*/true);
     }
     check_mpi(wait(&d.req), "fingerprint MPI_Iallreduce");
     {
@@ -812,6 +775,19 @@ class CommMonitor {
   }
 
  private:
+  // Records, under mutex_, that this thread is inside the collective `fp` called at `site` (what
+  // the watchdog answers other ranks' status queries with): in its fingerprint check or not, in
+  // the wait for a nonblocking request or not.
+  void record_entered(const Fingerprint& fp, const CallSite& site, bool checking, bool waiting) {
+    in_collective_ = true;
+    fast_current_ = -1;
+    checking_ = checking;
+    waiting_request_ = waiting;
+    current_ = fp;
+    current_site_ = site;
+    since_ = entered_ = Clock::now();
+  }
+
   void start_deferred(const Fingerprint& fp, const CallSite& site) {
     // A check whose operation failed to be issued (it threw after entering) was never taken by
     // a request: complete it before its buffer goes.
@@ -873,9 +849,9 @@ class CommMonitor {
   }
 
   // Runs a small allreduce on the fingerprint communicator, with the deadline if there is one.
-  // Always the nonblocking form, polled: measured with nonblocking buckets in flight (as
-  // DistributedOptimizer has), a blocking MPI_Allreduce here made the whole gradient sync 2.7x
-  // slower on Open MPI 4.1, the polled form costs nothing measurable.
+  // Always the nonblocking form, polled: with nonblocking buckets in flight (as
+  // DistributedOptimizer has), a blocking MPI_Allreduce here slows the whole gradient sync down
+  // (docs/performance.md, "Reliability defaults").
   void run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what) {
     MPI_Request req;
     check_mpi(MPI_Iallreduce(send, recv, count, dt, op, check_, &req), what);
@@ -1177,7 +1153,9 @@ class CommMonitor {
   std::atomic<bool> stalled_{false};
   std::atomic<int> pending_{0};
   // Touched only by the thread running the collective (not the watchdog).
+#if LOCKSTEP_FAULT_INJECTION
   bool fault_pending_ = false;  // an injected fault is still to hit this rank
+#endif
   bool deadline_ = false;       // see has_deadline()
   OpRecord issuing_;            // see current_record()
 
@@ -1340,11 +1318,15 @@ void CollectiveScope::enter_slow(Coll coll, TensorView* data, std::int64_t count
     fast_ = true;
   } else {
     uncaught_ = std::uncaught_exceptions();
+#if LOCKSTEP_FAULT_INJECTION
     if (!monitor_->enter(coll, data, count, op, root)) {
-      skipped_ = true;
+      skipped_ = true;  // an injected skip fault: this rank does not take part
       monitor_ = nullptr;
       return;
     }
+#else
+    (void)monitor_->enter(coll, data, count, op, root);
+#endif
     if (monitor_->has_deadline()) {
       deadline_ = true;
       g_deadline_scopes.fetch_add(1);

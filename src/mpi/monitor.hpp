@@ -13,6 +13,13 @@
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/reliability/settings.hpp"
 
+// Whether this build injects the faults of LOCKSTEP_FAULT (CMake option of the same name; the
+// layers that need it get it as a compile definition): required, so that no file of the layer
+// can silently see it as 0 while another sees 1.
+#ifndef LOCKSTEP_FAULT_INJECTION
+#error "LOCKSTEP_FAULT_INJECTION (0 or 1) must be defined: cmake/LockstepLayers.cmake sets it"
+#endif
+
 namespace lockstep::detail {
 
 /// The collectives a monitor tells apart (blocking and nonblocking forms never match in MPI).
@@ -71,10 +78,11 @@ class RequestWatch {
 RequestWatch watch_request(const CommMonitorPtr& monitor);
 
 /// One collective on a monitored communicator, from entry to completion: assigns the sequence
-/// number, applies an injected fault, compares fingerprints if the check level says so, and lets
-/// the guarded_* calls below wait with a deadline. Throws MismatchError / TimeoutError. With the
-/// check level off, no timeout and no fault to inject it takes a fast path: the sequence number
-/// and the stall check only, no lock and no clock read.
+/// number, applies an injected fault (in a build with LOCKSTEP_FAULT_INJECTION), compares
+/// fingerprints if the check level says so, and lets the guarded_* calls below wait with a
+/// deadline. Throws MismatchError / TimeoutError. With the check level off, no timeout and no
+/// fault to inject it takes a fast path: the sequence number and the stall check only, no lock
+/// and no clock read.
 class CollectiveScope {
  public:
   /// `data` is the view the collective sends (it may be changed by an injected fault); `count`
@@ -85,8 +93,13 @@ class CollectiveScope {
   CollectiveScope(const CollectiveScope&) = delete;
   CollectiveScope& operator=(const CollectiveScope&) = delete;
 
+#if LOCKSTEP_FAULT_INJECTION
   /// True when an injected `skip` fault says this rank must not take part (test only).
   bool skipped() const noexcept { return skipped_; }
+#else
+  /// Never, in a build without fault injection: the callers' `if (skipped())` compiles away.
+  static constexpr bool skipped() noexcept { return false; }
+#endif
 
  private:
   CommMonitor* monitor_;
@@ -94,7 +107,9 @@ class CollectiveScope {
   void enter_slow(Coll coll, TensorView* data, std::int64_t count, int op, int root);
   void leave_slow() noexcept;
 
+#if LOCKSTEP_FAULT_INJECTION
   bool skipped_ = false;
+#endif
   bool fast_ = false;      // entered through the fast path (nothing to check, no deadline)
   bool scoped_ = false;    // set the thread's current monitor (all but blocking fast-path collectives)
   bool deadline_ = false;  // counted among the collectives under a deadline

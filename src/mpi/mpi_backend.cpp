@@ -15,7 +15,9 @@
 #include <mutex>
 #include <vector>
 
-#if __has_include(<mpi-ext.h>)
+// Open MPI's extensions (MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support), as its
+// documentation includes them: every Open MPI has the header, other MPIs have neither.
+#if defined(OPEN_MPI) && OPEN_MPI
 #include <mpi-ext.h>
 #endif
 

@@ -1,12 +1,18 @@
-// Fault injection (fault.hpp): LOCKSTEP_FAULT=rank=R,kind=...,after=N,seconds=S.
+// Fault injection (fault.hpp): LOCKSTEP_FAULT=rank=R,kind=...,after=N,seconds=S. Compiled only
+// with LOCKSTEP_FAULT_INJECTION (cmake/LockstepLayers.cmake leaves it out otherwise).
 #include "reliability/fault.hpp"
 
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
+#include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "lockstep/core/errors.hpp"
+#include "core/env.hpp"
 
 namespace lockstep::detail {
 namespace {
@@ -51,16 +57,6 @@ FaultSpec parse_fault(const char* env) {
   return f;
 }
 
-}  // namespace
-
-const FaultSpec& fault_spec() {
-  static const FaultSpec spec = [] {
-    const char* env = std::getenv("LOCKSTEP_FAULT");
-    return env != nullptr && *env != '\0' ? parse_fault(env) : FaultSpec{};
-  }();
-  return spec;
-}
-
 const char* fault_name(FaultKind k) {
   switch (k) {
     case FaultKind::none: return "none";
@@ -74,6 +70,7 @@ const char* fault_name(FaultKind k) {
   return "?";
 }
 
+// A dtype of the same size, so that an injected dtype fault never reads or writes out of bounds.
 DType other_dtype(DType t) {
   switch (t) {
     case DType::f32: return DType::i32;
@@ -87,6 +84,7 @@ DType other_dtype(DType t) {
   return t;
 }
 
+// Writes a NaN into the first element of a floating host view (integers have none).
 void poke_nan(TensorView& v) {
   if (v.numel == 0 || v.data == nullptr || !v.device.is_cpu()) return;
   switch (v.dtype) {
@@ -96,6 +94,45 @@ void poke_nan(TensorView& v) {
     case DType::bf16: static_cast<std::uint16_t*>(v.data)[0] = 0x7FC0; break;
     default: break;  // integers have no NaN
   }
+}
+
+}  // namespace
+
+const FaultSpec& fault_spec() {
+  static const FaultSpec spec = [] {
+    const auto value = env::get("LOCKSTEP_FAULT");  // nullopt when unset or empty
+    return value ? parse_fault(value->c_str()) : FaultSpec{};
+  }();
+  return spec;
+}
+
+bool inject_fault(const FaultSpec& f, int rank, std::int64_t seq, const char* what, TensorView* data,
+                  std::int64_t& count) {
+  const auto unix_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  std::cerr << "lockstep: injecting fault kind=" << fault_name(f.kind) << " on rank " << rank << " at collective #"
+            << seq << " (" << what << ") at unix time ms " << unix_ms << std::endl;
+  switch (f.kind) {
+    case FaultKind::delay: std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds)); break;
+    case FaultKind::skip: return false;
+    case FaultKind::shape:
+      if (count > 0) --count;
+      if (data != nullptr && data->numel > 0) --data->numel;
+      break;
+    case FaultKind::dtype:
+      if (data != nullptr) data->dtype = other_dtype(data->dtype);
+      break;
+    case FaultKind::nan:
+      if (data != nullptr) poke_nan(*data);
+      break;
+    case FaultKind::kill:
+      // The hardest way to die: no destructor, no MPI_Finalize, no message.
+      std::raise(SIGKILL);
+      break;
+    case FaultKind::none: break;
+  }
+  return true;
 }
 
 }  // namespace lockstep::detail

@@ -1,6 +1,13 @@
-// Internal: fault injection (LOCKSTEP_FAULT, docs/reliability.md), a test seam that the
-// monitor of the mpi layer applies when a collective starts.
+// Internal: fault injection (LOCKSTEP_FAULT, docs/reliability.md), a test seam. It exists only in
+// a build with the CMake option LOCKSTEP_FAULT_INJECTION (ON where Lockstep's own tests are
+// built, OFF otherwise): the monitor of the mpi layer calls inject_fault() when a collective
+// starts. Without it neither this file nor fault.cpp is compiled, the monitor has no fault code,
+// and settings.cpp refuses LOCKSTEP_FAULT at initialisation.
 #pragma once
+
+#if !LOCKSTEP_FAULT_INJECTION
+#error "reliability/fault.hpp belongs to fault injection, which this build leaves out (LOCKSTEP_FAULT_INJECTION=OFF)"
+#endif
 
 #include <cstdint>
 
@@ -18,13 +25,16 @@ struct FaultSpec {
 };
 
 /// The fault LOCKSTEP_FAULT asks for (kind none when it is unset); parsed on the first call,
-/// throwing InvalidArgument when malformed.
+/// throwing InvalidArgument when malformed (the settings read it with the other variables, so
+/// that every rank throws it together).
 const FaultSpec& fault_spec();
-/// "delay", "skip", ...
-const char* fault_name(FaultKind k);
-/// A dtype of the same size, so that an injected dtype fault never reads or writes out of bounds.
-DType other_dtype(DType t);
-/// Writes a NaN into the first element of a floating host view (integers have none).
-void poke_nan(TensorView& v);
+
+/// Injects `f` into collective #seq (`what`: its name) that `rank` is entering: sleeps (delay),
+/// shortens the view and count (shape), changes the dtype to one of the same size (dtype), writes
+/// a NaN into the first element of a floating host view (nan) or ends the process with SIGKILL
+/// (kill). Prints a line naming the fault first. Returns false for skip: the rank must not take
+/// part in the collective.
+bool inject_fault(const FaultSpec& f, int rank, std::int64_t seq, const char* what, TensorView* data,
+                  std::int64_t& count);
 
 }  // namespace lockstep::detail

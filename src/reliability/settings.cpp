@@ -10,6 +10,12 @@
 #include "lockstep/core/errors.hpp"
 #include "core/env.hpp"
 #include "reliability/settings_state.hpp"
+#ifndef LOCKSTEP_FAULT_INJECTION
+#error "LOCKSTEP_FAULT_INJECTION (0 or 1) must be defined: cmake/LockstepLayers.cmake sets it"
+#endif
+#if LOCKSTEP_FAULT_INJECTION
+#include "reliability/fault.hpp"
+#endif
 
 namespace lockstep {
 namespace detail {
@@ -56,6 +62,16 @@ void read_environment(Settings& s) {
   s.shm_min = env::get_bytes("LOCKSTEP_SHM_MIN_BYTES", 0, std::uint64_t{1} << 40);
   s.cuda_aware = env::get_bool("LOCKSTEP_CUDA_AWARE_MPI");
   s.ompi_defaults = env::get_bool("LOCKSTEP_OMPI_DEFAULTS");
+  // LOCKSTEP_FAULT is read here too, so that a malformed one, or one that this build cannot
+  // honour, stops every rank at initialisation (agree_on_settings) rather than one of them.
+#if LOCKSTEP_FAULT_INJECTION
+  (void)fault_spec();
+#else
+  if (auto v = env::get("LOCKSTEP_FAULT"))
+    throw InvalidArgument(detail::concat("LOCKSTEP_FAULT=\"", *v,
+                                         "\": this build of Lockstep has no fault injection "
+                                         "(LOCKSTEP_FAULT_INJECTION=OFF); unset LOCKSTEP_FAULT"));
+#endif
 }
 
 std::string canonical_settings(const Settings& s) {

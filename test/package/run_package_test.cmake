@@ -235,7 +235,8 @@ elseif(MODE STREQUAL "subdir")
            ${common_args})
   # The configure summary, with a line for every component.
   expect_output("configure summary" "Lockstep [0-9.]+ configuration summary" "build type +Release"
-    "MPI +" "core +yes" "cuda +(yes|no: )" "nccl +(yes|no: )" "torch +no: turned off" "tests +OFF" "examples +OFF")
+    "MPI +" "core +yes" "cuda +(yes|no: )" "nccl +(yes|no: )" "torch +no: turned off" "tests +OFF" "examples +OFF"
+    "fault injection +OFF")
 else()
   message(FATAL_ERROR "run_package_test.cmake: MODE must be install or subdir, not '${MODE}'")
 endif()
@@ -246,3 +247,20 @@ if(NOT last_output MATCHES "allreduce ok")
   message(FATAL_ERROR "package test (${MODE}): unexpected output: ${last_output}")
 endif()
 message(STATUS "${last_output}")
+
+if(MODE STREQUAL "subdir")
+  # Without Lockstep's tests there is no fault injection: no fault code in the library, and
+  # LOCKSTEP_FAULT is an error at initialisation, not silently ignored.
+  file(GLOB_RECURSE libs "${WORK_DIR}/build/lockstep/liblockstep_core.*")
+  if(NOT libs)
+    message(FATAL_ERROR "package test (subdir): no liblockstep_core under ${WORK_DIR}/build/lockstep")
+  endif()
+  list(GET libs 0 lib)
+  run_step("nm liblockstep_core" nm -C "${lib}")
+  if(last_output MATCHES "inject_fault|fault_spec|FaultSpec")
+    message(FATAL_ERROR "package test (subdir): the library has fault injection code:\n${CMAKE_MATCH_0}")
+  endif()
+  run_failing_step("run app with LOCKSTEP_FAULT" ${CMAKE_COMMAND} -E env "LOCKSTEP_FAULT=rank=0,kind=skip,after=0"
+    "${WORK_DIR}/build/app")
+  expect_output("LOCKSTEP_FAULT refused" "LOCKSTEP_FAULT=\"rank=0,kind=skip,after=0\": this build of Lockstep has no fault injection \\(LOCKSTEP_FAULT_INJECTION=OFF\\); unset LOCKSTEP_FAULT")
+endif()
