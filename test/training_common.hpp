@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"  // all_ranks, ForwardingBackend
 
 namespace lstest {
 
@@ -182,13 +183,6 @@ inline bool same_on_all_ranks(ls::Backend& b, std::uint64_t v) {
   return true;
 }
 
-/// True on every rank if `ok` is true on every rank (collective; use instead of REQUIRE between
-/// collectives).
-inline bool all_ranks(ls::Backend& b, bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  b.allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  return v == 1;
-}
 
 }  // namespace lstest
 
@@ -196,38 +190,31 @@ namespace lstest {
 
 /// A Backend that forwards to a real one and counts the collectives issued through it (to
 /// check that synchronize and DistributedOptimizer use few large messages).
-class CountingBackend final : public ls::Backend {
+class CountingBackend final : public ForwardingBackend {
  public:
-  explicit CountingBackend(ls::Backend& inner) : inner_(inner) {}
+  using ForwardingBackend::ForwardingBackend;
   int broadcasts = 0, allreduces = 0, allgathers = 0, other = 0;
   std::int64_t largest_bytes = 0;
-
-  std::string name() const override { return inner_.name(); }
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  int local_rank() const override { return inner_.local_rank(); }
-  int local_size() const override { return inner_.local_size(); }
   void reset() { broadcasts = allreduces = allgathers = other = 0; largest_bytes = 0; }
 
  protected:
-  void do_broadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); inner_.broadcast(buf, root); }
-  void do_allreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); inner_.allreduce(buf, op); }
-  void do_allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { note(allreduces, r); inner_.allreduce(s, r, op); }
-  void do_reduce(ls::TensorView buf, ls::ReduceOp op, int root) override { ++other; inner_.reduce(buf, op, root); }
-  void do_reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override { ++other; inner_.reduce(s, r, op, root); }
-  void do_allgather(ls::TensorView s, ls::TensorView r) override { note(allgathers, r); inner_.allgather(s, r); }
-  void do_reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { ++other; inner_.reduce_scatter(s, r, op); }
-  void do_barrier() override { ++other; inner_.barrier(); }
-  ls::Request do_iallreduce(ls::TensorView buf, ls::ReduceOp op) override { note(allreduces, buf); return inner_.iallreduce(buf, op); }
-  ls::Request do_ibroadcast(ls::TensorView buf, int root) override { note(broadcasts, buf); return inner_.ibroadcast(buf, root); }
-  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner_, call, e); }
+  void on_call(Call call, const ls::TensorView& result) override {
+    switch (call) {
+      case Call::broadcast:
+      case Call::ibroadcast: note(broadcasts, result); break;
+      case Call::allreduce:
+      case Call::iallreduce: note(allreduces, result); break;
+      case Call::allgather: note(allgathers, result); break;
+      default: ++other; break;  // reduce, reduce_scatter, barrier
+    }
+  }
+  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner(), call, e); }
 
  private:
   void note(int& counter, const ls::TensorView& v) {
     ++counter;
     largest_bytes = std::max<std::int64_t>(largest_bytes, static_cast<std::int64_t>(v.nbytes()));
   }
-  ls::Backend& inner_;
 };
 
 }  // namespace lstest

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -210,40 +211,19 @@ class CountingKernels final : public ls::DeviceOptimizerKernels {
 
 // A backend that forwards every collective to an MPIBackend and counts the iallreduce_many
 // calls (the group of device buckets DistributedOptimizer sends at once).
-class CountingBackend final : public ls::Backend {
+class CountingBackend final : public lstest::ForwardingBackend {
  public:
-  explicit CountingBackend(ls::MPIBackend& inner) : inner_(inner) {}
+  using ForwardingBackend::ForwardingBackend;
   long groups = 0, group_buffers = 0;
 
   std::string name() const override { return "counting(mpi)"; }
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  int local_rank() const override { return inner_.local_rank(); }
-  int local_size() const override { return inner_.local_size(); }
 
  protected:
-  void do_broadcast(ls::TensorView b, int root) override { inner_.broadcast(b, root); }
-  void do_allreduce(ls::TensorView b, ls::ReduceOp op) override { inner_.allreduce(b, op); }
-  void do_allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { inner_.allreduce(s, r, op); }
-  void do_reduce(ls::TensorView b, ls::ReduceOp op, int root) override { inner_.reduce(b, op, root); }
-  void do_reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override {
-    inner_.reduce(s, r, op, root);
-  }
-  void do_allgather(ls::TensorView s, ls::TensorView r) override { inner_.allgather(s, r); }
-  void do_reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override {
-    inner_.reduce_scatter(s, r, op);
-  }
-  void do_barrier() override { inner_.barrier(); }
-  ls::Request do_iallreduce(ls::TensorView b, ls::ReduceOp op) override { return inner_.iallreduce(b, op); }
-  ls::Request do_ibroadcast(ls::TensorView b, int root) override { return inner_.ibroadcast(b, root); }
   ls::Request do_iallreduce_many(std::span<const ls::TensorView> bufs, ls::ReduceOp op) override {
     ++groups;
     group_buffers += static_cast<long>(bufs.size());
-    return inner_.iallreduce_many(bufs, op);
+    return inner().iallreduce_many(bufs, op);
   }
-
- private:
-  ls::MPIBackend& inner_;
 };
 
 // Installs the runtime and the kernels for one test case (and restores what was there).
@@ -440,6 +420,18 @@ void set_grads(DevModel& g, int rank, int step) {
   }
 }
 
+// The largest |got - want| over the layers: got's on the device (read back), want's on the host.
+template <class Got>
+double worst_difference(const Got& got, const DevModel& want) {
+  double worst = 0;
+  for (int j = 0; j < kTensors; ++j) {
+    const auto g = host_values(got.layers[static_cast<std::size_t>(j)]);
+    const float* w = static_cast<const float*>(want.layers[static_cast<std::size_t>(j)].raw_data());
+    for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, static_cast<double>(std::fabs(g[i] - w[i])));
+  }
+  return worst;
+}
+
 // What one steady-state step of DistributedOptimizer(MPIBackend, Adam) costs on cuda tensors.
 struct StepCost {
   long launches;     // optimizer kernels + pack/unpack copy kernels
@@ -476,22 +468,8 @@ StepCost run_steps(Installed& in, ls::Backend& mpi, DevModel& model, Grads& grad
     ls::update(ref_state, ref, ref_grads);
   }
   // The gradients hold the mean over the ranks after update (unpacked, or reduced in place).
-  double worst_grad = 0;
-  for (int j = 0; j < kTensors; ++j) {
-    const auto got = host_values(grads.layers[static_cast<std::size_t>(j)]);
-    const float* want = static_cast<const float*>(ref_grads.layers[static_cast<std::size_t>(j)].raw_data());
-    for (std::size_t i = 0; i < got.size(); ++i)
-      worst_grad = std::max(worst_grad, static_cast<double>(std::fabs(got[i] - want[i])));
-  }
-  CHECK(worst_grad < 1e-6);
-  double worst = 0;
-  for (int j = 0; j < kTensors; ++j) {
-    const auto got = host_values(model.layers[static_cast<std::size_t>(j)]);
-    const float* want = static_cast<const float*>(ref.layers[static_cast<std::size_t>(j)].raw_data());
-    for (std::size_t i = 0; i < got.size(); ++i)
-      worst = std::max(worst, static_cast<double>(std::fabs(got[i] - want[i])));
-  }
-  CHECK(worst < 1e-5);
+  CHECK(worst_difference(grads, ref_grads) < 1e-6);
+  CHECK(worst_difference(model, ref) < 1e-5);
   return cost;
 }
 
@@ -586,14 +564,7 @@ TEST_CASE("SGD and Adam on many cuda tensors: one launch per device and dtype, c
     CHECK(in.kernels.launches == 1);
     ls::update(ref_st, ref, ref_grads);
   }
-  double worst = 0;
-  for (int j = 0; j < kTensors; ++j) {
-    const auto got = host_values(model.layers[static_cast<std::size_t>(j)]);
-    const float* want = static_cast<const float*>(ref.layers[static_cast<std::size_t>(j)].raw_data());
-    for (std::size_t i = 0; i < got.size(); ++i)
-      worst = std::max(worst, static_cast<double>(std::fabs(got[i] - want[i])));
-  }
-  CHECK(worst < 1e-6);  // the same optim_math.hpp arithmetic
+  CHECK(worst_difference(model, ref) < 1e-6);  // the same optim_math.hpp arithmetic
   // A bad slot anywhere is refused before any tensor changes.
   auto adam = ls::setup(ls::Adam{}, model);
   adam.slots.back().exp_avg = ls::Tensor::zeros({2}, ls::DType::f32, kDev);

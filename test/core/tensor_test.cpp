@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -361,26 +362,16 @@ namespace {
 constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
 constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
 
-// x = std::move(x) through a reference, so that the compiler sees no self-move to warn about.
-template <class T>
-void self_move(T& x) {
-  T& alias = x;
-  x = std::move(alias);
-}
+using lstest::contains;
+using lstest::self_move;
 
 // The message of the InvalidArgument that f throws ("" and a failed check if it throws none).
 template <class F>
 std::string invalid_message(F&& f) {
-  try {
-    f();
-  } catch (const ls::InvalidArgument& e) {
-    return e.what();
-  }
-  FAIL_CHECK("no InvalidArgument thrown");
-  return "";
+  std::string m = lstest::error_message<ls::InvalidArgument>(std::forward<F>(f));
+  if (m.empty()) FAIL_CHECK("no InvalidArgument thrown");
+  return m;
 }
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // More than glibc's largest mmap threshold (32 MiB), so freeing it unmaps it and a read through
 // a dangling pointer faults instead of finding the old bytes.

@@ -38,6 +38,21 @@ expect_refused() {
   fi
 }
 
+# expect_failure N TEXT ARGS...: the example, run on N ranks with ARGS, exits non-zero, every
+# rank reporting TEXT (a fixed string) on stderr.
+expect_failure() {
+  local n=$1 text=$2
+  shift 2
+  run "$n" "$@"
+  local rc=$? count
+  count=$(grep -cF -- "$text" err.txt)
+  if [ "$rc" -ne 0 ] && [ "$count" -eq "$n" ]; then
+    pass "'$*' refused on all $n ranks: $text"
+  else
+    fail "'$*': exit $rc, $count of $n ranks reported '$text'"
+  fi
+}
+
 # expect_help N PROGRAM FLAG...: --help on N ranks exits 0, prints one "Usage: PROGRAM" (rank 0
 # alone), lists every FLAG as written in the help (value name included), and nothing on stderr.
 expect_help() {

@@ -21,11 +21,5 @@ else
   fail "-n 2 exited with $?"
 fi
 # A missing data file: a clear error naming the file, on every rank, and a non-zero exit.
-run 2 --epochs 1 --data "$WORK/no-such-digits.csv.gz"
-rc=$?
-if [ "$rc" -ne 0 ] && [ "$(grep -c 'no-such-digits.csv.gz does not exist' err.txt)" -eq 2 ]; then
-  pass "missing data file refused on both ranks"
-else
-  fail "missing data file: exit $rc"
-fi
+expect_failure 2 'no-such-digits.csv.gz does not exist' --epochs 1 --data "$WORK/no-such-digits.csv.gz"
 finish

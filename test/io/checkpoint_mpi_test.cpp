@@ -21,8 +21,9 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 namespace fs = std::filesystem;
@@ -33,16 +34,29 @@ struct Layer {
 };
 LOCKSTEP_FIELDS(Layer, w, b)
 
-struct Net {
+/// Layers and scalar leaves; `Small` is the type of the last leaf (Net's is 32-bit).
+template <class Small>
+struct NetOf {
   std::vector<Layer> layers;
   std::int64_t epoch = 0;
   double lr = 0;
   bool flag = false;
   std::uint64_t seed = 0;
   float scale = 0;
-  std::int32_t small = 0;
+  Small small = 0;
 };
-LOCKSTEP_FIELDS(Net, layers, epoch, lr, flag, seed, scale, small)
+LOCKSTEP_TEMPLATE_FIELDS((class Small), (NetOf<Small>), layers, epoch, lr, flag, seed, scale, small)
+using Net = NetOf<std::int32_t>;
+
+/// True if the layers of a and b are bitwise equal.
+template <class N>
+bool same_layers(const N& a, const N& b) {
+  if (a.layers.size() != b.layers.size()) return false;
+  for (std::size_t i = 0; i < a.layers.size(); ++i)
+    if (!ls::bitwise_equal(a.layers[i].w, b.layers[i].w) || !ls::bitwise_equal(a.layers[i].b, b.layers[i].b))
+      return false;
+  return true;
+}
 
 /// A net of the given widths whose values depend on `salt` (so ranks differ before a resume).
 Net make_net(const std::vector<std::int64_t>& widths, float salt) {
@@ -65,11 +79,7 @@ Net make_net(const std::vector<std::int64_t>& widths, float salt) {
 }
 
 bool same_net(const Net& a, const Net& b) {
-  if (a.layers.size() != b.layers.size()) return false;
-  for (std::size_t i = 0; i < a.layers.size(); ++i)
-    if (!ls::bitwise_equal(a.layers[i].w, b.layers[i].w) || !ls::bitwise_equal(a.layers[i].b, b.layers[i].b))
-      return false;
-  return a.epoch == b.epoch && a.lr == b.lr && a.flag == b.flag && a.seed == b.seed &&
+  return same_layers(a, b) && a.epoch == b.epoch && a.lr == b.lr && a.flag == b.flag && a.seed == b.seed &&
          a.scale == b.scale && a.small == b.small;
 }
 }  // namespace cktest
@@ -79,11 +89,7 @@ namespace {
 ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
 
 /// True on every rank iff `ok` is true on every rank.
-bool all_ranks(bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  backend().allreduce(ls::view_of(std::span<std::int32_t>(&v, 1)), ls::ReduceOp::min);
-  return v == 1;
-}
+bool all_ranks(bool ok) { return lstest::all_ranks(backend(), ok); }
 
 /// A directory shared by all ranks (they run on one machine), named after rank 0's pid.
 fs::path shared_dir() {
@@ -220,27 +226,14 @@ TEST_CASE("a failure on the root is an error on every rank", "[checkpoint][mpi]"
 namespace cktest {
 /// Net with a 16-bit `small`: the same leaf names, dtypes and shapes in a checkpoint (both I32),
 /// but a different structure for synchronize.
-struct Net16 {
-  std::vector<Layer> layers;
-  std::int64_t epoch = 0;
-  double lr = 0;
-  bool flag = false;
-  std::uint64_t seed = 0;
-  float scale = 0;
-  std::int16_t small = 0;
-};
-LOCKSTEP_FIELDS(Net16, layers, epoch, lr, flag, seed, scale, small)
+using Net16 = NetOf<std::int16_t>;
 
 Net16 make_net16(const std::vector<std::int64_t>& widths, float salt) {
   Net n = make_net(widths, salt);
   return Net16{std::move(n.layers), n.epoch, n.lr, n.flag, n.seed, n.scale, static_cast<std::int16_t>(n.small)};
 }
 bool same_net16(const Net16& a, const Net16& b) {
-  if (a.layers.size() != b.layers.size()) return false;
-  for (std::size_t i = 0; i < a.layers.size(); ++i)
-    if (!ls::bitwise_equal(a.layers[i].w, b.layers[i].w) || !ls::bitwise_equal(a.layers[i].b, b.layers[i].b))
-      return false;
-  return a.epoch == b.epoch && a.lr == b.lr && a.small == b.small;
+  return same_layers(a, b) && a.epoch == b.epoch && a.lr == b.lr && a.small == b.small;
 }
 
 struct WithLongDouble {
@@ -254,11 +247,6 @@ struct Scalars {
   double d = 0;
 };
 LOCKSTEP_FIELDS(Scalars, v, d)
-
-struct Two {
-  ls::Tensor a, b;
-};
-LOCKSTEP_FIELDS(Two, a, b)
 }  // namespace cktest
 
 namespace {
@@ -429,13 +417,13 @@ TEST_CASE("long double leaves are refused by name at save and load, on every ran
                                               {"load_checkpoint: leaf 'extra' is a long double"});
   // A moved-from tensor is an empty tensor (Tensor()): loading a file in which it has 3 elements
   // into it, on one rank only, is refused on every rank, and nothing is restored anywhere.
-  cktest::Two two{ls::Tensor::full({2}, 1.0), ls::Tensor::full({3}, 2.0)};
+  cktest::Layer two{ls::Tensor::full({2}, 1.0), ls::Tensor::full({3}, 2.0)};
   ls::save_checkpoint(backend(), p, two);
   ls::Tensor keep;
   if (r == last && last > 0) keep = std::move(two.b);
   if (last > 0)
     ok = ok && throws_with<ls::Error>([&] { ls::load_checkpoint(backend(), p, two); }, {"nothing was restored"});
-  ok = ok && two.a.data<float>()[0] == 1.0f;
+  ok = ok && two.w.data<float>()[0] == 1.0f;
   CHECK(all_ranks(ok));
   backend().barrier();
   if (r == 0) fs::remove_all(dir);

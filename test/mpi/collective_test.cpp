@@ -33,27 +33,55 @@ struct ReductionCase {
         untouched(make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(rank, i); })) {}
 };
 
+// Calls f(dtype, op, size) for every dtype of `types`, every op valid for it and every size.
+template <class F>
+void for_each_reduction(F&& f, const std::vector<ls::DType>& types = kAllDTypes) {
+  for (ls::DType t : types)
+    for (ls::ReduceOp op : kAllOps) {
+      if (!op_valid(op, t)) continue;
+      for (std::int64_t size : kSizes) f(t, op, size);
+    }
+}
+
+// One broadcast case: root's data, and the buffer this rank passes (root's data on root, a
+// sentinel elsewhere).
+struct BroadcastCase {
+  ls::Tensor want, buf;
+  BroadcastCase(ls::DType t, std::int64_t size, int root, int rank)
+      : want(make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(root, i); })),
+        buf(rank == root ? want.clone()
+                         : make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(rank, i); })) {}
+};
+
+// Completes the k-th request: by wait() when k is even, by polling test() otherwise. Returns
+// whether it waited.
+bool complete(ls::Request& req, int k) {
+  if (k % 2 == 0) {
+    req.wait();
+    return true;
+  }
+  while (!req.test()) {
+  }
+  return false;
+}
+
 }  // namespace
 
 TEST_CASE("allreduce: every dtype, op and size, in place and out of place") {
   ls::Backend& b = backend();
   const int r = b.rank(), n = b.size();
   Failures f;
-  for (ls::DType t : kAllDTypes)
-    for (ls::ReduceOp op : kAllOps) {
-      if (!op_valid(op, t)) continue;
-      for (std::int64_t size : kSizes) {
-        const ReductionCase c(op, t, size, r, n);
-        ls::Tensor buf = c.mine.clone();
-        ls::allreduce(b, buf, op);
-        f.expect_same(label("allreduce", t, ls::name(op), size, "in-place"), buf, c.want);
+  for_each_reduction([&](ls::DType t, ls::ReduceOp op, std::int64_t size) {
+    const ReductionCase c(op, t, size, r, n);
+    ls::Tensor buf = c.mine.clone();
+    ls::allreduce(b, buf, op);
+    f.expect_same(label("allreduce", t, ls::name(op), size, "in-place"), buf, c.want);
 
-        ls::Tensor send = c.mine.clone(), recv = c.untouched.clone();
-        b.allreduce(send, recv, op);
-        f.expect_same(label("allreduce", t, ls::name(op), size, "out-of-place"), recv, c.want);
-        f.expect_same(label("allreduce", t, ls::name(op), size, "send unchanged"), send, c.mine);
-      }
-    }
+    ls::Tensor send = c.mine.clone(), recv = c.untouched.clone();
+    b.allreduce(send, recv, op);
+    f.expect_same(label("allreduce", t, ls::name(op), size, "out-of-place"), recv, c.want);
+    f.expect_same(label("allreduce", t, ls::name(op), size, "send unchanged"), send, c.mine);
+  });
   INFO(f.report());
   CHECK(f.ok());
   CHECK(f.checked() > 0);
@@ -63,38 +91,33 @@ TEST_CASE("reduce: every dtype, op, size and root, in place and out of place") {
   ls::Backend& b = backend();
   const int r = b.rank(), n = b.size();
   Failures f;
-  for (ls::DType t : kAllDTypes)
-    for (ls::ReduceOp op : kAllOps) {
-      if (!op_valid(op, t)) continue;
-      for (std::int64_t size : kSizes) {
-        const ReductionCase c(op, t, size, r, n);
-        // Every root at the small sizes; the large size (the slow part on an oversubscribed
-        // CI machine) from the last rank only, since the chunking does not depend on the root.
-        for (int root = size > 7 ? n - 1 : 0; root < n; ++root) {
-          const std::string where = " root=" + std::to_string(root);
-          // In place: root gets the reduction, the others keep their input.
-          ls::Tensor buf = c.mine.clone();
-          ls::reduce(b, buf, op, root);
-          f.expect_same(label("reduce", t, ls::name(op), size, "in-place") + where, buf,
-                        r == root ? c.want : c.mine);
+  for_each_reduction([&](ls::DType t, ls::ReduceOp op, std::int64_t size) {
+    const ReductionCase c(op, t, size, r, n);
+    // Every root at the small sizes; the large size (the slow part on an oversubscribed CI
+    // machine) from the last rank only, since the chunking does not depend on the root.
+    for (int root = size > 7 ? n - 1 : 0; root < n; ++root) {
+      const std::string where = " root=" + std::to_string(root);
+      // In place: root gets the reduction, the others keep their input.
+      ls::Tensor buf = c.mine.clone();
+      ls::reduce(b, buf, op, root);
+      f.expect_same(label("reduce", t, ls::name(op), size, "in-place") + where, buf, r == root ? c.want : c.mine);
 
-          // Out of place with a recv on every rank: only the root's is written.
-          ls::Tensor send = c.mine.clone(), recv = c.untouched.clone();
-          b.reduce(send, recv, op, root);
-          f.expect_same(label("reduce", t, ls::name(op), size, "out-of-place") + where, recv,
-                        r == root ? c.want : c.untouched);
-          f.expect_same(label("reduce", t, ls::name(op), size, "send unchanged") + where, send, c.mine);
+      // Out of place with a recv on every rank: only the root's is written.
+      ls::Tensor send = c.mine.clone(), recv = c.untouched.clone();
+      b.reduce(send, recv, op, root);
+      f.expect_same(label("reduce", t, ls::name(op), size, "out-of-place") + where, recv,
+                    r == root ? c.want : c.untouched);
+      f.expect_same(label("reduce", t, ls::name(op), size, "send unchanged") + where, send, c.mine);
 
-          // Out of place with an empty recv on non-roots (the documented shortcut).
-          if (size == 7) {
-            ls::Tensor out = c.untouched.clone();
-            ls::reduce(b, send, r == root ? out.view() : ls::TensorView{}, op, root);
-            f.expect_same(label("reduce", t, ls::name(op), size, "empty recv elsewhere") + where, out,
-                          r == root ? c.want : c.untouched);
-          }
-        }
+      // Out of place with an empty recv on non-roots (the documented shortcut).
+      if (size == 7) {
+        ls::Tensor out = c.untouched.clone();
+        ls::reduce(b, send, r == root ? out.view() : ls::TensorView{}, op, root);
+        f.expect_same(label("reduce", t, ls::name(op), size, "empty recv elsewhere") + where, out,
+                      r == root ? c.want : c.untouched);
       }
     }
+  });
   INFO(f.report());
   CHECK(f.ok());
 }
@@ -106,11 +129,9 @@ TEST_CASE("broadcast: every dtype, size and root") {
   for (ls::DType t : kAllDTypes)
     for (std::int64_t size : kSizes)
       for (int root = 0; root < n; ++root) {
-        ls::Tensor want = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(root, i); });
-        ls::Tensor buf = r == root ? want.clone()
-                                   : make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(r, i); });
-        ls::broadcast(b, buf, root);
-        f.expect_same(label("broadcast", t, "-", size, "root=") + std::to_string(root), buf, want);
+        BroadcastCase c(t, size, root, r);
+        ls::broadcast(b, c.buf, root);
+        f.expect_same(label("broadcast", t, "-", size, "root=") + std::to_string(root), c.buf, c.want);
       }
   INFO(f.report());
   CHECK(f.ok());
@@ -143,19 +164,15 @@ TEST_CASE("reduce_scatter: every dtype, op and size") {
   ls::Backend& b = backend();
   const int r = b.rank(), n = b.size();
   Failures f;
-  for (ls::DType t : kAllDTypes)
-    for (ls::ReduceOp op : kAllOps) {
-      if (!op_valid(op, t)) continue;
-      for (std::int64_t size : kSizes) {
-        // Element i of the (size * n)-element send is input(op, t, rank, i); rank r receives
-        // block r, i.e. the reduction at global index r * size + j.
-        ls::Tensor send = make_periodic(t, size * n, kInputPeriod, [&](std::int64_t i) { return input(op, t, r, i); });
-        const ReductionCase block(op, t, size, r, n, r * size);
-        ls::Tensor recv = block.untouched.clone();
-        ls::reduce_scatter(b, send, recv, op);
-        f.expect_same(label("reduce_scatter", t, ls::name(op), size, "out-of-place"), recv, block.want);
-      }
-    }
+  for_each_reduction([&](ls::DType t, ls::ReduceOp op, std::int64_t size) {
+    // Element i of the (size * n)-element send is input(op, t, rank, i); rank r receives block r,
+    // i.e. the reduction at global index r * size + j.
+    ls::Tensor send = make_periodic(t, size * n, kInputPeriod, [&](std::int64_t i) { return input(op, t, r, i); });
+    const ReductionCase block(op, t, size, r, n, r * size);
+    ls::Tensor recv = block.untouched.clone();
+    ls::reduce_scatter(b, send, recv, op);
+    f.expect_same(label("reduce_scatter", t, ls::name(op), size, "out-of-place"), recv, block.want);
+  });
   INFO(f.report());
   CHECK(f.ok());
 }
@@ -180,37 +197,24 @@ TEST_CASE("iallreduce and ibroadcast: wait and test") {
   const int r = b.rank(), n = b.size();
   Failures f;
   int k = 0;
-  for (ls::DType t : kAllDTypes) {
-    for (ls::ReduceOp op : kAllOps) {
-      if (!op_valid(op, t)) continue;
-      for (std::int64_t size : kSizes) {
-        const ReductionCase c(op, t, size, r, n);
-        ls::Tensor buf = c.mine.clone();
-        ls::Request req = b.iallreduce(buf, op);
-        if (++k % 2 == 0) {
-          req.wait();
-        } else {
-          while (!req.test()) {
-          }
-        }
-        if (req.pending()) f.fail("request still pending after completion");
-        req.wait();  // idempotent
-        f.expect_same(label("iallreduce", t, ls::name(op), size, k % 2 == 0 ? "wait" : "test"), buf, c.want);
-      }
-    }
+  for (ls::DType type : kAllDTypes) {
+    for_each_reduction(
+        [&](ls::DType t, ls::ReduceOp op, std::int64_t size) {
+          const ReductionCase c(op, t, size, r, n);
+          ls::Tensor buf = c.mine.clone();
+          ls::Request req = b.iallreduce(buf, op);
+          const bool waited = complete(req, ++k);
+          if (req.pending()) f.fail("request still pending after completion");
+          req.wait();  // idempotent
+          f.expect_same(label("iallreduce", t, ls::name(op), size, waited ? "wait" : "test"), buf, c.want);
+        },
+        {type});
     for (std::int64_t size : kSizes)
       for (int root = 0; root < n; ++root) {
-        ls::Tensor want = make_periodic(t, size, kBcastPeriod, [&](std::int64_t i) { return bcast_value(root, i); });
-        ls::Tensor buf = r == root ? want.clone()
-                                   : make_periodic(t, size, kSentinelPeriod, [&](std::int64_t i) { return sentinel(r, i); });
-        ls::Request req = b.ibroadcast(buf, root);
-        if (++k % 2 == 0) {
-          req.wait();
-        } else {
-          while (!req.test()) {
-          }
-        }
-        f.expect_same(label("ibroadcast", t, "-", size, "root=") + std::to_string(root), buf, want);
+        BroadcastCase c(type, size, root, r);
+        ls::Request req = b.ibroadcast(c.buf, root);
+        complete(req, ++k);
+        f.expect_same(label("ibroadcast", type, "-", size, "root=") + std::to_string(root), c.buf, c.want);
       }
   }
 

@@ -3,7 +3,6 @@
 // rank's lines and the time taken: each scenario may hang, end the job or give wrong data if a
 // promise is broken. Each rank prints "rank R: <outcome>" lines, flushed.
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi_backend.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -14,78 +13,29 @@
 #include <thread>
 #include <vector>
 
+#include "reliability/scenario.hpp"
+
 namespace ls = lockstep;
+using namespace lstest::scenario;
 
 namespace {
-int g_rank = -1;
-void say(const std::string& s) {
-  std::printf("rank %d: %s\n", g_rank, s.c_str());
-  std::fflush(stdout);
-}
-const char* kind(const std::exception& e) {
-  if (dynamic_cast<const ls::TimeoutError*>(&e)) return "TimeoutError";
-  if (dynamic_cast<const ls::MismatchError*>(&e)) return "MismatchError";
-  if (dynamic_cast<const ls::InvalidArgument*>(&e)) return "InvalidArgument";
-  if (dynamic_cast<const ls::MpiError*>(&e)) return "MpiError";
-  if (dynamic_cast<const ls::Error*>(&e)) return "Error";
-  return "std::exception";
-}
-template <class F>
-std::string outcome(F&& f) {
-  try {
-    f();
-    return "no exception";
-  } catch (const std::exception& e) {
-    std::string w = e.what();
-    return std::string(kind(e)) + ": " + w.substr(0, w.find('\n'));
-  }
-}
-
-// A user's Backend that forwards to another one (like test/training_common.hpp's CountingBackend).
-class Wrapper final : public ls::Backend {
+// A user's Backend that forwards to another one (like test/training_common.hpp's
+// CountingBackend); a refusal by this wrapper's front end is told to the ranks of the inner
+// backend.
+class Wrapper final : public lstest::ForwardingBackend {
  public:
-  explicit Wrapper(ls::Backend& inner) : inner_(inner) {}
-  std::string name() const override { return inner_.name(); }
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  int local_rank() const override { return inner_.local_rank(); }
-  int local_size() const override { return inner_.local_size(); }
+  using ForwardingBackend::ForwardingBackend;
 
  protected:
-  void do_broadcast(ls::TensorView buf, int root) override { inner_.broadcast(buf, root); }
-  void do_allreduce(ls::TensorView buf, ls::ReduceOp op) override { inner_.allreduce(buf, op); }
-  void do_allreduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override { inner_.allreduce(s, r, op); }
-  void do_reduce(ls::TensorView buf, ls::ReduceOp op, int root) override { inner_.reduce(buf, op, root); }
-  void do_reduce(ls::TensorView s, ls::TensorView r, ls::ReduceOp op, int root) override {
-    inner_.reduce(s, r, op, root);
-  }
-  void do_allgather(ls::TensorView s, ls::TensorView r) override { inner_.allgather(s, r); }
-  void do_reduce_scatter(ls::TensorView s, ls::TensorView r, ls::ReduceOp op) override {
-    inner_.reduce_scatter(s, r, op);
-  }
-  void do_barrier() override { inner_.barrier(); }
-  ls::Request do_iallreduce(ls::TensorView buf, ls::ReduceOp op) override { return inner_.iallreduce(buf, op); }
-  ls::Request do_ibroadcast(ls::TensorView buf, int root) override { return inner_.ibroadcast(buf, root); }
-  // A refusal by this wrapper's front end is told to the ranks of the inner backend.
-  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner_, call, e); }
-
- private:
-  ls::Backend& inner_;
+  void abandon(const CallInfo& call, const std::exception& e) override { forward_abandon(inner(), call, e); }
 };
-
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
-  try {
-    ls::initialize<ls::MPIBackend>();
-  } catch (const std::exception& e) {
-    g_rank = ls::detail::world_rank();
-    say(std::string(kind(e)) + ": " + e.what());
-    return 0;
-  }
-  g_rank = ls::detail::world_rank();
-  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  ls::MPIBackend* world = start();
+  if (world == nullptr) return 0;
+  auto& b = *world;
   const int r = b.rank(), n = b.size();
   const bool last = r == n - 1;
   say(std::string("started, shared memory ") + (b.shared_memory() ? "on" : "off"));
@@ -199,7 +149,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   } catch (const std::exception& e) {
-    say(std::string(kind(e)) + ": " + e.what());
+    report(e);
     return 0;
   }
   return 0;

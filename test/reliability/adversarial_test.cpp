@@ -6,52 +6,18 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi_backend.hpp>
 
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
+
 namespace ls = lockstep;
+using namespace lstest;
 
 namespace {
-
-ls::MPIBackend& backend() {
-  ls::initialize<ls::MPIBackend>();
-  return ls::get_distributed_backend<ls::MPIBackend>();
-}
-
-bool all_ranks(ls::Backend& b, bool ok) {
-  ls::Tensor flag = ls::Tensor::full({1}, ok ? 1.0 : 0.0, ls::DType::i32);
-  b.allreduce(flag, ls::ReduceOp::min);
-  return flag.data<std::int32_t>()[0] == 1;
-}
-
-template <class E, class F>
-std::string expect_throw(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return std::string("ok: ") + e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception: ") + e.what();
-  }
-  return "no exception";
-}
-
-// "no exception", or the exception's text.
-template <class F>
-std::string outcome(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return std::string("exception: ") + e.what();
-  }
-  return "no exception";
-}
-
-bool is_ok(const std::string& s) { return s.rfind("ok: ", 0) == 0; }
-
+ls::MPIBackend& backend() { return world_backend(); }
 }  // namespace
 
 TEST_CASE("reduce: ranks may mix the in-place and the out-of-place form") {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -39,15 +40,10 @@ Net make_net() {
 // "" if it did not throw.
 template <class F>
 std::string mismatch_text(F&& f) {
-  try {
-    f();
-  } catch (const ls::MismatchError& e) {
-    return e.what();
-  }
-  return "";
+  return lstest::error_message<ls::MismatchError>(std::forward<F>(f));
 }
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using lstest::contains;
 
 // Restores the process-wide settings a test changes.
 struct SettingsGuard {

@@ -2,7 +2,6 @@
 // what every rank printed and how long the job took). Each rank prints one line
 // "rank R: <outcome>" per step, flushed, so that the script sees it even if the job is killed.
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi_backend.hpp>
 
 #include <signal.h>
 #include <unistd.h>
@@ -14,35 +13,16 @@
 #include <string>
 #include <thread>
 
-namespace ls = lockstep;
+#include "reliability/scenario.hpp"
 
-namespace {
-int g_rank = -1;
-void say(const std::string& s) {
-  std::printf("rank %d: %s\n", g_rank, s.c_str());
-  std::fflush(stdout);
-}
-const char* kind(const std::exception& e) {
-  if (dynamic_cast<const ls::TimeoutError*>(&e)) return "TimeoutError";
-  if (dynamic_cast<const ls::MismatchError*>(&e)) return "MismatchError";
-  if (dynamic_cast<const ls::InvalidArgument*>(&e)) return "InvalidArgument";
-  if (dynamic_cast<const ls::MpiError*>(&e)) return "MpiError";
-  if (dynamic_cast<const ls::Error*>(&e)) return "Error";
-  return "std::exception";
-}
-}  // namespace
+namespace ls = lockstep;
+using namespace lstest::scenario;
 
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
-  try {
-    ls::initialize<ls::MPIBackend>();  // Lockstep starts MPI (and finalises it at exit)
-  } catch (const std::exception& e) {
-    g_rank = ls::detail::world_rank();
-    say(std::string(kind(e)) + ": " + e.what());
-    return 0;  // reported (a non-zero code would make mpiexec end the ranks still printing)
-  }
-  g_rank = ls::detail::world_rank();
-  auto& b = ls::get_distributed_backend<ls::MPIBackend>();
+  ls::MPIBackend* world = start();
+  if (world == nullptr) return 0;
+  auto& b = *world;
   const int r = b.rank();
   say("started");
   if (scenario == "uncaught" && r == 1) throw std::runtime_error("cannot open data.bin: no such file");
@@ -101,7 +81,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   } catch (const std::exception& e) {
-    say(std::string(kind(e)) + ": " + e.what());
+    report(e);
     return 0;  // handled: returns from main (finalize must not then wait for the others)
   }
   return 0;

@@ -5,39 +5,17 @@
 #include <catch2/catch.hpp>
 
 #include <lockstep/lockstep.hpp>
-#include <lockstep/mpi_backend.hpp>
 
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
+
 namespace ls = lockstep;
+using namespace lstest;
 
 namespace {
-
-ls::MPIBackend& backend() {
-  ls::initialize<ls::MPIBackend>();
-  return ls::get_distributed_backend<ls::MPIBackend>();
-}
-
-// Combines a local pass flag across ranks (a collective: every rank calls it).
-bool all_ranks(ls::Backend& b, bool ok) {
-  ls::Tensor flag = ls::Tensor::full({1}, ok ? 1.0 : 0.0, ls::DType::i32);
-  b.allreduce(flag, ls::ReduceOp::min);
-  return flag.data<std::int32_t>()[0] == 1;
-}
-
-template <class E, class F>
-std::string expect_throw(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return std::string("ok: ") + e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception: ") + e.what();
-  }
-  return "no exception";
-}
-
+ls::MPIBackend& backend() { return world_backend(); }
 }  // namespace
 
 TEST_CASE("reduce: a bad recv on root is the same error on every rank, and the next reduce is right") {

@@ -372,25 +372,13 @@ TEST_CASE("mixed f32/f64 gradients: buckets split by dtype, all averaged", "[tra
 // ---- Moved-from states and gradients changed after begin_step (adversarial cases) ----------
 
 namespace {
-// x = std::move(x) through a reference, so that the compiler sees no self-move to warn about.
-template <class T>
-void self_move(T& x) {
-  T& alias = x;
-  x = std::move(alias);
-}
-
 // The message of the InvalidArgument that f throws, or "" if it throws none.
 template <class F>
 std::string invalid_message(F&& f) {
-  try {
-    f();
-  } catch (const ls::InvalidArgument& e) {
-    return e.what();
-  }
-  return "";
+  return error_message<ls::InvalidArgument>(std::forward<F>(f));
 }
 
-bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+bool mentions(const std::string& s, const std::string& part) { return contains(s, part); }
 }  // namespace
 
 TEST_CASE("a moved-from DistributedState is empty and refuses every use with InvalidArgument",

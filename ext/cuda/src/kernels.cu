@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "lockstep/cuda.hpp"
-#include "lockstep/device_runtime.hpp"
+#include "lockstep/core/device_runtime.hpp"
 
 namespace lockstep::cuda {
 namespace {

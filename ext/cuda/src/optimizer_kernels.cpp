@@ -3,7 +3,7 @@
 // the rule exactly as the CPU path computes them, so device and host updates are bitwise equal.
 #include "lockstep/cuda.hpp"
 
-#include "lockstep/rules.hpp"
+#include "lockstep/train/rules.hpp"
 
 #include <vector>
 

@@ -16,11 +16,11 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/checkpoint.hpp"
-#include "lockstep/errors.hpp"
-#include "lockstep/reliability.hpp"
-#include "lockstep/replicas.hpp"
-#include "lockstep/synchronize.hpp"
+#include "lockstep/io/checkpoint.hpp"
+#include "lockstep/core/errors.hpp"
+#include "lockstep/reliability/settings.hpp"
+#include "lockstep/train/replicas.hpp"
+#include "lockstep/train/synchronize.hpp"
 
 namespace lockstep::torch {
 

@@ -22,9 +22,9 @@
 #include <source_location>
 #include <span>
 
-#include "lockstep/backend.hpp"
+#include "lockstep/comm/backend.hpp"
 #include "lockstep/cuda.hpp"
-#include "lockstep/mpi_backend.hpp"
+#include "lockstep/mpi/mpi_backend.hpp"
 
 namespace lockstep {
 
