@@ -11,8 +11,10 @@
 // a tensor message must never be left unreceived: it would be taken by a later message's
 // receive with the same tag. Every tensor message a header announces is therefore received by a
 // receive posted for that header: one given up at its deadline stays posted (into memory kept
-// until it completes), and the tensors of a message that cannot be received (no memory) are
-// drained into receives of 0 bytes. Senders never cancel.
+// until it completes), and the tensors of a message that found no memory are remembered as
+// owed, and received (into memory then dropped) before any later receive of the same source and
+// tag is posted. (Receives of 0 bytes would not do: Open MPI's shared-memory and self transports
+// write a message whole, whatever the receive's size.) Senders never cancel.
 #include "lockstep/remote/remote.hpp"
 
 #include <mpi.h>
@@ -336,8 +338,32 @@ struct Call {
   std::vector<Tensor> segs;
   // Set when the call failed on this rank (the session ended first, its reply's tensors did
   // not arrive or could not be received): thrown by call_result.
-  enum Failure : std::uint8_t { none, error, timeout } failure = none;
+  enum Failure : std::uint8_t { f_none, f_error, f_timeout } failure = f_none;
   std::string failed;
+};
+
+/// When the progress thread last looked for messages of one tag and found none, three times in
+/// a row: through() is the first of those looks' start, by which every message of the tag that
+/// had arrived has been received (a single probe may miss one that MPI has yet to take in: Open
+/// MPI progresses after looking). Written by the progress thread, read by any.
+class LookWatch {
+ public:
+  void saw(bool empty, Clock::time_point pass) {
+    if (!empty) {
+      n_ = 0;
+      return;
+    }
+    at_[n_++ % 3] = pass;
+    if (n_ >= 3) through_.store(at_[n_ % 3].time_since_epoch().count(), std::memory_order_release);
+  }
+  Clock::time_point through() const {
+    return Clock::time_point(Clock::duration(through_.load(std::memory_order_acquire)));
+  }
+
+ private:
+  Clock::time_point at_[3]{};
+  std::uint64_t n_ = 0;
+  std::atomic<Clock::rep> through_{Clock::now().time_since_epoch().count()};
 };
 
 struct Engine {
@@ -350,6 +376,7 @@ struct Engine {
   double data_timeout = 0;  // how long the tensors of a received header may take
 
   std::mutex mu;
+  std::mutex send_mu;  // held while a message is posted (not while it is waited for)
   std::condition_variable cv;
   std::deque<Incoming> queue;
   std::map<std::uint64_t, std::shared_ptr<Call>> pending;
@@ -357,14 +384,11 @@ struct Engine {
   std::atomic<std::uint64_t> next_id{1};
   std::uint64_t run_counter = 0;
   Clock::time_point last_heard_driver = Clock::now();
-  // The start of the progress thread's last run of looks that found no control message waiting:
-  // every heartbeat of the driver that had arrived by then has been read. A serving rank takes the
-  // driver for silent only when a look that began the session's timeout after the driver's last
-  // message found none (so a rank that was itself stopped, and has just resumed, reads the
-  // heartbeats that came meanwhile first).
-  std::atomic<Clock::rep> polled_through{Clock::now().time_since_epoch().count()};
-  Clock::time_point first_empty_look = Clock::now();  // progress thread only
-  int empty_looks = 0;
+  // The progress thread's looks for control messages: a serving rank takes the driver for
+  // silent only when the looks show no heartbeat since the session's timeout after the driver's
+  // last message (so a rank that was itself stopped, and has just resumed, reads the heartbeats
+  // that came meanwhile first).
+  LookWatch ctrl_looks;
   bool closing = false;
 
   std::shared_ptr<RecvCache> cache;
@@ -385,8 +409,14 @@ struct Engine {
     bool receives = false;
   };
   std::vector<Orphan> orphans;
-  /// Receives of 0 bytes that take (and drop, truncated) tensor messages that cannot be received.
-  std::vector<MPI_Request> drains;
+  /// Tensor messages owed: announced by a header whose tensors found no memory, not received yet.
+  /// They are received (and dropped) before any later receive with their source and tag.
+  struct Owed {
+    int source, tag;
+    std::vector<std::size_t> chunks;  // bytes of each message, in order
+  };
+  std::vector<Owed> owed;
+  Clock::time_point next_owed_try{};
 
   int data_tag(std::uint64_t id, bool reply) const {
     return kDataBase + static_cast<int>((2 * id + (reply ? 1 : 0)) % static_cast<std::uint64_t>(tag_span));
@@ -422,6 +452,10 @@ struct Engine {
                        "arrays as Tensors)");
     const bool reply = kind == k_rep_ok || kind == k_rep_err;
     std::vector<MPI_Request> reqs;
+    // One message's header and tensors are posted together, never interleaved with another
+    // message's: a receiver posts its tensor receives in the order of the headers, so that when
+    // the data tags have wrapped, two messages of the same tag still match in order.
+    std::unique_lock post(send_mu);
     for (int dest : dests) {
       reqs.emplace_back();
       LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
@@ -436,6 +470,7 @@ struct Engine {
         }
       }
     }
+    post.unlock();
     if (!wait_requests(reqs, deadline)) {
       std::lock_guard lk(mu);
       orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
@@ -452,15 +487,46 @@ struct Engine {
   }
 
   // ---- progress thread ----
-  /// Posts receives of 0 bytes for the tensor messages of a header that cannot be received
-  /// (they are taken, truncated, and dropped), so that none is left for a later receive.
-  void drain(int source, int tag, const std::vector<std::size_t>& bytes) {
-    for (std::size_t nb : bytes) {
-      for (std::size_t off = 0; off < nb; off += kChunk) {
-        MPI_Request r = MPI_REQUEST_NULL;
-        if (MPI_Irecv(nullptr, 0, MPI_BYTE, source, tag, comm, &r) == MPI_SUCCESS) drains.push_back(r);
+  /// Remembers the tensor messages of a header whose tensors found no memory.
+  void owe(int source, int tag, const std::vector<std::size_t>& bytes) {
+    Owed o{source, tag, {}};
+    for (std::size_t nb : bytes)
+      for (std::size_t off = 0; off < nb; off += kChunk) o.chunks.push_back(std::min(kChunk, nb - off));
+    if (!o.chunks.empty()) owed.push_back(std::move(o));
+  }
+
+  /// Posts receives for what is owed from (source, tag) (every source and tag when source < 0),
+  /// into memory that is dropped once they complete. False when some found no memory again:
+  /// then nothing more may be posted for that source and tag. Called with mu held.
+  bool take_owed(int source = -1, int tag = -1) {
+    bool all = true;
+    std::vector<std::pair<int, int>> blocked;  // an earlier one found no memory: keep the order
+    for (auto it = owed.begin(); it != owed.end();) {
+      const std::pair<int, int> key{it->source, it->tag};
+      if ((source >= 0 && (it->source != source || it->tag != tag)) ||
+          std::find(blocked.begin(), blocked.end(), key) != blocked.end()) {
+        ++it;
+        continue;
       }
+      Orphan o;
+      o.receives = true;
+      try {
+        for (std::size_t nb : it->chunks) o.segs.push_back(Tensor({static_cast<std::int64_t>(nb)}, DType::u8));
+      } catch (const std::exception&) {
+        all = false;
+        blocked.push_back(key);
+        ++it;
+        continue;
+      }
+      for (std::size_t i = 0; i < it->chunks.size(); ++i) {
+        o.reqs.emplace_back();
+        MPI_Irecv(o.segs[i].raw_data(), static_cast<int>(it->chunks[i]), MPI_BYTE, it->source, it->tag, comm,
+                  &o.reqs.back());
+      }
+      orphans.push_back(std::move(o));
+      it = owed.erase(it);
     }
+    return all;
   }
 
   /// A message whose tensors cannot be received here ("tensors " + why): a reply fails its call
@@ -547,9 +613,17 @@ struct Engine {
         table.emplace_back(std::move(shape), static_cast<DType>(dt));
       }
     }
-    // The tensors' memory (the receive cache's buffers for large ones).
+    // What is owed on this source and tag is received first (its receives posted before this
+    // message's, so that it matches them).
     std::string no_memory;
+    if (!table.empty()) {
+      std::lock_guard lk(mu);
+      if (!owed.empty() && !take_owed(in.source, dtag))
+        no_memory = "memory for the earlier tensors of that rank owed on the same tag";
+    }
+    // The tensors' memory (the receive cache's buffers for large ones).
     for (auto& [shape, dt] : table) {
+      if (!no_memory.empty()) break;
       try {
         if (test_hooks().fail_allocations.load() > 0 && test_hooks().fail_allocations.fetch_sub(1) > 0)
           throw Error(concat("remote: out of memory (refused by a test hook) for a received ", lockstep::name(dt),
@@ -565,8 +639,8 @@ struct Engine {
       std::cerr << "lockstep remote: cannot receive the tensors of a message from rank " << in.source << ": "
                 << no_memory << rank_suffix() << "\n";
       std::lock_guard lk(mu);
-      drain(in.source, dtag, seg_bytes);
-      fail_incoming(std::move(in), Call::error, concat("cannot be received on rank ", rank, ": ", no_memory));
+      owe(in.source, dtag, seg_bytes);
+      fail_incoming(std::move(in), Call::f_error, concat("cannot be received on rank ", rank, ": ", no_memory));
       return;
     }
     // The tensors themselves, straight into their memory.
@@ -589,7 +663,7 @@ struct Engine {
       // message left unreceived would be taken by a later receive with the same tag.
       std::lock_guard lk(mu);
       orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs), true});
-      fail_incoming(std::move(in), Call::timeout, concat("did not arrive on rank ", rank, " within ", data_timeout, " s"));
+      fail_incoming(std::move(in), Call::f_timeout, concat("did not arrive on rank ", rank, " within ", data_timeout, " s"));
       return;
     }
     for (std::size_t i = 0; i < sts.size(); ++i) {
@@ -599,7 +673,7 @@ struct Engine {
         std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
                   << got << " bytes where " << sizes[i] << " were announced" << rank_suffix() << "\n";
         std::lock_guard lk(mu);
-        fail_incoming(std::move(in), Call::error,
+        fail_incoming(std::move(in), Call::f_error,
                       concat("arrived on rank ", rank, " with ", got, " bytes where ", sizes[i], " were announced"));
         return;
       }
@@ -663,16 +737,9 @@ struct Engine {
       MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
       it = flag ? orphans.erase(it) : it + 1;
     }
-    test_drains();
-  }
-
-  /// Completes the drains whose message came (each ends truncated: an error, expected).
-  void test_drains() {
-    for (auto it = drains.begin(); it != drains.end();) {
-      int flag = 0;
-      const int rc = MPI_Test(&*it, &flag, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS && *it != MPI_REQUEST_NULL) MPI_Request_free(&*it);  // completed, in error
-      it = (rc != MPI_SUCCESS || flag) ? drains.erase(it) : it + 1;
+    if (!owed.empty() && Clock::now() >= next_owed_try) {
+      (void)take_owed();
+      next_owed_try = Clock::now() + std::chrono::milliseconds(100);
     }
   }
 
@@ -684,16 +751,7 @@ struct Engine {
         const auto pass = Clock::now();
         bool ctrl_empty = false;
         did = poll_once(&ctrl_empty);
-        // A probe may miss a message that MPI has yet to take in (Open MPI's progresses after
-        // looking): three empty looks in a row, and the first one's start counts.
-        if (!ctrl_empty) {
-          empty_looks = 0;
-        } else if (empty_looks++ == 0) {
-          first_empty_look = pass;
-        } else if (empty_looks >= 3) {
-          // Every control message that had arrived by then is read.
-          polled_through.store(first_empty_look.time_since_epoch().count(), std::memory_order_release);
-        }
+        ctrl_looks.saw(ctrl_empty, pass);
         housekeeping();
       } catch (const std::exception& x) {
         std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
@@ -929,8 +987,6 @@ void settle_orphans(Engine& e) {
     if (o.receives)
       for (auto& r : o.reqs)
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-  for (auto& r : e.drains)
-    if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
   const auto until = Clock::now() + std::chrono::seconds(1);
   while (true) {
     for (auto it = e.orphans.begin(); it != e.orphans.end();) {
@@ -938,8 +994,7 @@ void settle_orphans(Engine& e) {
       MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
       it = flag ? e.orphans.erase(it) : it + 1;
     }
-    e.test_drains();
-    if ((e.orphans.empty() && e.drains.empty()) || Clock::now() >= until) break;
+    if (e.orphans.empty() || Clock::now() >= until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (!e.orphans.empty()) {
@@ -948,7 +1003,7 @@ void settle_orphans(Engine& e) {
     for (auto& o : e.orphans) g_leaked->push_back(std::move(o));
     e.orphans.clear();
   }
-  e.drains.clear();  // 0-byte receives: no memory to keep
+  e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
 /// Collective: ends the session of e. Throws TimeoutError when not every rank closed in time
@@ -986,7 +1041,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1
   {
     std::lock_guard lk(e->mu);
     for (auto& [id, c] : e->pending) {
-      c->failure = Call::error;
+      c->failure = Call::f_error;
       c->failed = concat("the remote session ended before rank ", c->rank, " answered the call of '", c->fn, "'");
       c->done = true;
     }
@@ -1063,8 +1118,8 @@ Decoder call_result(Call& c) {
       e.cv.wait_until(lk, std::min(c.deadline, now + std::chrono::milliseconds(50)));
     }
   }
-  if (c.failure == Call::timeout) throw TimeoutError(c.failed + rank_suffix());
-  if (c.failure != Call::none) throw Error(c.failed + rank_suffix());
+  if (c.failure == Call::f_timeout) throw TimeoutError(c.failed + rank_suffix());
+  if (c.failure != Call::f_none) throw Error(c.failed + rank_suffix());
   if (c.kind == k_rep_err) {
     Decoder d(c.buf.data() + c.poff, c.plen, nullptr);
     std::string msg;
@@ -1232,7 +1287,7 @@ Decoder DriverRun::serve_until_done() {
       // Silent: nothing from the driver in a pass of the progress thread that began the
       // timeout after its last message (not merely the timeout by the clock: a rank that was
       // stopped itself, and has just resumed, has the driver's heartbeats still to read).
-      const Clock::time_point looked{Clock::duration(e.polled_through.load(std::memory_order_acquire))};
+      const Clock::time_point looked = e.ctrl_looks.through();
       if (e.timeout > 0 && looked >= e.last_heard_driver + std::chrono::duration_cast<Clock::duration>(
                                                                std::chrono::duration<double>(e.timeout))) {
         idle_timeout = true;
@@ -1251,7 +1306,7 @@ Decoder DriverRun::serve_until_done() {
   auto& s = impl_->stop;
   if (!s.failed.empty()) {
     const std::string what = concat("run_driver on rank ", e.rank, ": ", s.failed, rank_suffix());
-    if (s.fail_kind == Call::timeout) throw TimeoutError(what);
+    if (s.fail_kind == Call::f_timeout) throw TimeoutError(what);
     throw Error(what);
   }
   if (s.kind == k_stop_err) {

@@ -150,7 +150,10 @@ void stopped_driver(ls::Backend& b) {
   ls::RemoteSession session(b, ls::RemoteOptions{.timeout = kSessionTimeout});
   const auto t0 = Clock::now();
   try {
-    const int r = ls::run_driver(b, [&] { return ls::remote_sync_call(b, 1, stop_caller, pid_of()); });
+    // The call's deadline is longer than the driver stays stopped: a caller that was stopped
+    // itself past a deadline takes the clock's jump for a late reply (docs/remote.md).
+    const int r = ls::run_driver(
+        b, [&] { return ls::remote_sync_call(b, ls::CallOptions{.timeout = 60}, 1, stop_caller, pid_of()); });
     if (rank == 0) {
       check(r == 7, "the driver's call, after it resumed");
       say("the driver resumed; run_driver returned after " + std::to_string(since(t0)) + " s");
