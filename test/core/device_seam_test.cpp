@@ -1,7 +1,8 @@
 // MPIBackend and DistributedOptimizer on cuda tensors, on a machine without a GPU.
 //
-// The DeviceRuntime installed here (GuardedHostRuntime) is the seam the CUDA extension fills,
-// implemented with host memory that host code cannot touch: every "device" allocation is its
+// The DeviceRuntime installed here (GuardedHostRuntime, test/guarded_device_runtime.hpp, which
+// the remote calls' device test shares) is the seam the CUDA extension fills, implemented with
+// host memory that host code cannot touch: every "device" allocation is its
 // own mmap region, kept PROT_NONE except while the runtime itself copies or zeroes it (as a
 // GPU's memory is reachable only through the CUDA runtime). Any host code that reads or writes
 // a device pointer (MPI on a path that should have been staged, the avg division, the f16/bf16
@@ -33,123 +34,13 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "guarded_device_runtime.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-class GuardedHostRuntime final : public ls::DeviceRuntime {
- public:
-  struct Counts {
-    long allocations = 0, pinned_allocations = 0, copies = 0, zeroes = 0, syncs = 0;
-    long copy_launches = 0;  // copy_many: one launch of the pack/unpack kernel each
-    long stream_syncs = 0;   // synchronize_stream: the current stream only
-  };
-
-  void* allocate(std::size_t bytes, int) override {
-    std::lock_guard lock(m_);
-    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-    const std::size_t len = std::max<std::size_t>(page, (bytes + page - 1) / page * page);
-    void* p = ::mmap(nullptr, len, all_open_ ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    regions_[static_cast<char*>(p)] = len;
-    ++counts_.allocations;
-    return p;
-  }
-  void deallocate(void* p, int) noexcept override {
-    std::lock_guard lock(m_);
-    auto it = regions_.find(static_cast<char*>(p));
-    if (it == regions_.end()) return;
-    ::munmap(it->first, it->second);
-    regions_.erase(it);
-  }
-  void copy(void* dst, ls::Device dd, const void* src, ls::Device sd, std::size_t bytes) override {
-    std::lock_guard lock(m_);
-    ++counts_.copies;
-    if (bytes == 0) return;
-    Open a(*this, dd.is_cpu() ? nullptr : dst), b(*this, sd.is_cpu() ? nullptr : src);
-    std::memmove(dst, src, bytes);
-  }
-  void zero(void* p, std::size_t bytes, int) override {
-    std::lock_guard lock(m_);
-    ++counts_.zeroes;
-    if (bytes == 0) return;
-    Open a(*this, p);
-    std::memset(p, 0, bytes);
-  }
-  void synchronize(int) override {
-    std::lock_guard lock(m_);
-    ++counts_.syncs;
-  }
-  void synchronize_stream(int) override {
-    std::lock_guard lock(m_);
-    ++counts_.stream_syncs;
-  }
-  void copy_many(std::span<const ls::DeviceCopy> copies, int) override {
-    std::lock_guard lock(m_);
-    ++counts_.copy_launches;
-    for (const auto& c : copies) {
-      if (c.bytes == 0) continue;
-      Open a(*this, c.dst), b(*this, c.src);  // both must be device memory of this runtime
-      std::memmove(c.dst, c.src, c.bytes);
-    }
-  }
-  void* allocate_pinned(std::size_t bytes) override {
-    std::lock_guard lock(m_);
-    ++counts_.pinned_allocations;
-    return std::aligned_alloc(64, std::max<std::size_t>(64, (bytes + 63) / 64 * 64));
-  }
-  void deallocate_pinned(void* p) noexcept override { std::free(p); }
-  int device_count() override { return 1; }
-
-  Counts counts() {
-    std::lock_guard lock(m_);
-    return counts_;
-  }
-  void reset_counts() {
-    std::lock_guard lock(m_);
-    counts_ = {};
-  }
-  /// Lets host code (MPI on the direct path of a CUDA-aware MPI, the kernel stand-ins) reach
-  /// every device allocation until close_all().
-  void open_all() {
-    std::lock_guard lock(m_);
-    for (auto& [p, len] : regions_) ::mprotect(p, len, PROT_READ | PROT_WRITE);
-    all_open_ = true;
-  }
-  void close_all() {
-    std::lock_guard lock(m_);
-    for (auto& [p, len] : regions_) ::mprotect(p, len, PROT_NONE);
-    all_open_ = false;
-  }
-
- private:
-  // Opens the region holding `p` for the scope (nothing for host pointers).
-  struct Open {
-    Open(GuardedHostRuntime& rt, const void* p) : rt_(rt) {
-      if (p == nullptr || rt.all_open_) return;
-      auto it = rt.regions_.upper_bound(static_cast<char*>(const_cast<void*>(p)));
-      const bool inside = it != rt.regions_.begin() && static_cast<const char*>(p) < std::prev(it)->first + std::prev(it)->second;
-      if (!inside) std::cerr << "GuardedHostRuntime: " << p << " is not device memory of this runtime\n";
-      REQUIRE(inside);
-      --it;
-      base_ = it->first;
-      len_ = it->second;
-      ::mprotect(base_, len_, PROT_READ | PROT_WRITE);
-    }
-    ~Open() {
-      if (base_ != nullptr) ::mprotect(base_, len_, PROT_NONE);
-    }
-    GuardedHostRuntime& rt_;
-    char* base_ = nullptr;
-    std::size_t len_ = 0;
-  };
-
-  std::mutex m_;
-  std::map<char*, std::size_t> regions_;
-  Counts counts_;
-  bool all_open_ = false;
-};
+using lstest::GuardedHostRuntime;
 
 // Counts launches; computes as the CUDA kernels do (optim_math.hpp), with the device memory
 // opened for the duration, so that the training results can be compared with the host rules.
