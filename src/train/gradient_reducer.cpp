@@ -227,6 +227,7 @@ struct GradientReducer::Impl {
     const bool on_device = !buckets.empty() && !buckets[0].device.is_cpu();
     std::optional<detail::StreamOrderedScope> ordered;
     if (on_device) ordered.emplace();
+    copies.clear();  // (copy_device's scratch too)
     // Host: memcpy at once; device: collected into `copies` and sent with flush().
     auto move_bytes = [&](void* dst, const void* src, std::size_t n) {
       if (n == 0) return;
