@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -36,6 +37,7 @@ class GuardedHostRuntime final : public ls::DeviceRuntime {
   struct Counts {
     long allocations = 0, pinned_allocations = 0, copies = 0, zeroes = 0, syncs = 0;
     long copy_launches = 0;  // copy_many: one launch of the pack/unpack kernel each
+    long convert_launches = 0;  // convert_many: one launch of the conversion kernel each
     long stream_syncs = 0;   // synchronize_stream: the current stream only
   };
 
@@ -85,6 +87,26 @@ class GuardedHostRuntime final : public ls::DeviceRuntime {
       if (c.bytes == 0) continue;
       Open a(*this, c.dst), b(*this, c.src);  // both must be device memory of this runtime
       std::memmove(c.dst, c.src, c.bytes);
+    }
+  }
+  // f32 <-> bf16/f16 as the CUDA kernel does (round to nearest even; back: widened, divided).
+  void convert_many(std::span<const ls::DeviceConvert> items, ls::DType from, ls::DType to, float divisor,
+                    int) override {
+    std::lock_guard lock(m_);
+    ++counts_.convert_launches;
+    for (const auto& c : items) {
+      if (c.n == 0) continue;
+      Open a(*this, c.dst), b(*this, c.src);  // both must be device memory of this runtime
+      for (std::int64_t i = 0; i < c.n; ++i) {
+        if (from == ls::DType::f32) {
+          const float x = static_cast<const float*>(c.src)[i];
+          static_cast<std::uint16_t*>(c.dst)[i] = to == ls::DType::bf16 ? ls::to_bfloat16(x).bits : ls::to_half(x).bits;
+        } else {
+          const std::uint16_t h = static_cast<const std::uint16_t*>(c.src)[i];
+          const float x = from == ls::DType::bf16 ? ls::to_float(ls::bfloat16{h}) : ls::to_float(ls::half{h});
+          static_cast<float*>(c.dst)[i] = divisor == 1.0f ? x : x / divisor;
+        }
+      }
     }
   }
   void* allocate_pinned(std::size_t bytes) override {
