@@ -18,3 +18,24 @@ function(lockstep_add_remote_kill_test mode dead)
 endfunction()
 lockstep_add_remote_kill_test(worker 1 2 3 4)
 lockstep_add_remote_kill_test(driver 0 2 4)
+
+# Cuda tensors as arguments and results, without a GPU: the guarded device runtime of the device
+# seam (test/guarded_device_runtime.hpp) on every rank; host code touching device memory crashes.
+lockstep_test_executable(test_remote_device remote/remote_device_test.cpp)
+lockstep_add_mpi_test(NAME remote_device TARGET test_remote_device RANKS 1 2 LABELS nogpu TIMEOUT 120)
+
+# Without MPI_THREAD_MULTIPLE: the program starts MPI itself at a lower level, then asks for
+# background serving, a session and run_driver; each is an Error on every rank, within seconds.
+add_executable(lockstep_remote_thread_level remote/remote_thread_level.cpp)
+target_link_libraries(lockstep_remote_thread_level PRIVATE lockstep::core lockstep_build_flags)
+lockstep_add_mpi_test(NAME remote.thread_serialized TARGET lockstep_remote_thread_level RANKS 1 2 ARGS serialized TIMEOUT 60)
+lockstep_add_mpi_test(NAME remote.thread_funneled TARGET lockstep_remote_thread_level RANKS 2 ARGS funneled TIMEOUT 60)
+lockstep_add_mpi_test(NAME remote.thread_mixed TARGET lockstep_remote_thread_level RANKS 2 3 ARGS mixed TIMEOUT 60)
+
+# A rank stopped with SIGSTOP (alive, silent): a worker (the driver's calls to it time out within
+# their deadline, naming it; resumed, it goes on serving) and the driver (the serving ranks'
+# TimeoutError after the session's timeout).
+add_executable(lockstep_remote_stall remote/remote_stall.cpp)
+target_link_libraries(lockstep_remote_stall PRIVATE lockstep::core lockstep_build_flags)
+lockstep_add_mpi_test(NAME remote.stopped_worker TARGET lockstep_remote_stall RANKS 2 3 ARGS worker LABELS reliability TIMEOUT 90)
+lockstep_add_mpi_test(NAME remote.stopped_driver TARGET lockstep_remote_stall RANKS 2 4 ARGS driver LABELS reliability TIMEOUT 90)

@@ -457,7 +457,7 @@ void MPIBackend::do_broadcast(TensorView buf, int root) {
   // returns false, on every rank alike, when the call goes to MPI instead).
   if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, s.host().device.is_cpu())))
     chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
-  s.copy_out();
+  if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
 }
 
 void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {

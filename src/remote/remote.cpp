@@ -6,6 +6,15 @@
 // then one message per tensor (chunks of 1 GiB), sent from the tensor's memory and received
 // into the new tensor, with a tag derived from the sender's call id (requests even, replies
 // odd), so that the tensors of concurrent calls never mix. Only the progress thread receives.
+//
+// Data tags repeat once the call ids wrap around the tag space (MPI_TAG_UB, at least 32767), so
+// a tensor message must never be left unreceived: it would be taken by a later message's
+// receive with the same tag. Every tensor message a header announces is therefore received by a
+// receive posted for that header: one given up at its deadline stays posted (into memory kept
+// until it completes), and the tensors of a message that found no memory are remembered as
+// owed, and received (into memory then dropped) before any later receive of the same source and
+// tag is posted. (Receives of 0 bytes would not do: Open MPI's shared-memory and self transports
+// write a message whole, whatever the receive's size.) Senders never cancel.
 #include "lockstep/remote/remote.hpp"
 
 #include <mpi.h>
@@ -99,6 +108,16 @@ std::optional<FnInfo> find_fn(const void* fn) {
   return r.by_name.at(it->second);
 }
 
+// ---- test hooks ----
+namespace {
+thread_local double t_reply_tensor_delay = 0;
+}
+TestHooks& test_hooks() {
+  static TestHooks h;
+  return h;
+}
+void delay_reply_tensors_for_test(double seconds) { t_reply_tensor_delay = seconds; }
+
 // ---- encoder / decoder ----
 Encoder::Encoder() { bytes_.resize(kHead); }
 
@@ -156,6 +175,8 @@ struct Incoming {
   std::vector<std::byte> buf;
   std::size_t poff = kHead, plen = 0;
   std::vector<Tensor> segs;
+  std::string failed;  // its tensors could not be received: answered with this error
+  std::uint8_t fail_kind = 0;
 };
 
 double resolve_timeout(double t) { return t < 0 ? lockstep::timeout() : t; }
@@ -315,7 +336,34 @@ struct Call {
   std::vector<std::byte> buf;
   std::size_t poff = kHead, plen = 0;
   std::vector<Tensor> segs;
-  std::string closed;  // set when the session ended first
+  // Set when the call failed on this rank (the session ended first, its reply's tensors did
+  // not arrive or could not be received): thrown by call_result.
+  enum Failure : std::uint8_t { f_none, f_error, f_timeout } failure = f_none;
+  std::string failed;
+};
+
+/// When the progress thread last looked for messages of one tag and found none, three times in
+/// a row: through() is the first of those looks' start, by which every message of the tag that
+/// had arrived has been received (a single probe may miss one that MPI has yet to take in: Open
+/// MPI progresses after looking). Written by the progress thread, read by any.
+class LookWatch {
+ public:
+  void saw(bool empty, Clock::time_point pass) {
+    if (!empty) {
+      n_ = 0;
+      return;
+    }
+    at_[n_++ % 3] = pass;
+    if (n_ >= 3) through_.store(at_[n_ % 3].time_since_epoch().count(), std::memory_order_release);
+  }
+  Clock::time_point through() const {
+    return Clock::time_point(Clock::duration(through_.load(std::memory_order_acquire)));
+  }
+
+ private:
+  Clock::time_point at_[3]{};
+  std::uint64_t n_ = 0;
+  std::atomic<Clock::rep> through_{Clock::now().time_since_epoch().count()};
 };
 
 struct Engine {
@@ -325,8 +373,10 @@ struct Engine {
   int tag_span = 1 << 15;
   RemoteOptions opts;
   double timeout = 0;
+  double data_timeout = 0;  // how long the tensors of a received header may take
 
   std::mutex mu;
+  std::mutex send_mu;  // held while a message is posted (not while it is waited for)
   std::condition_variable cv;
   std::deque<Incoming> queue;
   std::map<std::uint64_t, std::shared_ptr<Call>> pending;
@@ -334,6 +384,11 @@ struct Engine {
   std::atomic<std::uint64_t> next_id{1};
   std::uint64_t run_counter = 0;
   Clock::time_point last_heard_driver = Clock::now();
+  // The progress thread's looks for control messages: a serving rank takes the driver for
+  // silent only when the looks show no heartbeat since the session's timeout after the driver's
+  // last message (so a rank that was itself stopped, and has just resumed, reads the heartbeats
+  // that came meanwhile first).
+  LookWatch ctrl_looks;
   bool closing = false;
 
   std::shared_ptr<RecvCache> cache;
@@ -345,22 +400,34 @@ struct Engine {
   Clock::time_point next_hb = Clock::now();
   Head hb_head{};
 
-  /// Requests given up on (a send past its deadline, a receive cancelled), kept with the memory
-  /// they use until MPI has let go of them.
+  /// Requests given up on (a send past its deadline, a receive past its deadline: both stay
+  /// posted), kept with the memory they use until MPI has completed them.
   struct Orphan {
     std::vector<MPI_Request> reqs;
     Encoder keep;
     std::vector<Tensor> segs;
+    bool receives = false;
   };
   std::vector<Orphan> orphans;
+  /// Tensor messages owed: announced by a header whose tensors found no memory, not received yet.
+  /// They are received (and dropped) before any later receive with their source and tag.
+  struct Owed {
+    int source, tag;
+    std::vector<std::size_t> chunks;  // bytes of each message, in order
+  };
+  std::vector<Owed> owed;
+  Clock::time_point next_owed_try{};
 
   int data_tag(std::uint64_t id, bool reply) const {
     return kDataBase + static_cast<int>((2 * id + (reply ? 1 : 0)) % static_cast<std::uint64_t>(tag_span));
   }
 
-  /// Sends message m to every rank of dests (returns when sent); TimeoutError past the deadline.
+  /// Sends message m to every rank of dests (returns when sent); TimeoutError past the deadline
+  /// (`seconds` after the start, for the message). `tensor_delay` (a test hook) holds the tensor
+  /// messages back for that long after the header.
   void send(const std::vector<int>& dests, int tag, Kind kind, std::uint64_t id, std::uint64_t run,
-            const std::string& name, Encoder& m, Clock::time_point deadline, const char* what) {
+            const std::string& name, Encoder& m, Clock::time_point deadline, double seconds, const std::string& what,
+            double tensor_delay = 0) {
     auto& bytes = m.bytes();
     auto& tensors = m.tensors();
     Head h{};
@@ -385,9 +452,15 @@ struct Engine {
                        "arrays as Tensors)");
     const bool reply = kind == k_rep_ok || kind == k_rep_err;
     std::vector<MPI_Request> reqs;
+    // One message's header and tensors are posted together, never interleaved with another
+    // message's: a receiver posts its tensor receives in the order of the headers, so that when
+    // the data tags have wrapped, two messages of the same tag still match in order.
+    std::unique_lock post(send_mu);
     for (int dest : dests) {
       reqs.emplace_back();
       LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
+      if (tensor_delay > 0 && !tensors.empty())
+        std::this_thread::sleep_for(std::chrono::duration<double>(tensor_delay));
       for (auto& t : tensors) {
         auto* p = static_cast<char*>(t.raw_data());
         for (std::size_t off = 0; off < t.nbytes(); off += kChunk) {
@@ -397,15 +470,90 @@ struct Engine {
         }
       }
     }
+    post.unlock();
     if (!wait_requests(reqs, deadline)) {
       std::lock_guard lk(mu);
-      orphans.push_back(Orphan{std::move(reqs), std::move(m), {}});
-      throw TimeoutError(concat(what, ": rank ", dests.size() == 1 ? std::to_string(dests[0]) : std::string("s"),
-                                " did not take the message within ", timeout, " s", rank_suffix()));
+      orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
+      std::string who = "rank";
+      if (dests.size() > 1) {
+        who = "one of ranks";
+        for (std::size_t i = 0; i < dests.size() && i < 8; ++i) who += concat(i ? ", " : " ", dests[i]);
+        if (dests.size() > 8) who += ", ...";
+      } else {
+        who += concat(" ", dests[0]);
+      }
+      throw TimeoutError(concat(what, ": ", who, " did not take the message within ", seconds, " s", rank_suffix()));
     }
   }
 
   // ---- progress thread ----
+  /// Remembers the tensor messages of a header whose tensors found no memory.
+  void owe(int source, int tag, const std::vector<std::size_t>& bytes) {
+    Owed o{source, tag, {}};
+    for (std::size_t nb : bytes)
+      for (std::size_t off = 0; off < nb; off += kChunk) o.chunks.push_back(std::min(kChunk, nb - off));
+    if (!o.chunks.empty()) owed.push_back(std::move(o));
+  }
+
+  /// Posts receives for what is owed from (source, tag) (every source and tag when source < 0),
+  /// into memory that is dropped once they complete. False when some found no memory again:
+  /// then nothing more may be posted for that source and tag. Called with mu held.
+  bool take_owed(int source = -1, int tag = -1) {
+    bool all = true;
+    std::vector<std::pair<int, int>> blocked;  // an earlier one found no memory: keep the order
+    for (auto it = owed.begin(); it != owed.end();) {
+      const std::pair<int, int> key{it->source, it->tag};
+      if ((source >= 0 && (it->source != source || it->tag != tag)) ||
+          std::find(blocked.begin(), blocked.end(), key) != blocked.end()) {
+        ++it;
+        continue;
+      }
+      Orphan o;
+      o.receives = true;
+      try {
+        for (std::size_t nb : it->chunks) o.segs.push_back(Tensor({static_cast<std::int64_t>(nb)}, DType::u8));
+      } catch (const std::exception&) {
+        all = false;
+        blocked.push_back(key);
+        ++it;
+        continue;
+      }
+      for (std::size_t i = 0; i < it->chunks.size(); ++i) {
+        o.reqs.emplace_back();
+        MPI_Irecv(o.segs[i].raw_data(), static_cast<int>(it->chunks[i]), MPI_BYTE, it->source, it->tag, comm,
+                  &o.reqs.back());
+      }
+      orphans.push_back(std::move(o));
+      it = owed.erase(it);
+    }
+    return all;
+  }
+
+  /// A message whose tensors cannot be received here ("tensors " + why): a reply fails its call
+  /// now (unless abandoned), a request is answered with the error, the driver's end of a run
+  /// is an error on this rank. Called with mu held.
+  void fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why) {
+    in.segs.clear();
+    if (in.kind == k_rep_ok || in.kind == k_rep_err) {
+      auto it = pending.find(in.id);
+      if (it == pending.end()) return;
+      auto c = it->second;
+      pending.erase(it);
+      if (c->abandoned) return;
+      c->failure = kind;
+      c->failed = concat("remote call of '", c->fn, "' on rank ", c->rank, ": the reply's tensors ", why);
+      c->done = true;
+    } else if (in.kind == k_req) {
+      in.failed = "the call's tensors " + why;
+      queue.push_back(std::move(in));
+    } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
+      in.failed = "the tensors of the driver's result " + why;
+      in.fail_kind = kind;
+      stops[in.run] = std::move(in);
+    }
+    cv.notify_all();
+  }
+
   void receive(MPI_Message& msg, MPI_Status& st) {
     int n = 0;
     MPI_Get_count(&st, MPI_BYTE, &n);
@@ -438,32 +586,64 @@ struct Engine {
       name.resize(z);
     }
     in.name = std::move(name);
-    // The tensor table, then the tensors themselves, straight into their new memory.
-    const std::byte* t = in.buf.data() + kHead + h.payload_len + h.name_len;
-    const std::byte* tend = t + h.table_len;
-    bool ok = true;
-    for (std::uint32_t i = 0; i < h.nseg && ok; ++i) {
-      if (tend - t < 2) { ok = false; break; }
-      const auto dt = static_cast<std::uint8_t>(t[0]);
-      const auto nd = static_cast<std::uint8_t>(t[1]);
-      t += 2;
-      if (dt > static_cast<std::uint8_t>(DType::u8) || tend - t < 8 * nd) { ok = false; break; }
-      Shape shape(nd);
-      std::memcpy(shape.data(), t, 8 * nd);
-      t += 8 * nd;
-      try {
-        in.segs.push_back(cache->take(std::move(shape), static_cast<DType>(dt)));
-      } catch (const std::exception& x) {
-        std::cerr << "lockstep remote: cannot allocate a received tensor: " << x.what() << "\n";
-        ok = false;
+    const bool reply = in.kind == k_rep_ok || in.kind == k_rep_err;
+    const int dtag = data_tag(in.id, reply);
+    // The tensor table.
+    std::vector<std::pair<Shape, DType>> table;
+    std::vector<std::size_t> seg_bytes;
+    {
+      const std::byte* t = in.buf.data() + kHead + h.payload_len + h.name_len;
+      const std::byte* tend = t + h.table_len;
+      for (std::uint32_t i = 0; i < h.nseg; ++i) {
+        const bool fits = tend - t >= 2;
+        const auto dt = fits ? static_cast<std::uint8_t>(t[0]) : 0;
+        const auto nd = fits ? static_cast<std::uint8_t>(t[1]) : 0;
+        if (!fits || dt > static_cast<std::uint8_t>(DType::u8) || tend - t - 2 < 8 * nd) {
+          // Not from a Lockstep sender of this version: its tensor messages (if any) cannot be
+          // counted, and stay unreceived.
+          std::cerr << "lockstep remote: dropped a message with a bad tensor table from rank " << in.source
+                    << rank_suffix() << "\n";
+          return;
+        }
+        t += 2;
+        Shape shape(nd);
+        std::memcpy(shape.data(), t, 8 * nd);
+        t += 8 * nd;
+        seg_bytes.push_back(nbytes_of(numel_of(shape), static_cast<DType>(dt)));
+        table.emplace_back(std::move(shape), static_cast<DType>(dt));
       }
     }
-    if (!ok) {
-      std::cerr << "lockstep remote: dropped a message with a bad tensor table from rank " << in.source
-                << rank_suffix() << "\n";
-      return;  // (its tensor messages, if any, stay unreceived)
+    // What is owed on this source and tag is received first (its receives posted before this
+    // message's, so that it matches them).
+    std::string no_memory;
+    if (!table.empty()) {
+      std::lock_guard lk(mu);
+      if (!owed.empty() && !take_owed(in.source, dtag))
+        no_memory = "memory for the earlier tensors of that rank owed on the same tag";
     }
-    const bool reply = in.kind == k_rep_ok || in.kind == k_rep_err;
+    // The tensors' memory (the receive cache's buffers for large ones).
+    for (auto& [shape, dt] : table) {
+      if (!no_memory.empty()) break;
+      try {
+        if (test_hooks().fail_allocations.load() > 0 && test_hooks().fail_allocations.fetch_sub(1) > 0)
+          throw Error(concat("remote: out of memory (refused by a test hook) for a received ", lockstep::name(dt),
+                             " tensor of shape ", lockstep::to_string(shape)));
+        in.segs.push_back(cache->take(shape, dt));
+      } catch (const std::exception& x) {
+        no_memory = x.what();
+        break;
+      }
+    }
+    if (!no_memory.empty()) {
+      in.segs.clear();
+      std::cerr << "lockstep remote: cannot receive the tensors of a message from rank " << in.source << ": "
+                << no_memory << rank_suffix() << "\n";
+      std::lock_guard lk(mu);
+      owe(in.source, dtag, seg_bytes);
+      fail_incoming(std::move(in), Call::f_error, concat("cannot be received on rank ", rank, ": ", no_memory));
+      return;
+    }
+    // The tensors themselves, straight into their memory.
     std::vector<MPI_Request> reqs;
     std::vector<int> sizes;
     for (auto& s : in.segs) {
@@ -472,18 +652,18 @@ struct Engine {
         const auto c = std::min(kChunk, s.nbytes() - off);
         reqs.emplace_back();
         sizes.push_back(static_cast<int>(c));
-        MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, data_tag(in.id, reply), comm, &reqs.back());
+        MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, dtag, comm, &reqs.back());
       }
     }
     std::vector<MPI_Status> sts;
-    if (!reqs.empty() && !wait_requests(reqs, deadline_after(timeout), &sts)) {
-      for (auto& r : reqs)
-        if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-      std::cerr << "lockstep remote: the tensors of a message from rank " << in.source
-                << " did not arrive within " << timeout << " s" << rank_suffix() << "\n";
-      // Their memory stays with the cancelled receives until MPI completes them.
+    if (!reqs.empty() && !wait_requests(reqs, deadline_after(data_timeout), &sts)) {
+      std::cerr << "lockstep remote: the tensors of a message from rank " << in.source << " did not arrive within "
+                << data_timeout << " s" << rank_suffix() << "\n";
+      // The receives stay posted, their memory with them, until the late data arrives: a tensor
+      // message left unreceived would be taken by a later receive with the same tag.
       std::lock_guard lk(mu);
-      orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs)});
+      orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs), true});
+      fail_incoming(std::move(in), Call::f_timeout, concat("did not arrive on rank ", rank, " within ", data_timeout, " s"));
       return;
     }
     for (std::size_t i = 0; i < sts.size(); ++i) {
@@ -492,6 +672,9 @@ struct Engine {
       if (got != sizes[i]) {  // every byte of a received tensor comes from the sender
         std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
                   << got << " bytes where " << sizes[i] << " were announced" << rank_suffix() << "\n";
+        std::lock_guard lk(mu);
+        fail_incoming(std::move(in), Call::f_error,
+                      concat("arrived on rank ", rank, " with ", got, " bytes where ", sizes[i], " were announced"));
         return;
       }
     }
@@ -516,7 +699,9 @@ struct Engine {
     cv.notify_all();
   }
 
-  bool poll_once() {
+  /// One look at each tag (one message each at most). `ctrl_empty`: no control message (the
+  /// driver's heartbeats and end of run) was waiting.
+  bool poll_once(bool* ctrl_empty = nullptr) {
     bool did = false;
     for (int tag : {kTagReq, kTagRep, kTagCtrl}) {
       int flag = 0;
@@ -527,6 +712,7 @@ struct Engine {
         receive(msg, st);
         did = true;
       }
+      if (tag == kTagCtrl && ctrl_empty != nullptr) *ctrl_empty = !flag;
     }
     return did;
   }
@@ -551,6 +737,10 @@ struct Engine {
       MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
       it = flag ? orphans.erase(it) : it + 1;
     }
+    if (!owed.empty() && Clock::now() >= next_owed_try) {
+      (void)take_owed();
+      next_owed_try = Clock::now() + std::chrono::milliseconds(100);
+    }
   }
 
   void progress_loop() {
@@ -558,7 +748,10 @@ struct Engine {
     while (!stop_progress.load()) {
       bool did = false;
       try {
-        did = poll_once();
+        const auto pass = Clock::now();
+        bool ctrl_empty = false;
+        did = poll_once(&ctrl_empty);
+        ctrl_looks.saw(ctrl_empty, pass);
         housekeeping();
       } catch (const std::exception& x) {
         std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
@@ -582,7 +775,10 @@ struct Engine {
       k = k_rep_err;
     };
     auto info = find_by_name(in.name);
-    if (!info) {
+    t_reply_tensor_delay = 0;
+    if (!in.failed.empty()) {
+      fail(5, in.failed);
+    } else if (!info) {
       fail(2, concat("'", in.name, "' is not registered on rank ", rank,
                      " (that rank runs other code, or did not register it)"));
     } else if (info->sig != in.sig) {
@@ -600,8 +796,11 @@ struct Engine {
         fail(1, "an exception that is not a std::exception");
       }
     }
+    const double delay = t_reply_tensor_delay;
+    t_reply_tensor_delay = 0;
     try {
-      send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_after(timeout), "remote reply");
+      send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_after(timeout), timeout,
+           concat("the reply to rank ", in.source), delay);
     } catch (const std::exception& x) {
       std::cerr << "lockstep remote: the reply to rank " << in.source << " was not sent: " << x.what() << "\n";
     }
@@ -643,6 +842,16 @@ std::shared_ptr<Engine> engine_of(const Backend& b) {
   return e;
 }
 
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+    default: return "an unknown thread level";
+  }
+}
+
 /// Iallgather of n bytes per rank over comm, within the deadline.
 std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, double timeout, const char* what) {
   std::vector<std::byte> all(static_cast<std::size_t>(n) * size);
@@ -658,10 +867,11 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   int init = 0;
   MPI_Initialized(&init);
   if (!init) throw Error("remote calls need MPI: call lockstep::initialize<MPIBackend>() first");
-  int level = 0;
+  // The thread level is checked after the ranks have agreed on it (below), so that a rank whose
+  // MPI was started with another level than the others' cannot leave them waiting: until the
+  // progress thread starts, this thread alone calls MPI, which every level allows.
+  int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
-  if (level != MPI_THREAD_MULTIPLE)
-    throw Error(concat("remote calls need MPI_THREAD_MULTIPLE (this MPI provides level ", level, ")", rank_suffix()));
   LOCKSTEP_CHECK_ARG(find_engine(b) == nullptr, "this backend already has a remote session");
   MPI_Comm base = MPI_COMM_WORLD;
   if (auto* m = dynamic_cast<MPIBackend*>(&b)) {
@@ -690,12 +900,17 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   int flag = 0;
   MPI_Comm_get_attr(e->comm, MPI_TAG_UB, &ub, &flag);
   if (flag && ub != nullptr) e->tag_span = *static_cast<int*>(ub) - kDataBase;
-  // The settings must agree.
+  if (const int hook = test_hooks().tag_span.load(); hook > 0) e->tag_span = std::min(e->tag_span, std::max(hook, 2));
+  const double dt_hook = test_hooks().data_timeout.load();
+  e->data_timeout = dt_hook >= 0 ? dt_hook : e->timeout;
+  // The settings must agree (and the data tags: every rank computes the tags of the others).
   struct Mine {
     double timeout;
     std::int32_t background;
+    std::int32_t level;
+    std::int32_t tag_span;
     std::int32_t pad;
-  } mine{e->timeout, o.background ? 1 : 0, 0};
+  } mine{e->timeout, o.background ? 1 : 0, level, e->tag_span, 0};
   std::vector<std::byte> all;
   try {
     all = agree(e->comm, e->size, &mine, sizeof mine, e->timeout, "RemoteSession");
@@ -703,15 +918,40 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     MPI_Comm_free(&e->comm);
     throw;
   }
-  Mine first;
-  std::memcpy(&first, all.data(), sizeof(Mine));
+  std::vector<Mine> ms(static_cast<std::size_t>(e->size));
+  std::memcpy(ms.data(), all.data(), all.size());
+  // Every rank needs MPI_THREAD_MULTIPLE: the progress thread receives while the rank's own
+  // threads run (and, with background serving, while its own code is inside MPI). The same
+  // error on every rank, naming the ranks that lack it.
+  std::map<int, std::vector<int>> short_of;  // level -> ranks
+  for (int i = 0; i < e->size; ++i)
+    if (ms[i].level != MPI_THREAD_MULTIPLE) short_of[ms[i].level].push_back(i);
+  if (!short_of.empty()) {
+    std::string where;
+    for (const auto& [lv, ranks] : short_of) {
+      where += concat(where.empty() ? "" : ", ", thread_level_name(lv), " on rank", ranks.size() > 1 ? "s" : "");
+      for (std::size_t i = 0; i < ranks.size() && i < 8; ++i) where += concat(i ? ", " : " ", ranks[i]);
+      if (ranks.size() > 8) where += concat(", ... (", ranks.size(), " ranks)");
+    }
+    MPI_Comm_free(&e->comm);
+    throw Error(concat(
+        o.background ? "background serving (RemoteOptions::background: calls run on a thread of their own while this "
+                       "rank's code, collectives included, goes on)"
+                     : "remote calls (a RemoteSession, run_driver, serve)",
+        o.background ? " needs" : " need", " MPI_THREAD_MULTIPLE on every rank, and MPI was started with ", where,
+        ": no remote-call mode works without it (a session's progress thread calls MPI beside the rank's own "
+        "threads). Let lockstep::initialize<MPIBackend>() start MPI, or start it with "
+        "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)",
+        rank_suffix()));
+  }
+  const Mine& first = ms[0];
   std::string diff;
   bool same = true;
   for (int i = 0; i < e->size; ++i) {
-    Mine m;
-    std::memcpy(&m, all.data() + i * sizeof(Mine), sizeof(Mine));
+    const Mine& m = ms[static_cast<std::size_t>(i)];
     diff += concat(i ? ", " : "", "rank ", i, ": timeout ", m.timeout, " s, background ", m.background ? "on" : "off");
-    if (m.timeout != first.timeout || m.background != first.background) {
+    if (m.tag_span != first.tag_span) diff += concat(", ", m.tag_span, " data tags");
+    if (m.timeout != first.timeout || m.background != first.background || m.tag_span != first.tag_span) {
       same = false;
       diff += " (differs)";
     }
@@ -733,9 +973,44 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   return e;
 }
 
+/// Requests still pending when their session ended: never completed, so their memory is never
+/// freed (MPI may still write or read it).
+std::mutex g_leaked_mu;
+std::vector<Engine::Orphan>* g_leaked = nullptr;
+
+/// After the progress thread ended: the receives given up on are cancelled (no later message
+/// can be received on this communicator any more), then everything given up on is waited for
+/// (for at most a second); what is still pending then keeps its memory for ever.
+void settle_orphans(Engine& e) {
+  std::lock_guard lk(e.mu);
+  for (auto& o : e.orphans)
+    if (o.receives)
+      for (auto& r : o.reqs)
+        if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+  const auto until = Clock::now() + std::chrono::seconds(1);
+  while (true) {
+    for (auto it = e.orphans.begin(); it != e.orphans.end();) {
+      int flag = 0;
+      MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
+      it = flag ? e.orphans.erase(it) : it + 1;
+    }
+    if (e.orphans.empty() || Clock::now() >= until) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!e.orphans.empty()) {
+    std::lock_guard lk2(g_leaked_mu);
+    if (g_leaked == nullptr) g_leaked = new std::vector<Engine::Orphan>();
+    for (auto& o : e.orphans) g_leaked->push_back(std::move(o));
+    e.orphans.clear();
+  }
+  e.owed.clear();  // the communicator ends: nothing can take them any more
+}
+
 /// Collective: ends the session of e. Throws TimeoutError when not every rank closed in time
-/// (then the communicator is left allocated) unless quiet.
-void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
+/// (then the communicator is left allocated) unless quiet. The ranks wait for each other for
+/// at most `wait` seconds (< 0: the session's timeout).
+void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1) {
+  if (wait < 0) wait = e->timeout;
   {
     std::lock_guard lk(g_mu);
     auto it = g_engines.find(e->backend);
@@ -753,7 +1028,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
   if (MPI_Ibarrier(e->comm, &r) == MPI_SUCCESS) {
     std::vector<MPI_Request> reqs{r};
     try {
-      ok = wait_requests(reqs, deadline_after(e->timeout));
+      ok = wait_requests(reqs, deadline_after(wait));
     } catch (...) {
       ok = false;
     }
@@ -762,10 +1037,12 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
   }
   e->stop_progress = true;
   if (e->progress.joinable()) e->progress.join();
+  settle_orphans(*e);
   {
     std::lock_guard lk(e->mu);
     for (auto& [id, c] : e->pending) {
-      c->closed = concat("the remote session ended before rank ", c->rank, " answered the call of '", c->fn, "'");
+      c->failure = Call::f_error;
+      c->failed = concat("the remote session ended before rank ", c->rank, " answered the call of '", c->fn, "'");
       c->done = true;
     }
     e->pending.clear();
@@ -778,7 +1055,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet) {
     MPI_Comm_free(&e->comm);
   }
   if (!ok && !quiet)
-    throw TimeoutError(concat("closing the remote session: not every rank closed it within ", e->timeout, " s",
+    throw TimeoutError(concat("closing the remote session: not every rank closed it within ", wait, " s",
                               rank_suffix()));
 }
 
@@ -805,7 +1082,7 @@ std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder
   }
   try {
     e->send({rank}, kTagReq, k_req, c->id, 0, fn.name + std::string(1, '\0') + fn.sig, args, c->deadline,
-            ("remote call of '" + fn.name + "'").c_str());
+            c->timeout, concat("remote call of '", fn.name, "'"));
   } catch (...) {
     std::lock_guard lk(e->mu);
     e->pending.erase(c->id);
@@ -841,7 +1118,8 @@ Decoder call_result(Call& c) {
       e.cv.wait_until(lk, std::min(c.deadline, now + std::chrono::milliseconds(50)));
     }
   }
-  if (!c.closed.empty()) throw Error(c.closed + rank_suffix());
+  if (c.failure == Call::f_timeout) throw TimeoutError(c.failed + rank_suffix());
+  if (c.failure != Call::f_none) throw Error(c.failed + rank_suffix());
   if (c.kind == k_rep_err) {
     Decoder d(c.buf.data() + c.poff, c.plen, nullptr);
     std::string msg;
@@ -865,10 +1143,10 @@ struct DriverRun::Impl {
   std::uint64_t run = 0;
   Incoming stop;
 
-  void close(bool quiet) {
+  void close(bool quiet, double wait = -1) {
     if (own && !closed) {
       closed = true;
-      close_engine(e, quiet);
+      close_engine(e, quiet, wait);
     }
   }
 };
@@ -939,7 +1217,7 @@ void DriverRun::finish_ok(Encoder&& result) {
   Encoder m = std::move(result);
   if (e.size > 1)
     e.send(others(e), kTagCtrl, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-           deadline_after(e.timeout), "run_driver (telling the workers that f returned)");
+           deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f returned)");
   impl_->close(false);
 }
 
@@ -980,7 +1258,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   try {
     if (e.size > 1)
       e.send(others(e), kTagCtrl, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-             deadline_after(e.timeout), "run_driver (telling the workers that f threw)");
+             deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";
   }
@@ -1006,8 +1284,12 @@ Decoder DriverRun::serve_until_done() {
         lk.lock();
         continue;
       }
-      if (e.timeout > 0 && Clock::now() >= e.last_heard_driver + std::chrono::duration_cast<Clock::duration>(
-                                                                    std::chrono::duration<double>(e.timeout))) {
+      // Silent: nothing from the driver in a pass of the progress thread that began the
+      // timeout after its last message (not merely the timeout by the clock: a rank that was
+      // stopped itself, and has just resumed, has the driver's heartbeats still to read).
+      const Clock::time_point looked = e.ctrl_looks.through();
+      if (e.timeout > 0 && looked >= e.last_heard_driver + std::chrono::duration_cast<Clock::duration>(
+                                                               std::chrono::duration<double>(e.timeout))) {
         idle_timeout = true;
         break;
       }
@@ -1015,12 +1297,18 @@ Decoder DriverRun::serve_until_done() {
     }
   }
   if (idle_timeout) {
-    impl_->close(true);
+    // The driver is not expected at the closing barrier: a short wait only.
+    impl_->close(true, std::min(e.timeout, 1.0));
     throw TimeoutError(concat("rank ", e.rank, " heard nothing from the driver (rank 0) for ", e.timeout,
                               " s while serving in run_driver", rank_suffix()));
   }
   impl_->close(false);
   auto& s = impl_->stop;
+  if (!s.failed.empty()) {
+    const std::string what = concat("run_driver on rank ", e.rank, ": ", s.failed, rank_suffix());
+    if (s.fail_kind == Call::f_timeout) throw TimeoutError(what);
+    throw Error(what);
+  }
   if (s.kind == k_stop_err) {
     Decoder d(s.buf.data() + s.poff, s.plen, nullptr);
     const auto code = d.u8();

@@ -6,7 +6,10 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <tuple>
+#include <cstdint>
 #include <cstring>
 #include <unordered_map>
 
@@ -90,6 +93,7 @@ struct GradientReducer::Impl {
   std::size_t next_launch = 0;
   std::size_t zero_copy = 0;
   std::vector<DeviceCopy> copies;  // scratch of copy_device
+  std::vector<DeviceConvert> convs;  // scratch of the device wire conversions
 
   // accumulation
   int accumulated = 0;
@@ -215,8 +219,26 @@ struct GradientReducer::Impl {
   // set up for, updated on their owner) is all-gathered into every rank's params. A bucket whose
   // parameters lie back to back (any one-tensor bucket) is gathered in place; otherwise this
   // rank's piece is packed into a buffer of the bucket's size, gathered there, and unpacked.
+  // Device tensors (all on one device: check_options): the packing and unpacking are one
+  // copy_many launch each, queued on the current stream, and the collectives run in a
+  // StreamOrderedScope, since the rule's kernels wrote the parameters on that stream.
   void gather(const std::vector<Tensor*>& params) {
     if (!sharded || nranks == 1 || params.empty()) return;
+    const bool on_device = !buckets.empty() && !buckets[0].device.is_cpu();
+    std::optional<detail::StreamOrderedScope> ordered;
+    if (on_device) ordered.emplace();
+    copies.clear();  // (copy_device's scratch too)
+    // Host: memcpy at once; device: collected into `copies` and sent with flush().
+    auto move_bytes = [&](void* dst, const void* src, std::size_t n) {
+      if (n == 0) return;
+      if (on_device) copies.push_back({dst, src, n});
+      else std::memcpy(dst, src, n);
+    };
+    auto flush = [&] {
+      if (on_device && !copies.empty())
+        device_runtime("DistributedOptimizer").copy_many(copies, buckets[0].device.index);
+      copies.clear();
+    };
     // Which buckets' parameters lie back to back; the buffer is made once, for the largest of
     // the others (at most bucket_bytes: a bucket of several tensors is no larger).
     std::vector<char> apart(buckets.size(), 0);
@@ -244,19 +266,21 @@ struct GradientReducer::Impl {
           const std::int64_t o = b.offsets[j - b.first];
           const std::int64_t a = std::max(lo, o), e = std::min(hi, o + leaves[j].numel);
           if (e > a)
-            std::memcpy(static_cast<std::byte*>(whole.data) + static_cast<std::size_t>(a) * es,
-                        static_cast<const std::byte*>(params[j]->raw_data()) + static_cast<std::size_t>(a - o) * es,
-                        static_cast<std::size_t>(e - a) * es);
+            move_bytes(static_cast<std::byte*>(whole.data) + static_cast<std::size_t>(a) * es,
+                       static_cast<const std::byte*>(params[j]->raw_data()) + static_cast<std::size_t>(a - o) * es,
+                       static_cast<std::size_t>(e - a) * es);
         }
+        flush();
       }
       const std::int64_t q = b.numel / nranks, t = b.numel - q * nranks;
       if (q > 0) backend->allgather(whole.slice(my_rank * q, q), whole.slice(0, q * nranks));
       if (t > 0) backend->broadcast(whole.slice(q * nranks, t), nranks - 1);
       if (together) continue;
       for (std::size_t j = b.first; j < b.last; ++j)
-        std::memcpy(params[j]->raw_data(),
-                    static_cast<const std::byte*>(whole.data) + static_cast<std::size_t>(b.offsets[j - b.first]) * es,
-                    params[j]->nbytes());
+        move_bytes(params[j]->raw_data(),
+                   static_cast<const std::byte*>(whole.data) + static_cast<std::size_t>(b.offsets[j - b.first]) * es,
+                   params[j]->nbytes());
+      flush();
     }
   }
 
@@ -398,6 +422,7 @@ struct GradientReducer::Impl {
       return {};
     }
     const bool accumulating = accumulated > 0;
+    if (wire && !b.device.is_cpu()) return prepare_device_wire(b);
     if (wire) {
       // Rounded once into the wire dtype: from the accumulator, or from the gradients.
       if (b.wire.numel() != b.numel) b.wire = Tensor::zeros({b.numel}, *wire, b.device);
@@ -431,15 +456,54 @@ struct GradientReducer::Impl {
     return b.work.view();
   }
 
-  // Packs (to_work) or unpacks the gradients of device bucket b with one copy launch, queued on
-  // the current stream of its device and not waited for.
-  void copy_device(Bucket& b, bool to_work) {
-    copies.clear();
+  // Device gradients on the wire: rounded into the bucket's wire buffer (kept across steps) with
+  // one conversion launch on the current stream (DeviceRuntime::convert_many), not waited for.
+  // The whole bucket, sharded or not (the reduce-scatter reads all of it).
+  TensorView prepare_device_wire(Bucket& b) {
+    if (b.wire.numel() != b.numel) b.wire = Tensor::zeros({b.numel}, *wire, b.device);
+    if (accumulated > 0) add_bucket(b);  // refuses device tensors, as without a wire dtype
+    convs.clear();
+    for (std::size_t j = b.first; j < b.last; ++j)
+      if (leaves[j].numel > 0)
+        convs.push_back({static_cast<std::byte*>(b.wire.raw_data()) + 2 * static_cast<std::size_t>(b.offsets[j - b.first]),
+                         bound[j]->raw_data(), leaves[j].numel});
+    device_runtime("DistributedOptimizer").convert_many(convs, DType::f32, *wire, 1.0f, b.device.index);
+    b.staged = true;
+    return b.wire.view();
+  }
+
+  // Device gradients on the wire, after the sum: back to f32 into the gradients, divided by the
+  // ranks for avg, in one conversion launch on the current stream. Sharded: this rank's piece.
+  void finish_device_wire(Bucket& b) {
+    const float div = options.op == ReduceOp::avg ? static_cast<float>(nranks) : 1.0f;
+    std::int64_t lo = 0, hi = b.numel;
+    if (sharded) std::tie(lo, hi) = piece(b.numel, my_rank);
+    convs.clear();
     for (std::size_t j = b.first; j < b.last; ++j) {
-      const std::size_t n = bound[j]->nbytes();
-      if (n == 0) continue;
-      if (to_work) copies.push_back({leaf_in_work(b, j), bound[j]->raw_data(), n});
-      else copies.push_back({bound[j]->raw_data(), leaf_in_work(b, j), n});
+      const std::int64_t o = b.offsets[j - b.first];
+      const std::int64_t a = std::max(lo, o), e = std::min(hi, o + leaves[j].numel);
+      if (e > a)
+        convs.push_back({static_cast<float*>(bound[j]->raw_data()) + (a - o),
+                         static_cast<const std::byte*>(b.wire.raw_data()) + 2 * static_cast<std::size_t>(a), e - a});
+    }
+    device_runtime("DistributedOptimizer").convert_many(convs, *wire, DType::f32, div, b.device.index);
+  }
+
+  // Packs (to_work) or unpacks the gradients of device bucket b with one copy launch, queued on
+  // the current stream of its device and not waited for; only the elements [lo, hi) of the
+  // bucket (sharded: this rank's piece, the only part the reduce-scatter reduced).
+  void copy_device(Bucket& b, bool to_work, std::int64_t lo = 0, std::int64_t hi = INT64_MAX) {
+    copies.clear();
+    const std::size_t es = size_of(b.dtype);
+    for (std::size_t j = b.first; j < b.last; ++j) {
+      const std::int64_t o = b.offsets[j - b.first];
+      const std::int64_t a = std::max(lo, o), e = std::min(hi, o + leaves[j].numel);
+      if (e <= a) continue;
+      std::byte* g = static_cast<std::byte*>(bound[j]->raw_data()) + static_cast<std::size_t>(a - o) * es;
+      std::byte* w = leaf_in_work(b, j) + static_cast<std::size_t>(a - o) * es;
+      const std::size_t n = static_cast<std::size_t>(e - a) * es;
+      if (to_work) copies.push_back({w, g, n});
+      else copies.push_back({g, w, n});
     }
     if (!copies.empty()) device_runtime("DistributedOptimizer").copy_many(copies, b.device.index);
   }
@@ -460,6 +524,11 @@ struct GradientReducer::Impl {
     const ReduceOp op = wire ? ReduceOp::sum : options.op;
     if (!b.device.is_cpu()) {
       detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
+      if (sharded) {
+        // Reduce-scatter (and the tail), blocking: the Backend has no nonblocking form of it.
+        communicate(b, target, target.numel);
+        return;
+      }
       b.requests.push_back(backend->iallreduce(target, op));
       return;
     }
@@ -515,6 +584,10 @@ struct GradientReducer::Impl {
     for (auto& r : b.requests) r.wait();
     b.finished = true;
     if (b.numel == 0) return;
+    if (wire && !b.device.is_cpu()) {
+      if (b.staged) finish_device_wire(b);  // (not staged: one rank, nothing was sent)
+      return;
+    }
     if (wire) {
       // Back to f32 (into the accumulator or the gradients), divided by the ranks for avg.
       const float div = options.op == ReduceOp::avg ? static_cast<float>(nranks) : 1.0f;
@@ -546,7 +619,13 @@ struct GradientReducer::Impl {
     }
     if (!b.staged) return;
     if (!b.device.is_cpu()) {
-      copy_device(b, /*to_work=*/false);  // one launch; later work on the stream sees it done
+      // One launch; later work on the stream sees it done. Sharded: this rank's piece only.
+      if (sharded) {
+        const auto [lo, hi] = piece(b.numel, my_rank);
+        copy_device(b, /*to_work=*/false, lo, hi);
+      } else {
+        copy_device(b, /*to_work=*/false);
+      }
       return;
     }
     for (std::size_t j = b.first; j < b.last; ++j)
@@ -659,7 +738,8 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   auto send_group = [&] {
     if (!views.empty()) {
       detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
-      m.buckets[group.front()].requests.push_back(m.backend->iallreduce_many(views, m.options.op));
+      m.buckets[group.front()].requests.push_back(
+          m.backend->iallreduce_many(views, m.wire ? ReduceOp::sum : m.options.op));
     }
     group.clear();
     views.clear();
@@ -668,7 +748,7 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
     m.verify_bound(m.buckets[m.next_launch]);
     const std::size_t bi = m.next_launch++;
     auto& b = m.buckets[bi];
-    if (!b.device.is_cpu() && !m.wire) {
+    if (!b.device.is_cpu() && !m.sharded) {
       b.requests.clear();
       const TensorView t = m.prepare(bi);
       if (t.numel > 0) {
@@ -870,8 +950,9 @@ void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine
   Tensor mine = Tensor::zeros({std::max<std::int64_t>(mc, 1)}, dt), other = Tensor::zeros({most}, dt);
   {
     std::int64_t at = 0;
-    for (const Tensor* p : mine_pieces) {
-      std::memcpy(static_cast<std::byte*>(mine.raw_data()) + static_cast<std::size_t>(at) * es, p->raw_data(), p->nbytes());
+    for (const Tensor* p : mine_pieces) {  // device pieces: one waited copy each (a checkpoint)
+      copy_bytes(static_cast<std::byte*>(mine.raw_data()) + static_cast<std::size_t>(at) * es, Device::cpu(),
+                 p->raw_data(), p->device(), p->nbytes());
       at += p->numel();
     }
   }
@@ -897,9 +978,10 @@ void scatter_field_from_full(const std::vector<ShardPiece>& pieces, const std::v
     const auto& p = pieces[k];
     const Tensor* f = full[p.leaf];
     const std::size_t es = size_of(f->dtype());
-    std::memcpy(mine_pieces[k]->raw_data(),
-                static_cast<const std::byte*>(f->raw_data()) + static_cast<std::size_t>(p.lo) * es,
-                static_cast<std::size_t>(p.hi - p.lo) * es);
+    // `full` is on the host (the file's tensors); a device piece is one waited copy.
+    copy_bytes(mine_pieces[k]->raw_data(), mine_pieces[k]->device(),
+               static_cast<const std::byte*>(f->raw_data()) + static_cast<std::size_t>(p.lo) * es, f->device(),
+               static_cast<std::size_t>(p.hi - p.lo) * es);
   }
 }
 
@@ -913,9 +995,6 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
       if (leaves[j].dtype != DType::f32)
         return concat("wire_dtype ", name(*o.wire_dtype), " compresses f32 gradients; '", path(j), "' is ",
                       name(leaves[j].dtype));
-      if (!leaves[j].device.is_cpu())
-        return concat("wire_dtype is supported for host gradients only; '", path(j), "' is on ",
-                      to_string(leaves[j].device));
     }
   }
   if (o.shard_optimizer_state) {
@@ -926,9 +1005,9 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
       if (leaves[j].dtype != leaves[0].dtype)
         return concat("shard_optimizer_state needs every trainable tensor of one dtype; '", path(0), "' is ",
                       name(leaves[0].dtype), " and '", path(j), "' is ", name(leaves[j].dtype));
-      if (!leaves[j].device.is_cpu())
-        return concat("shard_optimizer_state is supported for host tensors only; '", path(j), "' is on ",
-                      to_string(leaves[j].device));
+      if (leaves[j].device != leaves[0].device)
+        return concat("shard_optimizer_state needs every trainable tensor on one device; '", path(0), "' is on ",
+                      to_string(leaves[0].device), " and '", path(j), "' is on ", to_string(leaves[j].device));
     }
   }
   return {};

@@ -1,7 +1,8 @@
 // MPIBackend and DistributedOptimizer on cuda tensors, on a machine without a GPU.
 //
-// The DeviceRuntime installed here (GuardedHostRuntime) is the seam the CUDA extension fills,
-// implemented with host memory that host code cannot touch: every "device" allocation is its
+// The DeviceRuntime installed here (GuardedHostRuntime, test/guarded_device_runtime.hpp, which
+// the remote calls' device test shares) is the seam the CUDA extension fills, implemented with
+// host memory that host code cannot touch: every "device" allocation is its
 // own mmap region, kept PROT_NONE except while the runtime itself copies or zeroes it (as a
 // GPU's memory is reachable only through the CUDA runtime). Any host code that reads or writes
 // a device pointer (MPI on a path that should have been staged, the avg division, the f16/bf16
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <iterator>
 #include <map>
@@ -33,124 +35,14 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "guarded_device_runtime.hpp"
 #include "test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-class GuardedHostRuntime final : public ls::DeviceRuntime {
- public:
-  struct Counts {
-    long allocations = 0, pinned_allocations = 0, copies = 0, zeroes = 0, syncs = 0;
-    long copy_launches = 0;  // copy_many: one launch of the pack/unpack kernel each
-    long stream_syncs = 0;   // synchronize_stream: the current stream only
-  };
-
-  void* allocate(std::size_t bytes, int) override {
-    std::lock_guard lock(m_);
-    const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-    const std::size_t len = std::max<std::size_t>(page, (bytes + page - 1) / page * page);
-    void* p = ::mmap(nullptr, len, all_open_ ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    regions_[static_cast<char*>(p)] = len;
-    ++counts_.allocations;
-    return p;
-  }
-  void deallocate(void* p, int) noexcept override {
-    std::lock_guard lock(m_);
-    auto it = regions_.find(static_cast<char*>(p));
-    if (it == regions_.end()) return;
-    ::munmap(it->first, it->second);
-    regions_.erase(it);
-  }
-  void copy(void* dst, ls::Device dd, const void* src, ls::Device sd, std::size_t bytes) override {
-    std::lock_guard lock(m_);
-    ++counts_.copies;
-    if (bytes == 0) return;
-    Open a(*this, dd.is_cpu() ? nullptr : dst), b(*this, sd.is_cpu() ? nullptr : src);
-    std::memmove(dst, src, bytes);
-  }
-  void zero(void* p, std::size_t bytes, int) override {
-    std::lock_guard lock(m_);
-    ++counts_.zeroes;
-    if (bytes == 0) return;
-    Open a(*this, p);
-    std::memset(p, 0, bytes);
-  }
-  void synchronize(int) override {
-    std::lock_guard lock(m_);
-    ++counts_.syncs;
-  }
-  void synchronize_stream(int) override {
-    std::lock_guard lock(m_);
-    ++counts_.stream_syncs;
-  }
-  void copy_many(std::span<const ls::DeviceCopy> copies, int) override {
-    std::lock_guard lock(m_);
-    ++counts_.copy_launches;
-    for (const auto& c : copies) {
-      if (c.bytes == 0) continue;
-      Open a(*this, c.dst), b(*this, c.src);  // both must be device memory of this runtime
-      std::memmove(c.dst, c.src, c.bytes);
-    }
-  }
-  void* allocate_pinned(std::size_t bytes) override {
-    std::lock_guard lock(m_);
-    ++counts_.pinned_allocations;
-    return std::aligned_alloc(64, std::max<std::size_t>(64, (bytes + 63) / 64 * 64));
-  }
-  void deallocate_pinned(void* p) noexcept override { std::free(p); }
-  int device_count() override { return 1; }
-
-  Counts counts() {
-    std::lock_guard lock(m_);
-    return counts_;
-  }
-  void reset_counts() {
-    std::lock_guard lock(m_);
-    counts_ = {};
-  }
-  /// Lets host code (MPI on the direct path of a CUDA-aware MPI, the kernel stand-ins) reach
-  /// every device allocation until close_all().
-  void open_all() {
-    std::lock_guard lock(m_);
-    for (auto& [p, len] : regions_) ::mprotect(p, len, PROT_READ | PROT_WRITE);
-    all_open_ = true;
-  }
-  void close_all() {
-    std::lock_guard lock(m_);
-    for (auto& [p, len] : regions_) ::mprotect(p, len, PROT_NONE);
-    all_open_ = false;
-  }
-
- private:
-  // Opens the region holding `p` for the scope (nothing for host pointers).
-  struct Open {
-    Open(GuardedHostRuntime& rt, const void* p) : rt_(rt) {
-      if (p == nullptr || rt.all_open_) return;
-      auto it = rt.regions_.upper_bound(static_cast<char*>(const_cast<void*>(p)));
-      const bool inside = it != rt.regions_.begin() && static_cast<const char*>(p) < std::prev(it)->first + std::prev(it)->second;
-      if (!inside) std::cerr << "GuardedHostRuntime: " << p << " is not device memory of this runtime\n";
-      REQUIRE(inside);
-      --it;
-      base_ = it->first;
-      len_ = it->second;
-      ::mprotect(base_, len_, PROT_READ | PROT_WRITE);
-    }
-    ~Open() {
-      if (base_ != nullptr) ::mprotect(base_, len_, PROT_NONE);
-    }
-    GuardedHostRuntime& rt_;
-    char* base_ = nullptr;
-    std::size_t len_ = 0;
-  };
-
-  std::mutex m_;
-  std::map<char*, std::size_t> regions_;
-  Counts counts_;
-  bool all_open_ = false;
-};
+using lstest::GuardedHostRuntime;
 
 // Counts launches; computes as the CUDA kernels do (optim_math.hpp), with the device memory
 // opened for the duration, so that the training results can be compared with the host rules.
@@ -463,8 +355,8 @@ StepCost run_steps(Installed& in, ls::Backend& mpi, DevModel& model, Grads& grad
     in.kernels.launches = 0;
     ls::update(state, model, grads);  // device memory closed: host code touching it would crash
     const auto c = in.rt.counts();
-    cost = {in.kernels.launches + c.copy_launches, c.copies, c.syncs, c.stream_syncs, c.allocations,
-            c.pinned_allocations};
+    cost = {in.kernels.launches + c.copy_launches + c.convert_launches, c.copies, c.syncs, c.stream_syncs,
+            c.allocations, c.pinned_allocations};
     ls::update(ref_state, ref, ref_grads);
   }
   // The gradients hold the mean over the ranks after update (unpacked, or reduced in place).
@@ -573,4 +465,310 @@ TEST_CASE("SGD and Adam on many cuda tensors: one launch per device and dtype, c
   CHECK_THROWS_AS(ls::update(adam, model, grads), ls::InvalidArgument);
   CHECK(in.kernels.launches == 0);
   CHECK(host_values(model.layers[0]) == before);
+}
+
+// ---- shard_optimizer_state on cuda tensors ------------------------------------------------------
+
+namespace {
+constexpr std::int64_t kTotal = 256 + 16 + 4096 + 64 + 1031 + 7 + 20000 + 1;
+
+// Every value of a model, on the host, back to back.
+std::vector<float> all_values(const DevModel& m) {
+  std::vector<float> out;
+  for (const auto& t : m.layers) {
+    const auto v = host_values(t);
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+// True on every rank if v is bitwise rank 0's v.
+bool same_as_rank0(std::vector<float> v) {
+  std::vector<float> r0 = v;
+  MPI_Bcast(r0.data(), static_cast<int>(r0.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  int same = std::memcmp(r0.data(), v.data(), v.size() * sizeof(float)) == 0 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return same == 1;
+}
+
+// `steps` steps of update() from step `first` on; returns what the last one cost.
+template <class State>
+StepCost step_device(Installed& in, State& st, DevModel& model, DevModel& grads, int rank, int first, int steps) {
+  StepCost cost{};
+  for (int s = first; s < first + steps; ++s) {
+    set_grads(grads, rank, s);
+    in.rt.reset_counts();
+    in.kernels.launches = 0;
+    ls::update(st, model, grads);  // device memory closed: host code touching it would crash
+    const auto c = in.rt.counts();
+    cost = {in.kernels.launches + c.copy_launches + c.convert_launches, c.copies, c.syncs, c.stream_syncs,
+            c.allocations, c.pinned_allocations};
+  }
+  return cost;
+}
+
+// Trains a sharded and a replicated DistributedOptimizer(rule) side by side on cuda tensors (the
+// same gradients) and checks: the parameters equal bitwise (at 1 and 2 ranks the sum has one
+// order: a + b, divided by 2 exactly), every rank holds the same parameters, the sharded state
+// holds shard_numel() elements' worth of rule state and the shards tile the flat space. Returns
+// the sharded step's cost.
+template <class Rule>
+StepCost sharded_vs_replicated(Installed& in, ls::Backend& be, const Rule& rule, bool flat_params, bool flat_grads,
+                               ls::DistributedOptions shd) {
+  const int rank = be.rank();
+  shd.shard_optimizer_state = true;
+  ls::DistributedOptions rep = shd;
+  rep.shard_optimizer_state = false;
+  const DevModel base = make_model(kDev);
+  auto fs = ls::flat_copy(base), fr = ls::flat_copy(base);
+  DevModel ms = make_model(kDev), mr = make_model(kDev);
+  DevModel& s_model = flat_params ? fs.get() : ms;
+  DevModel& r_model = flat_params ? fr.get() : mr;
+  auto fgs = ls::flat_zeros_like(base), fgr = ls::flat_zeros_like(base);
+  DevModel gs_sep = ls::zeros_like(base), gr_sep = ls::zeros_like(base);
+  DevModel& gs = flat_grads ? fgs.get() : gs_sep;
+  DevModel& gr = flat_grads ? fgr.get() : gr_sep;
+
+  auto so = ls::DistributedOptimizer(be, rule, shd);
+  auto ro = ls::DistributedOptimizer(be, rule, rep);
+  auto ss = ls::setup(so, s_model);
+  auto rs = ls::setup(ro, r_model);
+  CHECK(ss.sharded());
+  // Rule state for the shard only: its elements times the rule's bytes per element.
+  const std::size_t per_elem = rs.local_state_bytes() / static_cast<std::size_t>(kTotal);
+  CHECK(per_elem * static_cast<std::size_t>(kTotal) == rs.local_state_bytes());
+  CHECK(ss.local_state_bytes() == static_cast<std::size_t>(ss.reducer().shard_numel()) * per_elem);
+  long long mine = ss.reducer().shard_numel(), sum = 0;
+  MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  CHECK(sum == kTotal);
+
+  const StepCost c = step_device(in, ss, s_model, gs, rank, 1, 3);
+  step_device(in, rs, r_model, gr, rank, 1, 3);
+  const auto s_values = all_values(s_model), r_values = all_values(r_model);
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < s_values.size(); ++i) differ += std::memcmp(&s_values[i], &r_values[i], 4) != 0;
+  INFO("parameters differing from the replicated run: " << differ << " of " << s_values.size());
+  CHECK(differ == 0);
+  CHECK(s_values != all_values(base));  // the steps did change the parameters
+  CHECK(same_as_rank0(s_values));       // replicas bitwise equal
+  CHECK(ss.inner.step == 3);
+  return c;
+}
+}  // namespace
+
+TEST_CASE("sharded SGD and Adam on cuda tensors equal the replicated optimizer, keep 1/N of the state, "
+          "and cost this per step", "[device][sharded]") {
+  Installed in;
+  ls::MPIBackend mpi(MPI_COMM_WORLD);
+  mpi.set_cuda_aware(false);  // the staged path
+  const int rank = mpi.rank(), size = mpi.size();
+  const ls::SGD sgd{.lr = 0.05f, .momentum = 0.9f, .nesterov = true};
+  const ls::Adam adamw = ls::AdamW(1e-2f, 0.05f);
+  const ls::DistributedOptions one_bucket{};  // 25 MiB device buckets: the 25,471 elements are one bucket
+
+  // Per steady-state step at 2 ranks, one bucket of 25,471 elements (piece 12,735, tail 1):
+  // waited copies: the reduce-scatter stages the bucket in and the piece out (2), the tail's
+  // allreduce in and out (2), the all-gather the piece in and the bucket out (2), the tail's
+  // broadcast in on its root or out elsewhere (1): 7. No synchronisation: the collectives run
+  // stream-ordered (the staging copies follow the current stream).
+  auto common = [&](const StepCost& c) {
+    CHECK(c.allocations == 0);
+    CHECK(c.pinned_allocations == 0);
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 0);
+    CHECK(c.copies == (size == 1 ? 0 : 7));
+  };
+  SECTION("separate parameters and gradients") {
+    for (int r = 0; r < 2; ++r) {
+      const StepCost c = r == 0 ? sharded_vs_replicated(in, mpi, sgd, false, false, one_bucket)
+                                : sharded_vs_replicated(in, mpi, adamw, false, false, one_bucket);
+      report(r == 0 ? "sharded SGD, separate" : "sharded AdamW, separate", c, rank, size);
+      common(c);
+      // The rule once over the shard's pieces; at 2 ranks also the pack, the unpack of this
+      // rank's piece, and the all-gather's pack of the piece and unpack of the bucket.
+      CHECK(c.launches == (size == 1 ? 1 : 5));
+    }
+  }
+  SECTION("flat gradients: reduced in place") {
+    const StepCost c = sharded_vs_replicated(in, mpi, adamw, false, true, one_bucket);
+    report("sharded AdamW, flat gradients", c, rank, size);
+    common(c);
+    CHECK(c.launches == (size == 1 ? 1 : 3));
+  }
+  SECTION("flat parameters and gradients: reduce-scattered and all-gathered in place") {
+    const StepCost c = sharded_vs_replicated(in, mpi, sgd, true, true, one_bucket);
+    report("sharded SGD, flat parameters and gradients", c, rank, size);
+    common(c);
+    CHECK(c.launches == 1);
+  }
+  SECTION("three device buckets, one of them smaller than N elements") {
+    ls::DistributedOptions small{};
+    small.device_bucket_bytes = 32 << 10;  // buckets [1], [20000], [the six first: 5470]
+    const StepCost c = sharded_vs_replicated(in, mpi, adamw, false, false, small);
+    report("sharded AdamW, 3 buckets", c, rank, size);
+    CHECK(c.allocations == 0);
+    CHECK(c.pinned_allocations == 0);
+    CHECK(c.syncs == 0);
+    CHECK(c.stream_syncs == 0);
+    // At 2 ranks: the 1-element bucket is a tail only (allreduce 2, broadcast 1), the others a
+    // reduce-scatter and an all-gather each (2 + 2); only the packed bucket launches copies.
+    CHECK(c.copies == (size == 1 ? 0 : 11));
+    CHECK(c.launches == (size == 1 ? 1 : 5));
+  }
+}
+
+TEST_CASE("a checkpoint of a sharded state on cuda tensors loads on the host, at one rank, and sharded again",
+          "[device][sharded][checkpoint]") {
+  Installed in;
+  ls::MPIBackend mpi(MPI_COMM_WORLD), self(MPI_COMM_SELF);
+  mpi.set_cuda_aware(false);
+  self.set_cuda_aware(false);
+  const int rank = mpi.rank();
+  long pid = rank == 0 ? static_cast<long>(::getpid()) : 0;
+  MPI_Bcast(&pid, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  const std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("lockstep_device_seam_" + std::to_string(pid) + ".safetensors");
+  const ls::Adam rule = ls::AdamW(1e-2f, 0.05f);
+  const ls::DistributedOptions shd{.shard_optimizer_state = true};
+
+  DevModel m = make_model(kDev), g = ls::zeros_like(m);
+  auto so = ls::DistributedOptimizer(mpi, rule, shd);
+  auto ss = ls::setup(so, m);
+  step_device(in, ss, m, g, rank, 1, 3);
+  const std::size_t bytes = ss.local_state_bytes();
+  ls::save_checkpoint(mpi, path, std::tie(m, ss));
+  CHECK(ss.local_state_bytes() == bytes);  // back to the shard after the save
+
+  // On the host, replicated, at one rank (every rank reads the file alone): the same values.
+  DevModel hm = make_model(ls::Device::cpu());
+  auto ho = ls::DistributedOptimizer(self, rule);
+  auto hs = ls::setup(ho, hm);
+  { auto x = std::tie(hm, hs); ls::load_checkpoint(self, path, x); }
+  CHECK(hs.inner.step == 3);
+  CHECK(all_values(hm) == all_values(m));
+  auto host_piece = [](const ls::Tensor& full, std::int64_t lo, std::int64_t hi) {
+    const float* p = static_cast<const float*>(full.raw_data());
+    return std::vector<float>(p + lo, p + hi);
+  };
+  const auto& pieces = ss.shard_pieces();
+  REQUIRE(pieces.size() == ss.inner.slots.size());
+  int bad = 0;
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    const auto& p = pieces[k];
+    bad += host_values(ss.inner.slots[k].exp_avg) != host_piece(hs.inner.slots[p.leaf].exp_avg, p.lo, p.hi);
+    bad += host_values(ss.inner.slots[k].exp_avg_sq) != host_piece(hs.inner.slots[p.leaf].exp_avg_sq, p.lo, p.hi);
+  }
+  CHECK(bad == 0);
+
+  // Sharded on cuda tensors at one rank (its shard is everything): the host state's slots.
+  DevModel m1 = ls::zeros_like(m);
+  auto s1o = ls::DistributedOptimizer(self, rule, shd);
+  auto s1 = ls::setup(s1o, m1);
+  { auto x = std::tie(m1, s1); ls::load_checkpoint(self, path, x); }
+  CHECK(s1.inner.step == 3);
+  CHECK(all_values(m1) == all_values(hm));
+  bad = 0;
+  for (std::size_t k = 0; k < s1.shard_pieces().size(); ++k) {
+    const auto& p = s1.shard_pieces()[k];
+    bad += host_values(s1.inner.slots[k].exp_avg) != host_piece(hs.inner.slots[p.leaf].exp_avg, p.lo, p.hi);
+    bad += host_values(s1.inner.slots[k].exp_avg_sq) != host_piece(hs.inner.slots[p.leaf].exp_avg_sq, p.lo, p.hi);
+  }
+  CHECK(bad == 0);
+
+  // Sharded again at this N: it goes on exactly as the uninterrupted run.
+  DevModel m2 = ls::zeros_like(m), g2 = ls::zeros_like(m);
+  auto s2 = ls::setup(so, m2);
+  { auto x = std::tie(m2, s2); ls::load_checkpoint(mpi, path, x); }
+  step_device(in, ss, m, g, rank, 4, 2);
+  step_device(in, s2, m2, g2, rank, 4, 2);
+  CHECK(s2.inner.step == 5);
+  CHECK(all_values(m2) == all_values(m));
+  CHECK(same_as_rank0(all_values(m2)));
+  mpi.barrier();
+  if (rank == 0) std::filesystem::remove(path);
+}
+
+TEST_CASE("sharding refuses trainable tensors on two devices, on every rank", "[device][sharded][errors]") {
+  Installed in;
+  ls::MPIBackend mpi(MPI_COMM_WORLD);
+  DevModel m = make_model(kDev);
+  m.layers[3] = ls::Tensor::zeros({64});  // one host tensor among the cuda ones
+  auto so = ls::DistributedOptimizer(mpi, ls::Adam{}, ls::DistributedOptions{.shard_optimizer_state = true});
+  try {
+    (void)ls::setup(so, m);
+    FAIL("setup accepted tensors on two devices");
+  } catch (const ls::InvalidArgument& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("one device") != std::string::npos);
+    CHECK(what.find("cpu") != std::string::npos);
+  }
+}
+
+// ---- wire_dtype on cuda gradients ---------------------------------------------------------------
+
+namespace {
+// The elements of model `m` that hold reduced gradients after update(): this rank's shard when
+// the state is sharded, everything otherwise; as host values, back to back.
+template <class State>
+std::vector<float> reduced_part(const State& st, const DevModel& m) {
+  std::vector<float> out;
+  if (!st.sharded()) return all_values(m);
+  for (const auto& p : st.shard_pieces()) {
+    const auto v = host_values(m.layers[p.leaf]);
+    out.insert(out.end(), v.begin() + p.lo, v.begin() + p.hi);
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("wire_dtype on cuda gradients: converted on the device, equal to the host path", "[device][wire]") {
+  Installed in;
+  ls::MPIBackend mpi(MPI_COMM_WORLD);
+  mpi.set_cuda_aware(false);
+  const int rank = mpi.rank(), size = mpi.size();
+  const ls::Adam rule{.lr = 1e-2f};
+  for (const ls::DType dt : {ls::DType::bf16, ls::DType::f16}) {
+    for (const bool shard : {false, true}) {
+      INFO(ls::name(dt) << (shard ? ", sharded" : ", replicated"));
+      ls::DistributedOptions o{};
+      o.wire_dtype = dt;
+      o.shard_optimizer_state = shard;
+      DevModel md = make_model(kDev), gd = ls::zeros_like(md);
+      DevModel mh = make_model(ls::Device::cpu()), gh = ls::zeros_like(mh);
+      auto od = ls::DistributedOptimizer(mpi, rule, o);
+      auto oh = ls::DistributedOptimizer(mpi, rule, o);
+      auto sd = ls::setup(od, md);
+      auto sh = ls::setup(oh, mh);
+      const StepCost c = step_device(in, sd, md, gd, rank, 1, 3);
+      step_device(in, sh, mh, gh, rank, 1, 3);
+      report(shard ? "wire, sharded" : "wire", c, rank, size);
+      CHECK(c.allocations == 0);
+      CHECK(c.pinned_allocations == 0);
+      CHECK(c.syncs == 0);
+      CHECK(c.stream_syncs == 0);
+      if (size == 1) {
+        // Nothing goes on a wire at one rank: the gradients are not rounded (the host path
+        // rounds them through the wire dtype even there).
+        CHECK(c.launches == 1);
+        CHECK(c.copies == 0);
+        DevModel want = ls::zeros_like(mh);
+        set_grads(want, 0, 3);
+        CHECK(all_values(gd) == all_values(want));
+      } else {
+        // The reduced gradients (this rank's shard, sharded) are the host path's, bitwise: one
+        // rounding into the wire dtype, the same sum (a + b), the same f32 division.
+        CHECK(reduced_part(sd, gd) == reduced_part(sh, gh));
+        // Replicated: convert in, convert out, the rule; the 16-bit bucket staged in and out.
+        // Sharded: also the all-gather's pack and unpack; the copies of the sharded step.
+        CHECK(c.launches == (shard ? 5 : 3));
+        CHECK(c.copies == (shard ? 7 : 2));
+        double worst = 0;
+        const auto a = all_values(md), b = all_values(mh);
+        for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, static_cast<double>(std::fabs(a[i] - b[i])));
+        CHECK(worst < 1e-6);  // the rule saw the same f32 gradients
+        CHECK(same_as_rank0(a));
+      }
+    }
+  }
 }

@@ -93,6 +93,13 @@ int nested(int x) { return ls::remote_sync_call(ls::get_distributed_backend<ls::
 
 // The tensor back, as received (no copy): its memory is the buffer it arrived in.
 ls::Tensor echo_t(ls::Tensor t) { return t; }
+// The same, with the reply's tensor messages sent `delay` seconds after its header (a test hook
+// of the engine): late data, for the receiving rank to give up on.
+ls::Tensor late_echo(ls::Tensor t, double delay) {
+  ls::detail::remote::delay_reply_tensors_for_test(delay);
+  return t;
+}
+LOCKSTEP_REMOTE(late_echo)
 
 LOCKSTEP_REMOTE(add)
 LOCKSTEP_REMOTE(echo_t)
@@ -612,4 +619,52 @@ TEST_CASE("remote: sessions whose options differ are a MismatchError on every ra
   // Nothing is left behind: a new session works.
   ls::RemoteSession ok(b, ls::RemoteOptions{.timeout = 30});
   ok.close();
+}
+
+TEST_CASE("remote: tensor messages given up on are never taken by a later call when the tags wrap") {
+  // Data tags come from the call ids modulo the tag space; with 8 tags they repeat every 4 calls
+  // of a rank. Two ways of leaving tensor data behind: (1) a reply whose tensors come after the
+  // receiving rank gave up (1.5 s late, given up after 0.5 s: the call fails with a
+  // TimeoutError naming the rank), (2) a reply whose tensors find no memory on the receiving
+  // rank (the call fails with an Error). Then the tags wrap many times over, with tensors of the
+  // same size: every result must be the call's own, never the data left behind.
+  auto& b = backend();
+  auto& hooks = ls::detail::remote::test_hooks();
+  hooks.tag_span = 8;
+  hooks.data_timeout = 0.5;
+  ls::RemoteSession session(b, ls::RemoteOptions{.timeout = 60});
+  hooks.tag_span = 0;
+  hooks.data_timeout = -1.0;
+  const int target = world() - 1;
+  const std::int64_t n = 1 << 18;  // 1 MiB: sent by rendezvous over shared memory
+  ls::run_driver(b, [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      (void)ls::remote_sync_call(b, ls::CallOptions{.timeout = 30}, target, late_echo, ls::Tensor::full({n}, -1.0), 1.5);
+      FAIL("no TimeoutError");
+    } catch (const ls::TimeoutError& e) {
+      CHECK_THAT(e.what(), Catch::Contains("'late_echo' on rank " + std::to_string(target)));
+      CHECK_THAT(e.what(), Catch::Contains("did not arrive on rank 0 within 0.5 s"));
+    }
+    // Failed at the data's deadline, not at the call's (the one executor of the target is still
+    // holding the data back then, so at one rank this thread is: the failure is seen after).
+    if (world() > 1) CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1400));
+    hooks.fail_allocations = 1;
+    CHECK_THROWS_WITH(ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({n}, -2.0)),
+                      Catch::Contains("cannot be received on rank 0") && Catch::Contains("echo_t"));
+    CHECK(hooks.fail_allocations.load() <= 0);
+    hooks.fail_allocations = 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the late data has been sent by now
+    long bad = 0;
+    for (int i = 0; i < 24; ++i) {
+      auto r = ls::remote_sync_call(b, target, echo_t, ls::Tensor::full({n}, 10.0 + i));
+      for (float x : r.span<float>()) bad += x != 10.0f + static_cast<float>(i);
+    }
+    CHECK(bad == 0);
+    // Requests wrap as well: arguments, each its own.
+    for (int i = 0; i < 12; ++i)
+      CHECK(ls::remote_sync_call(b, target, sum_of, ls::Tensor::full({n}, 1.0 + i)) ==
+            Approx((1.0 + i) * static_cast<double>(n)));
+  });
+  session.close();
 }

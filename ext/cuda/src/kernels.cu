@@ -457,6 +457,26 @@ void pack_or_unpack(std::span<const TensorView> tensors, TensorView bucket, std:
   launch_copies(std::move(entries), dev, resolve(stream, dev));
 }
 
+// --- f32 <-> 16-bit conversions (gradients on the wire) ------------------------------------------
+// Entry: ptr[0] = source, ptr[1] = destination, n = elements. To the wire: round to nearest even
+// (__float2bfloat16_rn / __float2half_rn, as the host's wire16.hpp); back: widened, then divided
+// by `divisor` in f32 (an IEEE division: no fast-math here), as the host's from_wire16.
+template <class Tag, bool ToWire>
+__global__ void __launch_bounds__(kThreads) multi_convert(const Entry* entries, const Chunk* chunks, float divisor) {
+  const Chunk ch = chunks[blockIdx.x];
+  const Entry e = entries[ch.entry];
+  const std::int64_t begin = ch.start;
+  const std::int64_t end = begin + kChunk < e.n ? begin + kChunk : e.n;
+  for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    if constexpr (ToWire) {
+      static_cast<std::uint16_t*>(e.ptr[1])[i] = Half16<Tag>::store(static_cast<const float*>(e.ptr[0])[i]);
+    } else {
+      const float x = Half16<Tag>::load(static_cast<const std::uint16_t*>(e.ptr[0])[i]);
+      static_cast<float*>(e.ptr[1])[i] = divisor == 1.0f ? x : x / divisor;
+    }
+  }
+}
+
 }  // namespace
 
 void sgd_update(std::span<const SgdSpan> spans, const math::SGDCoeffs<float>& c, cudaStream_t s) {
@@ -496,6 +516,33 @@ void copy_regions(std::span<const DeviceCopy> copies, int device, cudaStream_t s
     if (c.bytes > 0)
       entries.push_back({{const_cast<void*>(c.src), c.dst, nullptr, nullptr}, static_cast<std::int64_t>(c.bytes)});
   launch_copies(std::move(entries), device, stream);
+}
+
+void convert_regions(std::span<const DeviceConvert> items, DType from, DType to, float divisor, int device,
+                     cudaStream_t stream) {
+  const bool to_wire = from == DType::f32 && (to == DType::bf16 || to == DType::f16);
+  const bool from_wire = to == DType::f32 && (from == DType::bf16 || from == DType::f16);
+  LOCKSTEP_CHECK_ARG(to_wire || from_wire, "cuda: convert_many converts f32 to bf16 or f16 and back, got ",
+                     name(from), " to ", name(to));
+  std::vector<Entry> entries;
+  entries.reserve(items.size());
+  for (const DeviceConvert& c : items)
+    if (c.n > 0) entries.push_back({{const_cast<void*>(c.src), c.dst, nullptr, nullptr}, c.n});
+  auto chunks = make_chunks(entries, kChunk);
+  if (chunks.empty()) return;
+  DeviceGuard g(device);
+  DeviceTable table(entries, chunks, device, stream);
+  const unsigned blocks = static_cast<unsigned>(chunks.size());
+  const bool bf = (to_wire ? to : from) == DType::bf16;
+  if (to_wire && bf)
+    multi_convert<BF16Tag, true><<<blocks, kThreads, 0, stream>>>(table.entries(), table.chunks(), divisor);
+  else if (to_wire)
+    multi_convert<F16Tag, true><<<blocks, kThreads, 0, stream>>>(table.entries(), table.chunks(), divisor);
+  else if (bf)
+    multi_convert<BF16Tag, false><<<blocks, kThreads, 0, stream>>>(table.entries(), table.chunks(), divisor);
+  else
+    multi_convert<F16Tag, false><<<blocks, kThreads, 0, stream>>>(table.entries(), table.chunks(), divisor);
+  LOCKSTEP_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace detail
 

@@ -14,6 +14,9 @@ namespace detail {
 void register_optimizer_kernels();  // optimizer_kernels.cpp
 // kernels.cu: the copies in one multi_copy launch (the kernel of cuda::pack/unpack), on `stream`.
 void copy_regions(std::span<const DeviceCopy> copies, int device, cudaStream_t stream);
+// kernels.cu: f32 <-> bf16/f16 conversions in one multi_convert launch, on `stream`.
+void convert_regions(std::span<const DeviceConvert> items, DType from, DType to, float divisor, int device,
+                     cudaStream_t stream);
 
 void check_cuda(cudaError_t code, const char* call, const std::source_location& loc) {
   if (code == cudaSuccess) return;
@@ -96,6 +99,14 @@ class CudaRuntime final : public DeviceRuntime {
     if (copies.empty()) return;
     DeviceGuard g(index);
     detail::copy_regions(copies, index, current_stream(index));
+  }
+
+  void convert_many(std::span<const DeviceConvert> items, DType from, DType to, float divisor,
+                    int index) override {
+    // One launch of the conversion kernel on the current stream, not waited for.
+    if (items.empty()) return;
+    DeviceGuard g(index);
+    detail::convert_regions(items, from, to, divisor, index, current_stream(index));
   }
 
   void* allocate_pinned(std::size_t bytes) override {

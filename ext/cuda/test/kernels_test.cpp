@@ -193,6 +193,37 @@ TEST_CASE("cuda: scale and divide equal the host arithmetic", "[cuda]") {
   CHECK_THROWS_AS(ls::cuda::scale(ints.view(), 2.0), ls::InvalidArgument);
 }
 
+TEST_CASE("cuda: convert_many rounds f32 to bf16 and f16 and back bitwise as the host", "[cuda][wire]") {
+  // DeviceRuntime::convert_many (the multi_convert kernel), two regions per call, against
+  // lockstep::to_bfloat16 / to_half (round to nearest even) and the division in f32.
+  ls::DeviceRuntime& rt = ls::device_runtime("kernels_test");
+  for (ls::DType dt : {ls::DType::bf16, ls::DType::f16}) {
+    for (std::int64_t n : kSizes) {
+      ls::Tensor h = random_host<float>(n, 90, -1000, 1000);
+      ls::Tensor d = h.to(kDev), w = ls::Tensor::zeros({n}, dt, kDev), back = ls::Tensor::zeros({n}, ls::DType::f32, kDev);
+      const std::int64_t half_n = n / 2;
+      auto* dw = static_cast<std::uint16_t*>(w.raw_data());
+      auto* db = static_cast<float*>(back.raw_data());
+      const auto* dd = static_cast<const float*>(d.raw_data());
+      const ls::DeviceConvert to[2] = {{dw, dd, half_n}, {dw + half_n, dd + half_n, n - half_n}};
+      const ls::DeviceConvert from[2] = {{db, dw, half_n}, {db + half_n, dw + half_n, n - half_n}};
+      rt.convert_many(to, ls::DType::f32, dt, 1.0f, 0);
+      rt.convert_many(from, dt, ls::DType::f32, 3.0f, 0);
+      ls::Tensor hw = ls::Tensor::zeros({n}, dt), hb = ls::Tensor::zeros({n});
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float x = h.data<float>()[i];
+        const std::uint16_t bits = dt == ls::DType::bf16 ? ls::to_bfloat16(x).bits : ls::to_half(x).bits;
+        static_cast<std::uint16_t*>(hw.raw_data())[i] = bits;
+        hb.data<float>()[i] =
+            (dt == ls::DType::bf16 ? ls::to_float(ls::bfloat16{bits}) : ls::to_float(ls::half{bits})) / 3.0f;
+      }
+      INFO(ls::name(dt) << " n " << n);
+      CHECK(same_bytes(w, hw));
+      CHECK(same_bytes(back, hb));
+    }
+  }
+}
+
 TEST_CASE("cuda: pack and unpack gradient buckets", "[cuda][bucket]") {
   for (ls::DType dt : {ls::DType::f32, ls::DType::f16, ls::DType::u8, ls::DType::f64}) {
     std::vector<ls::Tensor> host, dev;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "lockstep/core/dtype.hpp"
@@ -20,6 +21,13 @@ struct DeviceCopy {
   void* dst = nullptr;
   const void* src = nullptr;
   std::size_t bytes = 0;
+};
+
+/// One conversion of convert_many(): `n` elements read from `src` and written to `dst`.
+struct DeviceConvert {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::int64_t n = 0;
 };
 
 /// Device memory operations the core needs; implemented by the CUDA extension.
@@ -54,6 +62,15 @@ class DeviceRuntime {
   /// Waits for the work queued so far on the current stream of device `index` (not the whole
   /// device). The default is synchronize(index).
   virtual void synchronize_stream(int index);
+  /// Conversions between f32 and a 16-bit float on device `index` (gradients on the wire,
+  /// DistributedOptions::wire_dtype), regions that do not overlap, queued on the current stream
+  /// in one launch and NOT waited for, as copy_many. `from` f32 and `to` bf16 or f16: each
+  /// element rounded to nearest even (a NaN stays a NaN); `from` bf16 or f16 and `to` f32: each
+  /// element widened and divided by `divisor` in f32 (1: no division), as the host's
+  /// conversions do (src/core/wire16.hpp). The default stages each region through host memory
+  /// (two waited copies per region); lockstep::cuda launches one kernel.
+  virtual void convert_many(std::span<const DeviceConvert> items, DType from, DType to, float divisor,
+                            int index);
 };
 
 /// Installs the runtime (called by the CUDA extension); nullptr uninstalls.

@@ -18,6 +18,7 @@
 // time (so a rank busy in its own SPMD code still answers). See docs/remote.md.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -377,6 +378,22 @@ struct ReceiveCacheStats {
 };
 /// The receive cache of b's session; InvalidArgument when b has no session.
 ReceiveCacheStats receive_cache_stats(const Backend& b);
+
+/// Test hooks (test/remote/): the conditions the tests need, made on purpose. Not for programs.
+struct TestHooks {
+  /// Sessions created from now on use at most this many data tags (0: all that MPI_TAG_UB
+  /// allows), so that the tags of calls wrap after a few calls. Every rank must set the same.
+  std::atomic<int> tag_span{0};
+  /// Sessions created from now on wait this long for the tensor messages of a header they
+  /// received (< 0: the session's timeout).
+  std::atomic<double> data_timeout{-1.0};
+  /// The next this many tensors this rank receives find no memory (as if the allocation failed).
+  std::atomic<int> fail_allocations{0};
+};
+TestHooks& test_hooks();
+/// Called by a remote function: the tensor messages of its reply are sent `seconds` after the
+/// reply's header (on the thread that runs it, for this call only).
+void delay_reply_tensors_for_test(double seconds);
 
 /// A call in flight (defined in remote.cpp).
 struct Call;

@@ -418,18 +418,29 @@ void update(DistributedState<R>& state, M& model, G& grads,
     }
     OptState<R>& in = state.inner;
     ++in.step;
+    // The rule on this rank's pieces, all at once (apply_many where the rule has it: on cuda
+    // tensors one multi-tensor launch over every piece), then the all-gather.
     const auto& pieces = state.shard_pieces();
     const std::size_t es = size_of(params.empty() ? DType::f32 : params[0]->dtype());
-    for (std::size_t k = 0; k < pieces.size(); ++k) {
-      const auto& p = pieces[k];
+    std::vector<Tensor> pp, gg;
+    pp.reserve(pieces.size());
+    gg.reserve(pieces.size());
+    for (const auto& p : pieces) {
       auto piece = [&](Tensor& t) {
         return Tensor::borrow(static_cast<std::byte*>(t.raw_data()) + static_cast<std::size_t>(p.lo) * es, {p.hi - p.lo},
                               t.dtype(), t.device());
       };
-      Tensor pp = piece(*params[p.leaf]);
-      const Tensor gg = piece(*reduced[p.leaf]);
-      in.rule.apply(in.slots[k], pp, gg, in.step);
+      pp.push_back(piece(*params[p.leaf]));
+      gg.push_back(piece(*reduced[p.leaf]));
     }
+    std::vector<Tensor*> ppp, ggp;
+    ppp.reserve(pieces.size());
+    ggp.reserve(pieces.size());
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      ppp.push_back(&pp[k]);
+      ggp.push_back(&gg[k]);
+    }
+    detail::apply_all(in.rule, in.slots, ppp, ggp, in.step);
     detail::gather_shards(red, params);
     state.count_step(false);
     if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)

@@ -26,7 +26,9 @@
 // them): the reduction is ordered after that stream, not after the whole device, so a gradient
 // written on another stream must be waited for first (an event, or a StreamGuard around the
 // backward). At one rank device buckets are not communicated at all (the sum, and the mean, of
-// one rank is its gradient).
+// one rank is its gradient). Sharded (shard_optimizer_state), each device bucket is instead
+// reduce-scattered through Backend::reduce_scatter (NCCLBackend: ncclReduceScatter), blocking,
+// and only this rank's piece is unpacked (one copy launch).
 //
 // Of DistributedOptions the reducer uses bucket_bytes, op and accumulation_steps; skip_non_finite
 // and check_replicas_every act on parameters and rule state, which only an optimizer has
@@ -90,8 +92,10 @@ struct DistributedOptions {
   /// rank reduces its own piece, all at once), each rank applies the rule to its shard and keeps
   /// rule state only for it, and each bucket's updated parameters are all-gathered. Needs an
   /// elementwise rule (R::elementwise, true for SGD and Adam) and trainable tensors of one dtype
-  /// (f32 or f64) on the CPU. After update() only this rank's shard of the gradients holds the
-  /// reduced values.
+  /// (f32 or f64) on one device: the CPU, or one cuda device (25 MiB device buckets, each
+  /// reduce-scattered and all-gathered through the Backend, NCCLBackend's ncclReduceScatter and
+  /// ncclAllGather included; the rule runs on the shard's pieces in one multi-tensor launch).
+  /// After update() only this rank's shard of the gradients holds the reduced values.
   bool shard_optimizer_state = false;
   /// Send f32 gradients as bf16 or f16 (half the bytes). Each gradient is rounded once into the
   /// wire dtype; the sum is accumulated in f32 where the path allows it (the shared-memory path;
@@ -117,7 +121,7 @@ struct GradLeaf {
 
 /// The problem with these options for these leaves, or "" (checked on every rank before the
 /// ranks agree: wire_dtype 16-bit and gradients f32 on the host; sharding needs one float dtype
-/// on the CPU).
+/// on one device).
 std::string check_options(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
                           const std::vector<std::string>& paths);
 
@@ -181,8 +185,9 @@ class GradientReducer {
   /// Launches what is not yet in flight, waits for everything and returns the reduced
   /// gradients (the bound tensors, or the accumulator's). Unbinds.
   const std::vector<Tensor*>& reduce_bound();
-  /// Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, host
-  /// memory) into every rank's, one bucket at a time. Nothing when not sharded. Collective.
+  /// Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, on the
+  /// reducer's device) into every rank's, one bucket at a time. Nothing when not sharded.
+  /// Collective.
   void gather_shards(const std::vector<Tensor*>& params);
 
   // --- what it did ------------------------------------------------------------------------------
