@@ -39,12 +39,19 @@ __attribute__((target("avx,f16c"))) inline void f32_to_f16_f16c(const float* s, 
                      _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) d[i] = to_half(s[i]).bits;
 }
+// d[i] = float(s[i]) * mul (mul_only: 1 / div is exact) or / div.
 __attribute__((target("avx,f16c"))) inline void f16_to_f32_f16c(const std::uint16_t* s, float* d, std::int64_t n,
-                                                                 float div) {
+                                                                 float div, bool mul_only) {
   std::int64_t i = 0;
-  const __m256 k = _mm256_set1_ps(div);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(d + i, _mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))), k));
+  if (mul_only) {
+    const __m256 k = _mm256_set1_ps(1.0f / div);
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))), k));
+  } else {
+    const __m256 k = _mm256_set1_ps(div);
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(d + i, _mm256_div_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))), k));
+  }
   for (; i < n; ++i) d[i] = to_float(half{s[i]}) / div;
 }
 // F16C and AVX in the CPU (CPUID leaf 1) and AVX state saved by the OS (XGETBV): read directly,
@@ -64,8 +71,8 @@ inline bool have_f16c() noexcept {
 #endif
 
 /// dst[i] = src[i] rounded to `wire` (bf16 or f16).
-inline void to_wire16(DType wire, const float* src, void* dst, std::int64_t n) {
-  auto* d = static_cast<std::uint16_t*>(dst);
+inline void to_wire16(DType wire, const float* __restrict__ src, void* dst, std::int64_t n) {
+  auto* __restrict__ d = static_cast<std::uint16_t*>(dst);
   if (wire == DType::bf16) {
     for (std::int64_t i = 0; i < n; ++i) d[i] = bf16_bits(src[i]);
     return;
@@ -76,19 +83,39 @@ inline void to_wire16(DType wire, const float* src, void* dst, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) d[i] = to_half(src[i]).bits;
 }
 
-/// dst[i] = float(src[i]) / div.
-inline void from_wire16(DType wire, const void* src, float* dst, std::int64_t n, float div) {
-  const auto* s = static_cast<const std::uint16_t*>(src);
+/// Whether x / d equals x * (1 / d) for every float x: d a power of two whose reciprocal is a
+/// normal float (both results are then the correctly rounded x / d).
+inline bool exact_reciprocal(float d) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &d, 4);
+  const std::uint32_t e = (u >> 23) & 0xffu;
+  return (u & 0x807fffffu) == 0 && e >= 1 && e <= 253;
+}
+
+/// dst[i] = float(src[i]) / div (a multiplication by 1 / div where that is the same bits:
+/// several times cheaper than a division, which at 1 MiB slices costs as much as the pass).
+inline void from_wire16(DType wire, const void* src, float* __restrict__ dst, std::int64_t n, float div) {
+  const auto* __restrict__ s = static_cast<const std::uint16_t*>(src);
+  const bool mul_only = exact_reciprocal(div);
   if (wire == DType::bf16) {
-    if (div == 1.0f)
+    if (div == 1.0f) {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_value(s[i]);
-    else
+    } else if (mul_only) {
+      const float k = 1.0f / div;
+      for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_value(s[i]) * k;
+    } else {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = bf16_value(s[i]) / div;
+    }
     return;
   }
 #ifdef LOCKSTEP_WIRE16_X86
-  if (have_f16c()) return f16_to_f32_f16c(s, dst, n, div);
+  if (have_f16c()) return f16_to_f32_f16c(s, dst, n, div, mul_only);
 #endif
+  if (mul_only) {
+    const float k = 1.0f / div;
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(half{s[i]}) * k;
+    return;
+  }
   for (std::int64_t i = 0; i < n; ++i) dst[i] = to_float(half{s[i]}) / div;
 }
 
