@@ -137,7 +137,36 @@ void sum_wire16(DType w, ReduceOp op, int n, int me, const std::uint16_t* const*
   alignas(64) float acc[kBlock];
   alignas(64) float tmp[kBlock];
   alignas(64) std::uint16_t mine[kBlock];
+  const std::uint16_t* local[ShmCollectives::kMaxRanks];
   const float div = op == ReduceOp::avg ? static_cast<float>(n) : 1.0f;
+#if defined(__SSE2__)
+  if (w == DType::bf16 && exact_reciprocal(div)) {
+    // bf16 in registers, 4 elements at a time: own values rounded, every rank's widened (a
+    // 16-bit value shifted into the top half is its f32), added in rank order, the sum rounded
+    // and widened, times 1 / div (the same bits as / div). One pass instead of six over a block.
+    const __m128 k = _mm_set1_ps(1.0f / div);
+    const __m128i zero = _mm_setzero_si128();
+    std::size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      const __m128i mine4 = _mm_slli_epi32(bf16_round4(_mm_castps_si128(_mm_loadu_ps(own + i))), 16);
+      auto widened = [&](int p) {
+        if (p == me) return _mm_castsi128_ps(mine4);
+        return _mm_castsi128_ps(_mm_unpacklo_epi16(zero, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s[p] + i))));
+      };
+      __m128 acc = widened(0);
+      for (int p = 1; p < n; ++p) acc = _mm_add_ps(acc, widened(p));
+      const __m128i sum16 = _mm_slli_epi32(bf16_round4(_mm_castps_si128(acc)), 16);
+      _mm_storeu_ps(out + i, _mm_mul_ps(_mm_castsi128_ps(sum16), k));
+    }
+    if (i == m) return;
+    // The last elements (fewer than 4) through the general loop below.
+    own += i;
+    out += i;
+    m -= i;
+    for (int p = 0; p < n; ++p) local[p] = s[p] + i;
+    s = local;
+  }
+#endif
   for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
     const std::size_t len = std::min(kBlock, m - i0);
     const auto ln = static_cast<std::int64_t>(len);
