@@ -7,7 +7,10 @@
 //   time:         a whole step (gradient sync + update), sharded against replicated; target
 //                 sharded <= 1.0x replicated;
 //   compression:  the gradient sync alone (GradientReducer::reduce) with bf16 on the wire against
-//                 f32; target <= 0.6x on GPT-2.
+//                 f32; target <= 0.6x on GPT-2. Beside it, the three passes of an unfused
+//                 compressed sync (what the reducer did before Backend::allreduce_wire16), each
+//                 timed alone: rounding into a 16-bit copy, the 16-bit allreduce of the copy (in
+//                 the reducer's slices), widening back with the division.
 // Every variant runs interleaved with the others (bench_common.hpp), and every result is checked:
 // the parameters stay equal on every rank, and the reduced gradients are the mean.
 //
@@ -24,6 +27,7 @@
 #include <memory>
 
 #include "bench_common.hpp"
+#include "core/wire16.hpp"  // the conversion loops of the three passes (the library's own)
 
 namespace ls = lockstep;
 
@@ -169,6 +173,27 @@ int main(int argc, char** argv) {
       }
       return ok;
     };
+    // The three passes, alone, over one 16-bit copy of all the gradients (in the reducer's slices
+    // of bucket_bytes of f32 for the allreduce).
+    ls::Tensor w16 = ls::Tensor::zeros({total}, ls::DType::bf16);
+    const std::int64_t slice = static_cast<std::int64_t>(ls::DistributedOptions{}.bucket_bytes / 4);
+    auto leaves16 = ls::tensor_leaves(*grads);
+    auto round_pass = [&] {
+      std::int64_t at = 0;
+      for (ls::Tensor* t : leaves16) {
+        ls::detail::to_wire16(ls::DType::bf16, t->data<float>(), static_cast<std::uint16_t*>(w16.raw_data()) + at,
+                              t->numel());
+        at += t->numel();
+      }
+    };
+    auto widen_pass = [&] {
+      std::int64_t at = 0;
+      for (ls::Tensor* t : leaves16) {
+        ls::detail::from_wire16(ls::DType::bf16, static_cast<const std::uint16_t*>(w16.raw_data()) + at,
+                                t->data<float>(), t->numel(), static_cast<float>(n));
+        at += t->numel();
+      }
+    };
     std::vector<bench::Variant> vs;
     vs.push_back({"step, replicated", [&] { ls::update(s_rep, m_rep, *g_rep); }, [&] { fill_grads(g_rep, rank); },
                   [&] { return same_everywhere(b, hash_of(m_rep)); }});
@@ -178,6 +203,22 @@ int main(int argc, char** argv) {
                   [&] { return mean_ok(g32, 1e-6f); }});
     vs.push_back({"gradient sync, bf16 on the wire", [&] { r16.reduce(); }, [&] { fill_grads(g16, rank); },
                   [&] { return mean_ok(g16, 2e-2f); }});  // bf16: 8 bits of mantissa
+    vs.push_back({"  unfused pass 1: round into a 16-bit copy", round_pass, [&] { fill_grads(g16, rank); },
+                  [] { return true; }});
+    vs.push_back({"  unfused pass 2: 16-bit allreduce of the copy", [&] {
+                    for (std::int64_t off = 0; off < total; off += slice)
+                      b.allreduce(w16.view().slice(off, std::min(slice, total - off)), ls::ReduceOp::sum);
+                  },
+                  [] {}, [] { return true; }});
+    vs.push_back({"  unfused pass 3: widen into f32, / N", widen_pass, [] {}, [] { return true; }});
+    vs.push_back({"  unfused, all three passes", [&] {
+                    round_pass();
+                    for (std::int64_t off = 0; off < total; off += slice)
+                      b.allreduce(w16.view().slice(off, std::min(slice, total - off)), ls::ReduceOp::sum);
+                    widen_pass();
+                  },
+                  [&] { fill_grads(g16, rank); }, [&] { return mean_ok(g16, 2e-2f); }});
+    const std::size_t first_sharded_part = vs.size();
     // Where a sharded step's time goes: its gradient reduction (a reduce-scatter per bucket) and
     // its parameter gather (an all-gather per bucket), alone.
     auto sh_params = ls::trainable_leaves(m_sh);
@@ -214,13 +255,18 @@ int main(int argc, char** argv) {
       t.add({res[3].name, bench::fmt(t16 * 1e3, 1) + " ms", bench::fmt(res[3].s.median * 1e3, 1) + " ms",
              bench::fmt(t16 / t32, 2) + "x", t16 / t32 <= 0.6 ? "<= 0.6x (met)" : "<= 0.6x (missed)",
              res[3].correct ? "yes" : "NO"});
-      for (std::size_t k = 4; k < res.size(); ++k)
+      for (std::size_t k = 4; k < first_sharded_part; ++k)
+        t.add({res[k].name, bench::fmt(res[k].s.min * 1e3, 1) + " ms", bench::fmt(res[k].s.median * 1e3, 1) + " ms",
+               bench::fmt(res[k].s.min / t32, 2) + "x of the f32 sync", "", res[k].correct ? "yes" : "NO"});
+      for (std::size_t k = first_sharded_part; k < res.size(); ++k)
         t.add({res[k].name, bench::fmt(res[k].s.min * 1e3, 1) + " ms", bench::fmt(res[k].s.median * 1e3, 1) + " ms",
                bench::fmt(res[k].s.min / t_rep, 2) + "x of a replicated step", "", res[k].correct ? "yes" : "NO"});
       std::printf("%s\n", t.str().c_str());
       std::fflush(stdout);
     }
     jl.set("step_replicated_s", t_rep).set("step_sharded_s", t_sh).set("sync_f32_s", t32).set("sync_bf16_s", t16);
+    jl.set("unfused_round_s", res[4].s.min).set("unfused_allreduce16_s", res[5].s.min).set("unfused_widen_s", res[6].s.min);
+    jl.set("sync_bf16_unfused_s", res[7].s.min);
     jlists.set(list, jl);
   }
   bench::Json::object().set("ranks", n).set("lists", jlists).write(opt.json);

@@ -15,6 +15,7 @@
 #include "lockstep/core/device_runtime.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/call_site.hpp"
+#include "core/wire16.hpp"
 
 namespace lockstep {
 
@@ -280,6 +281,71 @@ void Backend::reduce_scatter(TensorView send, TensorView recv, ReduceOp op, Loc 
                                            "reduce_scatter: send must hold size() x recv = ", size(), " x ",
                                            recv.numel, " elements, but holds ", send.numel));
   do_reduce_scatter(send, recv, op);
+}
+
+namespace {
+// What allreduce_wire16 and reduce_scatter_wire16 accept, beyond check_view's checks.
+void check_wire16(const TensorView& v, DType wire, ReduceOp op, const char* what, const char* which) {
+  LOCKSTEP_CHECK_ARG(wire == DType::bf16 || wire == DType::f16, what, ": the wire dtype must be bf16 or f16, got ",
+                     name(wire));
+  LOCKSTEP_CHECK_ARG(op == ReduceOp::sum || op == ReduceOp::avg, what, ": op must be sum or avg, got ", name(op));
+  LOCKSTEP_CHECK_ARG(v.dtype == DType::f32, what, ": ", which, " must be f32 (the dtype compressed to ", name(wire),
+                     "), got ", name(v.dtype));
+  LOCKSTEP_CHECK_ARG(v.device.is_cpu(), what, ": ", which, " must be in host memory, got ", to_string(v.device));
+}
+}  // namespace
+
+void Backend::allreduce_wire16(TensorView buf, DType wire, ReduceOp op, Loc loc) {
+  detail::CallSiteScope site(loc, "allreduce_wire16");
+  // What goes on the wire: a 16-bit allreduce with sum (the division by size() is local).
+  const CallInfo info{"allreduce", buf.numel, static_cast<int>(wire), static_cast<int>(ReduceOp::sum), -1};
+  LOCKSTEP_FRONT_CHECKS(info, check_view(buf, "allreduce_wire16", "buf", false);
+                        check_wire16(buf, wire, op, "allreduce_wire16", "buf"));
+  do_allreduce_wire16(buf, wire, op);
+}
+
+void Backend::reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op, Loc loc) {
+  detail::CallSiteScope site(loc, "reduce_scatter_wire16");
+  const CallInfo info{"reduce_scatter", recv.numel, static_cast<int>(wire), static_cast<int>(ReduceOp::sum), -1};
+  const bool in_place = send.numel == times(recv.numel, size()) &&
+                        same_buffer(recv, block_of(send, rank(), recv.numel));
+  LOCKSTEP_FRONT_CHECKS(info, in_place ? check_view(send, "reduce_scatter_wire16", "send", false)
+                                       : check_pair(send, recv, "reduce_scatter_wire16");
+                        check_wire16(send, wire, op, "reduce_scatter_wire16", "send");
+                        check_wire16(recv, wire, op, "reduce_scatter_wire16", "recv");
+                        LOCKSTEP_CHECK_ARG(send.numel == times(recv.numel, size()),
+                                           "reduce_scatter_wire16: send must hold size() x recv = ", size(), " x ",
+                                           recv.numel, " elements, but holds ", send.numel));
+  do_reduce_scatter_wire16(send, recv, wire, op);
+}
+
+namespace {
+// The 16-bit buffer of the default three passes: one per thread, grown to the largest call
+// (GradientReducer calls in slices of bucket_bytes), so that no call pays for fresh pages.
+std::uint16_t* wire_scratch(std::int64_t n) {
+  thread_local std::vector<std::uint16_t> buf;
+  if (buf.size() < static_cast<std::size_t>(n)) buf.resize(static_cast<std::size_t>(n));
+  return buf.data();
+}
+}  // namespace
+
+void Backend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) {
+  std::uint16_t* w = wire_scratch(std::max<std::int64_t>(buf.numel, 1));
+  auto* f = static_cast<float*>(buf.data);
+  detail::to_wire16(wire, f, w, buf.numel);
+  do_allreduce(TensorView{w, buf.numel, wire, Device::cpu()}, ReduceOp::sum);
+  detail::from_wire16(wire, w, f, buf.numel, op == ReduceOp::avg ? static_cast<float>(size()) : 1.0f);
+}
+
+void Backend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) {
+  const std::int64_t n = recv.numel;
+  std::uint16_t* w = wire_scratch(std::max<std::int64_t>(send.numel, 1));
+  detail::to_wire16(wire, static_cast<const float*>(send.data), w, send.numel);
+  std::uint16_t* mine = w + static_cast<std::size_t>(rank()) * static_cast<std::size_t>(n);
+  do_reduce_scatter(TensorView{w, send.numel, wire, Device::cpu()}, TensorView{mine, n, wire, Device::cpu()},
+                    ReduceOp::sum);
+  detail::from_wire16(wire, mine, static_cast<float*>(recv.data), n,
+                      op == ReduceOp::avg ? static_cast<float>(size()) : 1.0f);
 }
 
 void Backend::barrier(Loc loc) {

@@ -18,7 +18,6 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/train/distributed_optimizer.hpp"
 #include "lockstep/reliability/call_site.hpp"
-#include "core/wire16.hpp"
 
 namespace lockstep {
 
@@ -52,12 +51,12 @@ struct GradientReducer::Impl {
     std::int64_t numel = 0;
     std::vector<std::int64_t> offsets;  // element offset of each leaf inside the bucket
     Tensor work;                        // staging / accumulator, allocated on first need
+    Tensor wire;                        // device buckets with a wire dtype: the 16-bit copy
     // per step
     int remaining = 0;  // leaves not yet reported ready
     bool launched = false;
     bool staged = false;  // reduced in `work` and unpacked afterwards
     bool finished = false;  // reduced, and unpacked or scaled
-    Tensor wire;                    // the bucket in the wire dtype (DistributedOptions::wire_dtype)
     // One per slice of at most bucket_bytes (host); a device bucket that reduce_bound sent
     // with others in one iallreduce_many: the first of them holds the group's request.
     std::vector<Request> requests;
@@ -184,20 +183,31 @@ struct GradientReducer::Impl {
   // user's memory (zero copy), which cannot be padded to a multiple of nranks, and padding a
   // copy would cost a copy of the whole bucket where the tail costs one small call (an
   // allreduce rather than a reduce onto the last rank, whose front end first broadcasts the
-  // root's verdict on its buffer: two calls). With a wire dtype the sum is taken and divided
-  // afterwards.
+  // root's verdict on its buffer: two calls). With a wire dtype the same calls in their 16-bit
+  // form (Backend::allreduce_wire16, reduce_scatter_wire16) on the f32 target: the backend
+  // rounds, sums and widens (MPIBackend's shared-memory path in one pass). A device bucket
+  // with a wire dtype arrives already rounded (its 16-bit copy): summed as it is, and widened
+  // and divided by finish_device_wire.
   void communicate(const Bucket& /*b*/, TensorView target, std::int64_t step) {
-    const ReduceOp op = wire ? ReduceOp::sum : options.op;
+    const bool wire16 = wire && target.dtype == DType::f32 && target.device.is_cpu();
+    const ReduceOp op = wire && !wire16 ? ReduceOp::sum : options.op;
+    auto allreduce = [&](TensorView v) {
+      if (wire16) backend->allreduce_wire16(v, *wire, op);
+      else backend->allreduce(v, op);
+    };
     if (!sharded) {
       for (std::int64_t off = 0; off < target.numel; off += step)
-        backend->allreduce(target.slice(off, std::min(step, target.numel - off)), op);
+        allreduce(target.slice(off, std::min(step, target.numel - off)));
       return;
     }
     // Each call is whole: MPIBackend's shared-memory path slices it itself (each slice holds a
     // part of every rank's piece, so every rank reduces in every slice).
     const std::int64_t q = target.numel / nranks, t = target.numel - q * nranks;
-    if (q > 0) backend->reduce_scatter(target.slice(0, q * nranks), target.slice(my_rank * q, q), op);
-    if (t > 0) backend->allreduce(target.slice(q * nranks, t), op);
+    if (q > 0) {
+      if (wire16) backend->reduce_scatter_wire16(target.slice(0, q * nranks), target.slice(my_rank * q, q), *wire, op);
+      else backend->reduce_scatter(target.slice(0, q * nranks), target.slice(my_rank * q, q), op);
+    }
+    if (t > 0) allreduce(target.slice(q * nranks, t));
   }
 
   // Rank r's ranges of the flat space, in flat order (the last bucket holds the first leaves).
@@ -412,7 +422,8 @@ struct GradientReducer::Impl {
   // Makes bucket bi ready to be reduced and returns the view to reduce (packed into the
   // bucket's buffer unless its gradients lie back to back); an empty view when there is nothing
   // to communicate: an empty bucket, or a device bucket at one rank (the sum and the mean of one
-  // rank are its gradients; accumulation and the wire dtype are host-only).
+  // rank are its gradients; accumulation and the wire dtype are host-only). With a wire dtype
+  // the view is f32 as without: the 16-bit collectives round it themselves.
   TensorView prepare(std::size_t bi) {
     Bucket& b = buckets[bi];
     b.launched = true;
@@ -423,19 +434,6 @@ struct GradientReducer::Impl {
     }
     const bool accumulating = accumulated > 0;
     if (wire && !b.device.is_cpu()) return prepare_device_wire(b);
-    if (wire) {
-      // Rounded once into the wire dtype: from the accumulator, or from the gradients.
-      if (b.wire.numel() != b.numel) b.wire = Tensor::zeros({b.numel}, *wire, b.device);
-      if (accumulating) add_bucket(b);
-      for (std::size_t j = b.first; j < b.last; ++j) {
-        const float* src = accumulating ? reinterpret_cast<const float*>(leaf_in_work(b, j)) : bound[j]->data<float>();
-        detail::to_wire16(*wire, src,
-                          static_cast<std::byte*>(b.wire.raw_data()) + 2 * static_cast<std::size_t>(b.offsets[j - b.first]),
-                          leaves[j].numel);
-      }
-      b.staged = true;
-      return b.wire.view();
-    }
     if (accumulating) {
       add_bucket(b);
       b.staged = true;  // result stays in the accumulator; nothing to unpack
@@ -521,7 +519,7 @@ struct GradientReducer::Impl {
     b.requests.clear();
     const TensorView target = prepare(bi);
     if (target.numel == 0) return;
-    const ReduceOp op = wire ? ReduceOp::sum : options.op;
+    const ReduceOp op = options.op;
     if (!b.device.is_cpu()) {
       detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
       if (sharded) {
@@ -529,7 +527,8 @@ struct GradientReducer::Impl {
         communicate(b, target, target.numel);
         return;
       }
-      b.requests.push_back(backend->iallreduce(target, op));
+      // With a wire dtype the target is the 16-bit copy: summed, and divided when widened.
+      b.requests.push_back(backend->iallreduce(target, wire ? ReduceOp::sum : op));
       return;
     }
     // A bucket larger than bucket_bytes (one large tensor) is reduced in slices of bucket_bytes:
@@ -545,8 +544,9 @@ struct GradientReducer::Impl {
       enqueue(bi);
       return;
     }
-    if (blocking || sharded) {
-      // Sharded: reduces have no nonblocking form, so without the thread they run here.
+    if (blocking || sharded || wire) {
+      // Sharded, or a wire dtype: these collectives have no nonblocking form, so without the
+      // thread they run here.
       communicate(b, target, step);
       return;
     }
@@ -587,25 +587,6 @@ struct GradientReducer::Impl {
     if (wire && !b.device.is_cpu()) {
       if (b.staged) finish_device_wire(b);  // (not staged: one rank, nothing was sent)
       return;
-    }
-    if (wire) {
-      // Back to f32 (into the accumulator or the gradients), divided by the ranks for avg.
-      const float div = options.op == ReduceOp::avg ? static_cast<float>(nranks) : 1.0f;
-      for (std::size_t j = b.first; j < b.last; ++j) {
-        std::int64_t lo = 0, hi = leaves[j].numel;
-        if (sharded) {  // only this rank's piece of the bucket holds a reduced value
-          const auto [pl, ph] = piece(b.numel, my_rank);
-          const std::int64_t o = b.offsets[j - b.first];
-          lo = std::clamp<std::int64_t>(pl - o, 0, hi);
-          hi = std::clamp<std::int64_t>(ph - o, lo, hi);
-        }
-        float* dst = (accumulated > 0 ? reinterpret_cast<float*>(leaf_in_work(b, j)) : bound[j]->data<float>()) + lo;
-        detail::from_wire16(*wire,
-                            static_cast<const std::byte*>(b.wire.raw_data()) +
-                                2 * static_cast<std::size_t>(b.offsets[j - b.first] + lo),
-                            dst, hi - lo, div);
-      }
-      if (accumulated == 0) return;
     }
     if (accumulated > 0) {
       if (options.op == ReduceOp::avg) {

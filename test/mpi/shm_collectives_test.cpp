@@ -9,6 +9,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -287,12 +288,26 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     if (rank == 0) b.allreduce(x.view(), ls::ReduceOp::sum);
     else b.broadcast(x.view(), 0);
   });
+  expect_mismatch("allreduce_wire16 against a 16-bit allreduce", "different collectives", [&](ls::Tensor& x) {
+    // The same bytes would move (16-bit slots), but the calls differ.
+    if (rank == 0) b.allreduce_wire16(x.view(), ls::DType::bf16, ls::ReduceOp::sum);
+    else b.allreduce(ls::TensorView{x.raw_data(), count, ls::DType::bf16, ls::Device::cpu()}, ls::ReduceOp::sum);
+  });
+  expect_mismatch("allreduce_wire16 with another wire dtype", "sent as", [&](ls::Tensor& x) {
+    b.allreduce_wire16(x.view(), rank == 0 ? ls::DType::bf16 : ls::DType::f16, ls::ReduceOp::avg);
+  });
+  expect_mismatch("reduce_scatter_wire16 against allreduce_wire16", "different collectives", [&](ls::Tensor& x) {
+    const std::int64_t c = count / b.size();
+    if (rank == 0) b.allreduce_wire16(x.view().slice(0, c), ls::DType::bf16, ls::ReduceOp::sum);
+    else b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::DType::bf16,
+                                 ls::ReduceOp::sum);
+  });
   expect_mismatch("reduce_scatter against allreduce", "different collectives", [&](ls::Tensor& x) {
     const std::int64_t c = count / b.size();
     if (rank == 0) b.allreduce(x.view().slice(0, c), ls::ReduceOp::sum);
     else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
   });
-  CHECK(round == 5);
+  CHECK(round == 8);
 }
 
 TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {
@@ -409,5 +424,150 @@ TEST_CASE("reduce_scatter of bf16 and f16: each block as the allreduce has it", 
       }
     }
   }
+  CHECK(all_ranks(wrong == 0));
+}
+
+namespace {
+
+std::uint16_t wire_bits(ls::DType w, float f) { return w == ls::DType::bf16 ? ls::to_bfloat16(f).bits : ls::to_half(f).bits; }
+float wire_value(ls::DType w, std::uint16_t u) {
+  return w == ls::DType::bf16 ? ls::to_float(ls::bfloat16{u}) : ls::to_float(ls::half{u});
+}
+
+// Sizes for the 16-bit collectives: the slice boundaries (of f32), and odd sizes below a slice.
+std::vector<std::int64_t> wire_sizes() {
+  std::vector<std::int64_t> counts = boundary_sizes();
+  for (std::int64_t c : {1, 2, 3, 1000, 4097, 16411}) counts.push_back(c);
+  return counts;
+}
+
+// The three passes, with the backend's own 16-bit allreduce: x rounded into a 16-bit copy, the
+// copy allreduced with sum, widened back and divided by n for avg.
+std::vector<float> three_passes(ls::MPIBackend& b, const std::vector<float>& x, ls::DType w, ls::ReduceOp op) {
+  const auto count = static_cast<std::int64_t>(x.size());
+  ls::Tensor t = ls::Tensor::zeros({count}, w);
+  auto* p = static_cast<std::uint16_t*>(t.raw_data());
+  for (std::int64_t i = 0; i < count; ++i) p[i] = wire_bits(w, x[static_cast<std::size_t>(i)]);
+  b.allreduce(t.view(), ls::ReduceOp::sum);
+  std::vector<float> out(x.size());
+  const float div = op == ls::ReduceOp::avg ? static_cast<float>(b.size()) : 1.0f;
+  for (std::int64_t i = 0; i < count; ++i) out[static_cast<std::size_t>(i)] = wire_value(w, p[i]) / div;
+  return out;
+}
+
+// Rank r's values for the 16-bit cases: gradients of assorted magnitudes, a few exact ties of
+// the rounding, and (at index 7) values whose 16-bit sum overflows f16.
+float wire_input(int r, std::int64_t i) {
+  if (i % 1009 == 7) return 40000.0f + static_cast<float>(r);
+  if (i % 97 == 5) return 1.0f + std::ldexp(1.0f, -8) * static_cast<float>(r + 1);  // halfway cases of bf16
+  return input(r, i) * std::ldexp(1.0f, static_cast<int>(i % 9) - 6);
+}
+
+}  // namespace
+
+TEST_CASE("allreduce_wire16: the bits of the three passes, every size, bf16 and f16, sum and avg") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  std::vector<std::string> bad;
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : wire_sizes()) {
+        std::vector<float> x(static_cast<std::size_t>(count));
+        for (std::int64_t i = 0; i < count; ++i) x[static_cast<std::size_t>(i)] = wire_input(rank, i);
+        const std::vector<float> want = three_passes(b, x, w, op);
+        ls::Tensor t = ls::Tensor::zeros({count});
+        std::copy(x.begin(), x.end(), t.data<float>());
+        b.allreduce_wire16(t.view(), w, op);
+        const float* got = t.data<float>();
+        std::int64_t wrong = 0, wrong_fold = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          wrong += std::memcmp(&got[i], &want[static_cast<std::size_t>(i)], 4) == 0 ? 0 : 1;
+          // On the shared-memory path the sum is in f32, in rank order, rounded once.
+          if (b.shared_memory()) {
+            float acc = wire_value(w, wire_bits(w, wire_input(0, i)));
+            for (int r = 1; r < n; ++r) acc += wire_value(w, wire_bits(w, wire_input(r, i)));
+            const float f = wire_value(w, wire_bits(w, acc)) / (op == ls::ReduceOp::avg ? static_cast<float>(n) : 1.0f);
+            wrong_fold += std::memcmp(&got[i], &f, 4) == 0 ? 0 : 1;
+          }
+        }
+        if (wrong + wrong_fold != 0)
+          bad.push_back(ls::detail::concat(ls::name(w), " ", ls::name(op), " of ", count, ": ", wrong,
+                                           " differ from the three passes, ", wrong_fold, " from the rank-order fold"));
+        if (!same_on_every_rank(got, static_cast<std::size_t>(count) * 4))
+          bad.push_back(ls::detail::concat(ls::name(w), " ", ls::name(op), " of ", count, ": ranks differ"));
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(all_ranks(bad.empty()));
+}
+
+TEST_CASE("reduce_scatter_wire16: each block as allreduce_wire16 has it, in place and out of place") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  // The same additions as allreduce_wire16 on the shared-memory path; over MPI up to 2 ranks (one
+  // addition); from 3 ranks up MPI's reduce-scatter may round its partial sums in another order.
+  const bool bitwise = b.shared_memory() || n <= 2;
+  std::vector<std::string> bad;
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : wire_sizes()) {
+        for (bool in_place : {true, false}) {
+          const std::int64_t all = count * n;
+          ls::Tensor a = ls::Tensor::zeros({all}), x = ls::Tensor::zeros({all}), out = ls::Tensor::zeros({count});
+          for (std::int64_t i = 0; i < all; ++i) a.data<float>()[i] = x.data<float>()[i] = wire_input(rank, i);
+          b.allreduce_wire16(a.view(), w, op);
+          ls::TensorView recv = in_place ? x.view().slice(rank * count, count) : out.view();
+          b.reduce_scatter_wire16(x.view(), recv, w, op);
+          const float* got = static_cast<const float*>(recv.data);
+          const float* want = a.data<float>() + rank * count;
+          std::int64_t wrong = 0;
+          for (std::int64_t i = 0; i < count; ++i) {
+            // Otherwise within a few roundings to the wire dtype of the terms' magnitude (f16 sums
+            // of the large values overflow to infinity on every path).
+            float scale = 0;
+            for (int r = 0; r < n; ++r) scale += std::fabs(wire_input(r, rank * count + i));
+            const float tol = (w == ls::DType::bf16 ? 1.0f / 64 : 1.0f / 512) * scale;
+            const bool ok = bitwise ? std::memcmp(&got[i], &want[i], 4) == 0
+                                    : got[i] == want[i] || std::fabs(got[i] - want[i]) <= tol;
+            wrong += ok ? 0 : 1;
+          }
+          if (!in_place)  // send is untouched
+            for (std::int64_t i = 0; i < all; ++i) wrong += x.data<float>()[i] == wire_input(rank, i) ? 0 : 1;
+          if (wrong != 0)
+            bad.push_back(ls::detail::concat(ls::name(w), " ", ls::name(op), " of ", count,
+                                             in_place ? " in place" : " out of place", ": ", wrong, " wrong"));
+        }
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(all_ranks(bad.empty()));
+}
+
+TEST_CASE("allreduce_wire16 and reduce_scatter_wire16 refuse what they cannot compress, on every rank") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size();
+  auto refused = [&](auto&& call, const char* part) {
+    std::string text;
+    try {
+      call();
+    } catch (const ls::InvalidArgument& e) {
+      text = e.what();
+    }
+    INFO("got: " << text);
+    return all_ranks(text.find(part) != std::string::npos);
+  };
+  ls::Tensor f32 = ls::Tensor::zeros({8 * n}), f64 = ls::Tensor::zeros({8}, ls::DType::f64);
+  CHECK(refused([&] { b.allreduce_wire16(f64.view(), ls::DType::bf16, ls::ReduceOp::sum); }, "must be f32"));
+  CHECK(refused([&] { b.allreduce_wire16(f32.view(), ls::DType::f32, ls::ReduceOp::sum); }, "bf16 or f16"));
+  CHECK(refused([&] { b.allreduce_wire16(f32.view(), ls::DType::bf16, ls::ReduceOp::max); }, "sum or avg"));
+  CHECK(refused([&] { b.reduce_scatter_wire16(f32.view(), f32.view().slice(0, 3), ls::DType::f16, ls::ReduceOp::avg); },
+                "overlap"));
+  // The backend is still in step.
+  for (std::int64_t i = 0; i < 8 * n; ++i) f32.data<float>()[i] = 1.0f;
+  b.allreduce_wire16(f32.view(), ls::DType::bf16, ls::ReduceOp::sum);
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < 8 * n; ++i) wrong += f32.data<float>()[i] == static_cast<float>(n) ? 0 : 1;
   CHECK(all_ranks(wrong == 0));
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -100,12 +101,16 @@ Outcome compare_sharded(const Rule& rule, Config cfg) {
     zero_grads(ref_grads);
     backward(ref, batch, 0, cfg.global_batch, ref_grads, 1.0 / cfg.global_batch);
     ls::update(ref_state, ref, ref_grads);
-    // Reduces onto owners and allreduces add in the same order at up to 2 ranks (one addition).
+    // Reduce-scatters and allreduces add in the same order at up to 2 ranks (one addition), and
+    // with a wire dtype on the shared-memory path at any N (its 16-bit collectives are blocking,
+    // so they all take that path, in rank order; in f32 without the communication thread the
+    // replicated buckets go nonblocking, to MPI).
     const double d_rep = max_rel_diff(model, rep);
-    // 16-bit sums round at each partial sum, in an order that differs between reduce and
-    // allreduce from 3 ranks up.
+    // Over MPI from 3 ranks up, the reduce-scatter and the allreduce may add in other orders
+    // (and 16-bit sums round at each partial sum).
     const double tol = cfg.options.wire_dtype ? 3e-2 : 1e-5;
-    if (n <= 2 && !cfg.options.wire_dtype ? d_rep != 0 : !(d_rep <= tol))
+    const bool bitwise = n <= 2 || (cfg.options.wire_dtype && backend.shared_memory());
+    if (bitwise ? d_rep != 0 : !(d_rep <= tol))
       out.fail("step " + std::to_string(step) + ": sharded differs from replicated by " + std::to_string(d_rep));
     const double d_ref = max_rel_diff(model, ref);
     if (!(d_ref <= (cfg.options.wire_dtype ? 5e-2 : 1e-5)))
@@ -382,6 +387,128 @@ TEST_CASE("16-bit gradients on the wire: bf16 and f16 averages, the rule sees f3
     const Outcome o2 = compare_sharded(ls::SGD{.lr = 0.1f, .momentum = 0.9f}, c);
     INFO(ls::name(w) << " accumulated: " << o2.why);
     CHECK(all_ranks(backend, o2.ok));
+  }
+}
+
+namespace {
+std::uint16_t wire_bits(ls::DType w, float f) { return w == ls::DType::bf16 ? ls::to_bfloat16(f).bits : ls::to_half(f).bits; }
+float wire_value(ls::DType w, std::uint16_t u) {
+  return w == ls::DType::bf16 ? ls::to_float(ls::bfloat16{u}) : ls::to_float(ls::half{u});
+}
+}  // namespace
+
+TEST_CASE("16-bit gradients: the reducer's sync has the bits of the three passes, in every layout", "[sharded][wire]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank(), n = backend.size();
+  // The reference below folds in rank order in f32 and rounds once: the shared-memory path, and
+  // MPI's 16-bit operator up to 2 ranks (one addition). From 3 ranks MPI rounds partial sums.
+  const bool bitwise = backend.shared_memory() || n <= 2;
+  const std::vector<std::int64_t> sizes = {1000, 37, 70001, 5, 300007, 1};
+  std::int64_t total = 0;
+  for (auto c : sizes) total += c;
+  // Gradient j of micro-step s on rank r, element i.
+  auto grad = [](int r, int s, std::size_t j, std::int64_t i) {
+    return static_cast<float>(noise(static_cast<std::uint64_t>(r * 16 + s), j, static_cast<std::uint64_t>(i))) *
+           std::ldexp(1.0f, static_cast<int>(i % 11) - 8);
+  };
+  std::vector<std::string> bad;
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    for (ls::ReduceOp op : {ls::ReduceOp::avg, ls::ReduceOp::sum}) {
+      for (std::size_t bucket : {std::size_t{0}, std::size_t{4096}, ls::DistributedOptions{}.bucket_bytes}) {
+        for (bool flat : {false, true}) {
+          for (int k : {1, 2}) {
+            // flat: every tensor a view of one buffer (zero copy); otherwise separate tensors
+            // (buckets of several tensors are packed).
+            ls::Tensor buffer = ls::Tensor::zeros({total});
+            std::vector<ls::Tensor> grads;
+            std::int64_t at = 0;
+            for (auto c : sizes) {
+              grads.push_back(flat ? ls::Tensor::borrow(buffer.data<float>() + at, {c}, ls::DType::f32, ls::Device::cpu())
+                                   : ls::Tensor::zeros({c}));
+              at += c;
+            }
+            ls::GradientReducer red(backend, grads,
+                                    ls::DistributedOptions{.bucket_bytes = bucket, .op = op, .accumulation_steps = k,
+                                                           .wire_dtype = w});
+            for (int s = 0; s < k; ++s) {
+              for (std::size_t j = 0; j < grads.size(); ++j)
+                for (std::int64_t i = 0; i < grads[j].numel(); ++i) grads[j].data<float>()[i] = grad(rank, s, j, i);
+              const bool reduced = red.reduce();
+              if (reduced != (s == k - 1)) bad.push_back("reduce() returned " + std::to_string(reduced));
+            }
+            std::int64_t wrong = 0;
+            for (std::size_t j = 0; j < grads.size(); ++j) {
+              for (std::int64_t i = 0; i < grads[j].numel(); ++i) {
+                // Accumulated in f32, rounded once, summed in rank order, rounded once, widened,
+                // divided by the ranks and then by the micro-steps (avg).
+                float acc = 0;
+                for (int r = 0; r < n; ++r) {
+                  float g = grad(r, 0, j, i);
+                  for (int s = 1; s < k; ++s) g += grad(r, s, j, i);
+                  acc = r == 0 ? wire_value(w, wire_bits(w, g)) : acc + wire_value(w, wire_bits(w, g));
+                }
+                float want = wire_value(w, wire_bits(w, acc));
+                if (op == ls::ReduceOp::avg) {
+                  want /= static_cast<float>(n);
+                  if (k > 1) want /= static_cast<float>(k);
+                }
+                const float got = grads[j].data<float>()[i];
+                const bool ok = bitwise ? std::memcmp(&got, &want, 4) == 0
+                                        : std::abs(got - want) <= 2e-2f * (std::abs(want) + 1e-3f);
+                wrong += ok ? 0 : 1;
+              }
+            }
+            if (wrong != 0)
+              bad.push_back(ls::detail::concat(ls::name(w), " ", ls::name(op), " bucket_bytes ", bucket,
+                                               flat ? " flat" : " separate", " accumulation ", k, ": ", wrong,
+                                               " wrong elements"));
+            if (!same_on_all_ranks(backend, content_hash(grads)))
+              bad.push_back(ls::detail::concat(ls::name(w), " bucket_bytes ", bucket, ": ranks differ"));
+          }
+        }
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(all_ranks(backend, bad.empty()));
+}
+
+TEST_CASE("16-bit gradients with skip_non_finite: a NaN on one rank skips the step everywhere", "[sharded][wire]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank(), n = backend.size();
+  for (bool sharded : {false, true}) {
+    for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+      Mlp model = make_mlp(5);
+      auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = 1e-2f},
+                                          ls::DistributedOptions{.skip_non_finite = true,
+                                                                 .shard_optimizer_state = sharded, .wire_dtype = w});
+      auto st = ls::setup(opt, model);
+      Mlp grads = ls::zeros_like(model);
+      const Mlp before = ls::clone_tree(model);
+      for (ls::Tensor* g : ls::tensor_leaves(grads))
+        for (auto& v : g->span<float>()) v = 0.01f;
+      // A NaN in the first element (rank 0's shard when sharded) and an infinity in the last
+      // (the last rank's), on the last rank only: both survive the rounding to 16 bits.
+      if (rank == n - 1) {
+        grads.w1.data<float>()[0] = std::nanf("");
+        grads.b2.data<float>()[grads.b2.numel() - 1] = INFINITY;
+      }
+      ls::update(st, model, grads);
+      bool ok = st.skipped_steps() == 1 && st.applied_steps() == 0 && max_rel_diff(model, before) == 0;
+      // An f16 overflow (a finite f32 gradient beyond 65504) is non-finite on the wire: skipped too.
+      for (ls::Tensor* g : ls::tensor_leaves(grads))
+        for (auto& v : g->span<float>()) v = 0.01f;
+      if (w == ls::DType::f16 && rank == 0) grads.b1.data<float>()[0] = 1e6f;
+      ls::update(st, model, grads);
+      ok = ok && st.skipped_steps() == (w == ls::DType::f16 ? 2 : 1);
+      for (ls::Tensor* g : ls::tensor_leaves(grads))
+        for (auto& v : g->span<float>()) v = 0.01f;
+      ls::update(st, model, grads);
+      ok = ok && st.applied_steps() == (w == ls::DType::f16 ? 1 : 2) && max_rel_diff(model, before) > 0;
+      INFO((sharded ? "sharded " : "replicated ") << ls::name(w));
+      CHECK(all_ranks(backend, ok));
+      CHECK(same_on_all_ranks(backend, content_hash(model)));
+    }
   }
 }
 

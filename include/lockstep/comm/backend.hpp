@@ -128,6 +128,22 @@ class Backend {
   /// Blocks until every rank entered the barrier.
   void barrier(Loc loc = Loc::current());
 
+  /// In place, compressed: buf (f32, host memory) becomes op (sum or avg) over every rank's buf,
+  /// with the data on the wire in `wire` (bf16 or f16: half the bytes). Every value is rounded
+  /// once to `wire`, the values are summed in f32 where the path can (see below), the sum is
+  /// rounded once to `wire` and widened back to f32, and divided by size() for avg. The result is
+  /// the same on every rank. The default runs three passes: round into a 16-bit buffer,
+  /// allreduce it with ReduceOp::sum, widen it into buf with the division; a backend may fuse
+  /// them (MPIBackend's shared-memory path does, for the same bits). What a 16-bit sum costs in
+  /// precision depends on the backend's 16-bit allreduce: MPIBackend sums in f32 in rank order
+  /// on one machine and rounds each partial sum over MPI (docs/training.md, "Scale").
+  void allreduce_wire16(TensorView buf, DType wire, ReduceOp op, Loc loc = Loc::current());
+  /// reduce_scatter, compressed as allreduce_wire16: send (f32, size() x recv.numel, host)
+  /// is rounded to `wire` and reduce-scattered; recv (f32) receives block rank() of the sum,
+  /// rounded once and widened (/ size() for avg). In place: recv is this rank's block of send
+  /// (the other blocks are then undefined). The default: three passes over a 16-bit copy of send.
+  void reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op, Loc loc = Loc::current());
+
   /// Nonblocking in-place allreduce; buf must stay alive and untouched until wait().
   Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Nonblocking broadcast.
@@ -154,6 +170,11 @@ class Backend {
   /// The default calls do_iallreduce for each buffer in order and returns one Request that
   /// waits for all of them.
   virtual Request do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op);
+  /// The defaults run the three passes over a 16-bit buffer of this thread (kept for its next
+  /// call) with do_allreduce / do_reduce_scatter and ReduceOp::sum. buf, send and recv are f32
+  /// host views, wire is bf16 or f16, op sum or avg (checked by the front end).
+  virtual void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op);
+  virtual void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op);
 
   /// What a collective is, for abandon(): the operation's name and what must agree.
   struct CallInfo {

@@ -36,7 +36,8 @@ class MPIBackend final : public Backend {
   /// LOCKSTEP_SHM=0 is not set. Then every blocking host allreduce of f32/f64/i32/i64 (from
   /// LOCKSTEP_SHM_MIN_BYTES, default 0) and every blocking host broadcast of at least one slice
   /// takes it, deadlines included; the other blocking host allreduces and broadcasts first agree on the call through
-  /// it and then go to MPI. See docs/architecture.md.
+  /// it and then go to MPI. allreduce_wire16 and reduce_scatter_wire16 of f32 host data take
+  /// it too, fused (docs/training.md, "Scale"). See docs/architecture.md.
   bool shared_memory() const noexcept;
 
   struct Impl;
@@ -61,6 +62,11 @@ class MPIBackend final : public Backend {
   void do_barrier() override;
   Request do_iallreduce(TensorView buf, ReduceOp op) override;
   Request do_ibroadcast(TensorView buf, int root) override;
+  /// On the shared-memory path, fused (ShmCollectives::allreduce_wire16: each rank rounds into
+  /// its slot, sums the slots in f32 and writes f32); otherwise Backend's three passes, whose
+  /// 16-bit allreduce goes to MPI with Lockstep's f16/bf16 operator.
+  void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) override;
+  void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) override;
   void abandon(const CallInfo& call, const std::exception& error) override;
   void check_usable() const override;
 

@@ -97,11 +97,14 @@ struct DistributedOptions {
   /// ncclAllGather included; the rule runs on the shard's pieces in one multi-tensor launch).
   /// After update() only this rank's shard of the gradients holds the reduced values.
   bool shard_optimizer_state = false;
-  /// Send f32 gradients as bf16 or f16 (half the bytes). Each gradient is rounded once into the
-  /// wire dtype; the sum is accumulated in f32 where the path allows it (the shared-memory path;
-  /// Open MPI's reductions round each partial sum to the wire dtype), and the division by the
-  /// number of ranks happens in f32 after the sum: the rule always sees f32. Host f32 gradients
-  /// only; any other dtype is an InvalidArgument.
+  /// Send f32 gradients as bf16 or f16 (half the bytes), through Backend::allreduce_wire16 and
+  /// reduce_scatter_wire16. Each gradient is rounded once into the wire dtype; the sum is
+  /// accumulated in f32 where the path allows it (the shared-memory path, where rounding, sum and
+  /// widening are one pass; Open MPI's reductions round each partial sum to the wire dtype), and
+  /// the division by the number of ranks happens in f32 after the sum: the rule always sees f32.
+  /// These collectives are blocking: without the communication thread, buckets are reduced
+  /// where they are launched, as sharded ones are. Host f32 gradients only; any other dtype is an
+  /// InvalidArgument.
   std::optional<DType> wire_dtype = std::nullopt;
 };
 

@@ -36,7 +36,15 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
 constexpr std::size_t kDefaultMinBytes = 0;
 
-enum class Kind : std::uint32_t { allreduce = 1, broadcast = 2, reduce = 3, allgather = 4, reduce_scatter = 5 };
+enum class Kind : std::uint32_t {
+  allreduce = 1,
+  broadcast = 2,
+  reduce = 3,
+  allgather = 4,
+  reduce_scatter = 5,
+  allreduce_wire16 = 6,       // f32 data, 16-bit slots (the header's dtype is the wire dtype)
+  reduce_scatter_wire16 = 7,
+};
 
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
@@ -70,6 +78,117 @@ void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
 #else
   std::memcpy(dst, src, bytes);
 #endif
+}
+
+// Streams `bytes` from src (in cache) to dst (a slot) with non-temporal stores, whatever dst's
+// alignment; no fence (the caller fences once, before it publishes the slot).
+void stream_bytes(void* dst, const void* src, std::size_t bytes) {
+#if defined(__SSE2__)
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  const std::size_t head = std::min(bytes, (16 - (reinterpret_cast<std::uintptr_t>(d) & 15)) & 15);
+  std::memcpy(d, s, head);
+  std::size_t i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// dst[i] = src[i] rounded to `wire`, for a slot: converted in blocks in L1 and streamed out, as
+// copy_to_slot streams a copy (small amounts are converted in place, in cache). Fences only
+// when it streamed: the caller's release store then publishes the slot.
+void round_to_slot(DType wire, const float* src, std::uint16_t* dst, std::size_t m) {
+  constexpr std::size_t kBlock = 2048;  // 4 KiB of 16-bit values
+  if (m * 2 < (std::size_t{32} << 10)) {
+    to_wire16(wire, src, dst, static_cast<std::int64_t>(m));
+    return;
+  }
+  alignas(64) std::uint16_t tmp[kBlock];
+  for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
+    const std::size_t len = std::min(kBlock, m - i0);
+    to_wire16(wire, src + i0, tmp, static_cast<std::int64_t>(len));
+    stream_bytes(dst + i0, tmp, len * 2);
+  }
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// The reduction of the fused 16-bit collectives: out[i] = widen(round(sum over p of widen(s_p[i])))
+// (/ n for avg), p in rank order, where s_p is rank p's slot and this rank's own values (`me`)
+// are rounded again from `own` (the same bits as its slot, read from cache instead of memory).
+// Every input element of a block is read before the block of out is written, so out may be own.
+// The same additions in the same order as reduce16 and the same conversions as the reducer's
+// three passes (from_wire16 with the division), so the bits are theirs.
+void sum_wire16(DType w, ReduceOp op, int n, int me, const std::uint16_t* const* s, const float* own, float* out,
+                std::size_t m) {
+  constexpr std::size_t kBlock = 512;
+  alignas(64) float acc[kBlock];
+  alignas(64) float tmp[kBlock];
+  alignas(64) std::uint16_t mine[kBlock];
+  const std::uint16_t* local[ShmCollectives::kMaxRanks];
+  const float div = op == ReduceOp::avg ? static_cast<float>(n) : 1.0f;
+#if defined(__SSE2__)
+  if (w == DType::bf16 && exact_reciprocal(div)) {
+    // bf16 in registers, 4 elements at a time: own values rounded, every rank's widened (a
+    // 16-bit value shifted into the top half is its f32), added in rank order, the sum rounded
+    // and widened, times 1 / div (the same bits as / div). One pass instead of six over a block.
+    const __m128 k = _mm_set1_ps(1.0f / div);
+    const __m128i zero = _mm_setzero_si128();
+    std::size_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      const __m128i mine4 = _mm_slli_epi32(bf16_round4(_mm_castps_si128(_mm_loadu_ps(own + i))), 16);
+      auto widened = [&](int p) {
+        if (p == me) return _mm_castsi128_ps(mine4);
+        return _mm_castsi128_ps(_mm_unpacklo_epi16(zero, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s[p] + i))));
+      };
+      __m128 acc = widened(0);
+      for (int p = 1; p < n; ++p) acc = _mm_add_ps(acc, widened(p));
+      const __m128i sum16 = _mm_slli_epi32(bf16_round4(_mm_castps_si128(acc)), 16);
+      _mm_storeu_ps(out + i, _mm_mul_ps(_mm_castsi128_ps(sum16), k));
+    }
+    if (i == m) return;
+    // The last elements (fewer than 4) through the general loop below.
+    own += i;
+    out += i;
+    m -= i;
+    for (int p = 0; p < n; ++p) local[p] = s[p] + i;
+    s = local;
+  }
+#endif
+  for (std::size_t i0 = 0; i0 < m; i0 += kBlock) {
+    const std::size_t len = std::min(kBlock, m - i0);
+    const auto ln = static_cast<std::int64_t>(len);
+    to_wire16(w, own + i0, mine, ln);
+    auto src = [&](int p) { return p == me ? mine : s[p] + i0; };
+    if (w == DType::bf16) {
+      const std::uint16_t* a = src(0);
+      for (std::size_t i = 0; i < len; ++i) acc[i] = bf16_value(a[i]);
+      for (int p = 1; p < n; ++p) {
+        const std::uint16_t* b = src(p);
+        for (std::size_t i = 0; i < len; ++i) acc[i] += bf16_value(b[i]);
+      }
+    } else {
+      from_wire16(w, src(0), acc, ln, 1.0f);
+      for (int p = 1; p < n; ++p) {
+        from_wire16(w, src(p), tmp, ln, 1.0f);
+        for (std::size_t i = 0; i < len; ++i) acc[i] += tmp[i];
+      }
+    }
+    to_wire16(w, acc, mine, ln);  // the sum, rounded once
+    from_wire16(w, mine, out + i0, ln, div);
+  }
 }
 
 // out[i] = (((s[0][i] op s[1][i]) op s[2][i]) ...), then / n for avg. The same order on every
@@ -337,13 +456,19 @@ std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, 
   const SliceHeader& theirs = *header(peer, next_);
   auto describe = [](const SliceHeader& h) {
     const auto k = static_cast<Kind>(h.kind);
-    std::string s = k == Kind::allreduce        ? "allreduce"
-                    : k == Kind::broadcast      ? "broadcast"
-                    : k == Kind::reduce         ? "reduce"
-                    : k == Kind::reduce_scatter ? "reduce_scatter"
-                                                : "allgather";
-    s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
-    if (k == Kind::allreduce || k == Kind::reduce_scatter)
+    const bool wire16 = k == Kind::allreduce_wire16 || k == Kind::reduce_scatter_wire16;
+    std::string s = k == Kind::allreduce                ? "allreduce"
+                    : k == Kind::broadcast              ? "broadcast"
+                    : k == Kind::reduce                 ? "reduce"
+                    : k == Kind::reduce_scatter         ? "reduce_scatter"
+                    : k == Kind::allreduce_wire16       ? "allreduce_wire16"
+                    : k == Kind::reduce_scatter_wire16 ? "reduce_scatter_wire16"
+                                                        : "allgather";
+    if (wire16)
+      s += concat(" of ", h.numel, " f32 elements sent as ", name(static_cast<DType>(h.dtype)));
+    else
+      s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
+    if (k == Kind::allreduce || k == Kind::reduce_scatter || wire16)
       s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
     else if (k == Kind::broadcast)
       s += concat(" from root ", h.op_root);
@@ -526,6 +651,56 @@ bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int r
     if (!is_root) std::memcpy(static_cast<char*>(buf) + off * es, slot(root, next_), m * es);
   };
   run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "broadcast", fill, use);
+  return true;
+}
+
+bool ShmCollectives::allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) {
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce_wire16),
+                         static_cast<std::uint32_t>(wire), static_cast<std::int32_t>(op), 1u};
+  if (!handles_wire16(numel)) {
+    agree(mine, "allreduce_wire16");
+    return false;
+  }
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    round_to_slot(wire, buf + off, reinterpret_cast<std::uint16_t*>(dst), m);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    const std::uint16_t* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p) slots[p] = reinterpret_cast<const std::uint16_t*>(slot(p, next_));
+    sum_wire16(wire, op, size_, rank_, slots, buf + off, buf + off, m);
+  };
+  // Slices of slice_bytes() of f32 (as the f32 allreduce takes them, so that a slice's f32 side
+  // stays in cache between the rounding and the sum); the slots are then half full.
+  run(mine, static_cast<std::size_t>(numel), std::max<std::size_t>(1, slice_bytes_ / sizeof(float)),
+      "allreduce_wire16", fill, use);
+  return true;
+}
+
+bool ShmCollectives::reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
+                                           ReduceOp op) {
+  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce_scatter_wire16),
+                         static_cast<std::uint32_t>(wire), static_cast<std::int32_t>(op), 1u};
+  if (!handles_wire16(numel)) {
+    agree(mine, "reduce_scatter_wire16");
+    return false;
+  }
+  const std::size_t n = static_cast<std::size_t>(numel), ranks = static_cast<std::size_t>(size_);
+  const float* own = send + static_cast<std::size_t>(rank_) * n;  // this rank's block of send
+  // Slice k holds, for every other rank p, elements [k * per, k * per + m) of block p, rounded,
+  // at sub-block p (this rank's own sub-block is left unused: it rounds its block from send).
+  const std::size_t per = std::max<std::size_t>(1, slice_bytes_ / sizeof(float) / ranks);
+  auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    auto* d = reinterpret_cast<std::uint16_t*>(dst);
+    for (std::size_t p = 0; p < ranks; ++p)
+      if (p != static_cast<std::size_t>(rank_)) round_to_slot(wire, send + p * n + off, d + p * m, m);
+  };
+  auto use = [&](std::size_t off, std::size_t m) {
+    const std::uint16_t* slots[kMaxRanks];
+    for (int p = 0; p < size_; ++p)
+      slots[p] = reinterpret_cast<const std::uint16_t*>(slot(p, next_)) + static_cast<std::size_t>(rank_) * m;
+    sum_wire16(wire, op, size_, rank_, slots, own + off, recv + off, m);
+  };
+  run(mine, n, per, "reduce_scatter_wire16", fill, use);
   return true;
 }
 

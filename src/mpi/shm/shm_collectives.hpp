@@ -76,6 +76,29 @@ class ShmCollectives {
   /// The same for broadcast: buf on every rank = buf on root.
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 
+  /// Allreduce of host f32 data with a 16-bit wire dtype (bf16 or f16; Backend::allreduce_wire16),
+  /// in place, the three passes of a compressed allreduce fused into one: slice by slice, every
+  /// rank rounds its f32 values straight into its slot (no 16-bit copy in private memory), then
+  /// computes the whole slice itself from every rank's slot in rank order (its own values
+  /// rounded again from its buffer, still in cache: the same bits as its slot), summing in f32;
+  /// the sum is rounded once to `wire` and written back into buf as f32, divided by the rank
+  /// count for avg. Bitwise what the three passes give (round, 16-bit allreduce with sum,
+  /// widen and divide), and the same on every rank. op: sum or avg. Returns false (every rank
+  /// alike, after agreeing on the call) when the caller must run it another way: no elements,
+  /// or fewer bytes than min_bytes().
+  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
+  /// Whether allreduce_wire16 / reduce_scatter_wire16 (numel: recv's count) move a call's data
+  /// themselves (the same answer on every rank for the same call): from one element and
+  /// min_bytes() of f32 up.
+  bool handles_wire16(std::int64_t numel) const noexcept {
+    return numel > 0 && static_cast<std::size_t>(numel) * sizeof(float) >= min_bytes_;
+  }
+  /// The same for reduce_scatter: recv (numel f32) = op over ranks of block rank() of send
+  /// (size() x numel f32), with block rank() of the 16-bit reduce-scatter's rounding; recv may be
+  /// that very block. Each rank rounds the other ranks' blocks of the slice into its slot and
+  /// reduces its own block: the same bits as allreduce_wire16 of the whole of send.
+  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
+
   /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
   /// (the communicator is then unusable, which the hook's owner knows).
   void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
