@@ -46,6 +46,24 @@ enum class Kind : std::uint32_t {
   reduce_scatter_wire16 = 7,
 };
 
+#if defined(__SSE2__)
+// Streams whole 64-byte blocks of src from offset i to dst (16-byte aligned at d + i) with
+// non-temporal stores; returns the offset where the blocks end (the caller copies the rest).
+std::size_t stream_blocks(char* d, const char* s, std::size_t i, std::size_t bytes) {
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  return i;
+}
+#endif
+
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
 // rather than snooping them out of this core's cache, which on some virtual machines is fast
@@ -61,18 +79,7 @@ void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
   std::size_t i = 0;
-  if ((reinterpret_cast<std::uintptr_t>(d) & 15) == 0) {
-    for (; i + 64 <= bytes; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-    }
-  }
+  if ((reinterpret_cast<std::uintptr_t>(d) & 15) == 0) i = stream_blocks(d, s, 0, bytes);
   if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
   _mm_sfence();
 #else
@@ -88,17 +95,7 @@ void stream_bytes(void* dst, const void* src, std::size_t bytes) {
   const auto* s = static_cast<const char*>(src);
   const std::size_t head = std::min(bytes, (16 - (reinterpret_cast<std::uintptr_t>(d) & 15)) & 15);
   std::memcpy(d, s, head);
-  std::size_t i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-  }
+  const std::size_t i = stream_blocks(d, s, head, bytes);
   if (i < bytes) std::memcpy(d + i, s + i, bytes - i);
 #else
   std::memcpy(dst, src, bytes);
