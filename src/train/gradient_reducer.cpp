@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <tuple>
-#include <cstdint>
-#include <cstring>
 #include <unordered_map>
 
 #include "lockstep/core/device_runtime.hpp"
