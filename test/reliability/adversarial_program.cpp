@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
       say("wrapped allreduce: " + outcome([&] { w.allreduce(last ? bad : x.view(), ls::ReduceOp::sum); }));
       // The refusing rank stays busy for a while (as a rank that handles its error would); the
       // others must have been told by then.
-      if (last) std::this_thread::sleep_for(std::chrono::seconds(15));
+      if (last) std::this_thread::sleep_for(std::chrono::seconds(8));
       say("DONE");
     } else if (scenario == "reduce_root_bad_send") {
       // Root's send is refused by the front end (before the verdict broadcast); the others wait in

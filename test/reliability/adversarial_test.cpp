@@ -77,9 +77,12 @@ TEST_CASE("symmetric refusals in bulk leave the backend usable and in step") {
   const int n = b.size(), r = b.rank();
   ls::TensorView null_view{nullptr, 8, ls::DType::f32, ls::Device::cpu()};
   int refused = 0;
-  // More than the 4096 refusals the first implementation remembered: a late notice for an early
-  // one made the receiving rank mark its backend unusable.
-  for (int i = 0; i < 5000; ++i) {
+  // At 2 ranks, more than the 4096 refusals the first implementation remembered: a late notice
+  // for an early one made the receiving rank mark its backend unusable. At 3 and 4 ranks (about
+  // 3.5 ms a refusal there, oversubscribed) fewer: the 4096 window is also guarded at 4 ranks
+  // by reliability.adversarial.refuse_flood.np4 (6000 refusals).
+  const int bulk = n <= 2 ? 5000 : 600;
+  for (int i = 0; i < bulk; ++i) {
     try {
       if (i % 3 == 0) b.allreduce(null_view, ls::ReduceOp::sum);
       else if (i % 3 == 1) b.broadcast(null_view, 0);
@@ -93,7 +96,7 @@ TEST_CASE("symmetric refusals in bulk leave the backend usable and in step") {
     for (int i = 0; i < 3; ++i) b.allreduce(x, ls::ReduceOp::sum);
     b.barrier();
   });
-  bool ok = refused == 5000 && got == "no exception" && b.usable() &&
+  bool ok = refused == bulk && got == "no exception" && b.usable() &&
             x.data<float>()[2047] == static_cast<float>(n * n * n);
   INFO("rank " << r << ": refused " << refused << ", then " << got);
   CHECK(all_ranks(b, ok));
