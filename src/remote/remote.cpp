@@ -5,7 +5,14 @@
 // the end of a driver's run and heartbeats) holding [fixed head][payload][name][tensor table],
 // then one message per tensor (chunks of 1 GiB), sent from the tensor's memory and received
 // into the new tensor, with a tag derived from the sender's call id (requests even, replies
-// odd), so that the tensors of concurrent calls never mix. Only the progress thread receives.
+// odd), so that the tensors of concurrent calls never mix.
+//
+// Who receives: one thread at a time looks at the incoming messages (a "pass", under poll_mu).
+// A thread that waits for something MPI brings (its call's reply, the sending of a message, the
+// next call while serving) takes the passes itself, and runs what it receives without a hand-off
+// to another thread; the progress thread rests while such a thread waits, and takes the passes
+// when nobody else does (while the rank's own code runs). So at most one thread per rank polls
+// MPI, which matters where ranks share cores.
 //
 // Data tags repeat once the call ids wrap around the tag space (MPI_TAG_UB, at least 32767), so
 // a tensor message must never be left unreceived: it would be taken by a later message's
@@ -377,6 +384,9 @@ struct Engine {
 
   std::mutex mu;
   std::mutex send_mu;  // held while a message is posted (not while it is waited for)
+  std::mutex poll_mu;  // held for a pass over the incoming messages (one thread at a time)
+  std::atomic<int> waiters{0};  // threads that wait and take the passes themselves
+  bool passes_over = false;     // the session is closing: no more passes (under poll_mu)
   std::condition_variable cv;
   std::deque<Incoming> queue;
   std::map<std::uint64_t, std::shared_ptr<Call>> pending;
@@ -471,7 +481,7 @@ struct Engine {
       }
     }
     post.unlock();
-    if (!wait_requests(reqs, deadline)) {
+    if (!wait_polling(reqs, deadline)) {
       std::lock_guard lk(mu);
       orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
       std::string who = "rank";
@@ -743,23 +753,111 @@ struct Engine {
     }
   }
 
+  /// One pass over the incoming messages and the housekeeping. Called with poll_mu held.
+  bool pass() {
+    const auto start = Clock::now();
+    bool ctrl_empty = false;
+    const bool did = poll_once(&ctrl_empty);
+    ctrl_looks.saw(ctrl_empty, start);
+    housekeeping();
+    return did;
+  }
+
+  /// A pass, if no other thread is in one: 1 when it received something, 0 when not, -1 when
+  /// another thread was in a pass. An error is reported and taken for activity, as the progress
+  /// thread does.
+  int try_pass() {
+    std::unique_lock pl(poll_mu, std::try_to_lock);
+    if (!pl.owns_lock() || passes_over) return -1;
+    try {
+      return pass() ? 1 : 0;
+    } catch (const std::exception& x) {
+      std::cerr << "lockstep remote: receiving: " << x.what() << "\n";
+      return 1;
+    }
+  }
+
+  /// Marks this thread as one that waits and takes the passes itself (the progress thread rests).
+  struct Waiting {
+    Engine& e;
+    explicit Waiting(Engine& en) : e(en) { e.waiters.fetch_add(1); }
+    ~Waiting() { e.waiters.fetch_sub(1); }
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+  };
+
+  /// wait_requests, taking the passes meanwhile: a message this rank sends to itself, or whose
+  /// receiver waits for this rank's reply first, still completes.
+  bool wait_polling(std::vector<MPI_Request>& reqs, Clock::time_point deadline) {
+    Waiting w(*this);
+    auto active = Clock::now();
+    while (true) {
+      int flag = 0;
+      LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
+      if (flag) return true;
+      if (Clock::now() >= deadline) return false;
+      if (try_pass() == 1) active = Clock::now();
+      else backoff(active);
+    }
+  }
+
+  /// One step of a thread that waits, with mu held (by lk), for what a message brings: runs a
+  /// queued call when `may_run`; otherwise takes a pass itself or, when another thread is
+  /// in one, waits on cv (which every received message notifies) until `until` at most.
+  /// `active`: when this thread last saw something happen (for the backoff). The caller holds
+  /// a Waiting for the whole wait.
+  void wait_step(std::unique_lock<std::mutex>& lk, Clock::time_point& active, Clock::time_point until,
+                 bool may_run) {
+    if (may_run && !queue.empty()) {
+      Incoming in = std::move(queue.front());
+      queue.pop_front();
+      lk.unlock();
+      waiters.fetch_sub(1);  // the rank's code runs: the progress thread takes the passes
+      try {
+        execute(in);
+      } catch (...) {
+        waiters.fetch_add(1);
+        lk.lock();
+        throw;
+      }
+      waiters.fetch_add(1);
+      lk.lock();
+      active = Clock::now();
+      return;
+    }
+    lk.unlock();
+    const int r = try_pass();
+    if (r == 1) active = Clock::now();
+    else if (r == 0) backoff(active);
+    lk.lock();
+    if (r < 0) cv.wait_until(lk, std::min(until, Clock::now() + std::chrono::milliseconds(1)));
+  }
+
   void progress_loop() {
     auto active = Clock::now();
     while (!stop_progress.load()) {
+      if (waiters.load() > 0) {
+        // A waiting thread takes the passes. A long nap: each wake-up of this thread takes a
+        // core from the polling one where the rank's threads share cores (at 100 µs naps, the
+        // round trip of a 64 KiB call varied 2x between runs).
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        active = Clock::now() - std::chrono::milliseconds(2);  // then no busy yielding
+        continue;
+      }
       bool did = false;
-      try {
-        const auto pass = Clock::now();
-        bool ctrl_empty = false;
-        did = poll_once(&ctrl_empty);
-        ctrl_looks.saw(ctrl_empty, pass);
-        housekeeping();
-      } catch (const std::exception& x) {
-        std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
+      {
+        std::lock_guard pl(poll_mu);
+        try {
+          did = pass();
+        } catch (const std::exception& x) {
+          std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
+        }
       }
       if (did) active = Clock::now();
       else backoff(active);
     }
     // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped.
+    std::lock_guard pl(poll_mu);
     for (int i = 0; i < 3; ++i)
       while (poll_once()) {}
   }
@@ -1037,6 +1135,10 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1
   }
   e->stop_progress = true;
   if (e->progress.joinable()) e->progress.join();
+  {
+    std::lock_guard pl(e->poll_mu);  // a thread still waiting takes no more passes
+    e->passes_over = true;
+  }
   settle_orphans(*e);
   {
     std::lock_guard lk(e->mu);
@@ -1099,23 +1201,16 @@ bool call_ready(Call& c) {
 Decoder call_result(Call& c) {
   Engine& e = *c.e;
   {
+    Engine::Waiting w(e);
     std::unique_lock lk(e.mu);
+    auto active = Clock::now();
     while (!c.done) {
-      if (e.can_help() && !e.queue.empty()) {
-        Incoming in = std::move(e.queue.front());
-        e.queue.pop_front();
-        lk.unlock();
-        e.execute(in);
-        lk.lock();
-        continue;
-      }
-      const auto now = Clock::now();
-      if (now >= c.deadline) {
+      if (Clock::now() >= c.deadline) {
         c.abandoned = true;  // the late reply is received and dropped
         throw TimeoutError(concat("remote call of '", c.fn, "' on rank ", c.rank, " did not answer within ",
                                   c.timeout, " s", rank_suffix()));
       }
-      e.cv.wait_until(lk, std::min(c.deadline, now + std::chrono::milliseconds(50)));
+      e.wait_step(lk, active, c.deadline, e.can_help());
     }
   }
   if (c.failure == Call::f_timeout) throw TimeoutError(c.failed + rank_suffix());
@@ -1269,20 +1364,14 @@ Decoder DriverRun::serve_until_done() {
   Engine& e = *impl_->e;
   bool idle_timeout = false;
   {
+    Engine::Waiting w(e);
     std::unique_lock lk(e.mu);
+    auto active = Clock::now();
     while (true) {
       if (auto it = e.stops.find(impl_->run); it != e.stops.end()) {
         impl_->stop = std::move(it->second);
         e.stops.erase(it);
         break;
-      }
-      if (!e.queue.empty()) {
-        Incoming in = std::move(e.queue.front());
-        e.queue.pop_front();
-        lk.unlock();
-        e.execute(in);
-        lk.lock();
-        continue;
       }
       // Silent: nothing from the driver in a pass of the progress thread that began the
       // timeout after its last message (not merely the timeout by the clock: a rank that was
@@ -1293,7 +1382,7 @@ Decoder DriverRun::serve_until_done() {
         idle_timeout = true;
         break;
       }
-      e.cv.wait_for(lk, std::chrono::milliseconds(50));
+      e.wait_step(lk, active, Clock::now() + std::chrono::milliseconds(50), true);
     }
   }
   if (idle_timeout) {
