@@ -3,12 +3,12 @@
 // MPI_Send/MPI_Recv ping-pong, then, for tensor arguments of 1 KiB to 256 MiB, the round trip
 // of echo(t) (t sent there, the same tensor sent back) beside a ping-pong of the same size, with
 // one buffer reused (raw_us) and with a new buffer per message (rawfresh_us). The calls are
-// timed twice, in two sessions of the same run: with the session's receive cache
-// (remote_us: large received tensors land in reused buffers) and without it
-// (nocache_us, RemoteOptions::receive_cache_bytes = 0: every received tensor is new memory).
-// The three (raw ping-pongs, calls without the cache, calls with it) take turns, `rounds` times
-// (default 3), and every figure is the median over the rounds, so that a machine whose load
-// changes during the run affects them alike.
+// timed twice, in sessions of the same run: with the session's receive cache (remote_us: large
+// received tensors land in reused buffers) and without it (nocache_us,
+// RemoteOptions::receive_cache_bytes = 0: every received tensor is new memory). Per size, the
+// four take turns, `rounds` times (default 5): every figure is the median over the rounds, and
+// every ratio the median of the rounds' ratios, each of a raw and a remote figure measured
+// within about a second of each other.
 //   bench_remote [max_bytes] [--rounds N]
 #include <mpi.h>
 
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   auto& b = ls::get_distributed_backend<ls::MPIBackend>();
   std::size_t max_bytes = std::size_t{256} << 20;
   lockstep_cli::App app("bench_remote", "remote calls (remote.hpp) against raw MPI ping-pong, between ranks 0 and 1");
-  int rounds = 3;
+  int rounds = 5;
   app.add_option("max_bytes", max_bytes, "largest tensor argument")->check(lockstep_cli::at_least(0));
   app.add_option("--rounds", rounds, "turns of raw, uncached and cached timings (medians are printed)")
       ->check(lockstep_cli::at_least(1));
@@ -89,94 +89,84 @@ int main(int argc, char** argv) {
   const int rank = b.rank();
   std::vector<std::size_t> sizes;
   for (std::size_t s = 1024; s <= max_bytes; s *= 4) sizes.push_back(s);
-  // Raw MPI (outside any remote session), every size.
-  struct Raw {
-    double zero = 0;
-    std::vector<double> reused, fresh;
+  // Per size, `rounds` turns of: the raw ping-pongs (outside any remote session), the calls in a
+  // session without the receive cache, the calls in one with it. Every figure is the median over
+  // the rounds, and each ratio the median of the rounds' own ratios: a raw and a remote figure of
+  // one round were measured within a second of each other, so that a machine whose speed
+  // changes during the run (a virtual machine's cores do) affects both alike.
+  struct Row {
+    std::vector<double> raw, fresh, nocache, cache;
   };
-  auto raw_sweep = [&] {
-    Raw out;
-    out.zero = pingpong(comm, rank, 0, 5000);
-    for (auto s : sizes) out.reused.push_back(pingpong(comm, rank, s, reps_for(s)));
-    for (auto s : sizes) out.fresh.push_back(pingpong(comm, rank, s, reps_for(s), true));
-    return out;
-  };
-
-  // The calls: one sweep per session (without, then with the receive cache).
-  struct Sweep {
-    double call0 = 0;
-    std::vector<double> rt;
-    ls::detail::remote::ReceiveCacheStats stats;
-  };
-  auto sweep = [&](std::size_t cache_bytes) {
+  ls::detail::remote::ReceiveCacheStats stats{};
+  auto calls = [&](std::size_t cache_bytes, std::size_t s, bool empty_call) {
     ls::RemoteSession session(b, ls::RemoteOptions{.receive_cache_bytes = cache_bytes});
-    Sweep out;
-    ls::run_driver(b, [&] {
-      for (int i = 0; i < 200; ++i) ls::remote_sync_call(b, 1, empty);
-      const int n0 = 5000;
-      double t0 = now();
-      for (int i = 0; i < n0; ++i) ls::remote_sync_call(b, 1, empty);
-      out.call0 = (now() - t0) / n0;
-      for (const auto s : sizes) {
-        auto t = ls::Tensor::zeros({static_cast<std::int64_t>(s)}, ls::DType::u8);
-        const int reps = reps_for(s);
-        for (int i = 0; i < 2; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
-        t0 = now();
-        for (int i = 0; i < reps; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
-        out.rt.push_back((now() - t0) / reps);
+    const double t = ls::run_driver(b, [&] {
+      if (empty_call) {
+        for (int i = 0; i < 200; ++i) ls::remote_sync_call(b, 1, empty);
+        const int n0 = 5000;
+        const double t0 = now();
+        for (int i = 0; i < n0; ++i) ls::remote_sync_call(b, 1, empty);
+        return (now() - t0) / n0;
       }
+      auto t = ls::Tensor::zeros({static_cast<std::int64_t>(s)}, ls::DType::u8);
+      const int reps = reps_for(s);
+      for (int i = 0; i < 2; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
+      const double t0 = now();
+      for (int i = 0; i < reps; ++i) (void)ls::remote_sync_call(b, 1, echo, t);
+      return (now() - t0) / reps;
     });
-    out.stats = ls::detail::remote::receive_cache_stats(b);
+    if (cache_bytes > 0) {
+      const auto st = ls::detail::remote::receive_cache_stats(b);
+      stats.hits += st.hits;
+      stats.misses += st.misses;
+    }
     session.close();
-    return out;
+    return t;
   };
-  std::vector<Raw> raws;
-  std::vector<Sweep> offs, ons;
-  for (int k = 0; k < rounds; ++k) {
-    raws.push_back(raw_sweep());
-    offs.push_back(sweep(0));
-    ons.push_back(sweep(ls::RemoteOptions{}.receive_cache_bytes));
+  std::vector<Row> rows(sizes.size() + 1);  // rows[0]: the empty call
+  for (std::size_t i = 0; i <= sizes.size(); ++i) {
+    const bool empty_call = i == 0;
+    const std::size_t s = empty_call ? 0 : sizes[i - 1];
+    for (int k = 0; k < rounds; ++k) {
+      rows[i].raw.push_back(pingpong(comm, rank, s, empty_call ? 5000 : reps_for(s)));
+      rows[i].fresh.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), true));
+      rows[i].nocache.push_back(calls(0, s, empty_call));
+      rows[i].cache.push_back(calls(ls::RemoteOptions{}.receive_cache_bytes, s, empty_call));
+    }
   }
   MPI_Comm_free(&comm);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-  };
-  auto med = [&](auto pick) {
-    std::vector<double> v;
-    for (int k = 0; k < rounds; ++k) v.push_back(pick(k));
-    return median(v);
-  };
   if (rank != 0) {  // the calls were timed on rank 0
     ls::finalize<ls::MPIBackend>();
     return 0;
   }
-  const double raw0 = med([&](int k) { return raws[k].zero; });
-  Sweep off, on;
-  on.stats = ons.back().stats;
-  off.call0 = med([&](int k) { return offs[k].call0; });
-  on.call0 = med([&](int k) { return ons[k].call0; });
-  std::vector<double> raw, raw_fresh;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    raw.push_back(med([&](int k) { return raws[k].reused[i]; }));
-    raw_fresh.push_back(med([&](int k) { return raws[k].fresh[i]; }));
-    off.rt.push_back(med([&](int k) { return offs[k].rt[i]; }));
-    on.rt.push_back(med([&](int k) { return ons[k].rt[i]; }));
-  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  auto ratio = [&](const std::vector<double>& a, const std::vector<double>& r) {
+    std::vector<double> q;
+    for (std::size_t k = 0; k < a.size(); ++k) q.push_back(a[k] / r[k]);
+    return median(q);
+  };
   {
-    std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run, median of %d rounds)\n", rounds);
-    std::printf("# receive cache on rank 0 (last round): %llu hits, %llu misses\n", static_cast<unsigned long long>(on.stats.hits),
-                static_cast<unsigned long long>(on.stats.misses));
+    std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run; per size %d rounds, "
+                "medians; ratios: the median of the rounds' ratios)\n",
+                rounds);
+    std::printf("# receive cache on rank 0 (every cached session): %llu hits, %llu misses\n",
+                static_cast<unsigned long long>(stats.hits), static_cast<unsigned long long>(stats.misses));
     std::printf("%-10s %11s %11s %7s %11s %7s %11s %7s %11s %11s\n", "bytes", "remote_us", "raw_us", "ratio",
                 "rawfresh_us", "ratio_f", "nocache_us", "ratio_n", "remote_GB/s", "raw_GB/s");
-    std::printf("%-10s %11.2f %11.2f %7.2f %11s %7s %11.2f %7.2f %11s %11s\n", "empty", on.call0 * 1e6, raw0 * 1e6,
-                on.call0 / raw0, "-", "-", off.call0 * 1e6, off.call0 / raw0, "-", "-");
+    const Row& e = rows[0];
+    std::printf("%-10s %11.2f %11.2f %7.2f %11s %7s %11.2f %7.2f %11s %11s\n", "empty", median(e.cache) * 1e6,
+                median(e.raw) * 1e6, ratio(e.cache, e.raw), "-", "-", median(e.nocache) * 1e6, ratio(e.nocache, e.raw),
+                "-", "-");
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const auto s = sizes[k];
-      const double rt = on.rt[k];
-      std::printf("%-10zu %11.2f %11.2f %7.2f %11.2f %7.2f %11.2f %7.2f %11.3f %11.3f\n", s, rt * 1e6, raw[k] * 1e6,
-                  rt / raw[k], raw_fresh[k] * 1e6, rt / raw_fresh[k], off.rt[k] * 1e6, off.rt[k] / raw[k],
-                  2.0 * s / rt / 1e9, 2.0 * s / raw[k] / 1e9);
+      const Row& r = rows[k + 1];
+      const double rt = median(r.cache), raw = median(r.raw);
+      std::printf("%-10zu %11.2f %11.2f %7.2f %11.2f %7.2f %11.2f %7.2f %11.3f %11.3f\n", s, rt * 1e6, raw * 1e6,
+                  ratio(r.cache, r.raw), median(r.fresh) * 1e6, ratio(r.cache, r.fresh), median(r.nocache) * 1e6,
+                  ratio(r.nocache, r.raw), 2.0 * s / rt / 1e9, 2.0 * s / raw / 1e9);
     }
     std::fflush(stdout);
   }
