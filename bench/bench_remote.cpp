@@ -2,11 +2,12 @@
 // 1 (run with mpiexec -n 2). Prints the round trip of an empty call beside a 0-byte
 // MPI_Send/MPI_Recv ping-pong, then, for tensor arguments of 1 KiB to 256 MiB, the round trip
 // of echo(t) (t sent there, the same tensor sent back) beside a ping-pong of the same size, with
-// one buffer reused (raw_us) and with a new buffer per message (rawfresh_us). The calls are
+// one buffer reused (raw_us), with rank 0 receiving into a second reused buffer (rawapart_us)
+// and with a new buffer per message (rawfresh_us). The calls are
 // timed twice, in sessions of the same run: with the session's receive cache (remote_us: large
 // received tensors land in reused buffers) and without it (nocache_us,
 // RemoteOptions::receive_cache_bytes = 0: every received tensor is new memory). Per size, the
-// four take turns, `rounds` times (default 5): every figure is the median over the rounds, and
+// five take turns, `rounds` times (default 5): every figure is the median over the rounds, and
 // every ratio the median of the rounds' ratios, each of a raw and a remote figure measured
 // within about a second of each other.
 //   bench_remote [max_bytes] [--rounds N]
@@ -39,9 +40,12 @@ int reps_for(std::size_t bytes) {
 
 /// Seconds per round trip of a raw ping-pong of `bytes` between ranks 0 and 1. fresh: every
 /// message is received into a newly allocated buffer (as a remote call receives into a new
-/// tensor), so the cost of new memory (page faults of large allocations) is counted too.
-double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh = false) {
+/// tensor), so the cost of new memory (page faults of large allocations) is counted too. apart:
+/// rank 0 receives into a second reused buffer, not the one it sent from (as a call's result is
+/// another tensor than its argument), so that its messages touch twice the memory.
+double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh = false, bool apart = false) {
   std::vector<char> buf(std::max<std::size_t>(bytes, 1));
+  std::vector<char> back(apart ? std::max<std::size_t>(bytes, 1) : 0);
   const int n = static_cast<int>(bytes);
   double t0 = 0;
   for (int i = -2; i < reps; ++i) {  // two warm-up round trips
@@ -59,7 +63,7 @@ double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh
     }
     if (rank == 0) {
       MPI_Send(buf.data(), n, MPI_BYTE, 1, 0, comm);
-      MPI_Recv(buf.data(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
+      MPI_Recv(apart ? back.data() : buf.data(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
     } else if (rank == 1) {
       MPI_Recv(buf.data(), n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
       MPI_Send(buf.data(), n, MPI_BYTE, 0, 0, comm);
@@ -95,7 +99,7 @@ int main(int argc, char** argv) {
   // one round were measured within a second of each other, so that a machine whose speed
   // changes during the run (a virtual machine's cores do) affects both alike.
   struct Row {
-    std::vector<double> raw, fresh, nocache, cache;
+    std::vector<double> raw, fresh, apart, nocache, cache;
   };
   ls::detail::remote::ReceiveCacheStats stats{};
   auto calls = [&](std::size_t cache_bytes, std::size_t s, bool empty_call) {
@@ -130,6 +134,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < rounds; ++k) {
       rows[i].raw.push_back(pingpong(comm, rank, s, empty_call ? 5000 : reps_for(s)));
       rows[i].fresh.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), true));
+      rows[i].apart.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), false, true));
       rows[i].nocache.push_back(calls(0, s, empty_call));
       rows[i].cache.push_back(calls(ls::RemoteOptions{}.receive_cache_bytes, s, empty_call));
     }
@@ -154,19 +159,20 @@ int main(int argc, char** argv) {
                 rounds);
     std::printf("# receive cache on rank 0 (every cached session): %llu hits, %llu misses\n",
                 static_cast<unsigned long long>(stats.hits), static_cast<unsigned long long>(stats.misses));
-    std::printf("%-10s %11s %11s %7s %11s %7s %11s %7s %11s %11s\n", "bytes", "remote_us", "raw_us", "ratio",
-                "rawfresh_us", "ratio_f", "nocache_us", "ratio_n", "remote_GB/s", "raw_GB/s");
+    std::printf("%-10s %11s %11s %7s %11s %7s %11s %7s %11s %7s %11s %11s\n", "bytes", "remote_us", "raw_us", "ratio",
+                "rawapart_us", "ratio_a", "rawfresh_us", "ratio_f", "nocache_us", "ratio_n", "remote_GB/s", "raw_GB/s");
     const Row& e = rows[0];
-    std::printf("%-10s %11.2f %11.2f %7.2f %11s %7s %11.2f %7.2f %11s %11s\n", "empty", median(e.cache) * 1e6,
-                median(e.raw) * 1e6, ratio(e.cache, e.raw), "-", "-", median(e.nocache) * 1e6, ratio(e.nocache, e.raw),
-                "-", "-");
+    std::printf("%-10s %11.2f %11.2f %7.2f %11s %7s %11s %7s %11.2f %7.2f %11s %11s\n", "empty", median(e.cache) * 1e6,
+                median(e.raw) * 1e6, ratio(e.cache, e.raw), "-", "-", "-", "-", median(e.nocache) * 1e6,
+                ratio(e.nocache, e.raw), "-", "-");
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const auto s = sizes[k];
       const Row& r = rows[k + 1];
       const double rt = median(r.cache), raw = median(r.raw);
-      std::printf("%-10zu %11.2f %11.2f %7.2f %11.2f %7.2f %11.2f %7.2f %11.3f %11.3f\n", s, rt * 1e6, raw * 1e6,
-                  ratio(r.cache, r.raw), median(r.fresh) * 1e6, ratio(r.cache, r.fresh), median(r.nocache) * 1e6,
-                  ratio(r.nocache, r.raw), 2.0 * s / rt / 1e9, 2.0 * s / raw / 1e9);
+      std::printf("%-10zu %11.2f %11.2f %7.2f %11.2f %7.2f %11.2f %7.2f %11.2f %7.2f %11.3f %11.3f\n", s, rt * 1e6,
+                  raw * 1e6, ratio(r.cache, r.raw), median(r.apart) * 1e6, ratio(r.cache, r.apart),
+                  median(r.fresh) * 1e6, ratio(r.cache, r.fresh), median(r.nocache) * 1e6, ratio(r.nocache, r.raw),
+                  2.0 * s / rt / 1e9, 2.0 * s / raw / 1e9);
     }
     std::fflush(stdout);
   }
