@@ -38,35 +38,30 @@ int reps_for(std::size_t bytes) {
   return static_cast<int>(std::clamp<std::size_t>((std::size_t{512} << 20) / std::max<std::size_t>(bytes, 1), 5, 2000));
 }
 
-/// Seconds per round trip of a raw ping-pong of `bytes` between ranks 0 and 1. fresh: every
-/// message is received into a newly allocated buffer (as a remote call receives into a new
-/// tensor), so the cost of new memory (page faults of large allocations) is counted too. apart:
-/// rank 0 receives into a second reused buffer, not the one it sent from (as a call's result is
-/// another tensor than its argument), so that its messages touch twice the memory.
-double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, bool fresh = false, bool apart = false) {
-  std::vector<char> buf(std::max<std::size_t>(bytes, 1));
-  std::vector<char> back(apart ? std::max<std::size_t>(bytes, 1) : 0);
+/// Where rank 0 receives the reply of a raw ping-pong: into the buffer it sent from (`same`);
+/// into a second reused buffer (`apart`: a call's result is another tensor than its argument, so
+/// its messages touch twice the memory); into newly allocated memory on both ranks (`fresh`: a
+/// remote call receives into a new tensor, so the cost of new memory, the page faults of large
+/// allocations, is counted too).
+enum class Into { same, apart, fresh };
+
+/// Seconds per round trip of a raw ping-pong of `bytes` between ranks 0 and 1.
+double pingpong(MPI_Comm comm, int rank, std::size_t bytes, int reps, Into into = Into::same) {
+  const std::size_t cap = std::max<std::size_t>(bytes, 1);
+  std::vector<char> buf(cap), back(into == Into::apart ? cap : 0);
   const int n = static_cast<int>(bytes);
   double t0 = 0;
   for (int i = -2; i < reps; ++i) {  // two warm-up round trips
     if (i == 0) t0 = now();
-    if (fresh) {
-      std::unique_ptr<char[]> mem(new char[std::max<std::size_t>(bytes, 1)]);
-      if (rank == 0) {
-        MPI_Send(buf.data(), n, MPI_BYTE, 1, 0, comm);
-        MPI_Recv(mem.get(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
-      } else if (rank == 1) {
-        MPI_Recv(mem.get(), n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
-        MPI_Send(mem.get(), n, MPI_BYTE, 0, 0, comm);
-      }
-      continue;
-    }
+    std::unique_ptr<char[]> mem(into == Into::fresh ? new char[cap] : nullptr);
+    // What this rank receives into (rank 1 sends it back from there).
+    char* in = mem ? mem.get() : rank == 0 && into == Into::apart ? back.data() : buf.data();
     if (rank == 0) {
       MPI_Send(buf.data(), n, MPI_BYTE, 1, 0, comm);
-      MPI_Recv(apart ? back.data() : buf.data(), n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
+      MPI_Recv(in, n, MPI_BYTE, 1, 0, comm, MPI_STATUS_IGNORE);
     } else if (rank == 1) {
-      MPI_Recv(buf.data(), n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
-      MPI_Send(buf.data(), n, MPI_BYTE, 0, 0, comm);
+      MPI_Recv(in, n, MPI_BYTE, 0, 0, comm, MPI_STATUS_IGNORE);
+      MPI_Send(in, n, MPI_BYTE, 0, 0, comm);
     }
   }
   return (now() - t0) / reps;
@@ -133,8 +128,8 @@ int main(int argc, char** argv) {
     const std::size_t s = empty_call ? 0 : sizes[i - 1];
     for (int k = 0; k < rounds; ++k) {
       rows[i].raw.push_back(pingpong(comm, rank, s, empty_call ? 5000 : reps_for(s)));
-      rows[i].fresh.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), true));
-      rows[i].apart.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), false, true));
+      rows[i].fresh.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), Into::fresh));
+      rows[i].apart.push_back(empty_call ? 0.0 : pingpong(comm, rank, s, reps_for(s), Into::apart));
       rows[i].nocache.push_back(calls(0, s, empty_call));
       rows[i].cache.push_back(calls(ls::RemoteOptions{}.receive_cache_bytes, s, empty_call));
     }

@@ -201,10 +201,12 @@ void backoff(Clock::time_point since_active) {
 }
 
 /// Polls the requests until they complete or the deadline passes (returns false then). With
-/// `statuses`, fills one status per request.
-bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
-                   std::vector<MPI_Status>* statuses = nullptr) {
-  const auto start = Clock::now();
+/// `statuses`, fills one status per request. Between two polls it calls `meanwhile()`, which
+/// returns true when it did something (then the backoff starts again).
+template <class Meanwhile>
+bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline, std::vector<MPI_Status>* statuses,
+                   Meanwhile&& meanwhile) {
+  auto active = Clock::now();
   if (statuses != nullptr) statuses->resize(reqs.size());
   while (true) {
     int flag = 0;
@@ -212,8 +214,14 @@ bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
                                    statuses != nullptr ? statuses->data() : MPI_STATUSES_IGNORE));
     if (flag) return true;
     if (Clock::now() >= deadline) return false;
-    backoff(start);
+    if (meanwhile()) active = Clock::now();
+    else backoff(active);
   }
+}
+
+bool wait_requests(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
+                   std::vector<MPI_Status>* statuses = nullptr) {
+  return wait_requests(reqs, deadline, statuses, [] { return false; });
 }
 
 // ---- the receive cache ----
@@ -764,8 +772,7 @@ struct Engine {
   }
 
   /// A pass, if no other thread is in one: 1 when it received something, 0 when not, -1 when
-  /// another thread was in a pass. An error is reported and taken for activity, as the progress
-  /// thread does.
+  /// another thread was in a pass. An error is reported and taken for activity.
   int try_pass() {
     std::unique_lock pl(poll_mu, std::try_to_lock);
     if (!pl.owns_lock() || passes_over) return -1;
@@ -777,11 +784,13 @@ struct Engine {
     }
   }
 
-  /// Marks this thread as one that waits and takes the passes itself (the progress thread rests).
+  /// Adds `by` to the waiters for its scope: +1 marks this thread as one that waits and takes
+  /// the passes itself (the progress thread rests), -1 a waiting thread that runs a call.
   struct Waiting {
     Engine& e;
-    explicit Waiting(Engine& en) : e(en) { e.waiters.fetch_add(1); }
-    ~Waiting() { e.waiters.fetch_sub(1); }
+    int by;
+    explicit Waiting(Engine& en, int b = 1) : e(en), by(b) { e.waiters.fetch_add(by); }
+    ~Waiting() { e.waiters.fetch_sub(by); }
     Waiting(const Waiting&) = delete;
     Waiting& operator=(const Waiting&) = delete;
   };
@@ -790,15 +799,7 @@ struct Engine {
   /// receiver waits for this rank's reply first, still completes.
   bool wait_polling(std::vector<MPI_Request>& reqs, Clock::time_point deadline) {
     Waiting w(*this);
-    auto active = Clock::now();
-    while (true) {
-      int flag = 0;
-      LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
-      if (flag) return true;
-      if (Clock::now() >= deadline) return false;
-      if (try_pass() == 1) active = Clock::now();
-      else backoff(active);
-    }
+    return wait_requests(reqs, deadline, nullptr, [this] { return try_pass() == 1; });
   }
 
   /// One step of a thread that waits, with mu held (by lk), for what a message brings: runs a
@@ -812,15 +813,10 @@ struct Engine {
       Incoming in = std::move(queue.front());
       queue.pop_front();
       lk.unlock();
-      waiters.fetch_sub(1);  // the rank's code runs: the progress thread takes the passes
-      try {
+      {
+        Waiting running(*this, -1);  // the rank's code runs: the progress thread takes the passes
         execute(in);
-      } catch (...) {
-        waiters.fetch_add(1);
-        lk.lock();
-        throw;
       }
-      waiters.fetch_add(1);
       lk.lock();
       active = Clock::now();
       return;
@@ -844,16 +840,7 @@ struct Engine {
         active = Clock::now() - std::chrono::milliseconds(2);  // then no busy yielding
         continue;
       }
-      bool did = false;
-      {
-        std::lock_guard pl(poll_mu);
-        try {
-          did = pass();
-        } catch (const std::exception& x) {
-          std::cerr << "lockstep remote: progress thread: " << x.what() << "\n";
-        }
-      }
-      if (did) active = Clock::now();
+      if (try_pass() == 1) active = Clock::now();
       else backoff(active);
     }
     // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped.
