@@ -134,6 +134,11 @@ int main(int argc, char** argv) {
       rows[i].cache.push_back(calls(ls::RemoteOptions{}.receive_cache_bytes, s, empty_call));
     }
   }
+  // Both ranks' receive cache figures, on rank 0 (rank 1 receives the arguments, rank 0 the
+  // results).
+  unsigned long long mine[2] = {stats.hits, stats.misses};
+  std::vector<unsigned long long> all(2 * static_cast<std::size_t>(b.size()));
+  MPI_Gather(mine, 2, MPI_UNSIGNED_LONG_LONG, all.data(), 2, MPI_UNSIGNED_LONG_LONG, 0, comm);
   MPI_Comm_free(&comm);
   if (rank != 0) {  // the calls were timed on rank 0
     ls::finalize<ls::MPIBackend>();
@@ -152,8 +157,8 @@ int main(int argc, char** argv) {
     std::printf("# remote calls between ranks 0 and 1 vs raw MPI ping-pong (same run; per size %d rounds, "
                 "medians; ratios: the median of the rounds' ratios)\n",
                 rounds);
-    std::printf("# receive cache on rank 0 (every cached session): %llu hits, %llu misses\n",
-                static_cast<unsigned long long>(stats.hits), static_cast<unsigned long long>(stats.misses));
+    std::printf("# receive cache (every cached session): rank 0 %llu hits, %llu misses; rank 1 %llu hits, %llu misses\n",
+                all[0], all[1], all[2], all[3]);
     std::printf("%-10s %11s %11s %7s %11s %7s %11s %7s %11s %7s %11s %11s\n", "bytes", "remote_us", "raw_us", "ratio",
                 "rawapart_us", "ratio_a", "rawfresh_us", "ratio_f", "nocache_us", "ratio_n", "remote_GB/s", "raw_GB/s");
     const Row& e = rows[0];

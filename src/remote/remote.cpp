@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <thread>
@@ -253,11 +254,18 @@ class RecvCache : public std::enable_shared_from_this<RecvCache> {
     std::size_t cap = 0;
     {
       std::lock_guard lk(mu_);
-      // The smallest kept buffer that holds n bytes and wastes at most a quarter of n.
+      // The smallest kept buffer that holds n bytes and wastes at most a quarter of n; of
+      // those, the one given back last, whose memory is likeliest still in the CPU's caches (a
+      // rank that calls with one size over and over then keeps reusing one buffer, not turning
+      // through several).
       std::size_t best = kept_.size();
-      for (std::size_t i = 0; i < kept_.size(); ++i)
-        if (kept_[i].cap >= n && kept_[i].cap - n <= n / 4 && (best == kept_.size() || kept_[i].cap < kept_[best].cap))
+      for (std::size_t i = 0; i < kept_.size(); ++i) {
+        const Kept& k = kept_[i];
+        if (k.cap < n || k.cap - n > n / 4) continue;
+        if (best == kept_.size() || k.cap < kept_[best].cap ||
+            (k.cap == kept_[best].cap && k.stamp > kept_[best].stamp))
           best = i;
+      }
       if (best != kept_.size()) {
         p = kept_[best].p;
         cap = kept_[best].cap;
@@ -489,7 +497,21 @@ struct Engine {
       }
     }
     post.unlock();
-    if (!wait_polling(reqs, deadline)) {
+    // Once sent, the message's tensors are let go before this thread receives anything more:
+    // a received tensor of the same size then reuses their buffer (a worker that echoes a
+    // tensor keeps one buffer, where it would otherwise take a second for the next request,
+    // which can arrive in the very pass that sees this send complete).
+    bool released = false;
+    const std::function<void()> before_receive = [&] {
+      if (released || tensors.empty()) return;
+      int flag = 0;
+      MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE);
+      if (flag) {
+        tensors.clear();
+        released = true;
+      }
+    };
+    if (!wait_polling(reqs, deadline, &before_receive)) {
       std::lock_guard lk(mu);
       orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
       std::string who = "rank";
@@ -719,7 +741,8 @@ struct Engine {
 
   /// One look at each tag (one message each at most). `ctrl_empty`: no control message (the
   /// driver's heartbeats and end of run) was waiting.
-  bool poll_once(bool* ctrl_empty = nullptr) {
+  /// `before_receive` (when given) runs before each message found is received.
+  bool poll_once(bool* ctrl_empty = nullptr, const std::function<void()>* before_receive = nullptr) {
     bool did = false;
     for (int tag : {kTagReq, kTagRep, kTagCtrl}) {
       int flag = 0;
@@ -727,6 +750,7 @@ struct Engine {
       MPI_Status st;
       MPI_Improbe(MPI_ANY_SOURCE, tag, comm, &flag, &msg, &st);
       if (flag) {
+        if (before_receive != nullptr) (*before_receive)();
         receive(msg, st);
         did = true;
       }
@@ -762,10 +786,10 @@ struct Engine {
   }
 
   /// One pass over the incoming messages and the housekeeping. Called with poll_mu held.
-  bool pass() {
+  bool pass(const std::function<void()>* before_receive = nullptr) {
     const auto start = Clock::now();
     bool ctrl_empty = false;
-    const bool did = poll_once(&ctrl_empty);
+    const bool did = poll_once(&ctrl_empty, before_receive);
     ctrl_looks.saw(ctrl_empty, start);
     housekeeping();
     return did;
@@ -773,11 +797,11 @@ struct Engine {
 
   /// A pass, if no other thread is in one: 1 when it received something, 0 when not, -1 when
   /// another thread was in a pass. An error is reported and taken for activity.
-  int try_pass() {
+  int try_pass(const std::function<void()>* before_receive = nullptr) {
     std::unique_lock pl(poll_mu, std::try_to_lock);
     if (!pl.owns_lock() || passes_over) return -1;
     try {
-      return pass() ? 1 : 0;
+      return pass(before_receive) ? 1 : 0;
     } catch (const std::exception& x) {
       std::cerr << "lockstep remote: receiving: " << x.what() << "\n";
       return 1;
@@ -797,9 +821,10 @@ struct Engine {
 
   /// wait_requests, taking the passes meanwhile: a message this rank sends to itself, or whose
   /// receiver waits for this rank's reply first, still completes.
-  bool wait_polling(std::vector<MPI_Request>& reqs, Clock::time_point deadline) {
+  bool wait_polling(std::vector<MPI_Request>& reqs, Clock::time_point deadline,
+                    const std::function<void()>* before_receive = nullptr) {
     Waiting w(*this);
-    return wait_requests(reqs, deadline, nullptr, [this] { return try_pass() == 1; });
+    return wait_requests(reqs, deadline, nullptr, [&] { return try_pass(before_receive) == 1; });
   }
 
   /// One step of a thread that waits, with mu held (by lk), for what a message brings: runs a
@@ -881,6 +906,7 @@ struct Engine {
         fail(1, "an exception that is not a std::exception");
       }
     }
+    in.segs.clear();  // what the function did not take is let go before the reply is sent
     const double delay = t_reply_tensor_delay;
     t_reply_tensor_delay = 0;
     try {
