@@ -39,3 +39,8 @@ add_executable(lockstep_remote_stall remote/remote_stall.cpp)
 target_link_libraries(lockstep_remote_stall PRIVATE lockstep::core lockstep_build_flags)
 lockstep_add_mpi_test(NAME remote.stopped_worker TARGET lockstep_remote_stall RANKS 2 3 ARGS worker LABELS reliability TIMEOUT 90)
 lockstep_add_mpi_test(NAME remote.stopped_driver TARGET lockstep_remote_stall RANKS 2 4 ARGS driver LABELS reliability TIMEOUT 90)
+
+# The arrival path of a message's tensors, attacked: sessions closing while tensors are owed,
+# concurrent calls of mixed sizes from several threads, late replies, data deadlines expiring.
+lockstep_test_executable(test_remote_arrivals remote/remote_arrivals_test.cpp)
+lockstep_add_mpi_test(NAME remote_arrivals TARGET test_remote_arrivals RANKS 1 2 3 TIMEOUT 180)

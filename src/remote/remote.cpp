@@ -51,6 +51,8 @@ constexpr std::size_t kChunk = std::size_t{1} << 30;
 
 enum Kind : std::uint8_t { k_req = 1, k_rep_ok, k_rep_err, k_stop_ok, k_stop_err, k_heartbeat };
 
+constexpr bool is_reply(Kind k) { return k == k_rep_ok || k == k_rep_err; }
+
 struct Head {
   std::uint32_t magic;
   std::uint8_t kind;
@@ -443,6 +445,16 @@ struct Engine {
   };
   std::vector<Owed> owed;
   Clock::time_point next_owed_try{};
+  /// Messages whose header has come and whose tensors are being received, in header order (a
+  /// request without tensors waits here too while an earlier one from its rank does). Under
+  /// poll_mu.
+  struct Arrival {
+    Incoming in;
+    std::vector<MPI_Request> reqs;
+    std::vector<int> sizes;  // bytes announced for each request
+    Clock::time_point deadline;
+  };
+  std::deque<Arrival> arriving;
 
   int data_tag(std::uint64_t id, bool reply) const {
     return kDataBase + static_cast<int>((2 * id + (reply ? 1 : 0)) % static_cast<std::uint64_t>(tag_span));
@@ -476,7 +488,7 @@ struct Engine {
     LOCKSTEP_CHECK_ARG(bytes.size() <= static_cast<std::size_t>(INT32_MAX),
                        "remote call: the non-tensor part of a message is over 2 GiB (send large "
                        "arrays as Tensors)");
-    const bool reply = kind == k_rep_ok || kind == k_rep_err;
+    const bool reply = is_reply(kind);
     std::vector<MPI_Request> reqs;
     // One message's header and tensors are posted together, never interleaved with another
     // message's: a receiver posts its tensor receives in the order of the headers, so that when
@@ -574,7 +586,7 @@ struct Engine {
   /// is an error on this rank. Called with mu held.
   void fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why) {
     in.segs.clear();
-    if (in.kind == k_rep_ok || in.kind == k_rep_err) {
+    if (is_reply(in.kind)) {
       auto it = pending.find(in.id);
       if (it == pending.end()) return;
       auto c = it->second;
@@ -626,7 +638,7 @@ struct Engine {
       name.resize(z);
     }
     in.name = std::move(name);
-    const bool reply = in.kind == k_rep_ok || in.kind == k_rep_err;
+    const bool reply = is_reply(in.kind);
     const int dtag = data_tag(in.id, reply);
     // The tensor table.
     std::vector<std::pair<Shape, DType>> table;
@@ -683,45 +695,35 @@ struct Engine {
       fail_incoming(std::move(in), Call::f_error, concat("cannot be received on rank ", rank, ": ", no_memory));
       return;
     }
-    // The tensors themselves, straight into their memory.
-    std::vector<MPI_Request> reqs;
-    std::vector<int> sizes;
-    for (auto& s : in.segs) {
-      auto* p = static_cast<char*>(s.raw_data());
-      for (std::size_t off = 0; off < s.nbytes(); off += kChunk) {
-        const auto c = std::min(kChunk, s.nbytes() - off);
-        reqs.emplace_back();
-        sizes.push_back(static_cast<int>(c));
-        MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, dtag, comm, &reqs.back());
+    // The tensors themselves, straight into their memory. The receives are posted and the
+    // pass goes on: later passes finish them (advance_arrivals), so that a thread in a pass
+    // never waits for another message's tensors.
+    Arrival a;
+    for (auto& seg : in.segs) {
+      auto* p = static_cast<char*>(seg.raw_data());
+      for (std::size_t off = 0; off < seg.nbytes(); off += kChunk) {
+        const auto c = std::min(kChunk, seg.nbytes() - off);
+        a.reqs.emplace_back();
+        a.sizes.push_back(static_cast<int>(c));
+        MPI_Irecv(p + off, static_cast<int>(c), MPI_BYTE, in.source, dtag, comm, &a.reqs.back());
       }
     }
-    std::vector<MPI_Status> sts;
-    if (!reqs.empty() && !wait_requests(reqs, deadline_after(data_timeout), &sts)) {
-      std::cerr << "lockstep remote: the tensors of a message from rank " << in.source << " did not arrive within "
-                << data_timeout << " s" << rank_suffix() << "\n";
-      // The receives stay posted, their memory with them, until the late data arrives: a tensor
-      // message left unreceived would be taken by a later receive with the same tag.
+    if (a.reqs.empty() && may_deliver(in.source, in.kind)) {  // nothing to wait for
       std::lock_guard lk(mu);
-      orphans.push_back(Orphan{std::move(reqs), Encoder(), std::move(in.segs), true});
-      fail_incoming(std::move(in), Call::f_timeout, concat("did not arrive on rank ", rank, " within ", data_timeout, " s"));
+      deliver(std::move(in));
       return;
     }
-    for (std::size_t i = 0; i < sts.size(); ++i) {
-      int got = 0;
-      MPI_Get_count(&sts[i], MPI_BYTE, &got);
-      if (got != sizes[i]) {  // every byte of a received tensor comes from the sender
-        std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
-                  << got << " bytes where " << sizes[i] << " were announced" << rank_suffix() << "\n";
-        std::lock_guard lk(mu);
-        fail_incoming(std::move(in), Call::f_error,
-                      concat("arrived on rank ", rank, " with ", got, " bytes where ", sizes[i], " were announced"));
-        return;
-      }
-    }
-    std::lock_guard lk(mu);
+    a.in = std::move(in);
+    a.deadline = deadline_after(data_timeout);
+    arriving.push_back(std::move(a));
+  }
+
+  /// Hands a message whose tensors have all arrived to whoever waits for it. Called with mu
+  /// held.
+  void deliver(Incoming&& in) {
     if (in.kind == k_req) {
       queue.push_back(std::move(in));
-    } else if (reply) {
+    } else if (is_reply(in.kind)) {
       auto it = pending.find(in.id);
       if (it == pending.end()) return;  // not ours (cannot happen) or already closed
       auto c = it->second;
@@ -737,6 +739,78 @@ struct Engine {
       stops[in.run] = std::move(in);
     }
     cv.notify_all();
+  }
+
+  /// Finishes the messages whose tensors are arriving: each is failed when its tensors did not
+  /// all come within the data deadline, and delivered once they are in, a reply at once (it is
+  /// matched by its call), a request or the end of a run only after every earlier one from the
+  /// same rank (one rank's calls start in the order it sent them). True when one was finished.
+  /// Called with poll_mu held.
+  bool advance_arrivals() {
+    bool did = false;
+    std::vector<int> held;  // ranks with an earlier request or end of run still arriving
+    for (auto it = arriving.begin(); it != arriving.end();) {
+      Arrival& a = *it;
+      Incoming& in = a.in;
+      const bool ordered = !is_reply(in.kind);
+      if (!a.reqs.empty()) {
+        std::vector<MPI_Status> sts(a.reqs.size());
+        int flag = 0;
+        LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(a.reqs.size()), a.reqs.data(), &flag, sts.data()));
+        std::string failed;
+        Call::Failure kind = Call::f_error;
+        if (flag) {
+          for (std::size_t i = 0; i < sts.size() && failed.empty(); ++i) {
+            int got = 0;
+            MPI_Get_count(&sts[i], MPI_BYTE, &got);
+            if (got == a.sizes[i]) continue;  // every byte of a received tensor comes from the sender
+            std::cerr << "lockstep remote: dropped a message from rank " << in.source << " whose tensor data was "
+                      << got << " bytes where " << a.sizes[i] << " were announced" << rank_suffix() << "\n";
+            failed = concat("arrived on rank ", rank, " with ", got, " bytes where ", a.sizes[i], " were announced");
+          }
+          a.reqs.clear();
+        } else if (Clock::now() >= a.deadline) {
+          std::cerr << "lockstep remote: the tensors of a message from rank " << in.source
+                    << " did not arrive within " << data_timeout << " s" << rank_suffix() << "\n";
+          kind = Call::f_timeout;
+          failed = concat("did not arrive on rank ", rank, " within ", data_timeout, " s");
+        } else {
+          if (ordered) held.push_back(in.source);
+          ++it;
+          continue;
+        }
+        if (!failed.empty()) {
+          std::lock_guard lk(mu);
+          // Receives given up on stay posted, their memory with them, until the late data
+          // arrives: a tensor message left unreceived would be taken by a later receive with the
+          // same tag.
+          if (!a.reqs.empty()) orphans.push_back(Orphan{std::move(a.reqs), Encoder(), std::move(in.segs), true});
+          fail_incoming(std::move(in), kind, failed);
+          it = arriving.erase(it);
+          did = true;
+          continue;
+        }
+      }
+      if (ordered && std::find(held.begin(), held.end(), in.source) != held.end()) {
+        ++it;
+        continue;
+      }
+      {
+        std::lock_guard lk(mu);
+        deliver(std::move(in));
+      }
+      it = arriving.erase(it);
+      did = true;
+    }
+    return did;
+  }
+
+  /// Whether a message from `source` of kind `kind`, its tensors in, may be delivered now: a
+  /// reply always, a request or the end of a run when no earlier one from that rank is arriving.
+  bool may_deliver(int source, Kind kind) const {
+    if (is_reply(kind)) return true;
+    return std::none_of(arriving.begin(), arriving.end(),
+                        [&](const Arrival& a) { return a.in.source == source && !is_reply(a.in.kind); });
   }
 
   /// One look at each tag (one message each at most). `ctrl_empty`: no control message (the
@@ -789,8 +863,10 @@ struct Engine {
   bool pass(const std::function<void()>* before_receive = nullptr) {
     const auto start = Clock::now();
     bool ctrl_empty = false;
-    const bool did = poll_once(&ctrl_empty, before_receive);
+    bool did = advance_arrivals();
+    did = poll_once(&ctrl_empty, before_receive) || did;
     ctrl_looks.saw(ctrl_empty, start);
+    did = advance_arrivals() || did;
     housekeeping();
     return did;
   }
@@ -868,10 +944,25 @@ struct Engine {
       if (try_pass() == 1) active = Clock::now();
       else backoff(active);
     }
-    // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped.
+    // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped;
+    // tensors still arriving get at most a second more (then their receives are left to
+    // settle_orphans, which cancels them).
     std::lock_guard pl(poll_mu);
     for (int i = 0; i < 3; ++i)
       while (poll_once()) {}
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    while (!arriving.empty() && Clock::now() < until)
+      if (!advance_arrivals()) std::this_thread::yield();
+    orphan_arrivals();
+  }
+
+  /// The receives of messages still arriving become orphans (settle_orphans cancels them), with
+  /// the memory they write into. Called with poll_mu held, when no more passes follow.
+  void orphan_arrivals() {
+    std::lock_guard lk(mu);
+    for (auto& a : arriving)
+      if (!a.reqs.empty()) orphans.push_back(Orphan{std::move(a.reqs), Encoder(), std::move(a.in.segs), true});
+    arriving.clear();
   }
 
   // ---- running calls ----
@@ -1151,6 +1242,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1
   {
     std::lock_guard pl(e->poll_mu);  // a thread still waiting takes no more passes
     e->passes_over = true;
+    e->orphan_arrivals();  // what such a thread's last pass began to receive
   }
   settle_orphans(*e);
   {

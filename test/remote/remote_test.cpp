@@ -118,6 +118,24 @@ std::vector<std::uint64_t> landings() {
 }
 LOCKSTEP_REMOTE(echo_noting)
 LOCKSTEP_REMOTE(landings)
+// Calls noting their order of arrival on this rank: one with a large tensor, one without.
+std::vector<int> g_order;
+int note_with_tensor(const ls::Tensor& t, int i) {
+  std::lock_guard lk(g_landed_mu);
+  g_order.push_back(i);
+  return static_cast<int>(t.numel() > 0);
+}
+void note_plain(int i) {
+  std::lock_guard lk(g_landed_mu);
+  g_order.push_back(i);
+}
+std::vector<int> order_seen() {
+  std::lock_guard lk(g_landed_mu);
+  return std::exchange(g_order, {});
+}
+LOCKSTEP_REMOTE(note_with_tensor)
+LOCKSTEP_REMOTE(note_plain)
+LOCKSTEP_REMOTE(order_seen)
 
 LOCKSTEP_REMOTE(add)
 LOCKSTEP_REMOTE(echo_t)
@@ -658,6 +676,57 @@ TEST_CASE("remote: sessions whose options differ are a MismatchError on every ra
   // Nothing is left behind: a new session works.
   ls::RemoteSession ok(b, ls::RemoteOptions{.timeout = 30});
   ok.close();
+}
+
+TEST_CASE("remote: a waiting thread is not held up by the late tensors of another reply") {
+  // Rank 0 starts a call whose reply's tensors come 3 s after the reply's header, and then,
+  // while they are owed, calls itself (and, at 3 ranks or more, another rank). A pass that
+  // receives a header posts the receives of its tensors and goes on, so these calls complete
+  // at once; a pass that waited for the tensors would hold every other message back for 3 s.
+  if (world() == 1) return;  // the late reply would be this rank's own: its thread sleeps in it
+  auto& b = backend();
+  ls::RemoteSession session(b, ls::RemoteOptions{.timeout = 60});
+  const std::int64_t n = 1 << 18;  // 1 MiB: sent by rendezvous over shared memory
+  ls::run_driver(b, [&] {
+    auto late = ls::remote_async_call(b, 1, late_echo, ls::Tensor::full({n}, 5.0), 3.0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the late reply's header is in
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 5; ++i) CHECK(ls::remote_sync_call(b, 0, add, i, 1) == i + 1);
+    if (world() > 2) CHECK(ls::remote_sync_call(b, 2, sum_of, ls::Tensor::full({n}, 1.0)) == Approx(n));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(1500));
+    CHECK_FALSE(late.ready());
+    auto r = late.wait();
+    long bad = 0;
+    for (float x : r.span<float>()) bad += x != 5.0f;
+    CHECK(bad == 0);
+  });
+  session.close();
+}
+
+TEST_CASE("remote: one rank's calls to another start in the order they were sent") {
+  // A call with a 16 MiB tensor, then one without, ten times over. A rank receives a message's
+  // tensors while it goes on receiving other messages, and hands a request on only after the
+  // earlier ones from its rank; a sender, for its part, waits until each message is taken. So
+  // one thread's calls start in the order it made them.
+  auto& b = backend();
+  ls::RemoteSession session(b, ls::RemoteOptions{.timeout = 60});
+  ls::run_driver(b, [&] {
+    const int target = world() - 1;
+    (void)ls::remote_sync_call(b, target, order_seen);
+    auto big = ls::Tensor::full({1 << 22}, 1.0);
+    std::vector<ls::Future<int>> with;
+    std::vector<ls::Future<std::monostate>> plain;
+    for (int i = 0; i < 10; ++i) {
+      with.push_back(ls::remote_async_call(b, target, note_with_tensor, big, 2 * i));
+      plain.push_back(ls::remote_async_call(b, target, note_plain, 2 * i + 1));
+    }
+    for (auto& f : with) CHECK(f.wait() == 1);
+    for (auto& f : plain) f.wait();
+    const auto order = ls::remote_sync_call(b, target, order_seen);
+    REQUIRE(order.size() == 20);
+    for (int i = 0; i < 20; ++i) CHECK(order[i] == i);
+  });
+  session.close();
 }
 
 TEST_CASE("remote: tensor messages given up on are never taken by a later call when the tags wrap") {
