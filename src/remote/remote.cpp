@@ -452,6 +452,7 @@ struct Engine {
     Incoming in;
     std::vector<MPI_Request> reqs;
     std::vector<int> sizes;  // bytes announced for each request
+    std::vector<MPI_Status> sts;  // filled when they complete
     Clock::time_point deadline;
   };
   std::deque<Arrival> arriving;
@@ -714,6 +715,7 @@ struct Engine {
       return;
     }
     a.in = std::move(in);
+    a.sts.resize(a.reqs.size());
     a.deadline = deadline_after(data_timeout);
     arriving.push_back(std::move(a));
   }
@@ -754,7 +756,7 @@ struct Engine {
       Incoming& in = a.in;
       const bool ordered = !is_reply(in.kind);
       if (!a.reqs.empty()) {
-        std::vector<MPI_Status> sts(a.reqs.size());
+        auto& sts = a.sts;
         int flag = 0;
         LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(a.reqs.size()), a.reqs.data(), &flag, sts.data()));
         std::string failed;
@@ -863,8 +865,7 @@ struct Engine {
   bool pass(const std::function<void()>* before_receive = nullptr) {
     const auto start = Clock::now();
     bool ctrl_empty = false;
-    bool did = advance_arrivals();
-    did = poll_once(&ctrl_empty, before_receive) || did;
+    bool did = poll_once(&ctrl_empty, before_receive);
     ctrl_looks.saw(ctrl_empty, start);
     did = advance_arrivals() || did;
     housekeeping();

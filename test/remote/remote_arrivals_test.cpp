@@ -110,6 +110,22 @@ std::string describe(const std::exception_ptr& ep) {
   }
 }
 
+/// Closes the session: what it threw (described, empty when nothing) and how long it took.
+struct Closed {
+  std::string error;
+  double seconds;
+};
+Closed close_session(ls::RemoteSession& s) {
+  const auto t0 = Clock::now();
+  std::string error;
+  try {
+    s.close();
+  } catch (...) {
+    error = describe(std::current_exception());
+  }
+  return Closed{error, since(t0)};
+}
+
 // 24 rounds of a 1 MiB call to every rank, each with its own pattern (with 8 data tags, the
 // tags of every rank's calls wrap six times over). Returns the bad elements (and failed calls).
 long same_size_rounds(ls::Backend& b, std::uint64_t base) {
@@ -172,14 +188,7 @@ TEST_CASE("arrivals: a session closes while late replies' tensors are still owed
     });
     return make(big, 14);
   });
-  const auto c0 = Clock::now();
-  std::string close_error;
-  try {
-    s->close();
-  } catch (...) {
-    close_error = describe(std::current_exception());
-  }
-  const double close_s = since(c0);
+  const auto [close_error, close_s] = close_session(*s);
   if (side.joinable()) side.join();
   CHECK(close_error.empty());
   CHECK(close_s < 10.0);
@@ -225,14 +234,7 @@ TEST_CASE("arrivals: a session whose close gives up while reply tensors are stil
     for (int r = 1; r < world(); ++r)
       (void)ls::remote_async_call(b, r, arr_late_bump, make(n, 20 + static_cast<std::uint64_t>(r)), 1.0f, 2.0 + 0.5 * r);
   });
-  const auto c0 = Clock::now();
-  std::string close_error;
-  try {
-    s->close();
-  } catch (...) {
-    close_error = describe(std::current_exception());
-  }
-  const double close_s = since(c0);
+  const auto [close_error, close_s] = close_session(*s);
   if (me() == 0) {
     CHECK_THAT(close_error, Catch::StartsWith("TimeoutError: closing the remote session: not every rank closed it within 1.5 s"));
     CHECK(close_s < 4.5);  // 1.5 s at the barrier, 1 s for what is arriving, 1 s for the cancelled
@@ -552,12 +554,7 @@ TEST_CASE("arrivals: an odd number of data tags (both ranks calling each other a
     }
   }
   ls::barrier(b);  // a rank in close serves no more calls: the other's must be done
-  std::string close_error;
-  try {
-    s->close();
-  } catch (...) {
-    close_error = describe(std::current_exception());
-  }
+  const std::string close_error = close_session(*s).error;
   INFO("rank " << me() << ", " << span << " data tags, offset " << offset);
   CHECK(bad == 0);
   CHECK(errors.empty());
