@@ -39,8 +39,16 @@ add_executable(lockstep_remote_stall remote/remote_stall.cpp)
 target_link_libraries(lockstep_remote_stall PRIVATE lockstep::core lockstep_build_flags)
 lockstep_add_mpi_test(NAME remote.stopped_worker TARGET lockstep_remote_stall RANKS 2 3 ARGS worker LABELS reliability TIMEOUT 90)
 lockstep_add_mpi_test(NAME remote.stopped_driver TARGET lockstep_remote_stall RANKS 2 4 ARGS driver LABELS reliability TIMEOUT 90)
+# A rank stopped before it closes the session: the graceful closes of the others end in a
+# TimeoutError naming it after the session's timeout; resumed, its own close ends in an error.
+lockstep_add_mpi_test(NAME remote.stopped_closing TARGET lockstep_remote_stall RANKS 2 3 ARGS closing LABELS reliability TIMEOUT 90)
 
 # The arrival path of a message's tensors, attacked: sessions closing while tensors are owed,
 # concurrent calls of mixed sizes from several threads, late replies, data deadlines expiring.
 lockstep_test_executable(test_remote_arrivals remote/remote_arrivals_test.cpp)
 lockstep_add_mpi_test(NAME remote_arrivals TARGET test_remote_arrivals RANKS 1 2 3 TIMEOUT 180)
+
+# Sessions closing gracefully (every call still owed is answered first, a busy rank is waited
+# for while its heartbeats come) and auto_init_rpc.
+lockstep_test_executable(test_remote_close remote/remote_close_test.cpp)
+lockstep_add_mpi_test(NAME remote_close TARGET test_remote_close RANKS 1 2 3 4 TIMEOUT 180)

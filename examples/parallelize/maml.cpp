@@ -16,10 +16,12 @@
 // Progress is measured on held-out tasks: the loss on their query points after adapting on their
 // support points; it falls as the meta-model learns a good starting point.
 //
-// With --driver it runs in TorchOpt's own form instead: rank 0 holds the meta-model and runs the
-// outer loop inside ls::run_driver, and the tasks go to every rank as remote calls
-// (ls::parallelize_sync with exclusive_batch_partitioner and mean_reducer over the registered
-// functions meta_task and eval_task; docs/remote.md). Same seed, same result as the SPMD form.
+// With --driver it runs in TorchOpt's own form instead: main's work is wrapped by
+// ls::auto_init_rpc (a remote session on every rank), rank 0 holds the meta-model and runs the
+// outer loop (ls::rank_zero_only), and the other ranks return at once and serve, in the session's
+// graceful close, the tasks that come to them as remote calls (ls::parallelize_sync with
+// exclusive_batch_partitioner and mean_reducer over the registered functions meta_task and
+// eval_task; docs/remote.md). Same seed, same result as the SPMD form.
 //
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/parallelize/maml
@@ -246,43 +248,50 @@ LOCKSTEP_REMOTE(meta_task)
 LOCKSTEP_REMOTE(eval_task)
 namespace {
 
-/// Rank 0 holds the meta-model and its optimizer and runs the outer loop; every rank (rank 0
-/// too, while it waits) runs the tasks that exclusive_batch_partitioner sends it, and
-/// mean_reducer averages the results on rank 0.
-int run_driver_form(const Options& o, ls::Backend& backend) {
-  return ls::run_driver(backend, [&] {
-    MLP meta = init_mlp(o.seed * 1000);  // what synchronize gives every rank in the SPMD form
-    auto state = ls::setup(ls::Adam{.lr = o.meta_lr}, meta);
-    auto meta_batch = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, meta_task);
-    auto evaluate = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, eval_task);
-    std::mt19937_64 eval_rng(o.seed ^ 0xE7A1ull);
-    const ls::Tensor eval_tasks = sample_tasks(eval_rng, o.eval_tasks);
-    std::printf("first-order MAML on sine regression (driver form): %d ranks, %d tasks per meta-batch, "
-                "%d-shot, %d inner step(s) of %g, Adam %g\n",
-                backend.size(), o.tasks, o.shots, o.inner_steps, static_cast<double>(o.inner_lr),
-                static_cast<double>(o.meta_lr));
-    std::mt19937_64 task_rng(o.seed);
-    double first_after = 0, last_after = 0, train_loss = 0;
-    for (int it = 0; it <= o.iterations; ++it) {
-      if (it % o.eval_every == 0 || it == o.iterations) {
-        const EvalResult e = evaluate(meta, eval_tasks, o.shots, o.inner_steps, o.inner_lr);
-        if (it == 0) first_after = e.after;
-        last_after = e.after;
-        std::printf("iter %5d  meta-batch loss %8.4f  held-out loss before adaptation %8.4f  "
-                    "after %8.4f\n",
-                    it, it == 0 ? std::nan("") : train_loss, e.before, e.after);
-      }
-      if (it == o.iterations) break;
-      const ls::Tensor tasks = sample_tasks(task_rng, o.tasks);
-      TaskResult r = meta_batch(meta, tasks, o.shots, o.queries, o.inner_steps, o.inner_lr);
-      train_loss = r.loss;
-      ls::update(state, meta, r.grad);
+/// The outer loop, on rank 0.
+int outer_loop(const Options& o, ls::Backend& backend) {
+  MLP meta = init_mlp(o.seed * 1000);  // what synchronize gives every rank in the SPMD form
+  auto state = ls::setup(ls::Adam{.lr = o.meta_lr}, meta);
+  auto meta_batch = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, meta_task);
+  auto evaluate = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, eval_task);
+  std::mt19937_64 eval_rng(o.seed ^ 0xE7A1ull);
+  const ls::Tensor eval_tasks = sample_tasks(eval_rng, o.eval_tasks);
+  std::printf("first-order MAML on sine regression (driver form): %d ranks, %d tasks per meta-batch, "
+              "%d-shot, %d inner step(s) of %g, Adam %g\n",
+              backend.size(), o.tasks, o.shots, o.inner_steps, static_cast<double>(o.inner_lr),
+              static_cast<double>(o.meta_lr));
+  std::mt19937_64 task_rng(o.seed);
+  double first_after = 0, last_after = 0, train_loss = 0;
+  for (int it = 0; it <= o.iterations; ++it) {
+    if (it % o.eval_every == 0 || it == o.iterations) {
+      const EvalResult e = evaluate(meta, eval_tasks, o.shots, o.inner_steps, o.inner_lr);
+      if (it == 0) first_after = e.after;
+      last_after = e.after;
+      std::printf("iter %5d  meta-batch loss %8.4f  held-out loss before adaptation %8.4f  "
+                  "after %8.4f\n",
+                  it, it == 0 ? std::nan("") : train_loss, e.before, e.after);
     }
-    std::printf("held-out post-adaptation loss: %.4f -> %.4f (%.0f%% lower)\n", first_after, last_after,
-                first_after > 0 ? 100.0 * (1.0 - last_after / first_after) : 0.0);
-    std::fflush(stdout);
-    return 0;
-  });
+    if (it == o.iterations) break;
+    const ls::Tensor tasks = sample_tasks(task_rng, o.tasks);
+    TaskResult r = meta_batch(meta, tasks, o.shots, o.queries, o.inner_steps, o.inner_lr);
+    train_loss = r.loss;
+    ls::update(state, meta, r.grad);
+  }
+  std::printf("held-out post-adaptation loss: %.4f -> %.4f (%.0f%% lower)\n", first_after, last_after,
+              first_after > 0 ? 100.0 * (1.0 - last_after / first_after) : 0.0);
+  std::fflush(stdout);
+  return 0;
+}
+
+/// TorchOpt's form (its @auto_init_rpc main with a @rank_zero_only outer loop): rank 0 holds
+/// the meta-model and its optimizer and runs the outer loop; every rank (rank 0 too, while it
+/// waits) runs the tasks that exclusive_batch_partitioner sends it, and mean_reducer averages
+/// the results on rank 0. The other ranks' function returns at once: they serve in the close of
+/// the session, until rank 0's has returned.
+int run_driver_form(const Options& o, ls::Backend& backend) {
+  auto main_fn = ls::auto_init_rpc()(
+      [&] { return ls::rank_zero_only([&] { return outer_loop(o, backend); }).value_or(0); });
+  return main_fn();
 }
 
 int run(const Options& o, ls::Backend& backend) {

@@ -27,6 +27,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -34,7 +35,9 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/reliability/settings.hpp"
@@ -49,7 +52,10 @@ constexpr int kTagReq = 1, kTagRep = 2, kTagCtrl = 3, kDataBase = 16;
 constexpr std::uint32_t kMagic = 0x4C535243;  // "LSRC"
 constexpr std::size_t kChunk = std::size_t{1} << 30;
 
-enum Kind : std::uint8_t { k_req = 1, k_rep_ok, k_rep_err, k_stop_ok, k_stop_err, k_heartbeat };
+// k_closing: the sender is closing the session and serves until every rank has closed it (the
+// receiver sends it heartbeats meanwhile); k_left: the sender closed it without waiting for the
+// calls still owed (after it took another rank for silent).
+enum Kind : std::uint8_t { k_req = 1, k_rep_ok, k_rep_err, k_stop_ok, k_stop_err, k_heartbeat, k_closing, k_left };
 
 constexpr bool is_reply(Kind k) { return k == k_rep_ok || k == k_rep_err; }
 
@@ -411,7 +417,10 @@ struct Engine {
   std::map<std::uint64_t, Incoming> stops;  // run -> the driver's end-of-run message
   std::atomic<std::uint64_t> next_id{1};
   std::uint64_t run_counter = 0;
-  Clock::time_point last_heard_driver = Clock::now();
+  std::vector<Clock::time_point> last_heard;  // per rank: when a message of it last came (under mu)
+  // Requests this rank has posted and requests it has answered, summed over the ranks when the
+  // session closes: every request posted has been answered when the sums agree (see drain).
+  std::atomic<std::uint64_t> reqs_sent{0}, reqs_done{0};
   // The progress thread's looks for control messages: a serving rank takes the driver for
   // silent only when the looks show no heartbeat since the session's timeout after the driver's
   // last message (so a rank that was itself stopped, and has just resumed, reads the heartbeats
@@ -427,6 +436,11 @@ struct Engine {
   std::vector<MPI_Request> hb_reqs;
   Clock::time_point next_hb = Clock::now();
   Head hb_head{};
+  // Ranks closing the session, which this rank sends heartbeats to (so that they can tell a rank
+  // still busy from a silent one), and ranks that closed it without waiting. Under poll_mu.
+  std::vector<char> closing_ranks, left_ranks;
+  bool hb_over = false;  // the session is closed everywhere: no more heartbeats (under poll_mu)
+  std::atomic<bool> a_rank_left{false};  // some left_ranks entry is set
 
   /// Requests given up on (a send past its deadline, a receive past its deadline: both stay
   /// posted), kept with the memory they use until MPI has completed them.
@@ -498,6 +512,7 @@ struct Engine {
     for (int dest : dests) {
       reqs.emplace_back();
       LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
+      if (kind == k_req) reqs_sent.fetch_add(1);  // posted: it will be answered (see drain)
       if (tensor_delay > 0 && !tensors.empty())
         std::this_thread::sleep_for(std::chrono::duration<double>(tensor_delay));
       for (auto& t : tensors) {
@@ -624,12 +639,22 @@ struct Engine {
       std::cerr << "lockstep remote: dropped a malformed message from rank " << in.source << rank_suffix() << "\n";
       return;
     }
-    if (in.source == 0) {
+    {
       std::lock_guard lk(mu);
-      last_heard_driver = Clock::now();
+      if (in.source >= 0 && in.source < size) last_heard[static_cast<std::size_t>(in.source)] = Clock::now();
     }
     in.kind = static_cast<Kind>(h.kind);
     if (in.kind == k_heartbeat) return;
+    if (in.kind == k_closing || in.kind == k_left) {
+      if (in.source >= 0 && in.source < size) {
+        auto& v = in.kind == k_closing ? closing_ranks : left_ranks;
+        v[static_cast<std::size_t>(in.source)] = 1;
+        if (in.kind == k_left) a_rank_left = true;
+        next_hb = Clock::now();  // a first heartbeat now
+      }
+      cv.notify_all();
+      return;
+    }
     in.id = h.id;
     in.run = h.run;
     in.plen = h.payload_len;
@@ -841,8 +866,13 @@ struct Engine {
       MPI_Testall(static_cast<int>(hb_reqs.size()), hb_reqs.data(), &flag, MPI_STATUSES_IGNORE);
       if (flag) hb_reqs.clear();
     }
-    if (driving.load() && hb_reqs.empty() && Clock::now() >= next_hb) {
-      for (int r = 1; r < size; ++r) {
+    // Heartbeats: from the driver to every rank while it drives, and from every rank to the
+    // ranks closing the session (they wait for the others while serving).
+    if (!hb_over && hb_reqs.empty() && Clock::now() >= next_hb) {
+      const bool drive = driving.load();
+      for (int r = 0; r < size; ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        if (r == rank || left_ranks[i] || !((drive && r != 0) || closing_ranks[i])) continue;
         hb_reqs.emplace_back();
         MPI_Isend(&hb_head, static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
       }
@@ -1007,6 +1037,7 @@ struct Engine {
     } catch (const std::exception& x) {
       std::cerr << "lockstep remote: the reply to rank " << in.source << " was not sent: " << x.what() << "\n";
     }
+    if (in.kind == k_req) reqs_done.fetch_add(1);
   }
 
   bool can_help() const { return !opts.background || std::this_thread::get_id() == executor_id; }
@@ -1166,6 +1197,9 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->cache = std::make_shared<RecvCache>(o.receive_cache_bytes);
   e->hb_head.magic = kMagic;
   e->hb_head.kind = k_heartbeat;
+  e->last_heard.assign(static_cast<std::size_t>(e->size), Clock::now());
+  e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
+  e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->progress = std::thread([p = e.get()] { p->progress_loop(); });
   if (o.background) {
     e->executor = std::thread([p = e.get()] { p->executor_loop(); });
@@ -1209,11 +1243,155 @@ void settle_orphans(Engine& e) {
   e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
-/// Collective: ends the session of e. Throws TimeoutError when not every rank closed in time
-/// (then the communicator is left allocated) unless quiet. The ranks wait for each other for
-/// at most `wait` seconds (< 0: the session's timeout).
+/// The rank (other than this one, and not known to have left) that this rank has heard nothing
+/// from for the session's timeout since `since`, or -1. As for the driver's silence, the looks
+/// of the passes decide, not the clock alone (see LookWatch). Called with e.mu held.
+int silent_rank(const Engine& e, Clock::time_point since) {
+  if (e.timeout <= 0) return -1;
+  const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(e.timeout));
+  const Clock::time_point looked = e.ctrl_looks.through();
+  for (int r = 0; r < e.size; ++r)
+    if (r != e.rank && looked >= std::max(e.last_heard[static_cast<std::size_t>(r)], since) + span) return r;
+  return -1;
+}
+
+/// Tells every other rank, without waiting long, that this rank is closing (k_closing) or left
+/// (k_left). Errors are printed, not thrown: a rank that cannot be told times out by itself.
+void tell_others(Engine& e, Kind kind) {
+  if (e.size < 2) return;
+  std::vector<int> dests;
+  for (int r = 0; r < e.size; ++r)
+    if (r != e.rank) dests.push_back(r);
+  Encoder m;
+  const double wait = e.timeout > 0 ? std::min(e.timeout, 1.0) : 1.0;
+  try {
+    e.send(dests, kTagCtrl, kind, e.next_id.fetch_add(1), 0, std::string(), m, deadline_after(wait), wait,
+           "closing the remote session");
+  } catch (const std::exception& x) {
+    std::cerr << "lockstep remote: " << x.what() << "\n";
+  }
+}
+
+/// Buffers of a collective that may never complete (a rank gave up waiting for it): kept for
+/// the life of the process, since MPI may still write into them.
+std::mutex g_waves_mu;
+std::vector<std::array<std::uint64_t, 6>*>* g_leaked_waves = nullptr;
+
+void leak_wave(std::array<std::uint64_t, 6>* w) {
+  std::lock_guard lk(g_waves_mu);
+  if (g_leaked_waves == nullptr) g_leaked_waves = new std::vector<std::array<std::uint64_t, 6>*>();
+  g_leaked_waves->push_back(w);
+}
+
+/// How a session is closed, on every rank in rounds of one allreduce of [left, requests posted,
+/// requests answered] over the session's communicator (a rank that leaves takes part in the
+/// first only).
+///
+/// Graceful (leave = false): this rank serves calls (runs them, or lets the background thread
+/// run them) while it waits, until every rank is closing and every request posted on the
+/// session has been answered; so no call still owed is dropped, whichever rank closes first.
+/// The rounds end when the requests posted in one equal those answered in the round before:
+/// every request posted by then had been answered before, and none can follow (Mattern's
+/// four-counter method). Meanwhile every rank sends heartbeats to the closing ones (k_closing),
+/// so that a rank that hears nothing from another for the session's timeout gives up. When a
+/// rank left (its 1 in the first round's sum), the rounds end after the first.
+///
+/// Leaving (leave = true, after this rank took the driver for silent): the first round only,
+/// waited for at most `wait` seconds without serving.
+///
+/// Returns "" when the rounds completed (the communicator may be freed), else why not.
+std::string close_rounds(Engine& e, bool leave, double wait) {
+  const auto since = Clock::now();
+  e.driving = false;
+  tell_others(e, leave ? k_left : k_closing);
+  auto* wave = new std::array<std::uint64_t, 6>{};  // [left, posted, answered] in, their sums out
+  std::uint64_t prev_sent = ~std::uint64_t{0}, prev_done = ~std::uint64_t{0};
+  const auto deadline = deadline_after(wait);
+  std::optional<Engine::Waiting> w;
+  if (!leave) w.emplace(e);  // this thread takes the passes
+  std::unique_lock lk(e.mu);
+  auto active = Clock::now();
+  for (int round = 0;; ++round) {
+    (*wave)[0] = leave ? 1 : 0;
+    (*wave)[1] = e.reqs_sent.load();
+    (*wave)[2] = e.reqs_done.load();
+    MPI_Request r = MPI_REQUEST_NULL;
+    const int rc = MPI_Iallreduce(wave->data(), wave->data() + 3, 3, MPI_UINT64_T, MPI_SUM, e.comm, &r);
+    if (rc != MPI_SUCCESS) {
+      delete wave;
+      return concat("MPI error ", rc, " in its allreduce");
+    }
+    while (true) {
+      int flag = 0;
+      MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      if (flag) break;
+      std::string why;
+      if (leave) {
+        if (Clock::now() >= deadline) why = concat("not every rank closed it within ", wait, " s");
+      } else if (const int s = silent_rank(e, since); s >= 0) {
+        why = concat("rank ", s, " sent nothing for ", e.timeout, " s while this rank waited for every rank to ",
+                     "close it (rank ", s, " is stopped, hung, or never closes it)");
+      } else if (round > 0 && e.a_rank_left.load()) {
+        why = "a rank left it without waiting for the calls still owed (it took another rank for silent)";
+      }
+      if (!why.empty()) {
+        leak_wave(wave);
+        return why;
+      }
+      if (leave) {
+        lk.unlock();
+        backoff(active);
+        lk.lock();
+      } else {
+        e.wait_step(lk, active, Clock::now() + std::chrono::milliseconds(50), e.can_help());
+      }
+    }
+    if (leave || (*wave)[3] > 0) break;  // a rank left: no more rounds
+    const std::uint64_t sent = (*wave)[4], done = (*wave)[5];
+    if (sent == prev_done) {
+      // Done on every rank. The heartbeats stop, and a last barrier makes sure that no rank
+      // frees the communicator while another may still send one to it.
+      delete wave;
+      lk.unlock();
+      {
+        std::lock_guard pl(e.poll_mu);
+        e.hb_over = true;
+      }
+      MPI_Request b = MPI_REQUEST_NULL;
+      LOCKSTEP_MPI_CHECK(MPI_Ibarrier(e.comm, &b));
+      std::vector<MPI_Request> reqs{b};
+      if (!wait_requests(reqs, deadline_after(e.timeout), nullptr, [&] { return e.try_pass() == 1; }))
+        return concat("not every rank reached its last barrier within ", e.timeout, " s");
+      return std::string();
+    }
+    const bool moved = sent != prev_sent || done != prev_done;
+    prev_sent = sent;
+    prev_done = done;
+    if (!moved && round > 0) {
+      // A call still runs somewhere: serve a little before the next round instead of spinning.
+      const auto until = Clock::now() + std::chrono::milliseconds(2);
+      while (Clock::now() < until) e.wait_step(lk, active, until, e.can_help());
+    }
+  }
+  delete wave;
+  return std::string();
+}
+
+/// Collective: ends the session of e (close_rounds). With wait < 0 (the normal close) it is
+/// graceful: this rank serves the calls still owed until every rank has closed. With wait >= 0
+/// (a rank that took the driver for silent) it leaves, waiting at most `wait` seconds for the
+/// others. Throws TimeoutError when the ranks did not all close in time (then the communicator
+/// is left allocated), or prints it if quiet.
 void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1) {
-  if (wait < 0) wait = e->timeout;
+  const bool leave = wait >= 0;
+  std::string failed;
+  try {
+    failed = close_rounds(*e, leave, wait);
+  } catch (const std::exception& x) {
+    failed = x.what();
+  }
+  const bool ok = failed.empty();
+  if (!ok && !leave) tell_others(*e, k_left);
   {
     std::lock_guard lk(g_mu);
     auto it = g_engines.find(e->backend);
@@ -1226,17 +1404,9 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1
   e->cv.notify_all();
   if (e->executor.joinable()) e->executor.join();
   e->driving = false;
-  bool ok = true;
-  MPI_Request r;
-  if (MPI_Ibarrier(e->comm, &r) == MPI_SUCCESS) {
-    std::vector<MPI_Request> reqs{r};
-    try {
-      ok = wait_requests(reqs, deadline_after(wait));
-    } catch (...) {
-      ok = false;
-    }
-  } else {
-    ok = false;
+  {
+    std::lock_guard pl(e->poll_mu);
+    e->hb_over = true;
   }
   e->stop_progress = true;
   if (e->progress.joinable()) e->progress.join();
@@ -1261,10 +1431,11 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1
   if (ok) {
     if (!e->hb_reqs.empty()) wait_requests(e->hb_reqs, deadline_after(1.0));
     MPI_Comm_free(&e->comm);
+    return;
   }
-  if (!ok && !quiet)
-    throw TimeoutError(concat("closing the remote session: not every rank closed it within ", wait, " s",
-                              rank_suffix()));
+  const std::string what = concat("closing the remote session: ", failed, rank_suffix());
+  if (quiet) std::cerr << "lockstep remote: " << what << "\n";
+  else throw TimeoutError(what);
 }
 
 }  // namespace
@@ -1341,6 +1512,7 @@ enum ErrCode : std::uint8_t {
 struct DriverRun::Impl {
   std::shared_ptr<Engine> e;
   bool own = false, closed = false;
+  bool stop_sent = false;  // the workers were told f's outcome (finish_error does not tell again)
   std::uint64_t run = 0;
   Incoming stop;
 
@@ -1389,7 +1561,7 @@ DriverRun::DriverRun(Backend& b, bool serve_only, const std::string& result_sig)
   driver_ = e.rank == 0;
   {
     std::lock_guard lk(e.mu);
-    e.last_heard_driver = Clock::now();
+    e.last_heard[0] = Clock::now();
   }
   if (driver_) e.driving = true;
 }
@@ -1416,6 +1588,7 @@ void DriverRun::finish_ok(Encoder&& result) {
   Engine& e = *impl_->e;
   e.driving = false;
   Encoder m = std::move(result);
+  impl_->stop_sent = true;
   if (e.size > 1)
     e.send(others(e), kTagCtrl, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
            deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f returned)");
@@ -1457,7 +1630,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   encode(m, rmsg);
   encode(m, mpi_code);
   try {
-    if (e.size > 1)
+    if (e.size > 1 && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagCtrl, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
              deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
   } catch (const std::exception& x) {
@@ -1483,7 +1656,7 @@ Decoder DriverRun::serve_until_done() {
       // timeout after its last message (not merely the timeout by the clock: a rank that was
       // stopped itself, and has just resumed, has the driver's heartbeats still to read).
       const Clock::time_point looked = e.ctrl_looks.through();
-      if (e.timeout > 0 && looked >= e.last_heard_driver + std::chrono::duration_cast<Clock::duration>(
+      if (e.timeout > 0 && looked >= e.last_heard[0] + std::chrono::duration_cast<Clock::duration>(
                                                                std::chrono::duration<double>(e.timeout))) {
         idle_timeout = true;
         break;
@@ -1550,6 +1723,17 @@ void RemoteSession::close() {
   backend_ = nullptr;
   if (e) detail::remote::close_engine(e, false);
 }
+
+namespace detail::remote {
+void session_barrier(Backend& b, const char* what) {
+  auto e = engine_of(b);
+  MPI_Request r = MPI_REQUEST_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Ibarrier(e->comm, &r));
+  std::vector<MPI_Request> reqs{r};
+  if (!e->wait_polling(reqs, deadline_after(e->timeout)))
+    throw TimeoutError(concat(what, ": not every rank got there within ", e->timeout, " s", rank_suffix()));
+}
+}  // namespace detail::remote
 
 void serve(Backend& b) {
   detail::remote::DriverRun run(b, true, std::string());

@@ -214,13 +214,15 @@ TEST_CASE("arrivals: a session closes while late replies' tensors are still owed
   s->close();
 }
 
-TEST_CASE("arrivals: a session whose close gives up while reply tensors are still arriving") {
+TEST_CASE("arrivals: a session closed while reply tensors are still arriving") {
   // The workers' replies' tensors come 2.5 s (rank 1) and 3 s (rank 2) after their headers; the
-  // session's timeout is 1.5 s and the data deadline 30 s, so the driver's close gives up waiting
-  // for the workers (a TimeoutError, as documented), its progress thread gives the tensors still
-  // arriving a second more, and the receives are then cancelled while the workers are yet to send
-  // (their sends, past the session's timeout, are given up on). No crash, no hang, and the next
-  // session, with tags that wrap every four calls, gets every call's own data.
+  // session's timeout is 1.5 s and the data deadline 30 s. The workers give up sending them in
+  // time (their sends are past the session's timeout) but the data still flows; the driver's
+  // close is graceful: it serves, hears the workers' heartbeats while they are busy, and waits
+  // until they have closed too, so every rank's close succeeds, after the late data. (Before
+  // closes were graceful, the driver's gave up after 1.5 s with the tensors still arriving.) No
+  // crash, no hang, and the next session, with tags that wrap every four calls, gets every call's
+  // own data.
   if (world() == 1) return;  // a rank's close waits for its own executor, which sends the late reply
   auto& b = backend();
   const std::int64_t n = 1 << 18;
@@ -235,12 +237,11 @@ TEST_CASE("arrivals: a session whose close gives up while reply tensors are stil
       (void)ls::remote_async_call(b, r, arr_late_bump, make(n, 20 + static_cast<std::uint64_t>(r)), 1.0f, 2.0 + 0.5 * r);
   });
   const auto [close_error, close_s] = close_session(*s);
+  INFO("close on rank " << me() << ": " << close_error << " after " << close_s << " s");
+  CHECK(close_error.empty());
   if (me() == 0) {
-    CHECK_THAT(close_error, Catch::StartsWith("TimeoutError: closing the remote session: not every rank closed it within 1.5 s"));
-    CHECK(close_s < 4.5);  // 1.5 s at the barrier, 1 s for what is arriving, 1 s for the cancelled
-  } else {
-    INFO("close on rank " << me() << ": " << close_error);
-    CHECK(close_error.empty());
+    CHECK(close_s > 1.5);  // it waited for the workers, longer than the session's timeout
+    CHECK(close_s < 10);
   }
   ls::barrier(b);
   {

@@ -1,7 +1,7 @@
 // A rank that stops answering without dying (SIGSTOP, as a debugger, a swapped-out node or a
 // frozen container would leave it), issue 15, item 4.
 //
-// Usage: remote_stall <worker|driver>   (2 ranks or more; 1 rank: skipped, 77)
+// Usage: remote_stall <worker|driver|closing>   (2 ranks or more; 1 rank: skipped, 77)
 //   worker: the driver stops rank 1 with SIGSTOP. A call to it must end in a TimeoutError naming
 //           rank 1 within its per-call timeout (1 s), both a small call (its reply never comes)
 //           and one with a 16 MiB tensor (its data is never taken); calls to the other ranks go
@@ -13,6 +13,11 @@
 //           rank must end its run_driver with a TimeoutError ("heard nothing from the driver")
 //           after the session's timeout (3 s), not hang; then rank 1 resumes the driver, whose
 //           run_driver completes, and the session closes on every rank.
+//   closing: rank 0 stops rank 1 with SIGSTOP before rank 1 closes the session; the others
+//           close it (a graceful close waits for every rank while it serves, bounded by
+//           heartbeats): each must throw a TimeoutError naming rank 1 about the session's
+//           timeout (3 s) later, not hang. Rank 0 then resumes rank 1, whose close must end with
+//           an error too, within seconds (the others left), and the backend works after.
 // Exit status 0 when every rank saw what it should, 1 otherwise.
 #include <mpi.h>
 #include <signal.h>
@@ -24,6 +29,7 @@
 #include <iterator>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "lockstep/lockstep.hpp"
 
@@ -182,12 +188,55 @@ void stopped_driver(ls::Backend& b) {
   }
 }
 
+void stopped_closing(ls::Backend& b) {
+  const int rank = b.rank();
+  std::vector<int> pids(static_cast<std::size_t>(b.size()));
+  const int mine = pid_of();
+  MPI_Allgather(&mine, 1, MPI_INT, pids.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  ls::RemoteSession session(b, ls::RemoteOptions{.timeout = kSessionTimeout});
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) {
+    ::kill(static_cast<pid_t>(pids[1]), SIGSTOP);
+    check(wait_stopped(pids[1]), "rank 1 did not stop");
+    say("stopped rank 1 before it closes");
+  }
+  if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));  // stopped in here
+  // Ranks other than 0 and 1 wait for rank 0's word that the signal has taken effect.
+  int word = 1;
+  if (rank == 0)
+    for (int r = 2; r < b.size(); ++r) MPI_Send(&word, 1, MPI_INT, r, 77, MPI_COMM_WORLD);
+  else if (rank >= 2)
+    MPI_Recv(&word, 1, MPI_INT, 0, 77, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  const auto t0 = Clock::now();
+  std::string err;
+  try {
+    session.close();
+  } catch (const ls::TimeoutError& e) {
+    err = e.what();
+  } catch (const std::exception& e) {
+    check(false, std::string("close threw another error: ") + e.what());
+  }
+  const double s = since(t0);
+  say("close: " + (err.empty() ? std::string("no error") : err) + " after " + std::to_string(s) + " s");
+  if (rank != 1) {
+    check(contains(err, "rank 1 sent nothing for 3 s"), "the closing rank's TimeoutError names rank 1");
+    check(s >= kSessionTimeout - 0.7 && s < kSessionTimeout + 4.0, "closed after " + std::to_string(s) + " s");
+  } else {
+    check(!err.empty(), "rank 1, resumed, gets an error from its close (the others left)");
+    check(s < kSessionTimeout + 4.0, "rank 1 closed after " + std::to_string(s) + " s");
+  }
+  if (rank == 0) {
+    ::kill(static_cast<pid_t>(pids[1]), SIGCONT);
+    say("resumed rank 1");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "worker" && mode != "driver") {
-    std::cerr << "usage: remote_stall <worker|driver>\n";
+  if (mode != "worker" && mode != "driver" && mode != "closing") {
+    std::cerr << "usage: remote_stall <worker|driver|closing>\n";
     return 2;
   }
   ls::initialize<ls::MPIBackend>();
@@ -199,7 +248,8 @@ int main(int argc, char** argv) {
     return 77;
   }
   if (mode == "worker") stopped_worker(b);
-  else stopped_driver(b);
+  else if (mode == "driver") stopped_driver(b);
+  else stopped_closing(b);
   int failures = g_failures, any = 0;
   MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (g_rank == 0) std::cout << (any == 0 ? "PASS" : "FAIL") << " (" << mode << ", " << b.size() << " ranks)\n";

@@ -39,6 +39,7 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/core/traverse.hpp"
+#include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/mpi/world.hpp"
 
 #define LOCKSTEP_DETAIL_CAT2(a, b) a##b
@@ -734,7 +735,10 @@ class RemoteSession {
   ~RemoteSession();
   RemoteSession(const RemoteSession&) = delete;
   RemoteSession& operator=(const RemoteSession&) = delete;
-  /// Collective: waits until every rank closes (bounded by the session's timeout), then frees.
+  /// Collective, graceful: this rank serves calls (on this thread, or the background one) until
+  /// every rank has closed the session and every call made on it has been answered, then frees
+  /// it. A rank that hears nothing from another for the session's timeout meanwhile (stopped,
+  /// hung, or never closing) throws TimeoutError naming it.
   void close();
 
  private:
@@ -840,5 +844,45 @@ auto run_driver(Backend& b, F&& f) {
 /// run_driver returns (then returns, or throws the driver's error). InvalidArgument-like
 /// MismatchError on every rank if rank 0 calls serve.
 void serve(Backend& b);
+
+namespace detail::remote {
+/// A barrier on b's session, taking the passes while it waits; TimeoutError past its timeout.
+void session_barrier(Backend& b, const char* what);
+}  // namespace detail::remote
+
+/// TorchOpt's auto_init_rpc: `auto_init_rpc(worker_init, options)(func)` is func wrapped so that
+/// calling it, on every rank, initialises MPIBackend (when not yet), opens a RemoteSession on it,
+/// runs worker_init() (if given), waits until every rank has, runs func(args...), and closes the
+/// session gracefully: a rank whose func returned serves the calls of the others until every
+/// rank's func has returned and every call is answered (TorchOpt's graceful rpc.shutdown). Each
+/// rank returns its own func's result. Typical: func drives on rank 0 (`ls::rank_zero_only`) and
+/// returns at once on the others, which then serve. An exception in func closes the session the
+/// same way (serving) and goes on. Collective; the remote calls inside func name the backend
+/// `ls::get_distributed_backend<ls::MPIBackend>()`.
+template <class Init = std::nullptr_t>
+auto auto_init_rpc(Init worker_init = nullptr, RemoteOptions options = {}) {
+  static_assert(std::is_null_pointer_v<Init> || std::is_invocable_v<Init&>,
+                "auto_init_rpc: worker_init must be callable with no arguments");
+  return [worker_init = std::move(worker_init), options](auto func) {
+    return [worker_init, options, func = std::move(func)](auto&&... args) mutable -> decltype(auto) {
+      initialize<MPIBackend>();
+      auto& b = get_distributed_backend<MPIBackend>();
+      RemoteSession session(b, options);
+      if constexpr (!std::is_null_pointer_v<Init>) {
+        worker_init();
+      }
+      detail::remote::session_barrier(b, "auto_init_rpc (after worker_init)");
+      using R = decltype(func(std::forward<decltype(args)>(args)...));
+      if constexpr (std::is_void_v<R>) {
+        func(std::forward<decltype(args)>(args)...);
+        session.close();
+      } else {
+        R r = func(std::forward<decltype(args)>(args)...);
+        session.close();
+        return r;
+      }
+    };
+  };
+}
 
 }  // namespace lockstep
