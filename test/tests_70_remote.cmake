@@ -52,3 +52,9 @@ lockstep_add_mpi_test(NAME remote_arrivals TARGET test_remote_arrivals RANKS 1 2
 # for while its heartbeats come) and auto_init_rpc.
 lockstep_test_executable(test_remote_close remote/remote_close_test.cpp)
 lockstep_add_mpi_test(NAME remote_close TARGET test_remote_close RANKS 1 2 3 4 TIMEOUT 180)
+
+# Graceful closes attacked: background executors running long calls at the close, 4 MiB tensors
+# in flight, chains of nested calls, run_driver on an explicit session, abandoned calls, ranks
+# closing far apart, auto_init_rpc throwing and repeated, threads calling while another closes.
+lockstep_test_executable(test_remote_close_adversarial remote/remote_close_adversarial_test.cpp)
+lockstep_add_mpi_test(NAME remote_close_adversarial TARGET test_remote_close_adversarial RANKS 1 2 3 TIMEOUT 120)

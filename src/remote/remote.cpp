@@ -1,8 +1,9 @@
 // Remote calls (remote.hpp): the registry, the wire format, and the engine of a session (a
 // duplicated communicator and a progress thread per rank).
 //
-// Messages on the session's communicator: a header message (tag 1 request, 2 reply, 3 control:
-// the end of a driver's run and heartbeats) holding [fixed head][payload][name][tensor table],
+// Messages on the session's communicator: a header message (tag 1 requests and the end of a
+// driver's run, which so comes after every request the driver sent before it; 2 replies; 3
+// control: heartbeats and the notices of ranks closing the session) holding [fixed head][payload][name][tensor table],
 // then one message per tensor (chunks of 1 GiB), sent from the tensor's memory and received
 // into the new tensor, with a tag derived from the sender's call id (requests even, replies
 // odd), so that the tensors of concurrent calls never mix.
@@ -127,6 +128,9 @@ std::optional<FnInfo> find_fn(const void* fn) {
 // ---- test hooks ----
 namespace {
 thread_local double t_reply_tensor_delay = 0;
+/// Remote functions this thread is running (nested): while a rank closes its session, only they
+/// may start calls.
+thread_local int t_running_calls = 0;
 }
 TestHooks& test_hooks() {
   static TestHooks h;
@@ -418,15 +422,22 @@ struct Engine {
   std::atomic<std::uint64_t> next_id{1};
   std::uint64_t run_counter = 0;
   std::vector<Clock::time_point> last_heard;  // per rank: when a message of it last came (under mu)
-  // Requests this rank has posted and requests it has answered, summed over the ranks when the
-  // session closes: every request posted has been answered when the sums agree (see drain).
+  // Requests this rank started (counted before they are posted) and requests answered here: a
+  // reply received (or one the called rank could not post, counted there), or a request never
+  // posted. Summed over the ranks when the session closes (close_rounds).
   std::atomic<std::uint64_t> reqs_sent{0}, reqs_done{0};
+  // Requests from rank 0 queued here and run here: a serving rank's run ends only when every
+  // request the driver sent before its end of run has run (under mu).
+  std::uint64_t driver_reqs_queued = 0, driver_reqs_done = 0;
   // The progress thread's looks for control messages: a serving rank takes the driver for
   // silent only when the looks show no heartbeat since the session's timeout after the driver's
   // last message (so a rank that was itself stopped, and has just resumed, reads the heartbeats
   // that came meanwhile first).
   LookWatch ctrl_looks;
   bool closing = false;
+  // This rank has begun to close the session: only remote functions running here may start
+  // calls (under mu).
+  bool close_begun = false;
 
   std::shared_ptr<RecvCache> cache;
   std::thread progress, executor;
@@ -480,7 +491,7 @@ struct Engine {
   /// messages back for that long after the header.
   void send(const std::vector<int>& dests, int tag, Kind kind, std::uint64_t id, std::uint64_t run,
             const std::string& name, Encoder& m, Clock::time_point deadline, double seconds, const std::string& what,
-            double tensor_delay = 0) {
+            double tensor_delay = 0, bool* header_posted = nullptr) {
     auto& bytes = m.bytes();
     auto& tensors = m.tensors();
     Head h{};
@@ -512,7 +523,7 @@ struct Engine {
     for (int dest : dests) {
       reqs.emplace_back();
       LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
-      if (kind == k_req) reqs_sent.fetch_add(1);  // posted: it will be answered (see drain)
+      if (header_posted != nullptr) *header_posted = true;
       if (tensor_delay > 0 && !tensors.empty())
         std::this_thread::sleep_for(std::chrono::duration<double>(tensor_delay));
       for (auto& t : tensors) {
@@ -603,6 +614,7 @@ struct Engine {
   void fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why) {
     in.segs.clear();
     if (is_reply(in.kind)) {
+      reqs_done.fetch_add(1);  // answered, though its tensors could not be received
       auto it = pending.find(in.id);
       if (it == pending.end()) return;
       auto c = it->second;
@@ -613,7 +625,7 @@ struct Engine {
       c->done = true;
     } else if (in.kind == k_req) {
       in.failed = "the call's tensors " + why;
-      queue.push_back(std::move(in));
+      enqueue(std::move(in));
     } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
       in.failed = "the tensors of the driver's result " + why;
       in.fail_kind = kind;
@@ -745,12 +757,19 @@ struct Engine {
     arriving.push_back(std::move(a));
   }
 
+  /// Queues a request to run. Called with mu held.
+  void enqueue(Incoming&& in) {
+    if (in.source == 0) ++driver_reqs_queued;
+    queue.push_back(std::move(in));
+  }
+
   /// Hands a message whose tensors have all arrived to whoever waits for it. Called with mu
   /// held.
   void deliver(Incoming&& in) {
     if (in.kind == k_req) {
-      queue.push_back(std::move(in));
+      enqueue(std::move(in));
     } else if (is_reply(in.kind)) {
+      reqs_done.fetch_add(1);  // its call is answered (close_rounds)
       auto it = pending.find(in.id);
       if (it == pending.end()) return;  // not ours (cannot happen) or already closed
       auto c = it->second;
@@ -1019,6 +1038,10 @@ struct Engine {
     } else {
       try {
         Decoder d(in.buf.data() + in.poff, in.plen, &in.segs);
+        struct Running {
+          Running() { ++t_running_calls; }
+          ~Running() { --t_running_calls; }
+        } running;
         info->invoke(info->fn, d, out);
       } catch (const DecodeError& x) {
         fail(4, concat("the arguments do not decode on rank ", rank, ": ", x.what()));
@@ -1031,13 +1054,33 @@ struct Engine {
     in.segs.clear();  // what the function did not take is let go before the reply is sent
     const double delay = t_reply_tensor_delay;
     t_reply_tensor_delay = 0;
+    bool posted = false;
     try {
       send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_after(timeout), timeout,
-           concat("the reply to rank ", in.source), delay);
+           concat("the reply to rank ", in.source), delay, &posted);
     } catch (const std::exception& x) {
       std::cerr << "lockstep remote: the reply to rank " << in.source << " was not sent: " << x.what() << "\n";
+      if (!posted) {
+        // The caller gets the reason instead of waiting for its deadline.
+        Encoder err;
+        err.u8(1);
+        encode(err, concat("the reply could not be sent from rank ", rank, ": ", x.what()));
+        try {
+          send({in.source}, kTagRep, k_rep_err, in.id, 0, std::string(), err, deadline_after(timeout), timeout,
+               concat("the error reply to rank ", in.source), 0, &posted);
+        } catch (const std::exception&) {
+        }
+      }
     }
-    if (in.kind == k_req) reqs_done.fetch_add(1);
+    if (in.kind == k_req) {
+      // A reply posted is counted as answered where it is received; one that could not be
+      // posted is counted here (no reply will come).
+      if (!posted) reqs_done.fetch_add(1);
+      if (in.source == 0) {
+        std::lock_guard lk(mu);
+        ++driver_reqs_done;
+      }
+    }
   }
 
   bool can_help() const { return !opts.background || std::this_thread::get_id() == executor_id; }
@@ -1303,6 +1346,10 @@ void leak_wave(std::array<std::uint64_t, 6>* w) {
 std::string close_rounds(Engine& e, bool leave, double wait) {
   const auto since = Clock::now();
   e.driving = false;
+  {
+    std::lock_guard lk(e.mu);
+    e.close_begun = true;
+  }
   tell_others(e, leave ? k_left : k_closing);
   auto* wave = new std::array<std::uint64_t, 6>{};  // [left, posted, answered] in, their sums out
   std::uint64_t prev_sent = ~std::uint64_t{0}, prev_done = ~std::uint64_t{0};
@@ -1323,7 +1370,13 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
     }
     while (true) {
       int flag = 0;
-      MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      if (const int trc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE); trc != MPI_SUCCESS) {
+        // (Ranks whose collectives on the session do not match: one closing while another is
+        // in another collective of the session.)
+        leak_wave(wave);
+        return concat("its allreduce failed (MPI error ", trc,
+                      "): the ranks were not all closing the session (another collective of it on some rank)");
+      }
       if (flag) break;
       std::string why;
       if (leave) {
@@ -1456,15 +1509,22 @@ std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder
   c->deadline = deadline_after(c->timeout);
   {
     std::lock_guard lk(e->mu);
-    LOCKSTEP_CHECK_ARG(!e->closing, "remote call of '", fn.name, "' on a remote session that is closing");
+    LOCKSTEP_CHECK_ARG(!e->closing && (!e->close_begun || t_running_calls > 0), "remote call of '", fn.name,
+                       "' on a remote session that this rank is closing (only remote functions running during "
+                       "the close may still make calls)");
     e->pending[c->id] = c;
+    // Counted before it is posted, under mu: a close that has begun counts every call it let
+    // start (close_rounds).
+    e->reqs_sent.fetch_add(1);
   }
+  bool posted = false;
   try {
     e->send({rank}, kTagReq, k_req, c->id, 0, fn.name + std::string(1, '\0') + fn.sig, args, c->deadline,
-            c->timeout, concat("remote call of '", fn.name, "'"));
+            c->timeout, concat("remote call of '", fn.name, "'"), 0, &posted);
   } catch (...) {
     std::lock_guard lk(e->mu);
     e->pending.erase(c->id);
+    if (!posted) e->reqs_done.fetch_add(1);  // never sent: nobody will answer it
     throw;
   }
   return c;
@@ -1590,7 +1650,7 @@ void DriverRun::finish_ok(Encoder&& result) {
   Encoder m = std::move(result);
   impl_->stop_sent = true;
   if (e.size > 1)
-    e.send(others(e), kTagCtrl, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
+    e.send(others(e), kTagReq, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
            deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f returned)");
   impl_->close(false);
 }
@@ -1631,7 +1691,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   encode(m, mpi_code);
   try {
     if (e.size > 1 && !std::exchange(impl_->stop_sent, true))
-      e.send(others(e), kTagCtrl, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
+      e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
              deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";
@@ -1647,7 +1707,10 @@ Decoder DriverRun::serve_until_done() {
     std::unique_lock lk(e.mu);
     auto active = Clock::now();
     while (true) {
-      if (auto it = e.stops.find(impl_->run); it != e.stops.end()) {
+      // The end of the run comes on the request tag, after every request the driver sent
+      // before it (MPI keeps one sender's messages of one tag in order, and requests and ends of
+      // runs are delivered in order per rank): those still queued or running here run first.
+      if (auto it = e.stops.find(impl_->run); it != e.stops.end() && e.driver_reqs_done == e.driver_reqs_queued) {
         impl_->stop = std::move(it->second);
         e.stops.erase(it);
         break;
@@ -1725,13 +1788,19 @@ void RemoteSession::close() {
 }
 
 namespace detail::remote {
-void session_barrier(Backend& b, const char* what) {
+std::vector<int> session_agree_failed(Backend& b, bool failed, const char* what) {
   auto e = engine_of(b);
+  const std::int32_t mine = failed ? 1 : 0;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(e->size));
   MPI_Request r = MPI_REQUEST_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Ibarrier(e->comm, &r));
+  LOCKSTEP_MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT32_T, all.data(), 1, MPI_INT32_T, e->comm, &r));
   std::vector<MPI_Request> reqs{r};
   if (!e->wait_polling(reqs, deadline_after(e->timeout)))
     throw TimeoutError(concat(what, ": not every rank got there within ", e->timeout, " s", rank_suffix()));
+  std::vector<int> out;
+  for (int i = 0; i < e->size; ++i)
+    if (all[static_cast<std::size_t>(i)] != 0) out.push_back(i);
+  return out;
 }
 }  // namespace detail::remote
 

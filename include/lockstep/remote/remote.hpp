@@ -846,14 +846,16 @@ auto run_driver(Backend& b, F&& f) {
 void serve(Backend& b);
 
 namespace detail::remote {
-/// A barrier on b's session, taking the passes while it waits; TimeoutError past its timeout.
-void session_barrier(Backend& b, const char* what);
+/// Collective on b's session: the ranks whose `failed` is true (taking the passes while it
+/// waits; TimeoutError past the session's timeout).
+std::vector<int> session_agree_failed(Backend& b, bool failed, const char* what);
 }  // namespace detail::remote
 
 /// TorchOpt's auto_init_rpc: `auto_init_rpc(worker_init, options)(func)` is func wrapped so that
 /// calling it, on every rank, initialises MPIBackend (when not yet), opens a RemoteSession on it,
-/// runs worker_init() (if given), waits until every rank has, runs func(args...), and closes the
-/// session gracefully: a rank whose func returned serves the calls of the others until every
+/// runs worker_init() (if given), waits until every rank has (when it threw on some rank, every
+/// rank throws: that rank its exception, the others an Error naming it), runs func(args...), and
+/// closes the session gracefully: a rank whose func returned serves the calls of the others until every
 /// rank's func has returned and every call is answered (TorchOpt's graceful rpc.shutdown). Each
 /// rank returns its own func's result. Typical: func drives on rank 0 (`ls::rank_zero_only`) and
 /// returns at once on the others, which then serve. An exception in func closes the session the
@@ -868,10 +870,25 @@ auto auto_init_rpc(Init worker_init = nullptr, RemoteOptions options = {}) {
       initialize<MPIBackend>();
       auto& b = get_distributed_backend<MPIBackend>();
       RemoteSession session(b, options);
+      std::exception_ptr init_error;
       if constexpr (!std::is_null_pointer_v<Init>) {
-        worker_init();
+        try {
+          worker_init();
+        } catch (...) {
+          init_error = std::current_exception();
+        }
       }
-      detail::remote::session_barrier(b, "auto_init_rpc (after worker_init)");
+      // The ranks agree before any func starts: a worker_init that threw on one rank ends
+      // auto_init_rpc on every rank, each closing the session in step.
+      const auto failed = detail::remote::session_agree_failed(b, init_error != nullptr, "auto_init_rpc (after worker_init)");
+      if (init_error) std::rethrow_exception(init_error);
+      if (!failed.empty()) {
+        std::string ranks;
+        for (std::size_t i = 0; i < failed.size() && i < 8; ++i) ranks += (i ? ", " : "") + std::to_string(failed[i]);
+        if (failed.size() > 8) ranks += ", ...";
+        throw Error("auto_init_rpc: worker_init threw on rank" + std::string(failed.size() > 1 ? "s " : " ") + ranks +
+                    " (its error is reported there); func did not run on any rank");
+      }
       using R = decltype(func(std::forward<decltype(args)>(args)...));
       if constexpr (std::is_void_v<R>) {
         func(std::forward<decltype(args)>(args)...);
