@@ -511,9 +511,11 @@ struct Engine {
     }
     h.table_len = bytes.size() - table_start;
     std::memcpy(bytes.data(), &h, kHead);
-    LOCKSTEP_CHECK_ARG(bytes.size() <= static_cast<std::size_t>(INT32_MAX),
-                       "remote call: the non-tensor part of a message is over 2 GiB (send large "
-                       "arrays as Tensors)");
+    const std::size_t hook_max = test_hooks().max_message_bytes.load();
+    const std::size_t max_bytes = hook_max > 0 ? hook_max : static_cast<std::size_t>(INT32_MAX);
+    LOCKSTEP_CHECK_ARG(bytes.size() <= max_bytes, "remote call: the non-tensor part of a message is over ",
+                       hook_max > 0 ? concat(max_bytes, " bytes (a test hook)") : std::string("2 GiB"),
+                       " (send large arrays as Tensors)");
     const bool reply = is_reply(kind);
     std::vector<MPI_Request> reqs;
     // One message's header and tensors are posted together, never interleaved with another

@@ -50,6 +50,9 @@ int cl_add(int from, int v) {
 int cl_relay(int from, int to, int v) { return ls::remote_sync_call(backend(), to, cl_add, from, v) + 10; }
 int g_init_value = -1;
 int cl_init_value() { return g_init_value; }
+// A result whose non-tensor part is n bytes.
+std::string cl_text(int n) { return std::string(static_cast<std::size_t>(n), 'x'); }
+LOCKSTEP_REMOTE(cl_text)
 LOCKSTEP_REMOTE(cl_add)
 LOCKSTEP_REMOTE(cl_relay)
 LOCKSTEP_REMOTE(cl_init_value)
@@ -248,5 +251,36 @@ TEST_CASE("auto_init_rpc: an exception in func on the driver ends it there, the 
     CHECK(g_calls[0] == 1);  // the call sent before the driver threw still ran
   }
   CHECK(since(t0) < 20);
+  ls::barrier(b);
+}
+
+TEST_CASE("close: a reply that cannot be sent is an error at the caller, and the session still closes") {
+  // Messages over 2 KiB of non-tensor data are refused (a test hook standing for the 2 GiB
+  // limit): the called rank cannot send its 4 KiB result, sends an error reply instead, and the
+  // caller gets a RemoteError naming the reason (not a TimeoutError at its deadline). The close
+  // must still find every call answered.
+  auto& b = backend();
+  ls::barrier(b);
+  auto& hooks = ls::detail::remote::test_hooks();
+  hooks.max_message_bytes = 2048;
+  ls::RemoteSession s(b, ls::RemoteOptions{.timeout = 30});
+  const int target = (me() + 1) % world();
+  std::string err;
+  const auto t0 = Clock::now();
+  try {
+    (void)ls::remote_sync_call(b, target, cl_text, 4096);
+  } catch (const ls::RemoteError& x) {
+    err = x.message();
+  } catch (const std::exception& x) {
+    err = std::string("another error: ") + x.what();
+  }
+  INFO("rank " << me() << ": " << err);
+  CHECK(err.find("the reply could not be sent from rank " + std::to_string(target)) == 0);
+  CHECK(err.find("over 2048 bytes") != std::string::npos);
+  CHECK(since(t0) < 10);
+  CHECK(ls::remote_sync_call(b, target, cl_text, 100) == std::string(100, 'x'));  // small ones still go
+  const auto [cerr, secs] = close_timed(s);
+  CHECK(cerr.empty());
+  hooks.max_message_bytes = 0;
   ls::barrier(b);
 }

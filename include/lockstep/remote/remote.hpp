@@ -390,6 +390,9 @@ struct TestHooks {
   std::atomic<double> data_timeout{-1.0};
   /// The next this many tensors this rank receives find no memory (as if the allocation failed).
   std::atomic<int> fail_allocations{0};
+  /// Messages whose non-tensor part is over this many bytes are refused before they are sent,
+  /// as those over 2 GiB are (0: 2 GiB).
+  std::atomic<std::size_t> max_message_bytes{0};
 };
 TestHooks& test_hooks();
 /// Called by a remote function: the tensor messages of its reply are sent `seconds` after the
