@@ -73,6 +73,18 @@ struct Head {
 };
 constexpr std::size_t kHead = sizeof(Head);
 
+/// The heartbeat message: static, so that a send of it still pending when its session ends
+/// reads valid memory.
+const Head& heartbeat_head() {
+  static const Head h = [] {
+    Head x{};
+    x.magic = kMagic;
+    x.kind = k_heartbeat;
+    return x;
+  }();
+  return h;
+}
+
 // ---- registry ----
 struct Registry {
   std::mutex mu;
@@ -446,7 +458,6 @@ struct Engine {
   std::atomic<bool> driving{false};
   std::vector<MPI_Request> hb_reqs;
   Clock::time_point next_hb = Clock::now();
-  Head hb_head{};
   // Ranks closing the session, which this rank sends heartbeats to (so that they can tell a rank
   // still busy from a silent one), and ranks that closed it without waiting. Under poll_mu.
   std::vector<char> closing_ranks, left_ranks;
@@ -895,7 +906,7 @@ struct Engine {
         const auto i = static_cast<std::size_t>(r);
         if (r == rank || left_ranks[i] || !((drive && r != 0) || closing_ranks[i])) continue;
         hb_reqs.emplace_back();
-        MPI_Isend(&hb_head, static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
+        MPI_Isend(&heartbeat_head(), static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
       }
       const double every = timeout > 0 ? std::clamp(timeout / 5, 0.02, 1.0) : 1.0;
       next_hb = deadline_after(every);
@@ -1089,6 +1100,7 @@ struct Engine {
 
   void executor_loop() {
     std::unique_lock lk(mu);
+    executor_id = std::this_thread::get_id();  // read under mu (can_help)
     while (true) {
       cv.wait_for(lk, std::chrono::milliseconds(100), [&] { return closing || !queue.empty(); });
       if (closing) break;
@@ -1131,15 +1143,35 @@ const char* thread_level_name(int level) {
   }
 }
 
-/// Iallgather of n bytes per rank over comm, within the deadline.
-std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, double timeout, const char* what) {
-  std::vector<std::byte> all(static_cast<std::size_t>(n) * size);
+/// Memory that a collective given up on may still use (MPI may write into it when the late
+/// ranks arrive): kept, reachable, for the life of the process.
+std::mutex g_kept_mu;
+std::vector<std::shared_ptr<void>>* g_kept = nullptr;
+void keep_for_ever(std::shared_ptr<void> p) {
+  std::lock_guard lk(g_kept_mu);
+  if (g_kept == nullptr) g_kept = new std::vector<std::shared_ptr<void>>();
+  g_kept->push_back(std::move(p));
+}
+
+/// Iallgather of n bytes per rank over comm, within the deadline; `meanwhile` as in
+/// wait_requests. The buffers are the heap's, and kept for ever when the deadline passes.
+template <class Meanwhile>
+std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, double timeout, const char* what,
+                             Meanwhile&& meanwhile) {
+  const auto un = static_cast<std::size_t>(n);
+  auto buf = std::make_shared<std::vector<std::byte>>(un * (static_cast<std::size_t>(size) + 1));
+  std::memcpy(buf->data(), mine, un);
   MPI_Request r;
-  LOCKSTEP_MPI_CHECK(MPI_Iallgather(mine, n, MPI_BYTE, all.data(), n, MPI_BYTE, comm, &r));
+  LOCKSTEP_MPI_CHECK(MPI_Iallgather(buf->data(), n, MPI_BYTE, buf->data() + un, n, MPI_BYTE, comm, &r));
   std::vector<MPI_Request> reqs{r};
-  if (!wait_requests(reqs, deadline_after(timeout)))
+  if (!wait_requests(reqs, deadline_after(timeout), nullptr, meanwhile)) {
+    keep_for_ever(buf);
     throw TimeoutError(concat(what, ": not every rank joined within ", timeout, " s", rank_suffix()));
-  return all;
+  }
+  return std::vector<std::byte>(buf->begin() + static_cast<std::ptrdiff_t>(un), buf->end());
+}
+std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, double timeout, const char* what) {
+  return agree(comm, size, mine, n, timeout, what, [] { return false; });
 }
 
 std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
@@ -1170,8 +1202,10 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   MPI_Request r;
   LOCKSTEP_MPI_CHECK(MPI_Comm_idup(base, &e->comm, &r));
   std::vector<MPI_Request> reqs{r};
-  if (!wait_requests(reqs, deadline_after(e->timeout)))
+  if (!wait_requests(reqs, deadline_after(e->timeout))) {
+    keep_for_ever(e);  // MPI may still write the new communicator into it
     throw TimeoutError(concat("RemoteSession: not every rank created the session within ", e->timeout, " s", rank_suffix()));
+  }
   MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(e->comm, &e->rank);
   MPI_Comm_size(e->comm, &e->size);
@@ -1240,15 +1274,12 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     throw MismatchError(concat("RemoteSession: the ranks' options differ (", diff, ")"));
   }
   e->cache = std::make_shared<RecvCache>(o.receive_cache_bytes);
-  e->hb_head.magic = kMagic;
-  e->hb_head.kind = k_heartbeat;
   e->last_heard.assign(static_cast<std::size_t>(e->size), Clock::now());
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->progress = std::thread([p = e.get()] { p->progress_loop(); });
   if (o.background) {
     e->executor = std::thread([p = e.get()] { p->executor_loop(); });
-    e->executor_id = e->executor.get_id();
   }
   std::lock_guard lk(g_mu);
   g_engines[&b] = e;
@@ -1288,7 +1319,8 @@ void settle_orphans(Engine& e) {
   e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
-/// The rank (other than this one, and not known to have left) that this rank has heard nothing
+/// The rank (other than this one; ranks that left count too: their round-0 part may never come)
+/// that this rank has heard nothing
 /// from for the session's timeout since `since`, or -1. As for the driver's silence, the looks
 /// of the passes decide, not the clock alone (see LookWatch). Called with e.mu held.
 int silent_rank(const Engine& e, Clock::time_point since) {
@@ -1319,14 +1351,7 @@ void tell_others(Engine& e, Kind kind) {
 
 /// Buffers of a collective that may never complete (a rank gave up waiting for it): kept for
 /// the life of the process, since MPI may still write into them.
-std::mutex g_waves_mu;
-std::vector<std::array<std::uint64_t, 6>*>* g_leaked_waves = nullptr;
-
-void leak_wave(std::array<std::uint64_t, 6>* w) {
-  std::lock_guard lk(g_waves_mu);
-  if (g_leaked_waves == nullptr) g_leaked_waves = new std::vector<std::array<std::uint64_t, 6>*>();
-  g_leaked_waves->push_back(w);
-}
+void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_ever(std::shared_ptr<void>(w, [](void* p) { delete static_cast<std::array<std::uint64_t, 6>*>(p); })); }
 
 /// How a session is closed, on every rank in rounds of one allreduce of [left, requests posted,
 /// requests answered] over the session's communicator (a rank that leaves takes part in the
@@ -1721,7 +1746,9 @@ Decoder DriverRun::serve_until_done() {
       // timeout after its last message (not merely the timeout by the clock: a rank that was
       // stopped itself, and has just resumed, has the driver's heartbeats still to read).
       const Clock::time_point looked = e.ctrl_looks.through();
-      if (e.timeout > 0 && looked >= e.last_heard[0] + std::chrono::duration_cast<Clock::duration>(
+      // (Not once the driver's end of run is here: it was alive then, and what is left, the
+      // calls it sent before, is this rank's own work; the close after has its own bound.)
+      if (e.timeout > 0 && e.stops.find(impl_->run) == e.stops.end() && looked >= e.last_heard[0] + std::chrono::duration_cast<Clock::duration>(
                                                                std::chrono::duration<double>(e.timeout))) {
         idle_timeout = true;
         break;
@@ -1793,15 +1820,14 @@ namespace detail::remote {
 std::vector<int> session_agree_failed(Backend& b, bool failed, const char* what) {
   auto e = engine_of(b);
   const std::int32_t mine = failed ? 1 : 0;
-  std::vector<std::int32_t> all(static_cast<std::size_t>(e->size));
-  MPI_Request r = MPI_REQUEST_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT32_T, all.data(), 1, MPI_INT32_T, e->comm, &r));
-  std::vector<MPI_Request> reqs{r};
-  if (!e->wait_polling(reqs, deadline_after(e->timeout)))
-    throw TimeoutError(concat(what, ": not every rank got there within ", e->timeout, " s", rank_suffix()));
+  Engine::Waiting w(*e);  // this thread takes the passes while it waits
+  const auto all = agree(e->comm, e->size, &mine, sizeof mine, e->timeout, what, [&] { return e->try_pass() == 1; });
   std::vector<int> out;
-  for (int i = 0; i < e->size; ++i)
-    if (all[static_cast<std::size_t>(i)] != 0) out.push_back(i);
+  for (int i = 0; i < e->size; ++i) {
+    std::int32_t f = 0;
+    std::memcpy(&f, all.data() + sizeof f * static_cast<std::size_t>(i), sizeof f);
+    if (f != 0) out.push_back(i);
+  }
   return out;
 }
 }  // namespace detail::remote

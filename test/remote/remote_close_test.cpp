@@ -53,6 +53,12 @@ int cl_init_value() { return g_init_value; }
 // A result whose non-tensor part is n bytes.
 std::string cl_text(int n) { return std::string(static_cast<std::size_t>(n), 'x'); }
 LOCKSTEP_REMOTE(cl_text)
+// cl_add after `secs` of work.
+int cl_slow_add(int from, int v, double secs) {
+  std::this_thread::sleep_for(std::chrono::duration<double>(secs));
+  return cl_add(from, v);
+}
+LOCKSTEP_REMOTE(cl_slow_add)
 LOCKSTEP_REMOTE(cl_add)
 LOCKSTEP_REMOTE(cl_relay)
 LOCKSTEP_REMOTE(cl_init_value)
@@ -282,5 +288,35 @@ TEST_CASE("close: a reply that cannot be sent is an error at the caller, and the
   const auto [cerr, secs] = close_timed(s);
   CHECK(cerr.empty());
   hooks.max_message_bytes = 0;
+  ls::barrier(b);
+}
+
+TEST_CASE("run_driver: a worker running the calls the driver left is not taken for one whose driver went silent") {
+  // Session timeout 1 s. The driver leaves four 0.5 s calls on every worker and returns; the
+  // worker has the end of the run at once but runs the calls first, 2 s, longer than the
+  // timeout after the driver's last message (the driver, closing, heartbeats only closing ranks).
+  // The run must end normally on every rank, every call run. (Before, the worker threw "heard
+  // nothing from the driver" halfway.)
+  auto& b = backend();
+  reset();
+  ls::barrier(b);
+  ls::RemoteSession s(b, ls::RemoteOptions{.timeout = 1.0});
+  std::string err;
+  int r = -1;
+  try {
+    r = ls::run_driver(b, [&] {
+      for (int i = 0; i < 4; ++i)
+        for (int w = 1; w < world(); ++w) (void)ls::remote_async_call(b, w, cl_slow_add, 0, i, 0.5);
+      return 4;
+    });
+  } catch (const std::exception& x) {
+    err = x.what();
+  }
+  INFO("rank " << me() << ": " << err);
+  CHECK(err.empty());
+  CHECK(r == 4);
+  if (me() != 0) CHECK(g_calls[0] == 4);
+  const auto [cerr, secs] = close_timed(s);
+  CHECK(cerr.empty());
   ls::barrier(b);
 }
