@@ -324,3 +324,8 @@ lockstep_add_adversarial_test(NAME refuse_then_continue SCENARIO refuse_then_con
 # other ranks are told (they used to wait for the default deadline).
 lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 25
   EXPECT "r0:rank 0: wrapped allreduce: MismatchError" "r0:refused its arguments")
+
+# Trust, round 3 (issue 25): names, order, shapes and micro-step counts agreed before any number
+# moves; a difference is a MismatchError on every rank.
+lockstep_test_executable(test_agreement reliability/agreement_test.cpp)
+lockstep_add_mpi_test(NAME agreement TARGET test_agreement RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)

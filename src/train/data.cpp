@@ -290,6 +290,11 @@ void add_typed(T* dst, const T* src, std::int64_t n) {
 }
 }  // namespace
 
+std::string mean_reducer_refusal(const char* what, const std::string& leaf, const std::string& kind) {
+  return concat(what, ": mean_reducer needs floating-point results (use sum_reducer): ",
+                leaf.empty() ? std::string("the result") : concat("'", leaf, "'"), " is ", kind, rank_suffix());
+}
+
 void add_scaled(Tensor& dst, const Tensor& src, double weight) {
   LOCKSTEP_CHECK_ARG(dst.numel() == src.numel() && dst.dtype() == src.dtype(),
                      "parallelize: results of different partitions differ: ", name(dst.dtype()), " ",
@@ -326,8 +331,8 @@ void reduce_results(Backend& b, std::vector<Tensor*>& tensors, std::vector<doubl
                                      " are not supported (f32, f64, i32, i64)"));
     }
   }
-  LOCKSTEP_CHECK_ARG(!(mean && has_int),
-                     "parallelize: mean_reducer needs floating-point results (use sum_reducer)");
+  if (mean && has_int)
+    throw InvalidArgument(mean_reducer_refusal("parallelize", "a result", "an integer tensor or scalar"));
   for (auto* f : fscalars) fb.push_back(*f);
   for (auto* i : iscalars) ib.push_back(*i);
   fb.push_back(weight);

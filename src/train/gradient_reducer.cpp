@@ -574,6 +574,30 @@ struct GradientReducer::Impl {
     }
   }
 
+  // With accumulation, every rank must have summed the same number of micro-steps: each divides
+  // by its own count, so a rank that reduces a cycle cut short (reduce_bound before
+  // accumulation_steps micro-steps) would leave the replicas different without a word. One
+  // allgather of the counts per optimizer step (only with accumulation_steps > 1; its options
+  // are agreed at setup, so every rank makes it), after the step's buckets: a difference throws
+  // MismatchError on every rank, naming each rank's count.
+  void agree_on_micro_steps() {
+    const int n = backend->size();
+    std::int64_t mine = accumulated + 1;
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n));
+    backend->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
+                       TensorView{all.data(), n, DType::i64, Device::cpu()});
+    if (std::all_of(all.begin(), all.end(), [&](std::int64_t c) { return c == all[0]; })) return;
+    std::string counts;
+    for (int r = 0; r < n; ++r) counts += concat(r == 0 ? "" : ", ", "rank ", r, ": ", all[static_cast<std::size_t>(r)]);
+    accumulated = 0;
+    reset_step();
+    throw MismatchError(concat("GradientReducer: the ranks reduced different numbers of micro-steps (", counts,
+                               "; accumulation_steps = ", options.accumulation_steps,
+                               "); every rank must reduce the same number, or the replicas would differ. "
+                               "The accumulated gradients were dropped",
+                               detail::rank_suffix()));
+  }
+
   void finish(Bucket& b) {
     if (b.finished) return;
     if (b.threaded) {
@@ -756,6 +780,7 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
       std::rethrow_exception(err);
     }
   }
+  if (m.options.accumulation_steps > 1) m.agree_on_micro_steps();
   if (m.accumulated > 0) {
     m.make_accum_views();
     m.result = m.accum_ptrs;
@@ -812,7 +837,7 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
       auto [it, fresh] = seen.emplace(grads[j], j);
       LOCKSTEP_CHECK_ARG(fresh, "GradientReducer: gradients '", names[it->second], "' and '", names[j],
                          "' are the same tensor");
-      leaves.push_back({g.numel(), g.dtype(), g.device()});
+      leaves.push_back({g.numel(), g.dtype(), g.device(), g.shape()});
     }
     LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state,
                        "GradientReducer: shard_optimizer_state needs an optimizer that updates only its "
@@ -821,14 +846,9 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
     LOCKSTEP_CHECK_ARG(bad.empty(), "GradientReducer: ", bad);
   });
   detail::agree(backend, "GradientReducer", 0, mine, 0, "no reducer was made");
-  const std::string sig = detail::reducer_signature(options, leaves);
+  const std::string sig = detail::reducer_signature(options, leaves, names);
   detail::check_same_structure(backend, sig, 0, 0, "GradientReducer", [&] {
-    std::vector<detail::StructureEntry> e;
-    e.push_back({"options", detail::reducer_signature(options, {})});
-    for (std::size_t i = 0; i < leaves.size(); ++i)
-      e.push_back({names[i], concat("tensor ", name(leaves[i].dtype), " of ", leaves[i].numel,
-                                    " elements on ", to_string(leaves[i].device))});
-    return e;
+    return detail::reducer_entries(options, leaves, names);
   });
   impl_->backend = &backend;
   impl_->options = options;
@@ -994,7 +1014,23 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
   return {};
 }
 
-std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves) {
+std::string describe_leaf(const GradLeaf& l) {
+  return concat("tensor ", name(l.dtype), " ", l.shape.empty() && l.numel != 1 ? concat("of ", l.numel, " elements")
+                                                                                 : to_string(l.shape),
+                " on ", l.device.is_cpu() ? "cpu" : "cuda");
+}
+
+std::vector<StructureEntry> reducer_entries(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                                            const std::vector<std::string>& names) {
+  std::vector<StructureEntry> e;
+  e.push_back({"options", reducer_signature(o, {}, {})});
+  for (std::size_t i = 0; i < leaves.size(); ++i)
+    e.push_back({i < names.size() ? names[i] : concat("#", i), describe_leaf(leaves[i])});
+  return e;
+}
+
+std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                              const std::vector<std::string>& names) {
   std::string s = concat("bucket_bytes=", o.bucket_bytes, " device_bucket_bytes=", o.device_bucket_bytes,
                          " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
@@ -1002,7 +1038,11 @@ std::string reducer_signature(const DistributedOptions& o, const std::vector<Gra
                          " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread,
                          " shard_optimizer_state=", o.shard_optimizer_state,
                          " wire_dtype=", o.wire_dtype ? name(*o.wire_dtype) : "none", ";");
-  for (const auto& l : leaves) s += concat(name(l.dtype), ":", l.numel, ":", to_string(l.device), ";");
+  // Names carry their length, so that no two lists of names make the same text.
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    const std::string& n = i < names.size() ? names[i] : std::string();
+    s += concat(n.size(), ":", n, "=", describe_leaf(leaves[i]), ":", leaves[i].numel, ";");
+  }
   return s;
 }
 

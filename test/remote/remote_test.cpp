@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -16,6 +17,19 @@
 #include "lockstep/lockstep.hpp"
 
 namespace ls = lockstep;
+
+// The message of the E that f throws, or a text saying what happened instead.
+template <class E, class F>
+std::string error_text(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("another exception: ") + e.what();
+  }
+  return "no exception";
+}
 
 namespace rt {
 struct Model {
@@ -89,6 +103,8 @@ ls::Tensor column_sums(const ls::Tensor& x) {
     for (std::int64_t c = 0; c < cols; ++c) out.data<float>()[c] += x.data<float>()[r * cols + c];
   return out;
 }
+// The row count of a partition, as an i32 tensor (mean_reducer must refuse it, as parallelize does).
+ls::Tensor row_count_i32(const ls::Tensor& x) { return ls::Tensor::full({1}, static_cast<double>(x.dim(0)), ls::DType::i32); }
 // Number of elements (dim_partitioner(1) splits columns); plus the offset it was given.
 std::int64_t count_plus(const ls::Tensor& x, std::int64_t offset) { return x.numel() + offset; }
 
@@ -138,6 +154,7 @@ LOCKSTEP_REMOTE(note_plain)
 LOCKSTEP_REMOTE(order_seen)
 
 LOCKSTEP_REMOTE(add)
+LOCKSTEP_REMOTE(row_count_i32)
 LOCKSTEP_REMOTE(echo_t)
 LOCKSTEP_REMOTE(nested)
 LOCKSTEP_REMOTE(whoami)
@@ -593,6 +610,17 @@ TEST_CASE("remote: partitioners and reducers") {
     int expect = 0;
     for (int r = 0; r < world(); ++r) expect += 2 * r + 1;
     CHECK(ls::remote_sync_call(b, mine, ls::sum_reducer, add, 2, 1) == expect);
+    // mean_reducer over integer results: refused as parallelize refuses them (one rule: floating
+    // point only), naming what was integer; the same calls with sum_reducer add up exactly.
+    const std::string int_scalar = error_text<ls::InvalidArgument>(
+        [&] { (void)ls::remote_sync_call(b, ls::batch_partitioner, ls::mean_reducer, count_plus, x, std::int64_t{0}); });
+    CHECK(int_scalar.find("remote call: mean_reducer needs floating-point results (use sum_reducer)") != std::string::npos);
+    CHECK(int_scalar.find("integer scalar") != std::string::npos);
+    const std::string int_tensor = error_text<ls::InvalidArgument>(
+        [&] { (void)ls::remote_sync_call(b, ls::batch_partitioner, ls::mean_reducer, row_count_i32, x); });
+    CHECK(int_tensor.find("remote call: mean_reducer needs floating-point results") != std::string::npos);
+    CHECK(int_tensor.find("i32") != std::string::npos);
+    CHECK(ls::remote_sync_call(b, ls::batch_partitioner, ls::sum_reducer, row_count_i32, x).data<std::int32_t>()[0] == rows);
     // parallelize_async / parallelize_sync.
     auto par = ls::parallelize_async(b, ls::batch_partitioner, ls::mean_reducer, mean_of);
     ls::Future<double> pf = par(x);

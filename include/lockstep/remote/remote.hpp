@@ -634,6 +634,9 @@ template <class R, class Red>
 auto reduce_results(std::vector<R>&& rs, const std::vector<double>& w, Red& red) {
   constexpr bool kMean = std::is_same_v<Red, MeanReducer>;
   if constexpr (kMean || std::is_same_v<Red, SumReducer>) {
+    // mean_reducer's rule is parallelize's: floating-point results only (data.hpp).
+    if constexpr (kMean)
+      for (const R& r : rs) lockstep::detail::check_mean_results(r, "remote call");
     double total = 0;
     for (double x : w) total += x;
     auto coef = [&](std::size_t i) { return kMean ? w[i] / total : 1.0; };

@@ -345,6 +345,28 @@ auto slice_arg(T& arg, const DimPartitioner& p, const Partition& part) {
   }
 }
 
+/// The one rule of mean_reducer, for parallelize and for remote calls alike: a weighted mean
+/// has no integer answer, so every result leaf must be floating point (an f32/f64/bf16/f16
+/// tensor or a float/double scalar); an integer leaf is refused with InvalidArgument naming it
+/// (use sum_reducer). `what` names the caller ("parallelize", "remote call").
+std::string mean_reducer_refusal(const char* what, const std::string& leaf, const std::string& kind);
+template <class R>
+void check_mean_results(const R& r, const char* what) {
+  if constexpr (std::is_arithmetic_v<R>) {
+    if constexpr (!std::is_floating_point_v<R>) throw InvalidArgument(mean_reducer_refusal(what, "the result", "an integer scalar"));
+  } else {
+    for_each_leaf_with_path(r, [&](const std::string& path, const auto& leaf) {
+      using L = std::remove_cvref_t<decltype(leaf)>;
+      if constexpr (std::is_same_v<L, Tensor>) {
+        if (!is_floating(leaf.dtype()))
+          throw InvalidArgument(mean_reducer_refusal(what, path, concat("a tensor of ", name(leaf.dtype()))));
+      } else if constexpr (!std::is_floating_point_v<L>) {
+        throw InvalidArgument(mean_reducer_refusal(what, path, "an integer scalar"));
+      }
+    });
+  }
+}
+
 template <class T>
 std::int64_t batch_size_of(const T& arg, int dim) {
   if constexpr (std::is_same_v<std::remove_cv_t<T>, Tensor>) {

@@ -340,18 +340,13 @@ template <OptimizerRule R, class M>
 DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
   std::vector<detail::GradLeaf> leaves;
   for_each_tensor(model, [&](const Tensor& t) {
-    if (is_trainable(t)) leaves.push_back({t.numel(), t.dtype(), t.device()});
+    if (is_trainable(t)) leaves.push_back({t.numel(), t.dtype(), t.device(), t.shape()});
   });
   auto paths = detail::trainable_paths(model);
-  const std::string sig = detail::reducer_signature(opt.options(), leaves);
-  detail::check_same_structure(opt.backend(), sig, 0, 0, "DistributedOptimizer setup", [&] {
-    std::vector<detail::StructureEntry> e;
-    e.push_back({"options", detail::reducer_signature(opt.options(), {})});
-    for (std::size_t i = 0; i < leaves.size(); ++i)
-      e.push_back({paths[i], detail::concat("tensor ", name(leaves[i].dtype), " of ", leaves[i].numel,
-                                    " elements on ", to_string(leaves[i].device))});
-    return e;
-  });
+  // Names (paths, map keys), order, shapes, dtypes and options: what decides which numbers meet.
+  const std::string sig = detail::reducer_signature(opt.options(), leaves, paths);
+  detail::check_same_structure(opt.backend(), sig, 0, 0, "DistributedOptimizer setup",
+                               [&] { return detail::reducer_entries(opt.options(), leaves, paths); });
   // The same options and tensors on every rank (checked above): each rank reaches the same
   // verdict on them, so an error here is the same on every rank.
   const std::string bad = detail::check_options(opt.options(), leaves, paths);

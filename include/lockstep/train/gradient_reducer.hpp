@@ -120,6 +120,7 @@ struct GradLeaf {
   std::int64_t numel = 0;
   DType dtype = DType::f32;
   Device device = Device::cpu();
+  Shape shape{};  // empty where only the element count is known
 };
 
 /// The problem with these options for these leaves, or "" (checked on every rank before the
@@ -128,9 +129,19 @@ struct GradLeaf {
 std::string check_options(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
                           const std::vector<std::string>& paths);
 
-/// Signature of a reducer setup (trainable leaves and options), for the cross-rank agreement
-/// check.
-std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves);
+/// Signature of a reducer setup, for the cross-rank agreement check at setup: the options and,
+/// per trainable leaf in order, its name, dtype, shape (or element count) and device kind
+/// (`cpu` or `cuda`: each rank may drive its own GPU). Everything that decides which numbers of
+/// one rank meet which of another is in it, so ranks that list the same tensors under other
+/// names, in another order, or with other shapes get MismatchError instead of averaging
+/// unrelated gradients.
+std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                              const std::vector<std::string>& names);
+/// One leaf as the structure check's explanation names it.
+std::string describe_leaf(const GradLeaf& l);
+/// The entries the structure check explains a mismatch with: the options, then each leaf.
+std::vector<StructureEntry> reducer_entries(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
+                                            const std::vector<std::string>& names);
 }  // namespace detail
 
 /// The bucketed, overlapped gradient reduction (see the top of this file). Not copyable or
