@@ -82,12 +82,9 @@ std::optional<std::filesystem::path> latest_checkpoint(Backend& backend, const s
   if (backend.rank() == root) {
     try {
       const auto p = latest_checkpoint(path);
-      if (p) {
-        blob = "P";
-        blob += p->string();
-      } else {
-        blob = "N";
-      }
+      std::string reply(1, p ? 'P' : 'N');
+      if (p) reply.append(p->native());
+      blob.swap(reply);
     } catch (...) {
       blob = "E" + detail::current_error_message();
     }
@@ -126,6 +123,12 @@ std::vector<std::pair<std::int64_t, std::filesystem::path>> CheckpointRotation::
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+bool CheckpointRotation::create_directory() const noexcept {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_of(stem_), ec);
+  return !ec;
 }
 
 void CheckpointRotation::commit(std::int64_t step) const {

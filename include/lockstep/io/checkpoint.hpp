@@ -580,16 +580,21 @@ class CheckpointRotation {
   /// old pointer stands and nothing is removed); a file that cannot be removed is left.
   void commit(std::int64_t step) const;
 
+  /// Creates the stem's directory (and its parents) if missing; returns false if that failed.
+  bool create_directory() const noexcept;
+
   /// The numbered files of this stem on disk, (step, path), oldest first.
   std::vector<std::pair<std::int64_t, std::filesystem::path>> files() const;
 
-  /// Collective: save_checkpoint(backend, path_for(step), x, metadata, root), then root commits;
+  /// Collective: root creates the stem's directory if missing, save_checkpoint(backend,
+  /// path_for(step), x, metadata, root), then root commits;
   /// every rank returns, or every rank throws the same CheckpointError. Returns path_for(step).
   template <class X>
   std::filesystem::path save(Backend& backend, std::int64_t step, const X& x,
                              const std::map<std::string, std::string>& metadata = {}, int root = 0,
                              std::source_location loc = std::source_location::current()) const {
     const std::filesystem::path p = path_for(step);
+    if (backend.rank() == root) create_directory();  // a failure is save_checkpoint's error
     save_checkpoint(backend, p, x, metadata, root, loc);
     std::string err;
     if (backend.rank() == root) {
