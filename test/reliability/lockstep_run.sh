@@ -18,7 +18,7 @@ RUNNER=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../tools" && pwd)/lockstep-run
 mpiargs=(--mpiexec "$MPIEXEC" --mpiexec-arg --oversubscribe --mpiexec-arg --bind-to --mpiexec-arg none)
 K=10     # checkpoint interval (epochs)
 KEEP=3
-common=(--batch 240 --epochs 100 --checkpoint run/ck --checkpoint-every $K --checkpoint-keep $KEEP --resume auto)
+common=(--batch 240 --epochs 100 --checkpoint run/ck --checkpoint-every "$K" --checkpoint-keep "$KEEP" --resume auto)
 
 # The program lockstep-run starts: train, with the fault on the first attempt only (a restart
 # must not be killed again at the same collective).
