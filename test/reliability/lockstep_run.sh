@@ -88,9 +88,10 @@ else
   fail "--max-restarts 0: exit $rc, mpiexec status '$status'"
 fi
 
-# ---- 4. --min-ranks above what is left -----------------------------------------------------
+# ---- 4. --min-ranks above what is left (hosts from a hostfile) -----------------------------
 rm -rf run
-FAULT_FIRST="rank=1,kind=kill,after=200" lr -H localhost:2,127.0.0.1:2 --probe 'test localhost !=' --min-ranks 3 \
+printf '# two names of this machine\nlocalhost slots=2\n127.0.0.1:2  # the second\n' >hosts.txt
+FAULT_FIRST="rank=1,kind=kill,after=200" lr --hostfile hosts.txt --probe 'test localhost !=' --min-ranks 3 \
   "${mpiargs[@]}" -- ./wrap.sh "${common[@]}"
 rc=$?
 if [ "$rc" -ne 0 ] && grep -q 'stopping: 2 rank(s) left on the remaining hosts (127.0.0.1), fewer than --min-ranks 3' err.txt; then
