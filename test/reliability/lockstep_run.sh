@@ -63,6 +63,37 @@ t_fail=$(stamp 'attempt 1 failed') t_next=$(stamp 'attempt 2 ')
 echo "figures: attempt 1 ended at ${t_fail}s (rank killed after epoch $reached), attempt 2 started at ${t_next}s;" \
   "$(grep -o 'attempt 2 succeeded after [0-9.]*s' err.txt)"
 
+# ---- 1b. a frozen rank (SIGSTOP: like a lost host's, its watchdog cannot answer) ------------
+# With LOCKSTEP_TIMEOUT=3 the other ranks raise TimeoutError naming it ("No answer from rank
+# 1"), write their blame reports and exit; lockstep-run reads them and restarts.
+rm -rf run
+cat >stopwrap.sh <<EOF
+#!/usr/bin/env bash
+if [ "\$LOCKSTEP_RUN_ATTEMPT" = 0 ] && [ "\$OMPI_COMM_WORLD_RANK" = 1 ]; then
+  "$EXE" "\$@" & pid=\$!
+  (sleep 3; echo "test: SIGSTOP rank 1 at unix time \$EPOCHREALTIME" >&2; kill -STOP \$pid) &
+  wait \$pid
+  exit \$?
+fi
+exec "$EXE" "\$@"
+EOF
+chmod +x stopwrap.sh
+t0=$EPOCHREALTIME
+LOCKSTEP_TIMEOUT=3 lr -n 3 --per-host-timeout 10 "${mpiargs[@]}" -- ./stopwrap.sh "${common[@]}"
+rc=$?
+resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' out.txt)
+reached=$(awk '/^resumed from/ {exit} /^epoch/ {e = $2} END {print e + 0}' out.txt)
+if [ "$rc" -eq 0 ] && grep -q 'failure seen: a rank reported a stall (blame\.' err.txt &&
+  grep -q 'reports no answer from rank 1' err.txt && grep -q '(1 restart(s))' err.txt &&
+  [ -n "$resumed" ] && [ $((reached - resumed)) -le "$K" ] && less "$(final_loss)" 1e-3; then
+  pass "frozen rank: named silent in the blame reports, restarted, resumed from epoch $resumed (reached $reached), final loss $(final_loss)"
+else
+  fail "frozen rank: exit $rc, resumed '$resumed', reached $reached"
+fi
+t_stop=$(sed -n 's/^test: SIGSTOP rank 1 at unix time //p' err.txt)
+awk -v t0="$t0" -v stop="$t_stop" -v seen="$(stamp 'failure seen')" -v failed="$(stamp 'attempt 1 failed')" \
+  -v nxt="$(stamp 'attempt 2 ')" 'BEGIN { printf "figures: frozen rank: blame report seen %.1fs after the SIGSTOP (LOCKSTEP_TIMEOUT=3), mpiexec ended %.1fs later, attempt 2 started %.1fs after that\n", t0 + seen - stop, failed - seen, nxt - failed }'
+
 # ---- 2. shrinking: one of two hosts fails its probe ----------------------------------------
 rm -rf run
 FAULT_FIRST="rank=3,kind=kill,after=1400" lr -H localhost:2,127.0.0.1:2 --probe 'test localhost !=' \
@@ -101,7 +132,7 @@ else
 fi
 
 # ---- 5. a stall: the blame report names the behind rank ------------------------------------
-LOCKSTEP_TIMEOUT=1 FAULT_FIRST="rank=1,kind=delay,after=50,seconds=4" lr -n 3 --max-restarts 0 "${mpiargs[@]}" -- \
+LOCKSTEP_TIMEOUT=2 FAULT_FIRST="rank=1,kind=delay,after=50,seconds=6" lr -n 3 --max-restarts 0 "${mpiargs[@]}" -- \
   ./wrap.sh --batch 240 --epochs 5
 rc=$?
 if [ "$rc" -ne 0 ] && grep -q 'failure seen: a rank reported a stall (blame\.' err.txt &&
@@ -109,6 +140,7 @@ if [ "$rc" -ne 0 ] && grep -q 'failure seen: a rank reported a stall (blame\.' e
   pass "stall: the blame report is read ($(grep -m1 -o 'rank [0-9] (on [^)]*) reports rank 1 behind' err.txt))"
 else
   fail "stall: exit $rc; $(grep -c blame err.txt) blame line(s)"
+  grep -v '^ *rank [0-9]' err.txt | cut -c1-200 | head -n 30
 fi
 
 # ---- 6. a hung job is ended after --per-host-timeout ---------------------------------------
