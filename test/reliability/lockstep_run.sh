@@ -4,6 +4,8 @@
 #     restarts the job once on the same host at the same N, the run resumes from the newest
 #     checkpoint, finishes all epochs with final loss < 1e-3, redoes at most one checkpoint
 #     interval, and the last k checkpoints are kept (the pointer naming the newest);
+#  1b. a rank frozen by SIGSTOP (its watchdog cannot answer, as on a lost host): with
+#     LOCKSTEP_TIMEOUT=3 the others name it silent in their blame reports; restarted and resumed;
 #  2. shrinking: two host names for this machine, the probe fails one: the restart runs on the
 #     other at half the ranks and resumes the 4-rank checkpoint at 2 ranks;
 #  3. --max-restarts 0: exits with mpiexec's failing status, no restart;
