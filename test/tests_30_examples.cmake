@@ -1,6 +1,9 @@
 # Checkpoints (reader, writer, rank-aware save/resume) and the examples run as a user runs them.
 lockstep_test_executable(test_checkpoint io/checkpoint_test.cpp)
 lockstep_add_unit_test(NAME checkpoint TARGET test_checkpoint LABELS checkpoint TIMEOUT 120)
+# Rotating checkpoints for restarts: keep-k, the pointer to the newest complete one.
+lockstep_test_executable(test_checkpoint_rotation io/checkpoint_rotation_test.cpp)
+lockstep_add_unit_test(NAME checkpoint.rotation TARGET test_checkpoint_rotation LABELS checkpoint TIMEOUT 120)
 lockstep_test_executable(test_checkpoint_mpi io/checkpoint_mpi_test.cpp)
 lockstep_add_mpi_test(NAME checkpoint_mpi TARGET test_checkpoint_mpi RANKS 2 3 TIMEOUT 60)
 # Two processes saving one path at once: every save succeeds, the file is one of theirs.

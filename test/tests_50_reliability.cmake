@@ -187,6 +187,10 @@ lockstep_add_unit_test(NAME reliability.killed_checkpoint_writer TARGET lockstep
 if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CBLAS_H))
   lockstep_add_script_test(NAME reliability.kill_resume SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/kill_resume.sh
     TARGET train PROCESSORS 3 TIMEOUT 300 LABELS reliability examples FAULTS)
+  # tools/lockstep-run: a killed rank restarted and resumed, shrinking, --max-restarts,
+  # --min-ranks, a blame report, a hung job ended, bad arguments.
+  lockstep_add_script_test(NAME reliability.lockstep_run SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run.sh
+    TARGET train PROCESSORS 4 TIMEOUT 400 LABELS reliability examples FAULTS)
 endif()
 
 # Trust (issue 11): checks above every backend, the shared-memory path agreeing on its calls,

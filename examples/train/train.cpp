@@ -13,6 +13,9 @@
 //   # stop and resume: save every 10 epochs, then continue from the last checkpoint
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 30 --checkpoint-every 10 --checkpoint ck.safetensors
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --checkpoint ck.safetensors --resume
+//   # restartable: numbered checkpoints every 5 epochs, the last 3 kept; resume from the newest if any
+//   lockstep-run -n 4 -- build/examples/train/train --epochs 100 --checkpoint run/ck
+//       --checkpoint-every 5 --checkpoint-keep 3 --resume auto     (one line)
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
 #include <lockstep/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
@@ -78,7 +81,9 @@ struct Options {
   std::string init = "torch";
   std::string checkpoint;
   std::int64_t checkpoint_every = 0;
-  bool resume = false;
+  double checkpoint_seconds = 0;
+  int checkpoint_keep = 0;
+  std::string resume;  // "" (start fresh), "file" (--resume) or "auto" (--resume auto)
   std::string log;
   bool shard_optimizer_state = false;
   std::string wire_dtype = "f32";
@@ -104,7 +109,16 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
       ->type_name("PATH");
   app.add_option("--checkpoint-every", o.checkpoint_every, "also write it after every K-th epoch (0: only at the end)")
       ->type_name("K")->check(cli::at_least(0));
-  app.add_flag("--resume", o.resume, "continue from --checkpoint PATH (same seed, samples and batch)");
+  app.add_option("--checkpoint-seconds", o.checkpoint_seconds,
+                 "also write one after an epoch when T seconds passed since the last (rank 0's clock)")
+      ->type_name("T")->check(cli::at_least(0));
+  app.add_option("--checkpoint-keep", o.checkpoint_keep,
+                 "rotate: write PATH's stem + -EPOCH.safetensors, point STEM.latest at the newest, keep the last K")
+      ->type_name("K")->check(cli::at_least(0));
+  app.add_option("--resume", o.resume,
+                 "continue from --checkpoint PATH (same seed, samples and batch); 'auto': from the newest "
+                 "checkpoint if there is one, else start fresh")
+      ->type_name("[auto]")->expected(0, 1)->default_str("file")->check(cli::one_of({"file", "auto"}));
   app.add_option("--log", o.log, "write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)")
       ->type_name("CSV");
   app.add_flag("--shard-optimizer-state", o.shard_optimizer_state, "ZeRO-1: each rank keeps Adam's state for 1/N of the parameters");
@@ -116,7 +130,11 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
       throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of the " + std::to_string(ranks) +
                                         " ranks (the global batch is split evenly)");
     if (o.backend == "nccl" && o.device != "cuda") throw cli::refused("--backend", "nccl needs --device cuda");
-    if (o.resume && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
+    if (!o.resume.empty() && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
+    if (o.checkpoint_seconds > 0 && o.checkpoint.empty())
+      throw cli::refused("--checkpoint-seconds", "needs --checkpoint PATH");
+    if (o.checkpoint_keep > 0 && o.checkpoint.empty())
+      throw cli::refused("--checkpoint-keep", "needs --checkpoint PATH");
     if (o.checkpoint_every > 0 && o.checkpoint.empty())
       throw cli::refused("--checkpoint-every", "needs --checkpoint PATH");
   });
@@ -322,8 +340,31 @@ int run(const Options& o, ls::Backend& backend) {
       {"example", "lockstep train"}, {"seed", std::to_string(o.seed)},
       {"samples", std::to_string(o.samples)}, {"batch", std::to_string(o.batch)}};
 
-  if (o.resume) {
-    auto meta = ls::load_checkpoint(backend, o.checkpoint, ts);
+  // --checkpoint-keep K: numbered checkpoints and the pointer STEM.latest (checkpoint.hpp).
+  std::optional<ls::CheckpointRotation> rotation;
+  if (o.checkpoint_keep > 0) rotation.emplace(o.checkpoint, o.checkpoint_keep);
+  // Where to resume from: the file itself, or (rotating) the one STEM.latest names. With
+  // --resume auto, no checkpoint there is a fresh start. Rank 0 looks; every rank gets its answer.
+  std::optional<std::filesystem::path> resume_from;
+  if (!o.resume.empty()) {
+    if (rotation) {
+      resume_from = ls::latest_checkpoint(backend, o.checkpoint);
+      if (!resume_from && o.resume == "file")
+        throw ls::CheckpointError("--resume: no checkpoint to resume from (" + rotation->pointer_path().string() +
+                                  " does not exist); --resume auto starts afresh instead");
+    } else if (o.resume == "auto") {
+      double found = root && std::filesystem::exists(o.checkpoint) ? 1 : 0;
+      ls::allreduce(backend, ls::view_of(std::span<double>(&found, 1)), ls::ReduceOp::sum);
+      if (found > 0) resume_from = o.checkpoint;
+    } else {
+      resume_from = o.checkpoint;
+    }
+    if (!resume_from && root)
+      std::printf("no checkpoint at %s: starting afresh (--resume auto)\n",
+                  (rotation ? rotation->pointer_path().string() : o.checkpoint).c_str());
+  }
+  if (resume_from) {
+    auto meta = ls::load_checkpoint(backend, *resume_from, ts);
     for (const char* key : {"seed", "samples", "batch"}) {
       const auto it = meta.find(key);
       if (it == meta.end() || it->second != run_meta.at(key))
@@ -337,7 +378,7 @@ int run(const Options& o, ls::Backend& backend) {
       throw ls::CheckpointError("--resume: the checkpoint's loss history has " + std::to_string(losses.size()) +
                                 " entries for " + std::to_string(epoch) + " epochs");
     if (root)
-      std::printf("resumed from %s after epoch %lld (step %lld)\n", o.checkpoint.c_str(),
+      std::printf("resumed from %s after epoch %lld (step %lld)\n", resume_from->c_str(),
                   static_cast<long long>(epoch), static_cast<long long>(state.inner.step));
   }
   if (root)
@@ -347,11 +388,20 @@ int run(const Options& o, ls::Backend& backend) {
                 static_cast<long long>(o.batch / ranks), static_cast<double>(o.lr),
                 static_cast<long long>(o.epochs));
 
+  auto last_save = std::chrono::steady_clock::now();
+  std::int64_t saved_epoch = epoch;
   auto save = [&] {
     auto meta = run_meta;
     meta["epoch"] = std::to_string(epoch);
     meta["loss_history"] = join_losses(losses);
-    ls::save_checkpoint(backend, o.checkpoint, ts, meta);
+    if (rotation) {
+      const auto p = rotation->save(backend, epoch, ts, meta);
+      if (root) std::printf("checkpoint %s (epoch %lld)\n", p.c_str(), static_cast<long long>(epoch));
+    } else {
+      ls::save_checkpoint(backend, o.checkpoint, ts, meta);
+    }
+    last_save = std::chrono::steady_clock::now();
+    saved_epoch = epoch;
   };
 
   const std::int64_t share = o.batch / ranks;
@@ -362,7 +412,7 @@ int run(const Options& o, ls::Backend& backend) {
   while (epoch < o.epochs) {
     const auto t0 = std::chrono::steady_clock::now();
     data.set_epoch(epoch);
-    double sums[2] = {0, 0};  // squared errors, samples (this rank)
+    double sums[3] = {0, 0, 0};  // squared errors, samples (this rank); a checkpoint due by time (rank 0)
     const std::int64_t nb = data.num_batches(share);
     for (std::int64_t b = 0; b < nb; ++b) {
       const auto idx = data.batch(b, share);
@@ -388,7 +438,11 @@ int run(const Options& o, ls::Backend& backend) {
       sums[1] += static_cast<double>(m);
       ls::update(state, model, *grads);
     }
-    ls::allreduce(backend, ls::view_of(std::span<double>(sums, 2)), ls::ReduceOp::sum);
+    // --checkpoint-seconds: rank 0's clock decides, and the decision travels with the sums.
+    if (root && o.checkpoint_seconds > 0 &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_save).count() >= o.checkpoint_seconds)
+      sums[2] = 1;
+    ls::allreduce(backend, ls::view_of(std::span<double>(sums, 3)), ls::ReduceOp::sum);
     const double loss = sums[0] / sums[1];
     losses.push_back(loss);
     ++epoch;
@@ -398,11 +452,10 @@ int run(const Options& o, ls::Backend& backend) {
     if (root)
       std::printf("epoch %4lld  loss %.6e  %10.0f samples/s  %7.2f s\n", static_cast<long long>(epoch),
                   loss, sums[1] / dt, elapsed);
-    if (!o.checkpoint.empty() && o.checkpoint_every > 0 && epoch % o.checkpoint_every == 0 &&
-        epoch < o.epochs)
-      save();
+    const bool due = (o.checkpoint_every > 0 && epoch % o.checkpoint_every == 0) || sums[2] > 0;
+    if (!o.checkpoint.empty() && due && epoch < o.epochs) save();
   }
-  if (!o.checkpoint.empty()) save();
+  if (!o.checkpoint.empty() && (saved_epoch != epoch || !rotation)) save();
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
   if (root) {
@@ -411,7 +464,8 @@ int run(const Options& o, ls::Backend& backend) {
                 total > 0 ? samples_done / total : 0.0);
     std::printf("final loss %.8e\n", losses.empty() ? 0.0 : losses.back());
     std::printf("model hash crc32c:%08x\n", model_hash(model));
-    if (!o.checkpoint.empty()) std::printf("checkpoint: %s\n", o.checkpoint.c_str());
+    if (!o.checkpoint.empty())
+      std::printf("checkpoint: %s\n", rotation ? rotation->path_for(epoch).c_str() : o.checkpoint.c_str());
     if (!o.log.empty()) {
       FILE* f = std::fopen(o.log.c_str(), "w");
       if (f == nullptr) {

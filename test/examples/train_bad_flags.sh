@@ -14,6 +14,10 @@ expect_refused "$n" 'not a multiple of the 2 ranks' --batch 255
 expect_refused "$n" '--backend: gloo not in' --backend gloo
 expect_refused "$n" '--resume: needs --checkpoint' --resume
 expect_refused "$n" '--checkpoint-every: needs --checkpoint' --checkpoint-every 2
+expect_refused "$n" '--checkpoint-keep: needs --checkpoint' --checkpoint-keep 2
+expect_refused "$n" '--checkpoint-seconds: needs --checkpoint' --checkpoint-seconds 5
+expect_refused "$n" '--checkpoint-keep: must be >= 0' --checkpoint ck --checkpoint-keep -1
+expect_refused "$n" '--resume: bogus not in' --checkpoint ck --resume bogus
 grep -q "Run 'train --help'" err.txt && pass "--help named" || fail "the error does not point at --help"
 # A bad flag on one rank only (two programs in one job): both ranks stop with it, none waits.
 timeout 120 "$MPIEXEC" --oversubscribe --bind-to none -n 1 "$EXE" --epochs 1 : -n 1 "$EXE" --epochs 1 --bogus \
@@ -33,5 +37,6 @@ if grep -q '^#define LOCKSTEP_HAS_NCCL 0' "$(dirname "$EXE")/../../include/locks
 fi
 # --help: exit 0, every flag listed with its value's name, printed once (rank 0), nothing on stderr.
 expect_help "$n" train '--epochs E' '--samples S' '--batch B' '--lr LR' '--seed SEED' '--backend mpi|nccl' \
-  '--device cpu|cuda' '--init torch|flux' '--checkpoint PATH' '--checkpoint-every K' '--resume' '--log CSV' '--help'
+  '--device cpu|cuda' '--init torch|flux' '--checkpoint PATH' '--checkpoint-every K' \
+  '--checkpoint-seconds T' '--checkpoint-keep K' '--resume [auto]' '--log CSV' '--help'
 finish

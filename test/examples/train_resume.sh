@@ -19,4 +19,26 @@ done
 # Resuming with different data flags is refused on every rank.
 expect_failure 2 'error: --resume: the checkpoint was written with --samples 1024' \
   --samples 2048 --batch 128 --epochs 20 --checkpoint part2.st --resume
+# Rotating checkpoints and --resume auto: with no checkpoint it starts afresh; stopped after 7
+# epochs (checkpoints after 2, 4, 6 and 7, the last 2 kept) and resumed with the same command, it
+# continues from epoch 7 and ends bitwise identical to the uninterrupted run.
+rot=(--samples 1024 --batch 128 --checkpoint rot/ck --checkpoint-every 2 --checkpoint-keep 2 --resume auto)
+run 2 "${rot[@]}" --epochs 7 || fail "rotating first part exited with $?"
+grep -q '^no checkpoint at rot/ck.latest: starting afresh' out.txt && pass "--resume auto without a checkpoint starts afresh" ||
+  fail "--resume auto without a checkpoint: $(head -n1 out.txt)"
+[ "$(cd rot && echo ck-*.safetensors)" = "ck-000006.safetensors ck-000007.safetensors" ] &&
+  [ "$(cat rot/ck.latest)" = ck-000007.safetensors ] && pass "the last 2 checkpoints kept, ck.latest names epoch 7" ||
+  fail "kept: $(cd rot && echo ck-*), pointer $(cat rot/ck.latest)"
+run 2 "${rot[@]}" --epochs 20 || fail "rotating resume exited with $?"
+grep -q '^resumed from rot/ck-000007.safetensors after epoch 7 (step 56)' out.txt || fail "--resume auto did not resume from epoch 7"
+[ "$(grep '^model hash' out.txt)" = "$(run 2 --samples 1024 --batch 128 --epochs 20 && grep '^model hash' out.txt)" ] &&
+  pass "--resume auto: bitwise the uninterrupted run" || fail "--resume auto: model hash differs"
+# Plain --resume with rotation and no pointer is an error, not a fresh start.
+expect_failure 2 'error: --resume: no checkpoint to resume from (none/ck.latest does not exist)' \
+  --samples 1024 --batch 128 --epochs 3 --checkpoint none/ck --checkpoint-keep 2 --resume
+# --checkpoint-seconds: with T = 0.000001 a checkpoint after every epoch (rank 0's clock decides for all).
+run 2 --samples 1024 --batch 128 --epochs 4 --checkpoint sec/ck --checkpoint-keep 10 --checkpoint-seconds 0.000001 ||
+  fail "--checkpoint-seconds exited with $?"
+[ "$(cd sec && echo ck-*.safetensors)" = "ck-000001.safetensors ck-000002.safetensors ck-000003.safetensors ck-000004.safetensors" ] &&
+  pass "--checkpoint-seconds: one checkpoint per epoch" || fail "--checkpoint-seconds: $(cd sec && echo ck-*)"
 finish

@@ -460,3 +460,29 @@ TEST_CASE("check_replicas compares a long double's value, not its padding", "[ch
                                              "long double scalar = 0.100000000000000000008"});
   CHECK(all_ranks(ok));
 }
+
+TEST_CASE("rotating checkpoints: root saves and commits, every rank finds the newest, errors on every rank",
+          "[checkpoint][mpi][rotation]") {
+  const fs::path dir = shared_dir();
+  const fs::path stem = dir / "sub" / "ck";  // the directory is created by the first save
+  const int r = backend().rank();
+  CHECK(all_ranks(!ls::latest_checkpoint(backend(), stem).has_value()));
+  const ls::CheckpointRotation rot(stem, 2);
+  for (int step = 1; step <= 4; ++step) {
+    cktest::Net mine = cktest::make_net({1, 8, 3}, static_cast<float>(step * 10 + r));  // rank 0's is the truth
+    const fs::path p = rot.save(backend(), step, mine, {{"step", std::to_string(step)}});
+    CHECK(all_ranks(p == rot.path_for(step)));
+  }
+  const auto latest = ls::latest_checkpoint(backend(), stem);
+  CHECK(all_ranks(latest.has_value() && *latest == rot.path_for(4)));
+  cktest::Net resumed = cktest::make_net({1, 8, 3}, 99.f + r);
+  const auto meta = ls::load_checkpoint(backend(), *latest, resumed);
+  CHECK(all_ranks(same_net(resumed, cktest::make_net({1, 8, 3}, 40.f)) && meta.at("step") == "4"));
+  if (r == 0) CHECK(rot.files().size() == 2u);
+  // The pointer names a file someone removed: the same CheckpointError on every rank.
+  if (r == 0) fs::remove(rot.path_for(4));
+  backend().barrier();
+  CHECK(all_ranks(throws_checkpoint_error([&] { ls::latest_checkpoint(backend(), stem); }, "which is missing")));
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}

@@ -523,4 +523,95 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
   return detail::unpack_metadata(contents);
 }
 
+// ---- Rotating checkpoints for restarts ----------------------------------------------------
+//
+// A run that may be killed and restarted (lockstep-run, Slurm requeue) writes numbered
+// checkpoints next to a pointer file naming the newest complete one:
+//
+//   STEM-000050.safetensors   one checkpoint per step (or epoch) number, written atomically
+//   STEM.latest               one line: the file name of the newest complete checkpoint
+//
+// A checkpoint is committed in three steps, each one atomic: the file is written (temporary
+// file, fsync, rename), then STEM.latest is replaced (same way) to name it, and only then are
+// the files beyond the newest `keep` removed. A writer killed at any point leaves STEM.latest
+// naming a complete file: the previous one until the pointer moved, the new one after. Files the
+// pointer never named (a writer killed between its file and the pointer) are removed by the
+// next commit. The paths are the root's: on a cluster, STEM is a path on rank 0's host (or a
+// shared file system), and a restart finds the checkpoint only where it runs rank 0.
+//
+// STEM comes from a path the way rotation_stem() says: "run/ck.safetensors" and "run/ck" are
+// the stem "run/ck"; an existing directory or a path ending in '/' is the stem "DIR/ck".
+
+/// The stem of the rotated checkpoints for `path` (see above).
+std::filesystem::path rotation_stem(const std::filesystem::path& path);
+
+/// The newest complete checkpoint of the stem of `path`: the file STEM.latest names, if that
+/// file exists; nullopt if there is no pointer (nothing committed yet, a fresh start). Throws
+/// CheckpointError if the pointer exists but cannot be read, is malformed, or names a file that
+/// is missing (someone removed it: a restart must not silently start over).
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& path);
+
+/// The same as a collective: root looks, every rank gets root's answer (or root's error, as the
+/// same CheckpointError on every rank).
+std::optional<std::filesystem::path> latest_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                       int root = 0);
+
+/// Numbered checkpoints of one stem, the newest `keep` retained (see above).
+///
+///   CheckpointRotation rot("run/ck.safetensors", 3);
+///   rot.save(backend, epoch, state, meta);       // a collective: root writes, commits, prunes
+///   auto p = latest_checkpoint(backend, "run/ck.safetensors");   // on restart
+class CheckpointRotation {
+ public:
+  /// keep >= 1 (InvalidArgument otherwise): how many committed checkpoints stay on disk.
+  explicit CheckpointRotation(const std::filesystem::path& path, int keep = 3);
+
+  const std::filesystem::path& stem() const noexcept { return stem_; }
+  int keep() const noexcept { return keep_; }
+  /// STEM-NNNNNN.safetensors (at least six digits; step >= 0, InvalidArgument otherwise).
+  std::filesystem::path path_for(std::int64_t step) const;
+  /// STEM.latest.
+  std::filesystem::path pointer_path() const;
+
+  /// After the file path_for(step) is completely written: atomically points STEM.latest at it,
+  /// then removes every other numbered file of this stem except the `keep` newest with a step
+  /// at or below `step` (newer ones are leftovers of a run this one restarted from before them).
+  /// Throws CheckpointError if the file is missing or the pointer cannot be written (then the
+  /// old pointer stands and nothing is removed); a file that cannot be removed is left.
+  void commit(std::int64_t step) const;
+
+  /// Creates the stem's directory (and its parents) if missing; returns false if that failed.
+  bool create_directory() const noexcept;
+
+  /// The numbered files of this stem on disk, (step, path), oldest first.
+  std::vector<std::pair<std::int64_t, std::filesystem::path>> files() const;
+
+  /// Collective: root creates the stem's directory if missing, save_checkpoint(backend,
+  /// path_for(step), x, metadata, root), then root commits;
+  /// every rank returns, or every rank throws the same CheckpointError. Returns path_for(step).
+  template <class X>
+  std::filesystem::path save(Backend& backend, std::int64_t step, const X& x,
+                             const std::map<std::string, std::string>& metadata = {}, int root = 0,
+                             std::source_location loc = std::source_location::current()) const {
+    const std::filesystem::path p = path_for(step);
+    if (backend.rank() == root) create_directory();  // a failure is save_checkpoint's error
+    save_checkpoint(backend, p, x, metadata, root, loc);
+    std::string err;
+    if (backend.rank() == root) {
+      try {
+        commit(step);
+      } catch (...) {
+        err = detail::current_error_message();
+      }
+    }
+    err = detail::broadcast_status(backend, std::move(err), root);
+    if (!err.empty()) detail::throw_root_error(backend, err, root);
+    return p;
+  }
+
+ private:
+  std::filesystem::path stem_;
+  int keep_;
+};
+
 }  // namespace lockstep

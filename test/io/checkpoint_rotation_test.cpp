@@ -1,0 +1,169 @@
+// Rotating checkpoints (CheckpointRotation, latest_checkpoint): the stem of a path, keep-k, the
+// pointer always naming a complete file (also when the writer is SIGKILLed at any moment), and
+// the errors for a pointer that is broken or names a removed file. No MPI: one process.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "lockstep/checkpoint.hpp"
+
+namespace ls = lockstep;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("lockstep-rotation-" + std::to_string(::getpid()) + "-" +
+                                        std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+ls::Checkpoint make(std::int64_t step, std::int64_t elements = 16) {
+  ls::Checkpoint ck;
+  ck.add("w", ls::Tensor::full({elements}, static_cast<double>(step)));
+  ck.metadata["step"] = std::to_string(step);
+  return ck;
+}
+
+/// Writes the file of `step` and commits it, as CheckpointRotation::save does on the root.
+void save(const ls::CheckpointRotation& rot, std::int64_t step, std::int64_t elements = 16) {
+  ls::save_checkpoint(rot.path_for(step), make(step, elements));
+  rot.commit(step);
+}
+
+std::vector<std::int64_t> steps_on_disk(const ls::CheckpointRotation& rot) {
+  std::vector<std::int64_t> v;
+  for (const auto& [s, p] : rot.files()) v.push_back(s);
+  return v;
+}
+
+/// The step a checkpoint file holds, after checking it is complete (checksum, every element).
+std::int64_t verified_step(const fs::path& p) {
+  const ls::Checkpoint ck = ls::load_checkpoint(p);
+  const std::int64_t step = std::stoll(ck.metadata.at("step"));
+  for (float v : ck.at("w").span<float>()) REQUIRE(v == static_cast<float>(step));
+  return step;
+}
+
+}  // namespace
+
+TEST_CASE("rotation_stem: a .safetensors path, a bare stem, a directory", "[checkpoint][rotation]") {
+  TempDir d;
+  CHECK(ls::rotation_stem("run/ck.safetensors") == fs::path("run/ck"));
+  CHECK(ls::rotation_stem("run/ck") == fs::path("run/ck"));
+  CHECK(ls::rotation_stem("run/") == fs::path("run/ck"));
+  CHECK(ls::rotation_stem(d.path) == d.path / "ck");
+  CHECK_THROWS_AS(ls::rotation_stem(""), ls::InvalidArgument);
+  const ls::CheckpointRotation rot(d.path / "ck.safetensors", 2);
+  CHECK(rot.path_for(50) == d.path / "ck-000050.safetensors");
+  CHECK(rot.path_for(1234567) == d.path / "ck-1234567.safetensors");
+  CHECK(rot.pointer_path() == d.path / "ck.latest");
+  CHECK_THROWS_AS(rot.path_for(-1), ls::InvalidArgument);
+  CHECK_THROWS_AS(ls::CheckpointRotation(d.path / "ck", 0), ls::InvalidArgument);
+}
+
+TEST_CASE("no pointer is a fresh start; each commit moves it; the newest k stay", "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck.safetensors", 3);
+  CHECK_FALSE(ls::latest_checkpoint(d.path / "ck.safetensors").has_value());
+  for (std::int64_t step = 5; step <= 50; step += 5) {
+    save(rot, step);
+    const auto latest = ls::latest_checkpoint(d.path / "ck.safetensors");
+    REQUIRE(latest.has_value());
+    CHECK(*latest == rot.path_for(step));
+    CHECK(verified_step(*latest) == step);
+    CHECK(steps_on_disk(rot).size() == static_cast<std::size_t>(std::min<std::int64_t>(3, step / 5)));
+  }
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{40, 45, 50});
+  // The stem given three ways finds the same pointer.
+  CHECK(*ls::latest_checkpoint(d.path / "ck") == rot.path_for(50));
+  CHECK(*ls::latest_checkpoint(d.path) == rot.path_for(50));
+  // Files of another stem in the same directory are not touched.
+  ls::save_checkpoint(d.path / "other-000001.safetensors", make(1));
+  save(rot, 55);
+  CHECK(fs::exists(d.path / "other-000001.safetensors"));
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{45, 50, 55});
+}
+
+TEST_CASE("a file written but not committed leaves the old pointer; the next commit removes it",
+          "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck", 2);
+  save(rot, 10);
+  save(rot, 20);
+  // A writer killed between its file and the pointer: the file exists, the pointer did not move.
+  ls::save_checkpoint(rot.path_for(30), make(30));
+  CHECK(*ls::latest_checkpoint(d.path / "ck") == rot.path_for(20));
+  // The restarted run resumes from 20 and commits 25 next: 30 (of the lost timeline) goes.
+  save(rot, 25);
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{20, 25});
+  CHECK(*ls::latest_checkpoint(d.path / "ck") == rot.path_for(25));
+  // Committing a file that does not exist is refused, and the pointer stays.
+  CHECK_THROWS_AS(rot.commit(99), ls::CheckpointError);
+  CHECK(*ls::latest_checkpoint(d.path / "ck") == rot.path_for(25));
+}
+
+TEST_CASE("a pointer that is malformed or names a removed file is an error, not a fresh start",
+          "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck", 2);
+  save(rot, 7);
+  fs::remove(rot.path_for(7));
+  CHECK_THROWS_WITH(ls::latest_checkpoint(d.path / "ck"), Catch::Contains("which is missing"));
+  std::ofstream(rot.pointer_path()) << "../elsewhere/ck-000007.safetensors\n";
+  CHECK_THROWS_WITH(ls::latest_checkpoint(d.path / "ck"), Catch::Contains("does not name a checkpoint"));
+  std::ofstream(rot.pointer_path()) << "garbage";
+  CHECK_THROWS_AS(ls::latest_checkpoint(d.path / "ck"), ls::CheckpointError);
+}
+
+TEST_CASE("a writer SIGKILLed at any moment leaves a pointer naming a complete checkpoint",
+          "[checkpoint][rotation]") {
+  TempDir d;
+  const fs::path stem = d.path / "ck";
+  constexpr int kKeep = 2;
+  std::int64_t last_seen = -1;
+  for (int round = 0; round < 24; ++round) {
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      // Resume from the pointer (as a restart does) and keep committing 1 MiB checkpoints.
+      try {
+        const ls::CheckpointRotation rot(stem, kKeep);
+        const auto latest = ls::latest_checkpoint(stem);
+        std::int64_t step = latest ? std::stoll(ls::load_checkpoint(*latest).metadata.at("step")) : 0;
+        for (;;) save(rot, ++step, 1 << 18);
+      } catch (...) {
+        ::_exit(3);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 + 13 * round));
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    REQUIRE(WIFSIGNALED(status));
+    const auto latest = ls::latest_checkpoint(stem);
+    if (!latest) continue;  // killed before its first commit
+    const std::int64_t step = verified_step(*latest);
+    CHECK(*latest == ls::CheckpointRotation(stem, kKeep).path_for(step));
+    CHECK(step >= last_seen);  // the pointer never moves back
+    last_seen = step;
+    // At most keep committed files, plus one written but not committed, plus one being pruned.
+    CHECK(ls::CheckpointRotation(stem, kKeep).files().size() <= kKeep + 2);
+  }
+  CHECK(last_seen > 0);
+}
