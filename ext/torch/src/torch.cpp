@@ -615,6 +615,32 @@ std::unordered_map<const void*, std::string>& wrapped() {
   static std::unordered_map<const void*, std::string> m;
   return m;
 }
+
+// A parameter DistributedOptimizer reduces the gradient of (the others it leaves alone).
+bool trained(const at::Tensor& p) { return p.requires_grad() && p.is_floating_point(); }
+
+// The ranks' check of everything that decides which gradient meets which (see the constructor).
+void check_same_structure_for_reduction(Backend& backend, const std::vector<OptParam>& all,
+                                        const DistributedOptions& options, const TorchOptions& topts) {
+  const char* unused = topts.unused_parameters == UnusedParameters::error ? "error" : "zero";
+  const std::string opts = concat("op ", name(options.op), ", accumulation_steps ", options.accumulation_steps,
+                                  ", unused_parameters ", unused);
+  auto desc = [](const OptParam& p) {
+    return concat(describe(p.p), " in group ", p.group, trained(p.p) ? ", trained" : ", frozen (no gradient)");
+  };
+  std::string sig = concat("lockstep::torch ", opts, ";");
+  for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
+  detail::check_same_structure(
+      backend, sig, 0, 0,
+      "lockstep::torch::DistributedOptimizer: no optimizer was wrapped, the ranks' gradients would be averaged "
+      "with other parameters' (every rank must train the same parameters, by name)",
+      [&] {
+        std::vector<detail::StructureEntry> e;
+        e.push_back({"options", opts});
+        for (const auto& p : all) e.push_back({p.name, desc(p)});
+        return e;
+      });
+}
 }  // namespace
 
 struct DistributedOptimizer::Impl {
@@ -695,6 +721,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   m.optimizer = &optimizer;
   m.options = options;
   m.topts = topts;
+  std::vector<OptParam> all;  // every parameter of the optimizer, frozen ones too
   agreed(backend, "lockstep::torch::DistributedOptimizer", 0, [&] {
     LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
                        "lockstep::torch::DistributedOptimizer: op must be avg or sum, got ", name(options.op));
@@ -702,11 +729,12 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
                        "lockstep::torch::DistributedOptimizer: accumulation_steps must be >= 1, got ",
                        options.accumulation_steps);
     std::unordered_map<const void*, std::string> seen;
-    for (auto& p : optimizer_params(optimizer, topts.names_from)) {
+    all = optimizer_params(optimizer, topts.names_from);
+    for (auto p : all) {
       auto [it, fresh] = seen.emplace(p.p.unsafeGetTensorImpl(), p.name);
       LOCKSTEP_CHECK_ARG(fresh, "lockstep::torch::DistributedOptimizer: parameter '", p.name,
                          "' is in the optimizer twice (also as '", it->second, "')");
-      if (!p.p.requires_grad() || !p.p.is_floating_point()) continue;
+      if (!trained(p.p)) continue;
       {
         std::lock_guard lock(g_wrapped_mutex);
         LOCKSTEP_CHECK_ARG(!wrapped().count(p.p.unsafeGetTensorImpl()),
@@ -722,6 +750,13 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
       m.params.push_back(std::move(p));
     }
   }, "no optimizer was wrapped");
+  // Which numbers meet which in the reductions: the ranks must agree on every parameter of the
+  // optimizer, in order, by name (the module's, or the position), with its group, dtype, shape,
+  // device and whether it is trained, and on the options that decide what is reduced when.
+  // Shapes alone do not tell a rank that froze l1 from one that froze l2 of the same shape: each
+  // would average its l2 with the other's l1. Checked once, here (one allgather of a hash), before
+  // anything is changed.
+  check_same_structure_for_reduction(backend, all, options, topts);
   // The buffers: one per run of parameters of one dtype and device, in optimizer order, so that
   // every bucket of the reducer (buckets never span a dtype or device change) lies back to back
   // and is reduced in place.
@@ -761,18 +796,10 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     names.push_back(m.params[k].name);
   }
   for (auto& v : m.slot_views) ptrs.push_back(&v);
-  // Accumulation happens in LibTorch's gradients: the reducer reduces once per cycle. The
-  // ranks' options (the reducer's check covers the rest) are compared here.
+  // Accumulation happens in LibTorch's gradients: the reducer reduces once per cycle (the
+  // ranks' accumulation_steps were compared above; the reducer's check covers its options).
   DistributedOptions reducer_options = options;
   reducer_options.accumulation_steps = 1;
-  detail::check_same_structure(
-      backend,
-      concat("accumulation_steps=", options.accumulation_steps, " unused=", static_cast<int>(topts.unused_parameters)),
-      0, 0, "lockstep::torch::DistributedOptimizer", [&] {
-        return std::vector<detail::StructureEntry>{
-            {"accumulation_steps", concat(options.accumulation_steps)},
-            {"unused_parameters", topts.unused_parameters == UnusedParameters::error ? "error" : "zero"}};
-      });
   m.reducer = std::make_unique<GradientReducer>(backend, std::move(ptrs), std::move(names), reducer_options, loc);
   {
     std::lock_guard lock(g_wrapped_mutex);

@@ -419,6 +419,87 @@ TEST_CASE("DistributedOptimizer: ranks that wrap different optimizers get a Mism
   CHECK(all_ranks(mentions(e2, "bucket_bytes")));
 }
 
+namespace {
+// Two layers of the same shape: a rank that freezes one and a rank that freezes the other have
+// trainable lists that differ by name only.
+struct TwinsImpl : torch::nn::Module {
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, out{nullptr};
+  TwinsImpl() {
+    l1 = register_module("l1", torch::nn::Linear(4, 4));
+    l2 = register_module("l2", torch::nn::Linear(4, 4));
+    out = register_module("out", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out->forward(l2->forward(l1->forward(x))); }
+};
+TORCH_MODULE(Twins);
+std::vector<torch::Tensor> trainable(torch::nn::Module& m) {
+  std::vector<torch::Tensor> v;
+  for (auto& p : m.parameters())
+    if (p.requires_grad()) v.push_back(p);
+  return v;
+}
+bool no_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters())
+    if (p.grad().defined()) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: ranks that train different parameters of the same shape get a MismatchError "
+          "naming the parameter, at setup",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  if (b.size() < 2) {
+    Twins one;
+    torch::optim::SGD s1(one->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_NOTHROW(lt::DistributedOptimizer(b, s1, {}, {.names_from = one.get()}));
+    return;
+  }
+  // The last rank freezes l1, the others l2: the same shapes, floats and count of gradients.
+  const bool odd = b.rank() == b.size() - 1;
+  auto freeze = [&](Twins& t) {
+    for (auto& p : (odd ? t->l1 : t->l2)->parameters()) p.set_requires_grad(false);
+  };
+  SECTION("an optimizer over every parameter, named by the module") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e =
+        error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()}); });
+    CHECK(all_ranks(mentions(e, "l1.weight") && mentions(e, "frozen") && mentions(e, "rank " + std::to_string(b.size() - 1))));
+    CHECK(all_ranks(no_grads(*net)));  // nothing changed: no gradient buffers were installed
+  }
+  SECTION("an optimizer over every parameter, named by position") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e = error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd); });
+    CHECK(all_ranks(mentions(e, "param_groups.0.params.0") && mentions(e, "frozen")));
+  }
+  SECTION("an optimizer over the trainable parameters only, named by the module") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(trainable(*net), torch::optim::SGDOptions(0.1));
+    const std::string e =
+        error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()}); });
+    CHECK(all_ranks(mentions(e, "'l2.weight'") && mentions(e, "'l1.weight'")));
+    CHECK(all_ranks(no_grads(*net)));
+  }
+  SECTION("the same parameters frozen everywhere: it trains") {
+    Twins net;
+    lt::synchronize(b, *net, 0);
+    for (auto& p : net->l1->parameters()) p.set_requires_grad(false);
+    torch::optim::SGD sgd(trainable(*net), torch::optim::SGDOptions(0.1));
+    lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()});
+    auto [x, y] = global_batch(0, 12);
+    opt.zero_grad();
+    net->forward(rows_of(x, b.rank(), b.size()).narrow(1, 0, 4)).sum().backward();
+    CHECK(opt.step());
+    CHECK(replicas_equal(*net));
+  }
+}
+
 TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different model changes nothing",
           "[torch][mpi]") {
   torch::set_num_threads(1);
