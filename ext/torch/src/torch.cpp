@@ -641,6 +641,12 @@ void check_same_structure_for_reduction(Backend& backend, const std::vector<OptP
         return e;
       });
 }
+// Whether gradient g is the slot over the bucket buffer (a sparse gradient, which LibTorch stores
+// when the gradient was none, has no data pointer to compare).
+bool holds(const at::Tensor& g, const at::Tensor& slot) {
+  return g.defined() && g.layout() == c10::kStrided && g.data_ptr() == slot.data_ptr();
+}
+
 }  // namespace
 
 struct DistributedOptimizer::Impl {
@@ -678,14 +684,18 @@ struct DistributedOptimizer::Impl {
 
   void ensure_slot(std::size_t j) {
     at::Tensor& g = params[j].p.mutable_grad();
-    if (g.defined() && g.data_ptr() == slots[j].data_ptr()) return;
+    if (holds(g, slots[j])) return;
     // LibTorch replaced the gradient (zero_grad set it to none, or a first backward stole a
-    // fresh tensor): its values go into the buffer, which becomes the gradient again.
+    // fresh tensor; a sparse one when the gradient was none, from Embedding(sparse) and the
+    // like): its values go into the buffer, which becomes the gradient again. Into a dense
+    // gradient LibTorch adds sparse ones in place.
     ::torch::NoGradGuard no_grad;
-    if (g.defined())
+    if (!g.defined())
+      slots[j].zero_();
+    else if (g.layout() == c10::kStrided)
       slots[j].copy_(g);
     else
-      slots[j].zero_();
+      slots[j].copy_(g.to_dense());
     g = slots[j];
   }
 
@@ -780,7 +790,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
         char* base = static_cast<char*>(buf.data_ptr()) + off * static_cast<std::int64_t>(buf.element_size());
         m.slots[k] = at::from_blob(base, p.sizes(), [keep = buf](void*) {}, buf.options());
         const at::Tensor& old = p.grad();
-        if (old.defined()) m.slots[k].copy_(old);
+        if (old.defined()) m.slots[k].copy_(old.layout() == c10::kStrided ? old : old.to_dense());
         m.params[k].p.mutable_grad() = m.slots[k];
         off += p.numel();
       }
@@ -831,7 +841,7 @@ void DistributedOptimizer::zero_grad() {
   for (auto& b : m.buffers) b.zero_();
   for (std::size_t j = 0; j < m.params.size(); ++j) {
     at::Tensor& g = m.params[j].p.mutable_grad();
-    if (!g.defined() || g.data_ptr() != m.slots[j].data_ptr()) g = m.slots[j];
+    if (!holds(g, m.slots[j])) g = m.slots[j];
   }
 }
 

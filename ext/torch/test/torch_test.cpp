@@ -500,6 +500,70 @@ TEST_CASE("DistributedOptimizer: ranks that train different parameters of the sa
   }
 }
 
+namespace {
+struct BagImpl : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+  BagImpl() {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)));
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) { return head->forward(emb->forward(idx)); }
+};
+TORCH_MODULE(Bag);
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: sparse gradients (Embedding(sparse)) after zero_grad(set_to_none) on some or "
+          "all ranks",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(21);
+  Bag dist, ref;
+  {
+    torch::NoGradGuard g;
+    for (std::size_t i = 0; i < dist->parameters().size(); ++i) ref->parameters()[i].copy_(dist->parameters()[i]);
+  }
+  torch::optim::SGD sd(dist->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD sr(ref->parameters(), torch::optim::SGDOptions(0.1));
+  // A sparse gradient already there when the optimizer is wrapped is kept (densified).
+  dist->emb->forward(torch::tensor({1, 1, 4}, torch::kLong)).sum().backward();
+  REQUIRE(dist->emb->weight.grad().is_sparse());
+  const auto kept = dist->emb->weight.grad().to_dense();
+  lt::DistributedOptimizer opt(b, sd, {}, {.names_from = dist.get()});
+  CHECK(dist->emb->weight.grad().layout() == torch::kStrided);
+  CHECK(torch::equal(dist->emb->weight.grad(), kept));
+  const int rows = 12;
+  for (int s = 0; s < 4; ++s) {
+    torch::manual_seed(500 + s);
+    const auto idx = torch::randint(0, 10, {rows}, torch::kLong);
+    const auto y = torch::randn({rows, 2});
+    // Step 0: this optimizer's zero_grad; 1: torch's zero_grad(set_to_none) on every rank; 2: on
+    // the last rank only; 3: on every rank again.
+    if (s == 0 || (s == 2 && b.rank() != b.size() - 1))
+      opt.zero_grad();
+    else
+      dist->zero_grad(/*set_to_none=*/true);
+    torch::mse_loss(dist->forward(rows_of(idx, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+    std::string e;
+    try {
+      CHECK(opt.step());
+    } catch (const std::exception& ex) {
+      e = ex.what();
+    }
+    INFO("step " << s);
+    CHECK(all_ranks(e.empty()));
+    UNSCOPED_INFO(e);
+    sr.zero_grad();
+    torch::mse_loss(ref->forward(idx), y).backward();
+    sr.step();
+  }
+  CHECK(all_ranks(max_abs_diff(*dist, *ref) < 1e-5f));
+  CHECK(replicas_equal(*dist));
+  // The gradient is the bucket buffer again, dense.
+  CHECK(dist->emb->weight.grad().layout() == torch::kStrided);
+}
+
 TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different model changes nothing",
           "[torch][mpi]") {
   torch::set_num_threads(1);
