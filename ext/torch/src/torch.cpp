@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <sstream>
@@ -641,13 +642,36 @@ void check_same_structure_for_reduction(Backend& backend, const std::vector<OptP
         return e;
       });
 }
+
 // Whether gradient g is the slot over the bucket buffer (a sparse gradient, which LibTorch stores
 // when the gradient was none, has no data pointer to compare).
 bool holds(const at::Tensor& g, const at::Tensor& slot) {
   return g.defined() && g.layout() == c10::kStrided && g.data_ptr() == slot.data_ptr();
 }
 
+// testing::fail_next_gradient: the next gradient hook in this process fails.
+std::mutex g_fail_mutex;
+std::atomic<bool> g_fail_next{false};
+std::string g_fail_message;
+void maybe_fail_for_testing() {
+  if (!g_fail_next.load(std::memory_order_relaxed)) return;
+  std::string msg;
+  {
+    std::lock_guard lock(g_fail_mutex);
+    if (!g_fail_next.exchange(false)) return;
+    msg = std::move(g_fail_message);
+  }
+  throw InvalidArgument(msg);
+}
 }  // namespace
+
+namespace testing {
+void fail_next_gradient(std::string message) {
+  std::lock_guard lock(g_fail_mutex);
+  g_fail_message = std::move(message);
+  g_fail_next.store(true);
+}
+}  // namespace testing
 
 struct DistributedOptimizer::Impl {
   struct Hook final : ::torch::autograd::FunctionPostHook {
@@ -675,10 +699,12 @@ struct DistributedOptimizer::Impl {
   // per step
   std::vector<int> reports;  // gradients received this micro-step, per parameter
   std::vector<char> used;    // got a gradient in some micro-step of this cycle
+  std::vector<char> launched;  // handed to the reducer in this (final) micro-step
   int micro = 0;             // micro-steps of this cycle done (accumulation)
   bool launching = false;    // this micro-step is the cycle's last: hooks launch buckets
   std::string twice;         // first parameter reported twice in the final micro-step
-  std::exception_ptr hook_error;
+  std::exception_ptr hook_error;  // this rank's first failure in this cycle, agreed at its end
+  std::size_t hook_error_param = 0;  // the parameter whose gradient it was taking
   std::string local_bad;     // this rank's first non-finite gradient, before the reduction
   std::int64_t skipped = 0, applied = 0;
 
@@ -699,24 +725,43 @@ struct DistributedOptimizer::Impl {
     g = slots[j];
   }
 
+  void keep_error(std::size_t j) noexcept {
+    if (hook_error) return;
+    hook_error = std::current_exception();
+    hook_error_param = j;
+  }
+
+  // Hands gradient j to the reducer (this rank's failures before are only kept: every rank makes
+  // the same collectives, and the step's allreduce tells every rank that one failed).
+  void launch(std::size_t j) {
+    if (options.skip_non_finite && local_bad.empty()) {
+      try {
+        std::vector<Tensor*> one{&slot_views[j]};
+        local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{params[j].name}; });
+      } catch (...) {
+        keep_error(j);
+      }
+    }
+    reducer->ready(slot_views[j]);
+    launched[j] = 1;
+  }
+
   void on_gradient(std::size_t j) noexcept {
     try {
+      maybe_fail_for_testing();
       ensure_slot(j);
       used[j] = 1;
       if (++reports[j] > 1 && launching && twice.empty()) twice = params[j].name;
-      if (!launching || reports[j] > 1 || hook_error) return;
-      if (options.skip_non_finite && local_bad.empty()) {
-        std::vector<Tensor*> one{&slot_views[j]};
-        local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{params[j].name}; });
-      }
-      reducer->ready(slot_views[j]);
+      if (!launching || launched[j]) return;
+      launch(j);
     } catch (...) {
-      if (!hook_error) hook_error = std::current_exception();
+      keep_error(j);
     }
   }
 
   void start_micro_step() {
     std::fill(reports.begin(), reports.end(), 0);
+    std::fill(launched.begin(), launched.end(), 0);
     launching = micro + 1 >= options.accumulation_steps;
   }
 };
@@ -817,6 +862,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   }
   m.reports.assign(n, 0);
   m.used.assign(n, 0);
+  m.launched.assign(n, 0);
   m.start_micro_step();
   for (std::size_t k = 0; k < n; ++k) {
     auto acc = ::torch::autograd::impl::grad_accumulator(m.params[k].p);
@@ -851,13 +897,21 @@ bool DistributedOptimizer::step(std::source_location loc) {
   const std::size_t n = m.params.size();
   ++m.micro;
   if (m.micro < m.options.accumulation_steps) {
-    for (std::size_t j = 0; j < n; ++j)
-      if (m.reports[j] > 0) m.ensure_slot(j);
+    // No collective here: a failure is kept, and every rank learns of it at the cycle's end.
+    for (std::size_t j = 0; j < n; ++j) {
+      try {
+        if (m.reports[j] > 0) m.ensure_slot(j);
+      } catch (...) {
+        m.keep_error(j);
+      }
+    }
     m.start_micro_step();
     return false;
   }
   // The cycle's last micro-step. Parameters backward did not report are launched now, in bucket
-  // order like the rest, whatever this rank saw: every rank makes the same collectives.
+  // order like the rest, whatever this rank saw, even after a failure here (a hook's, kept in
+  // hook_error): every rank makes the same collectives, and the flags' allreduce below tells
+  // every rank whether one failed.
   struct Reset {
     Impl& m;
     ~Reset() {
@@ -873,29 +927,41 @@ bool DistributedOptimizer::step(std::source_location loc) {
   {
     ::torch::NoGradGuard no_grad;
     for (std::size_t j = 0; j < n; ++j) {
-      if (!m.used[j]) {
-        if (first_unused == static_cast<std::int32_t>(n)) first_unused = static_cast<std::int32_t>(j);
-        m.slots[j].zero_();
-        m.params[j].p.mutable_grad() = m.slots[j];
-      } else {
-        m.ensure_slot(j);
-      }
-      if (m.reports[j] == 0) {
-        if (m.options.skip_non_finite && m.local_bad.empty()) {
-          std::vector<Tensor*> one{&m.slot_views[j]};
-          m.local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{m.params[j].name}; });
+      try {
+        if (!m.used[j]) {
+          if (first_unused == static_cast<std::int32_t>(n)) first_unused = static_cast<std::int32_t>(j);
+          m.slots[j].zero_();
+          m.params[j].p.mutable_grad() = m.slots[j];
+        } else {
+          m.ensure_slot(j);
         }
-        if (!m.hook_error) m.reducer->ready(m.slot_views[j]);
+      } catch (...) {
+        m.keep_error(j);
       }
+      if (!m.launched[j]) m.launch(j);
     }
   }
-  if (m.hook_error) std::rethrow_exception(m.hook_error);
   m.reducer->reduce();
-  // Every rank learns whether any rank had a parameter without gradient or one reported twice
-  // (one allreduce of three integers), and every rank throws the same error.
-  std::int32_t flags[3] = {first_unused, m.twice.empty() ? 0 : -1, 0};
+  // Every rank learns whether any rank failed before (a gradient hook, a gradient that could not
+  // be taken), had a parameter without gradient or one reported twice (one allreduce of three
+  // integers), and every rank throws the same error.
+  std::int32_t flags[3] = {first_unused, m.twice.empty() ? 0 : -1, m.hook_error ? -1 : 0};
   if (m.topts.unused_parameters == UnusedParameters::zero) flags[0] = static_cast<std::int32_t>(n);
   m.backend->allreduce(TensorView{flags, 3, DType::i32, Device::cpu()}, ReduceOp::min);
+  if (flags[2] != 0) {
+    // The failing ranks' errors reach every rank (one allgather; one broadcast of the lowest
+    // failing rank's message), which throws it.
+    detail::Verdict mine;
+    if (m.hook_error) {
+      mine = detail::verdict_of([&] { std::rethrow_exception(m.hook_error); });
+      mine.message = concat("lockstep::torch::DistributedOptimizer: taking the gradient of '",
+                            m.params[m.hook_error_param].name, "' failed: ", mine.message);
+    }
+    detail::agree(*m.backend, "lockstep::torch::DistributedOptimizer::step", 0, mine, 0,
+                  "the step was not taken on any rank");
+    throw Error("lockstep::torch::DistributedOptimizer::step: a rank failed before the reduction; the step was "
+                "not taken on any rank");  // not reached: agree threw the failing rank's error
+  }
   if (flags[1] != 0)
     throw InvalidArgument(concat("lockstep::torch::DistributedOptimizer::step: a gradient was produced twice "
                                  "before step() on at least one rank", m.twice.empty() ? "" : " (here: '" + m.twice + "')",
