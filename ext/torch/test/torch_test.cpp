@@ -501,6 +501,42 @@ TEST_CASE("DistributedOptimizer: ranks that train different parameters of the sa
   }
 }
 
+TEST_CASE("DistributedOptimizer: a rank whose epoch ends inside an accumulation cycle, or that has no batch for "
+          "a micro-step, keeps the replicas equal: every cycle is k step() calls, divided by k everywhere",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size();
+  const bool odd = b.rank() == n - 1;
+  auto w = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, torch::optim::SGDOptions(1.0));
+  ls::DistributedOptions o;
+  o.accumulation_steps = 2;
+  lt::DistributedOptimizer opt(b, sgd, o);
+  // Each backward adds 1 to every gradient element. The odd rank's first epoch has 3 batches,
+  // its second 0 (its last micro-step has no batch); the others have 2 and 2.
+  auto micro = [&](bool backward) {
+    opt.zero_grad();
+    if (backward) w.sum().backward();
+    return opt.step();
+  };
+  int stepped = 0;
+  for (int e = 0; e < 2; ++e) {
+    const int batches = odd ? (e == 0 ? 3 : 0) : 2;
+    for (int i = 0; i < batches; ++i) stepped += micro(true);
+  }
+  if (odd) stepped += micro(false);  // the cut-short cycle's last call: no batch, still a micro-step
+  CHECK(stepped == 2);
+  CHECK(opt.applied_steps() == 2);
+  // Cycle 1: every rank summed 2, divided by 2 and averaged over n: 1. Cycle 2: the odd rank
+  // summed 1, the others 2: (2 (n - 1) + 1) / (2 n).
+  const double expect = -1.0 - (2.0 * (n - 1) + 1.0) / (2.0 * n);
+  CHECK(all_ranks(torch::allclose(w.detach(), torch::full({3}, expect), 1e-6, 1e-6)));
+  std::map<std::string, ls::Tensor> x;
+  x.emplace("w", lt::borrow(w.detach()));
+  CHECK_NOTHROW(ls::check_replicas(b, x));
+}
+
 namespace {
 struct BagImpl : torch::nn::Module {
   torch::nn::Embedding emb{nullptr};
