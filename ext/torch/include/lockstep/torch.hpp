@@ -78,14 +78,20 @@ enum class UnusedParameters {
 /// What lockstep::torch adds to ls::DistributedOptions.
 struct TorchOptions {
   UnusedParameters unused_parameters = UnusedParameters::error;
-  /// Names the parameters in messages and checks ("0.weight"); without it they are named by
-  /// position ("param_groups[0][3]"). Must hold every parameter of the optimizer.
+  /// Names the parameters in messages and in the ranks' setup check ("0.weight"); without it
+  /// they are named by position ("param_groups.0.params.3"), and ranks whose optimizers hold
+  /// only their trainable parameters, different ones of the same shapes, cannot be told apart.
   const ::torch::nn::Module* names_from = nullptr;
 };
 
 /// Wraps a torch::optim optimizer (held by reference; it must outlive this) so that gradients
 /// are averaged (or summed) across ranks before its step. Collective to construct: every rank
-/// must wrap an optimizer over the same parameters (shapes, dtypes) with the same options.
+/// must wrap an optimizer over the same parameters (by name, in the same order and groups, with
+/// the same shapes, dtypes and devices, the same ones trained and frozen) with the same options:
+/// MismatchError on every rank naming the first difference otherwise, and nothing is changed.
+/// Sparse gradients (Embedding(sparse)) are added into the dense buffers. A failure while taking
+/// a gradient on one rank is thrown by the cycle's last step() on every rank, naming the
+/// parameter and the rank; the step is not taken.
 ///
 /// The gradients become views into one flat buffer per run of parameters of one dtype and
 /// device (DDP's gradient_as_bucket_view): buckets are reduced in place, and the reductions
