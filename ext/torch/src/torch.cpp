@@ -271,28 +271,29 @@ std::vector<OptParam> optimizer_params(::torch::optim::Optimizer& o, const ::tor
   return out;
 }
 
-// The kind, the groups and every parameter's dtype, shape and device: what the ranks' optimizers
-// must share.
-std::string optimizer_signature(::torch::optim::Optimizer& o) {
-  std::ostringstream os;
-  os << "optimizer " << kind_name(kind_of(o)) << "; groups " << o.param_groups().size() << ";";
-  for (const auto& g : o.param_groups()) {
-    os << " [";
-    for (const auto& p : g.params()) os << describe(p) << ";";
-    os << "]";
-  }
-  return os.str();
+// A parameter DistributedOptimizer reduces the gradient of (the others it leaves alone).
+bool trained(const at::Tensor& p) { return p.requires_grad() && p.is_floating_point(); }
+
+// The kind, the groups and every parameter, by name (the module's, or its position), with its
+// dtype, shape, device and whether it is trained: what the ranks' optimizers must share. Shapes
+// alone would not tell apart ranks that froze different layers of one shape.
+std::string param_desc(const OptParam& p) {
+  return concat(describe(p.p), " in group ", p.group, trained(p.p) ? ", trained" : ", frozen (no gradient)");
+}
+std::string optimizer_signature(::torch::optim::Optimizer& o, const std::vector<OptParam>& ps) {
+  std::string s = concat("optimizer ", kind_name(kind_of(o)), "; groups ", o.param_groups().size(), ";");
+  for (const auto& p : ps) s += concat(p.name, "=", param_desc(p), ";");
+  return s;
 }
 
-void check_same_optimizer(Backend& backend, ::torch::optim::Optimizer& o, int root, const char* what) {
-  const std::string sig = optimizer_signature(o);
+void check_same_optimizer(Backend& backend, ::torch::optim::Optimizer& o, const ::torch::nn::Module* names,
+                          int root, const char* what) {
+  const auto ps = optimizer_params(o, names);
+  const std::string sig = optimizer_signature(o, ps);
   detail::check_same_structure(backend, sig, 0, root, what, [&] {
     std::vector<detail::StructureEntry> e;
     e.push_back({"optimizer", concat(kind_name(kind_of(o)), " with ", o.param_groups().size(), " group(s)")});
-    const auto& groups = o.param_groups();
-    for (std::size_t g = 0; g < groups.size(); ++g)
-      for (std::size_t i = 0; i < groups[g].params().size(); ++i)
-        e.push_back({concat("param_groups.", g, ".params.", i), describe(groups[g].params()[i])});
+    for (const auto& p : ps) e.push_back({p.name, param_desc(p)});
     return e;
   });
 }
@@ -454,7 +455,7 @@ class PreparedState {
 
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::synchronize");
-  check_same_optimizer(backend, optimizer, root, "lockstep::torch::synchronize(optimizer)");
+  check_same_optimizer(backend, optimizer, nullptr, root, "lockstep::torch::synchronize(optimizer)");
   auto ps = optimizer_params(optimizer, nullptr);
   // Root's layout (which state exists), or for another kind root's archive.
   std::vector<std::uint8_t> archive;
@@ -508,7 +509,7 @@ void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
   std::map<std::string, std::string> meta = user_meta;
   meta["lockstep.torch.module"] = "1";
   if (optimizer != nullptr) {
-    check_same_optimizer(backend, *optimizer, 0, "lockstep::torch::save_checkpoint");
+    check_same_optimizer(backend, *optimizer, &module, 0, "lockstep::torch::save_checkpoint");
     auto ps = optimizer_params(*optimizer, &module);
     std::vector<std::uint8_t> archive;
     if (backend.rank() == 0 && kind_of(*optimizer) == Kind::other) archive = archive_bytes(*optimizer);
@@ -533,7 +534,7 @@ std::map<std::string, std::string> load_impl(Backend& backend, const std::filesy
   }, "nothing was restored on any rank");
   std::optional<PreparedState> prepared;
   if (optimizer != nullptr) {
-    check_same_optimizer(backend, *optimizer, 0, "lockstep::torch::load_checkpoint");
+    check_same_optimizer(backend, *optimizer, &module, 0, "lockstep::torch::load_checkpoint");
     auto ps = optimizer_params(*optimizer, &module);
     // Which state the file holds decides what is prepared: root reads the file's names (and
     // sends its error instead if it cannot).
@@ -617,18 +618,13 @@ std::unordered_map<const void*, std::string>& wrapped() {
   return m;
 }
 
-// A parameter DistributedOptimizer reduces the gradient of (the others it leaves alone).
-bool trained(const at::Tensor& p) { return p.requires_grad() && p.is_floating_point(); }
-
 // The ranks' check of everything that decides which gradient meets which (see the constructor).
 void check_same_structure_for_reduction(Backend& backend, const std::vector<OptParam>& all,
                                         const DistributedOptions& options, const TorchOptions& topts) {
   const char* unused = topts.unused_parameters == UnusedParameters::error ? "error" : "zero";
   const std::string opts = concat("op ", name(options.op), ", accumulation_steps ", options.accumulation_steps,
                                   ", unused_parameters ", unused);
-  auto desc = [](const OptParam& p) {
-    return concat(describe(p.p), " in group ", p.group, trained(p.p) ? ", trained" : ", frozen (no gradient)");
-  };
+  auto desc = [](const OptParam& p) { return param_desc(p); };
   std::string sig = concat("lockstep::torch ", opts, ";");
   for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
   detail::check_same_structure(

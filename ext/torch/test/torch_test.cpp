@@ -487,6 +487,19 @@ TEST_CASE("DistributedOptimizer: ranks that train different parameters of the sa
     CHECK(all_ranks(mentions(e, "'l2.weight'") && mentions(e, "'l1.weight'")));
     CHECK(all_ranks(no_grads(*net)));
   }
+  SECTION("synchronize(optimizer) and save_checkpoint compare the same") {
+    Twins net;
+    freeze(net);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+    net->forward(torch::ones({2, 4})).sum().backward();
+    adam.step();  // local state: for l2 on the last rank, l1 on the others
+    const std::string e = error_of<ls::MismatchError>([&] { lt::synchronize(b, adam, 0); });
+    CHECK(all_ranks(mentions(e, "param_groups.0.params.0") && mentions(e, "frozen")));
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("lockstep-torch-twins-" + std::to_string(b.size()) + ".safetensors");
+    const std::string e2 = error_of<ls::MismatchError>([&] { lt::save_checkpoint(b, path, *net, adam); });
+    CHECK(all_ranks(mentions(e2, "'l1.weight'") && mentions(e2, "frozen")));
+  }
   SECTION("the same parameters frozen everywhere: it trains") {
     Twins net;
     lt::synchronize(b, *net, 0);

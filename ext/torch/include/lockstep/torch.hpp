@@ -63,7 +63,8 @@ void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
 /// each parameter group's learning rate made equal to root's. State LibTorch has not created
 /// yet (it creates it at the first step) is created where root has it and dropped where root
 /// has none. The ranks first check that their optimizers have the same kind and the same
-/// parameter groups (shapes, dtypes): MismatchError on every rank otherwise. Optimizers other
+/// parameter groups (position by position: shapes, dtypes, trained or frozen): MismatchError on
+/// every rank otherwise. Optimizers other
 /// than Adam, AdamW, SGD, RMSprop and Adagrad go through their own save()/load().
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root = 0,
                  std::source_location loc = std::source_location::current());
