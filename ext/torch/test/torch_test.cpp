@@ -1,8 +1,9 @@
 // lockstep::torch under mpiexec at 1-4 ranks, with real LibTorch models and optimizers: the
 // bridge, synchronize of modules (buffers too) and optimizers (lazy state), DistributedOptimizer
-// (N ranks equal one process on the whole batch, replicas bitwise equal, accumulation, unused
-// parameters, non-finite gradients, torch's own zero_grad, a user's own optimizer) and
-// checkpoints (resume bitwise). Every error is checked on every rank.
+// (N ranks equal one process on the whole batch, replicas bitwise equal, accumulation and a
+// cycle cut short, unused parameters, non-finite gradients, torch's own zero_grad, a user's own
+// optimizer, ranks that froze different layers of one shape, sparse gradients, a gradient failure
+// on one rank) and checkpoints (resume bitwise). Every error is checked on every rank.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
