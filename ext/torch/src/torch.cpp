@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <sstream>
@@ -270,28 +271,29 @@ std::vector<OptParam> optimizer_params(::torch::optim::Optimizer& o, const ::tor
   return out;
 }
 
-// The kind, the groups and every parameter's dtype, shape and device: what the ranks' optimizers
-// must share.
-std::string optimizer_signature(::torch::optim::Optimizer& o) {
-  std::ostringstream os;
-  os << "optimizer " << kind_name(kind_of(o)) << "; groups " << o.param_groups().size() << ";";
-  for (const auto& g : o.param_groups()) {
-    os << " [";
-    for (const auto& p : g.params()) os << describe(p) << ";";
-    os << "]";
-  }
-  return os.str();
+// A parameter DistributedOptimizer reduces the gradient of (the others it leaves alone).
+bool trained(const at::Tensor& p) { return p.requires_grad() && p.is_floating_point(); }
+
+// The kind, the groups and every parameter, by name (the module's, or its position), with its
+// dtype, shape, device and whether it is trained: what the ranks' optimizers must share. Shapes
+// alone would not tell apart ranks that froze different layers of one shape.
+std::string param_desc(const OptParam& p) {
+  return concat(describe(p.p), " in group ", p.group, trained(p.p) ? ", trained" : ", frozen (no gradient)");
+}
+std::string optimizer_signature(::torch::optim::Optimizer& o, const std::vector<OptParam>& ps) {
+  std::string s = concat("optimizer ", kind_name(kind_of(o)), "; groups ", o.param_groups().size(), ";");
+  for (const auto& p : ps) s += concat(p.name, "=", param_desc(p), ";");
+  return s;
 }
 
-void check_same_optimizer(Backend& backend, ::torch::optim::Optimizer& o, int root, const char* what) {
-  const std::string sig = optimizer_signature(o);
+void check_same_optimizer(Backend& backend, ::torch::optim::Optimizer& o, const ::torch::nn::Module* names,
+                          int root, const char* what) {
+  const auto ps = optimizer_params(o, names);
+  const std::string sig = optimizer_signature(o, ps);
   detail::check_same_structure(backend, sig, 0, root, what, [&] {
     std::vector<detail::StructureEntry> e;
     e.push_back({"optimizer", concat(kind_name(kind_of(o)), " with ", o.param_groups().size(), " group(s)")});
-    const auto& groups = o.param_groups();
-    for (std::size_t g = 0; g < groups.size(); ++g)
-      for (std::size_t i = 0; i < groups[g].params().size(); ++i)
-        e.push_back({concat("param_groups.", g, ".params.", i), describe(groups[g].params()[i])});
+    for (const auto& p : ps) e.push_back({p.name, param_desc(p)});
     return e;
   });
 }
@@ -453,7 +455,7 @@ class PreparedState {
 
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::synchronize");
-  check_same_optimizer(backend, optimizer, root, "lockstep::torch::synchronize(optimizer)");
+  check_same_optimizer(backend, optimizer, nullptr, root, "lockstep::torch::synchronize(optimizer)");
   auto ps = optimizer_params(optimizer, nullptr);
   // Root's layout (which state exists), or for another kind root's archive.
   std::vector<std::uint8_t> archive;
@@ -507,7 +509,7 @@ void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
   std::map<std::string, std::string> meta = user_meta;
   meta["lockstep.torch.module"] = "1";
   if (optimizer != nullptr) {
-    check_same_optimizer(backend, *optimizer, 0, "lockstep::torch::save_checkpoint");
+    check_same_optimizer(backend, *optimizer, &module, 0, "lockstep::torch::save_checkpoint");
     auto ps = optimizer_params(*optimizer, &module);
     std::vector<std::uint8_t> archive;
     if (backend.rank() == 0 && kind_of(*optimizer) == Kind::other) archive = archive_bytes(*optimizer);
@@ -532,7 +534,7 @@ std::map<std::string, std::string> load_impl(Backend& backend, const std::filesy
   }, "nothing was restored on any rank");
   std::optional<PreparedState> prepared;
   if (optimizer != nullptr) {
-    check_same_optimizer(backend, *optimizer, 0, "lockstep::torch::load_checkpoint");
+    check_same_optimizer(backend, *optimizer, &module, 0, "lockstep::torch::load_checkpoint");
     auto ps = optimizer_params(*optimizer, &module);
     // Which state the file holds decides what is prepared: root reads the file's names (and
     // sends its error instead if it cannot).
@@ -615,7 +617,57 @@ std::unordered_map<const void*, std::string>& wrapped() {
   static std::unordered_map<const void*, std::string> m;
   return m;
 }
+
+// The ranks' check of everything that decides which gradient meets which (see the constructor).
+void check_same_structure_for_reduction(Backend& backend, const std::vector<OptParam>& all,
+                                        const DistributedOptions& options, const TorchOptions& topts) {
+  const char* unused = topts.unused_parameters == UnusedParameters::error ? "error" : "zero";
+  const std::string opts = concat("op ", name(options.op), ", accumulation_steps ", options.accumulation_steps,
+                                  ", unused_parameters ", unused);
+  auto desc = [](const OptParam& p) { return param_desc(p); };
+  std::string sig = concat("lockstep::torch ", opts, ";");
+  for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
+  detail::check_same_structure(
+      backend, sig, 0, 0,
+      "lockstep::torch::DistributedOptimizer: no optimizer was wrapped, the ranks' gradients would be averaged "
+      "with other parameters' (every rank must train the same parameters, by name)",
+      [&] {
+        std::vector<detail::StructureEntry> e;
+        e.push_back({"options", opts});
+        for (const auto& p : all) e.push_back({p.name, desc(p)});
+        return e;
+      });
+}
+
+// Whether gradient g is the slot over the bucket buffer (a sparse gradient, which LibTorch stores
+// when the gradient was none, has no data pointer to compare).
+bool holds(const at::Tensor& g, const at::Tensor& slot) {
+  return g.defined() && g.layout() == c10::kStrided && g.data_ptr() == slot.data_ptr();
+}
+
+// testing::fail_next_gradient: the next gradient hook in this process fails.
+std::mutex g_fail_mutex;
+std::atomic<bool> g_fail_next{false};
+std::string g_fail_message;
+void maybe_fail_for_testing() {
+  if (!g_fail_next.load(std::memory_order_relaxed)) return;
+  std::string msg;
+  {
+    std::lock_guard lock(g_fail_mutex);
+    if (!g_fail_next.exchange(false)) return;
+    msg = std::move(g_fail_message);
+  }
+  throw InvalidArgument(msg);
+}
 }  // namespace
+
+namespace testing {
+void fail_next_gradient(std::string message) {
+  std::lock_guard lock(g_fail_mutex);
+  g_fail_message = std::move(message);
+  g_fail_next.store(true);
+}
+}  // namespace testing
 
 struct DistributedOptimizer::Impl {
   struct Hook final : ::torch::autograd::FunctionPostHook {
@@ -643,44 +695,69 @@ struct DistributedOptimizer::Impl {
   // per step
   std::vector<int> reports;  // gradients received this micro-step, per parameter
   std::vector<char> used;    // got a gradient in some micro-step of this cycle
+  std::vector<char> launched;  // handed to the reducer in this (final) micro-step
   int micro = 0;             // micro-steps of this cycle done (accumulation)
   bool launching = false;    // this micro-step is the cycle's last: hooks launch buckets
   std::string twice;         // first parameter reported twice in the final micro-step
-  std::exception_ptr hook_error;
+  std::exception_ptr hook_error;  // this rank's first failure in this cycle, agreed at its end
+  std::size_t hook_error_param = 0;  // the parameter whose gradient it was taking
   std::string local_bad;     // this rank's first non-finite gradient, before the reduction
   std::int64_t skipped = 0, applied = 0;
 
   void ensure_slot(std::size_t j) {
     at::Tensor& g = params[j].p.mutable_grad();
-    if (g.defined() && g.data_ptr() == slots[j].data_ptr()) return;
+    if (holds(g, slots[j])) return;
     // LibTorch replaced the gradient (zero_grad set it to none, or a first backward stole a
-    // fresh tensor): its values go into the buffer, which becomes the gradient again.
+    // fresh tensor; a sparse one when the gradient was none, from Embedding(sparse) and the
+    // like): its values go into the buffer, which becomes the gradient again. Into a dense
+    // gradient LibTorch adds sparse ones in place.
     ::torch::NoGradGuard no_grad;
-    if (g.defined())
+    if (!g.defined())
+      slots[j].zero_();
+    else if (g.layout() == c10::kStrided)
       slots[j].copy_(g);
     else
-      slots[j].zero_();
+      slots[j].copy_(g.to_dense());
     g = slots[j];
+  }
+
+  void keep_error(std::size_t j) noexcept {
+    if (hook_error) return;
+    hook_error = std::current_exception();
+    hook_error_param = j;
+  }
+
+  // Hands gradient j to the reducer (this rank's failures before are only kept: every rank makes
+  // the same collectives, and the step's allreduce tells every rank that one failed).
+  void launch(std::size_t j) {
+    if (options.skip_non_finite && local_bad.empty()) {
+      try {
+        std::vector<Tensor*> one{&slot_views[j]};
+        local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{params[j].name}; });
+      } catch (...) {
+        keep_error(j);
+      }
+    }
+    reducer->ready(slot_views[j]);
+    launched[j] = 1;
   }
 
   void on_gradient(std::size_t j) noexcept {
     try {
+      maybe_fail_for_testing();
       ensure_slot(j);
       used[j] = 1;
       if (++reports[j] > 1 && launching && twice.empty()) twice = params[j].name;
-      if (!launching || reports[j] > 1 || hook_error) return;
-      if (options.skip_non_finite && local_bad.empty()) {
-        std::vector<Tensor*> one{&slot_views[j]};
-        local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{params[j].name}; });
-      }
-      reducer->ready(slot_views[j]);
+      if (!launching || launched[j]) return;
+      launch(j);
     } catch (...) {
-      if (!hook_error) hook_error = std::current_exception();
+      keep_error(j);
     }
   }
 
   void start_micro_step() {
     std::fill(reports.begin(), reports.end(), 0);
+    std::fill(launched.begin(), launched.end(), 0);
     launching = micro + 1 >= options.accumulation_steps;
   }
 };
@@ -695,6 +772,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   m.optimizer = &optimizer;
   m.options = options;
   m.topts = topts;
+  std::vector<OptParam> all;  // every parameter of the optimizer, frozen ones too
   agreed(backend, "lockstep::torch::DistributedOptimizer", 0, [&] {
     LOCKSTEP_CHECK_ARG(options.op == ReduceOp::avg || options.op == ReduceOp::sum,
                        "lockstep::torch::DistributedOptimizer: op must be avg or sum, got ", name(options.op));
@@ -702,11 +780,12 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
                        "lockstep::torch::DistributedOptimizer: accumulation_steps must be >= 1, got ",
                        options.accumulation_steps);
     std::unordered_map<const void*, std::string> seen;
-    for (auto& p : optimizer_params(optimizer, topts.names_from)) {
+    all = optimizer_params(optimizer, topts.names_from);
+    for (auto p : all) {
       auto [it, fresh] = seen.emplace(p.p.unsafeGetTensorImpl(), p.name);
       LOCKSTEP_CHECK_ARG(fresh, "lockstep::torch::DistributedOptimizer: parameter '", p.name,
                          "' is in the optimizer twice (also as '", it->second, "')");
-      if (!p.p.requires_grad() || !p.p.is_floating_point()) continue;
+      if (!trained(p.p)) continue;
       {
         std::lock_guard lock(g_wrapped_mutex);
         LOCKSTEP_CHECK_ARG(!wrapped().count(p.p.unsafeGetTensorImpl()),
@@ -722,6 +801,13 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
       m.params.push_back(std::move(p));
     }
   }, "no optimizer was wrapped");
+  // Which numbers meet which in the reductions: the ranks must agree on every parameter of the
+  // optimizer, in order, by name (the module's, or the position), with its group, dtype, shape,
+  // device and whether it is trained, and on the options that decide what is reduced when.
+  // Shapes alone do not tell a rank that froze l1 from one that froze l2 of the same shape: each
+  // would average its l2 with the other's l1. Checked once, here (one allgather of a hash), before
+  // anything is changed.
+  check_same_structure_for_reduction(backend, all, options, topts);
   // The buffers: one per run of parameters of one dtype and device, in optimizer order, so that
   // every bucket of the reducer (buckets never span a dtype or device change) lies back to back
   // and is reduced in place.
@@ -745,7 +831,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
         char* base = static_cast<char*>(buf.data_ptr()) + off * static_cast<std::int64_t>(buf.element_size());
         m.slots[k] = at::from_blob(base, p.sizes(), [keep = buf](void*) {}, buf.options());
         const at::Tensor& old = p.grad();
-        if (old.defined()) m.slots[k].copy_(old);
+        if (old.defined()) m.slots[k].copy_(old.layout() == c10::kStrided ? old : old.to_dense());
         m.params[k].p.mutable_grad() = m.slots[k];
         off += p.numel();
       }
@@ -761,18 +847,10 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     names.push_back(m.params[k].name);
   }
   for (auto& v : m.slot_views) ptrs.push_back(&v);
-  // Accumulation happens in LibTorch's gradients: the reducer reduces once per cycle. The
-  // ranks' options (the reducer's check covers the rest) are compared here.
+  // Accumulation happens in LibTorch's gradients: the reducer reduces once per cycle (the
+  // ranks' accumulation_steps were compared above; the reducer's check covers its options).
   DistributedOptions reducer_options = options;
   reducer_options.accumulation_steps = 1;
-  detail::check_same_structure(
-      backend,
-      concat("accumulation_steps=", options.accumulation_steps, " unused=", static_cast<int>(topts.unused_parameters)),
-      0, 0, "lockstep::torch::DistributedOptimizer", [&] {
-        return std::vector<detail::StructureEntry>{
-            {"accumulation_steps", concat(options.accumulation_steps)},
-            {"unused_parameters", topts.unused_parameters == UnusedParameters::error ? "error" : "zero"}};
-      });
   m.reducer = std::make_unique<GradientReducer>(backend, std::move(ptrs), std::move(names), reducer_options, loc);
   {
     std::lock_guard lock(g_wrapped_mutex);
@@ -780,6 +858,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   }
   m.reports.assign(n, 0);
   m.used.assign(n, 0);
+  m.launched.assign(n, 0);
   m.start_micro_step();
   for (std::size_t k = 0; k < n; ++k) {
     auto acc = ::torch::autograd::impl::grad_accumulator(m.params[k].p);
@@ -804,7 +883,7 @@ void DistributedOptimizer::zero_grad() {
   for (auto& b : m.buffers) b.zero_();
   for (std::size_t j = 0; j < m.params.size(); ++j) {
     at::Tensor& g = m.params[j].p.mutable_grad();
-    if (!g.defined() || g.data_ptr() != m.slots[j].data_ptr()) g = m.slots[j];
+    if (!holds(g, m.slots[j])) g = m.slots[j];
   }
 }
 
@@ -814,13 +893,21 @@ bool DistributedOptimizer::step(std::source_location loc) {
   const std::size_t n = m.params.size();
   ++m.micro;
   if (m.micro < m.options.accumulation_steps) {
-    for (std::size_t j = 0; j < n; ++j)
-      if (m.reports[j] > 0) m.ensure_slot(j);
+    // No collective here: a failure is kept, and every rank learns of it at the cycle's end.
+    for (std::size_t j = 0; j < n; ++j) {
+      try {
+        if (m.reports[j] > 0) m.ensure_slot(j);
+      } catch (...) {
+        m.keep_error(j);
+      }
+    }
     m.start_micro_step();
     return false;
   }
   // The cycle's last micro-step. Parameters backward did not report are launched now, in bucket
-  // order like the rest, whatever this rank saw: every rank makes the same collectives.
+  // order like the rest, whatever this rank saw, even after a failure here (a hook's, kept in
+  // hook_error): every rank makes the same collectives, and the flags' allreduce below tells
+  // every rank whether one failed.
   struct Reset {
     Impl& m;
     ~Reset() {
@@ -836,29 +923,41 @@ bool DistributedOptimizer::step(std::source_location loc) {
   {
     ::torch::NoGradGuard no_grad;
     for (std::size_t j = 0; j < n; ++j) {
-      if (!m.used[j]) {
-        if (first_unused == static_cast<std::int32_t>(n)) first_unused = static_cast<std::int32_t>(j);
-        m.slots[j].zero_();
-        m.params[j].p.mutable_grad() = m.slots[j];
-      } else {
-        m.ensure_slot(j);
-      }
-      if (m.reports[j] == 0) {
-        if (m.options.skip_non_finite && m.local_bad.empty()) {
-          std::vector<Tensor*> one{&m.slot_views[j]};
-          m.local_bad = detail::describe_non_finite(one, [&] { return std::vector<std::string>{m.params[j].name}; });
+      try {
+        if (!m.used[j]) {
+          if (first_unused == static_cast<std::int32_t>(n)) first_unused = static_cast<std::int32_t>(j);
+          m.slots[j].zero_();
+          m.params[j].p.mutable_grad() = m.slots[j];
+        } else {
+          m.ensure_slot(j);
         }
-        if (!m.hook_error) m.reducer->ready(m.slot_views[j]);
+      } catch (...) {
+        m.keep_error(j);
       }
+      if (!m.launched[j]) m.launch(j);
     }
   }
-  if (m.hook_error) std::rethrow_exception(m.hook_error);
   m.reducer->reduce();
-  // Every rank learns whether any rank had a parameter without gradient or one reported twice
-  // (one allreduce of three integers), and every rank throws the same error.
-  std::int32_t flags[3] = {first_unused, m.twice.empty() ? 0 : -1, 0};
+  // Every rank learns whether any rank failed before (a gradient hook, a gradient that could not
+  // be taken), had a parameter without gradient or one reported twice (one allreduce of three
+  // integers), and every rank throws the same error.
+  std::int32_t flags[3] = {first_unused, m.twice.empty() ? 0 : -1, m.hook_error ? -1 : 0};
   if (m.topts.unused_parameters == UnusedParameters::zero) flags[0] = static_cast<std::int32_t>(n);
   m.backend->allreduce(TensorView{flags, 3, DType::i32, Device::cpu()}, ReduceOp::min);
+  if (flags[2] != 0) {
+    // The failing ranks' errors reach every rank (one allgather; one broadcast of the lowest
+    // failing rank's message), which throws it.
+    detail::Verdict mine;
+    if (m.hook_error) {
+      mine = detail::verdict_of([&] { std::rethrow_exception(m.hook_error); });
+      mine.message = concat("lockstep::torch::DistributedOptimizer: taking the gradient of '",
+                            m.params[m.hook_error_param].name, "' failed: ", mine.message);
+    }
+    detail::agree(*m.backend, "lockstep::torch::DistributedOptimizer::step", 0, mine, 0,
+                  "the step was not taken on any rank");
+    throw Error("lockstep::torch::DistributedOptimizer::step: a rank failed before the reduction; the step was "
+                "not taken on any rank");  // not reached: agree threw the failing rank's error
+  }
   if (flags[1] != 0)
     throw InvalidArgument(concat("lockstep::torch::DistributedOptimizer::step: a gradient was produced twice "
                                  "before step() on at least one rank", m.twice.empty() ? "" : " (here: '" + m.twice + "')",

@@ -1,12 +1,14 @@
 // lockstep::torch under mpiexec at 1-4 ranks, with real LibTorch models and optimizers: the
 // bridge, synchronize of modules (buffers too) and optimizers (lazy state), DistributedOptimizer
-// (N ranks equal one process on the whole batch, replicas bitwise equal, accumulation, unused
-// parameters, non-finite gradients, torch's own zero_grad, a user's own optimizer) and
-// checkpoints (resume bitwise). Every error is checked on every rank.
+// (N ranks equal one process on the whole batch, replicas bitwise equal, accumulation and a
+// cycle cut short, unused parameters, non-finite gradients, torch's own zero_grad, a user's own
+// optimizer, ranks that froze different layers of one shape, sparse gradients, a gradient failure
+// on one rank) and checkpoints (resume bitwise). Every error is checked on every rank.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -417,6 +419,244 @@ TEST_CASE("DistributedOptimizer: ranks that wrap different optimizers get a Mism
   torch::optim::SGD s2(same->parameters(), torch::optim::SGDOptions(0.1));
   const std::string e2 = error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, s2, o); });
   CHECK(all_ranks(mentions(e2, "bucket_bytes")));
+}
+
+namespace {
+// Two layers of the same shape: a rank that freezes one and a rank that freezes the other have
+// trainable lists that differ by name only.
+struct TwinsImpl : torch::nn::Module {
+  torch::nn::Linear l1{nullptr}, l2{nullptr}, out{nullptr};
+  TwinsImpl() {
+    l1 = register_module("l1", torch::nn::Linear(4, 4));
+    l2 = register_module("l2", torch::nn::Linear(4, 4));
+    out = register_module("out", torch::nn::Linear(4, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return out->forward(l2->forward(l1->forward(x))); }
+};
+TORCH_MODULE(Twins);
+std::vector<torch::Tensor> trainable(torch::nn::Module& m) {
+  std::vector<torch::Tensor> v;
+  for (auto& p : m.parameters())
+    if (p.requires_grad()) v.push_back(p);
+  return v;
+}
+bool no_grads(torch::nn::Module& m) {
+  for (auto& p : m.parameters())
+    if (p.grad().defined()) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: ranks that train different parameters of the same shape get a MismatchError "
+          "naming the parameter, at setup",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  if (b.size() < 2) {
+    Twins one;
+    torch::optim::SGD s1(one->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_NOTHROW(lt::DistributedOptimizer(b, s1, {}, {.names_from = one.get()}));
+    return;
+  }
+  // The last rank freezes l1, the others l2: the same shapes, floats and count of gradients.
+  const bool odd = b.rank() == b.size() - 1;
+  auto freeze = [&](Twins& t) {
+    for (auto& p : (odd ? t->l1 : t->l2)->parameters()) p.set_requires_grad(false);
+  };
+  SECTION("an optimizer over every parameter, named by the module") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e =
+        error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()}); });
+    CHECK(all_ranks(mentions(e, "l1.weight") && mentions(e, "frozen") && mentions(e, "rank " + std::to_string(b.size() - 1))));
+    CHECK(all_ranks(no_grads(*net)));  // nothing changed: no gradient buffers were installed
+  }
+  SECTION("an optimizer over every parameter, named by position") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const std::string e = error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd); });
+    CHECK(all_ranks(mentions(e, "param_groups.0.params.0") && mentions(e, "frozen")));
+  }
+  SECTION("an optimizer over the trainable parameters only, named by the module") {
+    Twins net;
+    freeze(net);
+    torch::optim::SGD sgd(trainable(*net), torch::optim::SGDOptions(0.1));
+    const std::string e =
+        error_of<ls::MismatchError>([&] { lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()}); });
+    CHECK(all_ranks(mentions(e, "'l2.weight'") && mentions(e, "'l1.weight'")));
+    CHECK(all_ranks(no_grads(*net)));
+  }
+  SECTION("synchronize(optimizer) and save_checkpoint compare the same") {
+    Twins net;
+    freeze(net);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+    net->forward(torch::ones({2, 4})).sum().backward();
+    adam.step();  // local state: for l2 on the last rank, l1 on the others
+    const std::string e = error_of<ls::MismatchError>([&] { lt::synchronize(b, adam, 0); });
+    CHECK(all_ranks(mentions(e, "param_groups.0.params.0") && mentions(e, "frozen")));
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("lockstep-torch-twins-" + std::to_string(b.size()) + ".safetensors");
+    const std::string e2 = error_of<ls::MismatchError>([&] { lt::save_checkpoint(b, path, *net, adam); });
+    CHECK(all_ranks(mentions(e2, "'l1.weight'") && mentions(e2, "frozen")));
+  }
+  SECTION("the same parameters frozen everywhere: it trains") {
+    Twins net;
+    lt::synchronize(b, *net, 0);
+    for (auto& p : net->l1->parameters()) p.set_requires_grad(false);
+    torch::optim::SGD sgd(trainable(*net), torch::optim::SGDOptions(0.1));
+    lt::DistributedOptimizer opt(b, sgd, {}, {.names_from = net.get()});
+    auto [x, y] = global_batch(0, 12);
+    opt.zero_grad();
+    net->forward(rows_of(x, b.rank(), b.size()).narrow(1, 0, 4)).sum().backward();
+    CHECK(opt.step());
+    CHECK(replicas_equal(*net));
+  }
+}
+
+TEST_CASE("DistributedOptimizer: a rank whose epoch ends inside an accumulation cycle, or that has no batch for "
+          "a micro-step, keeps the replicas equal: every cycle is k step() calls, divided by k everywhere",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size();
+  const bool odd = b.rank() == n - 1;
+  auto w = torch::zeros({3}, torch::requires_grad());
+  torch::optim::SGD sgd({w}, torch::optim::SGDOptions(1.0));
+  ls::DistributedOptions o;
+  o.accumulation_steps = 2;
+  lt::DistributedOptimizer opt(b, sgd, o);
+  // Each backward adds 1 to every gradient element. The odd rank's first epoch has 3 batches,
+  // its second 0 (its last micro-step has no batch); the others have 2 and 2.
+  auto micro = [&](bool backward) {
+    opt.zero_grad();
+    if (backward) w.sum().backward();
+    return opt.step();
+  };
+  int stepped = 0;
+  for (int e = 0; e < 2; ++e) {
+    const int batches = odd ? (e == 0 ? 3 : 0) : 2;
+    for (int i = 0; i < batches; ++i) stepped += micro(true);
+  }
+  if (odd) stepped += micro(false);  // the cut-short cycle's last call: no batch, still a micro-step
+  CHECK(stepped == 2);
+  CHECK(opt.applied_steps() == 2);
+  // Cycle 1: every rank summed 2, divided by 2 and averaged over n: 1. Cycle 2: the odd rank
+  // summed 1, the others 2: (2 (n - 1) + 1) / (2 n).
+  const double expect = -1.0 - (2.0 * (n - 1) + 1.0) / (2.0 * n);
+  CHECK(all_ranks(torch::allclose(w.detach(), torch::full({3}, expect), 1e-6, 1e-6)));
+  std::map<std::string, ls::Tensor> x;
+  x.emplace("w", lt::borrow(w.detach()));
+  CHECK_NOTHROW(ls::check_replicas(b, x));
+}
+
+namespace {
+struct BagImpl : torch::nn::Module {
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear head{nullptr};
+  BagImpl() {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)));
+    head = register_module("head", torch::nn::Linear(3, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& idx) { return head->forward(emb->forward(idx)); }
+};
+TORCH_MODULE(Bag);
+}  // namespace
+
+TEST_CASE("DistributedOptimizer: sparse gradients (Embedding(sparse)) after zero_grad(set_to_none) on some or "
+          "all ranks",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(21);
+  Bag dist, ref;
+  {
+    torch::NoGradGuard g;
+    for (std::size_t i = 0; i < dist->parameters().size(); ++i) ref->parameters()[i].copy_(dist->parameters()[i]);
+  }
+  torch::optim::SGD sd(dist->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD sr(ref->parameters(), torch::optim::SGDOptions(0.1));
+  // A sparse gradient already there when the optimizer is wrapped is kept (densified).
+  dist->emb->forward(torch::tensor({1, 1, 4}, torch::kLong)).sum().backward();
+  REQUIRE(dist->emb->weight.grad().is_sparse());
+  const auto kept = dist->emb->weight.grad().to_dense();
+  lt::DistributedOptimizer opt(b, sd, {}, {.names_from = dist.get()});
+  CHECK(dist->emb->weight.grad().layout() == torch::kStrided);
+  CHECK(torch::equal(dist->emb->weight.grad(), kept));
+  const int rows = 12;
+  for (int s = 0; s < 4; ++s) {
+    torch::manual_seed(500 + s);
+    const auto idx = torch::randint(0, 10, {rows}, torch::kLong);
+    const auto y = torch::randn({rows, 2});
+    // Step 0: this optimizer's zero_grad; 1: torch's zero_grad(set_to_none) on every rank; 2: on
+    // the last rank only; 3: on every rank again.
+    if (s == 0 || (s == 2 && b.rank() != b.size() - 1))
+      opt.zero_grad();
+    else
+      dist->zero_grad(/*set_to_none=*/true);
+    torch::mse_loss(dist->forward(rows_of(idx, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+    std::string e;
+    try {
+      CHECK(opt.step());
+    } catch (const std::exception& ex) {
+      e = ex.what();
+    }
+    INFO("step " << s);
+    CHECK(all_ranks(e.empty()));
+    UNSCOPED_INFO(e);
+    sr.zero_grad();
+    torch::mse_loss(ref->forward(idx), y).backward();
+    sr.step();
+  }
+  CHECK(all_ranks(max_abs_diff(*dist, *ref) < 1e-5f));
+  CHECK(replicas_equal(*dist));
+  // The gradient is the bucket buffer again, dense.
+  CHECK(dist->emb->weight.grad().layout() == torch::kStrided);
+}
+
+TEST_CASE("DistributedOptimizer: an error in a gradient hook on one rank is the same error on every rank, "
+          "promptly; the step is not taken and the next one works",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(23);
+  Net net;
+  net->eval();
+  lt::synchronize(b, *net, 0);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  for (std::size_t bucket : {std::size_t{0}, ls::kDefaultBucketBytes}) {
+    for (int k : {1, 2}) {
+      ls::DistributedOptions o;
+      o.bucket_bytes = bucket;
+      o.accumulation_steps = k;
+      lt::DistributedOptimizer opt(b, sgd, o, {.names_from = net.get()});
+      const auto before = net->fc1->weight.clone();
+      auto [x, y] = global_batch(0, 12);
+      const auto t0 = std::chrono::steady_clock::now();
+      std::string e;
+      for (int m = 0; m < k; ++m) {
+        // The last rank's hook fails in the cycle's first micro-step.
+        if (m == 0 && b.rank() == b.size() - 1) lt::testing::fail_next_gradient("injected hook failure");
+        opt.zero_grad();
+        torch::mse_loss(net->forward(rows_of(x, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+        e = error_of<ls::Error>([&] { opt.step(); });
+        if (m + 1 < k) CHECK(e.empty());  // an accumulate-only micro-step keeps it for the cycle's end
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      INFO("bucket_bytes " << bucket << " accumulation_steps " << k << ": " << e);
+      CHECK(all_ranks(mentions(e, "injected hook failure") && mentions(e, "taking the gradient of 'fc") &&
+                      mentions(e, "rank " + std::to_string(b.size() - 1)) && mentions(e, "not taken")));
+      CHECK(all_ranks(seconds < 30));
+      CHECK(torch::equal(before, net->fc1->weight));  // the step was not taken anywhere
+      for (int m = 0; m < k; ++m) {
+        opt.zero_grad();
+        torch::mse_loss(net->forward(rows_of(x, b.rank(), b.size())), rows_of(y, b.rank(), b.size())).backward();
+        CHECK(opt.step() == (m + 1 == k));
+      }
+      CHECK(replicas_equal(*net));
+    }
+  }
 }
 
 TEST_CASE("checkpoints: module and optimizer state, resumed bitwise; a different model changes nothing",

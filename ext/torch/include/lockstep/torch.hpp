@@ -63,7 +63,8 @@ void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
 /// each parameter group's learning rate made equal to root's. State LibTorch has not created
 /// yet (it creates it at the first step) is created where root has it and dropped where root
 /// has none. The ranks first check that their optimizers have the same kind and the same
-/// parameter groups (shapes, dtypes): MismatchError on every rank otherwise. Optimizers other
+/// parameter groups (position by position: shapes, dtypes, trained or frozen): MismatchError on
+/// every rank otherwise. Optimizers other
 /// than Adam, AdamW, SGD, RMSprop and Adagrad go through their own save()/load().
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root = 0,
                  std::source_location loc = std::source_location::current());
@@ -78,14 +79,20 @@ enum class UnusedParameters {
 /// What lockstep::torch adds to ls::DistributedOptions.
 struct TorchOptions {
   UnusedParameters unused_parameters = UnusedParameters::error;
-  /// Names the parameters in messages and checks ("0.weight"); without it they are named by
-  /// position ("param_groups[0][3]"). Must hold every parameter of the optimizer.
+  /// Names the parameters in messages and in the ranks' setup check ("0.weight"); without it
+  /// they are named by position ("param_groups.0.params.3"), and ranks whose optimizers hold
+  /// only their trainable parameters, different ones of the same shapes, cannot be told apart.
   const ::torch::nn::Module* names_from = nullptr;
 };
 
 /// Wraps a torch::optim optimizer (held by reference; it must outlive this) so that gradients
 /// are averaged (or summed) across ranks before its step. Collective to construct: every rank
-/// must wrap an optimizer over the same parameters (shapes, dtypes) with the same options.
+/// must wrap an optimizer over the same parameters (by name, in the same order and groups, with
+/// the same shapes, dtypes and devices, the same ones trained and frozen) with the same options:
+/// MismatchError on every rank naming the first difference otherwise, and nothing is changed.
+/// Sparse gradients (Embedding(sparse)) are added into the dense buffers. A failure while taking
+/// a gradient on one rank is thrown by the cycle's last step() on every rank, naming the
+/// parameter and the rank; the step is not taken.
 ///
 /// The gradients become views into one flat buffer per run of parameters of one dtype and
 /// device (DDP's gradient_as_bucket_view): buckets are reduced in place, and the reductions
@@ -132,6 +139,13 @@ class DistributedOptimizer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace testing {
+/// For tests: the next gradient hook of a DistributedOptimizer in this process fails with
+/// InvalidArgument(message), as a hook whose gradient cannot be taken would. The step that ends
+/// the cycle then throws that error on every rank.
+void fail_next_gradient(std::string message);
+}  // namespace testing
 
 /// Collective: root writes the module's parameters and buffers (names as the module names
 /// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
