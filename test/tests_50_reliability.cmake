@@ -324,3 +324,12 @@ lockstep_add_adversarial_test(NAME refuse_then_continue SCENARIO refuse_then_con
 # other ranks are told (they used to wait for the default deadline).
 lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 25
   EXPECT "r0:rank 0: wrapped allreduce: MismatchError" "r0:refused its arguments")
+
+# finalize after an initialize refused for a malformed setting on one rank (issue 25, item 7):
+# it used to throw the reported InvalidArgument again on that rank and leave MPI unfinalised, so
+# mpiexec reported the job as exiting improperly although every rank returned normally.
+lockstep_add_trust_test(NAME finalize_after_refused_init SCENARIO finalize_after_refused_init MAX 20
+  ARGS --rank-env 1 LOCKSTEP_TIMEOUT=soon
+  EXPECT "rank {rank}: InvalidArgument: lockstep: a LOCKSTEP_* setting is malformed on rank 1"
+         "rank {rank}: finalize: no exception" "rank {rank}: MPI finalised: yes" "!exiting improperly"
+         "!finalize: InvalidArgument")

@@ -811,6 +811,7 @@ std::string rank_suffix_noexcept() noexcept {
 // At exit after a failed initialize (see there): the ranks meet in a barrier, polled for at
 // most 10 s so that a rank that failed alone cannot make the others wait, then MPI_Finalize.
 bool g_failed_init_atexit = false;
+constexpr double kFailedInitBarrierSeconds = 10;
 void finalize_after_failed_init() {
   int init = 0, fin = 0;
   MPI_Initialized(&init);
@@ -821,7 +822,7 @@ void finalize_after_failed_init() {
   if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
     const auto start = std::chrono::steady_clock::now();
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
-           std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+           std::chrono::steady_clock::now() - start < std::chrono::duration<double>(kFailedInitBarrierSeconds))
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (done) MPI_Finalize();
@@ -934,6 +935,7 @@ void MPIBackend::finalize_global() {
   // notice nobody received would then be read on a communicator it was not meant for.
   if (g_we_initialised_mpi && g_backend && g_backend->impl_ && g_backend->impl_->monitor)
     detail::announce_leaving(*g_backend->impl_->monitor);
+  const bool had_backend = static_cast<bool>(g_backend);
   g_backend.reset();
   int init = 0, fin = 0;
   MPI_Initialized(&init);
@@ -959,9 +961,21 @@ void MPIBackend::finalize_global() {
       // rank inside it is not ended even by another rank's MPI_Abort. So the ranks first meet
       // in a barrier that this rank polls (a rank still inside a collective has been told that
       // this one left, and throws or ends the job), for at most the deadline.
+      // Teardown never throws: the deadline is read without the settings' error, which was
+      // reported when initialize was refused (it used to be thrown again here, after the
+      // barrier below was issued, so that MPI was never finalised and mpiexec reported the job
+      // as exiting improperly). After a refused initialize the wait is bounded as at exit
+      // (finalize_after_failed_init): every rank was refused alike, but one that was refused
+      // alone must not keep the others here.
+      double limit = 1e18;
+      try {
+        if (timeout() > 0) limit = timeout();
+      } catch (const std::exception&) {
+        limit = kFailedInitBarrierSeconds;
+      }
+      if (!had_backend && g_failed_init_atexit) limit = std::min(limit, kFailedInitBarrierSeconds);
       MPI_Request req = MPI_REQUEST_NULL;
       if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
-        const double limit = timeout() > 0 ? timeout() : 1e18;
         const auto start = std::chrono::steady_clock::now();
         int done = 0;
         while (!done) {

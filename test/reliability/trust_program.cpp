@@ -21,7 +21,16 @@ using namespace lstest::scenario;
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
   ls::MPIBackend* world = start();
-  if (world == nullptr) return 0;
+  if (world == nullptr) {
+    if (scenario == "finalize_after_refused_init") {
+      // initialize was refused (a malformed setting on some rank), and the program calls
+      // finalize as a tidy program does: it must not throw the reported error again, and must
+      // finalise MPI (mpiexec would otherwise report the job as exiting improperly).
+      say("finalize: " + outcome([] { ls::finalize<ls::MPIBackend>(); }));
+      say(std::string("MPI finalised: ") + (ls::is_available() ? "no" : "yes"));
+    }
+    return 0;
+  }
   auto& b = *world;
   const int r = b.rank();
   say("started");
