@@ -348,11 +348,15 @@ class CommMonitor {
 
   /// MPI_Testall, with the error of the request that failed rather than MPI_ERR_IN_STATUS.
   static int testall(std::vector<MPI_Request>& reqs, int* flag) {
-    std::vector<MPI_Status> sts(reqs.size());
-    const int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, sts.data());
+    // On the stack for the usual request or two (this runs in a polling loop).
+    MPI_Status small[4];
+    std::vector<MPI_Status> large;
+    if (reqs.size() > 4) large.resize(reqs.size());
+    MPI_Status* sts = reqs.size() > 4 ? large.data() : small;
+    const int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, sts);
     if (rc == MPI_ERR_IN_STATUS)
-      for (const MPI_Status& st : sts)
-        if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) return st.MPI_ERROR;
+      for (std::size_t i = 0; i < reqs.size(); ++i)
+        if (sts[i].MPI_ERROR != MPI_SUCCESS && sts[i].MPI_ERROR != MPI_ERR_PENDING) return sts[i].MPI_ERROR;
     return rc;
   }
 
