@@ -91,3 +91,12 @@ lockstep_add_mpi_test(NAME remote_order TARGET test_remote_order RANKS 2 3 TIMEO
 # the next headers: there the later request's failure could overtake (over shared memory the
 # whole tensor is copied inside one MPI call, before the next header is looked at).
 lockstep_add_mpi_test(NAME remote_order TARGET test_remote_order RANKS 2 3 TCP TIMEOUT 120 LABELS reliability)
+# The driver's function finalises while the others serve in run_driver: they end it with a
+# TimeoutError naming the driver at once; the driver's run_driver is an Error, no MPI call after
+# MPI_Finalize.
+lockstep_add_trust_test(NAME finalize_driver_in_run SCENARIO driver_in_run MAX 25 PROGRAM lockstep_remote_finalize
+  PREFIX remote
+  EXPECT "rank 0: finalize: no exception" "rank 0: run_driver: Error: run_driver: the remote session was ended"
+         "rank {rank}: ended within 10 s" "rank {rank}: returning"
+         "run_driver: TimeoutError: rank" ": the driver (rank 0) left the remote session"
+         "!terminate" "!MPI_ABORT" "!exiting improperly" "!ending the job" "!after MPI_FINALIZE")

@@ -1839,6 +1839,12 @@ void DriverRun::finish_ok(Encoder&& result) {
   Engine& e = *impl_->e;
   e.driving = false;
   Encoder m = std::move(result);
+  // The session was ended under the driver's function (it called finalize): the workers were
+  // told that this rank left, and nothing can be sent on the session any more.
+  if (e.ended.load())
+    throw Error(concat("run_driver: the remote session was ended (finalize was called) while the driver's function "
+                       "ran; the workers were told that the driver left",
+                       rank_suffix()));
   impl_->stop_sent = true;
   if (e.size > 1)
     e.send(others(e), kTagReq, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
@@ -1881,7 +1887,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   encode(m, rmsg);
   encode(m, mpi_code);
   try {
-    if (e.size > 1 && !std::exchange(impl_->stop_sent, true))
+    if (e.size > 1 && !e.ended.load() && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
              deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
   } catch (const std::exception& x) {

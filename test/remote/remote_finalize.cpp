@@ -32,9 +32,32 @@ int main(int argc, char** argv) {
   if (world == nullptr) return 0;
   auto& b = *world;
   const int r = b.rank();
-  if (b.size() < 2 || (mode != "worker" && mode != "driver")) {
+  if (b.size() < 2) {
+    say("needs 2 ranks or more");
+    return 77;
+  }
+  if (b.size() < 2 || (mode != "worker" && mode != "driver" && mode != "driver_in_run")) {
     say("needs 2 ranks or more and a mode (worker or driver)");
     return 77;
+  }
+  if (mode == "driver_in_run") {
+    // The driver's function finalises Lockstep while the other ranks serve in run_driver: they
+    // end their run_driver with a TimeoutError naming the driver at once (not after the
+    // session's 60 s), and the driver's run_driver ends in an Error instead of sending on a
+    // session that is gone.
+    ls::RemoteSession session(b, ls::RemoteOptions{.timeout = 60});
+    const auto t0 = std::chrono::steady_clock::now();
+    say("run_driver: " + outcome([&] {
+          ls::run_driver(b, [&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            say("finalize: " + outcome([] { ls::finalize<ls::MPIBackend>(); }));
+          });
+        }));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    say(secs < 10 ? "ended within 10 s" : "ended after " + std::to_string(secs) + " s");
+    if (r != 0) say("close: " + outcome([&] { session.close(); }));
+    say("returning");
+    return 0;
   }
   const int leaver = mode == "worker" ? 1 : 0;
   const int caller = 1 - leaver;
