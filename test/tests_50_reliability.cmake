@@ -333,3 +333,31 @@ lockstep_add_adversarial_test(NAME wrapper_refused SCENARIO wrapper_refused MAX 
 # moves; a difference is a MismatchError on every rank.
 lockstep_test_executable(test_agreement reliability/agreement_test.cpp)
 lockstep_add_mpi_test(NAME agreement TARGET test_agreement RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)
+
+# finalize after an initialize refused for a malformed setting on one rank (issue 25, item 7):
+# it used to throw the reported InvalidArgument again on that rank and leave MPI unfinalised, so
+# mpiexec reported the job as exiting improperly although every rank returned normally.
+lockstep_add_trust_test(NAME finalize_after_refused_init SCENARIO finalize_after_refused_init MAX 20
+  ARGS --rank-env 1 LOCKSTEP_TIMEOUT=soon
+  EXPECT "rank {rank}: InvalidArgument: lockstep: a LOCKSTEP_* setting is malformed on rank 1"
+         "rank {rank}: finalize: no exception" "rank {rank}: MPI finalised: yes" "!exiting improperly"
+         "!finalize: InvalidArgument")
+
+# An MPI error inside a collective on one rank (counts that differ, 600 against 500, no check
+# level; issue 25, item 4): that rank raises MpiError, and the others, told as of a stall, raise
+# MpiError naming it and its error within seconds (they used to wait for the default 600 s
+# deadline). The nonblocking form without any deadline (Request::wait polls), and the blocking
+# form under a deadline far longer than the test (a blocking MPI call without one cannot be
+# interrupted: the watchdog ends the job 2 s later, as after a stall).
+foreach(shm 0 1)
+  lockstep_add_trust_test(NAME mpi_error_iallreduce_shm${shm} SCENARIO mpi_error_iallreduce MAX 20
+    ARGS --env LOCKSTEP_SHM=${shm}
+    EXPECT "rank {rank}: wait: MpiError" "rank {rank}: raised within 5 s" "rank {rank}: next barrier: MpiError"
+           "failed in MPI, so this rank stops too: the wait for iallreduce #0" "MPI_ERR_TRUNCATE"
+           "rank {rank}: usable 0" "!TimeoutError")
+endforeach()
+lockstep_add_trust_test(NAME mpi_error_allreduce SCENARIO mpi_error_allreduce MAX 20
+  ARGS --env LOCKSTEP_SHM=0 --env LOCKSTEP_TIMEOUT=60
+  EXPECT "rank {rank}: raised within 5 s" "rank {rank}: next barrier: MpiError"
+         "failed in MPI, so this rank stops too: allreduce called at" "MPI_ERR_TRUNCATE" "rank {rank}: usable 0"
+         "!TimeoutError")

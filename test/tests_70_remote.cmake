@@ -58,3 +58,45 @@ lockstep_add_mpi_test(NAME remote_close TARGET test_remote_close RANKS 1 2 3 4 T
 # closing far apart, auto_init_rpc throwing and repeated, threads calling while another closes.
 lockstep_test_executable(test_remote_close_adversarial remote/remote_close_adversarial_test.cpp)
 lockstep_add_mpi_test(NAME remote_close_adversarial TARGET test_remote_close_adversarial RANKS 1 2 3 TIMEOUT 120)
+
+# A rank that finalises with a remote session open (issue 25, item 5): it leaves the session
+# (no std::terminate, no MPI_ABORT, MPI finalised), and the call queued on it and a later one end
+# in a TimeoutError naming it within seconds, not at the session's 60 s timeout.
+add_executable(lockstep_remote_finalize remote/remote_finalize.cpp)
+target_link_libraries(lockstep_remote_finalize PRIVATE lockstep::core lockstep_build_flags)
+target_include_directories(lockstep_remote_finalize PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+foreach(mode worker driver)
+  if(mode STREQUAL "worker")
+    set(leaver 1)
+    set(caller 0)
+  else()
+    set(leaver 0)
+    set(caller 1)
+  endif()
+  lockstep_add_trust_test(NAME finalize_${mode} SCENARIO ${mode} MAX 25 PROGRAM lockstep_remote_finalize PREFIX remote
+    EXPECT "rank ${leaver}: finalize: no exception" "rank ${leaver}: MPI finalised: yes"
+           "rank ${caller}: pending call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} left the remote session"
+           "rank ${caller}: answered within 10 s"
+           "rank ${caller}: later call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} left"
+           "rank ${caller}: close: no exception" "rank {rank}: returning"
+           "!terminate" "!MPI_ABORT" "!exiting improperly" "!ending the job")
+endforeach()
+
+# The remote-calls round's notes (issue 25): a reply dropped as malformed is answered (a
+# RemoteError at its caller; the graceful close completes), and a failed request does not
+# overtake an earlier one from the same rank still arriving (test hooks provoke both).
+lockstep_test_executable(test_remote_order remote/remote_order_test.cpp)
+lockstep_add_mpi_test(NAME remote_order TARGET test_remote_order RANKS 2 3 TIMEOUT 120 LABELS reliability)
+# Over TCP the tensors of a large request arrive in fragments, between the passes that receive
+# the next headers: there the later request's failure could overtake (over shared memory the
+# whole tensor is copied inside one MPI call, before the next header is looked at).
+lockstep_add_mpi_test(NAME remote_order TARGET test_remote_order RANKS 2 3 TCP TIMEOUT 120 LABELS reliability)
+# The driver's function finalises while the others serve in run_driver: they end it with a
+# TimeoutError naming the driver at once; the driver's run_driver is an Error, no MPI call after
+# MPI_Finalize.
+lockstep_add_trust_test(NAME finalize_driver_in_run SCENARIO driver_in_run MAX 25 PROGRAM lockstep_remote_finalize
+  PREFIX remote
+  EXPECT "rank 0: finalize: no exception" "rank 0: run_driver: Error: run_driver: the remote session was ended"
+         "rank {rank}: ended within 10 s" "rank {rank}: returning"
+         "run_driver: TimeoutError: rank" ": the driver (rank 0) left the remote session"
+         "!terminate" "!MPI_ABORT" "!exiting improperly" "!ending the job" "!after MPI_FINALIZE")

@@ -132,7 +132,8 @@ Clock::duration after_seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
 }
 
-constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105, kTagAccepted = 7106;
+constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105, kTagAccepted = 7106,
+              kTagFailed = 7107;
 constexpr int kTextBytes = 480;
 
 // A rank's answer to a status query.
@@ -363,12 +364,23 @@ class CommMonitor {
     throw_if_stalled();
     const double t = polled_timeout();
     if (t <= 0) {
-      // No polled deadline: a plain wait, which the watchdog times (the default deadline).
+      // No polled deadline: the watchdog times this wait (the default deadline). It is polled
+      // all the same (MPI_Waitall spins in Open MPI's progress engine too), so that an error or
+      // a stall reported by another rank ends it with an exception here instead of a wait that
+      // cannot be interrupted (which the watchdog could only end by ending the job).
       waits_.fetch_add(1, std::memory_order_relaxed);
       in_plain_wait_.store(true, std::memory_order_relaxed);
-      const int rc = MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
-      in_plain_wait_.store(false, std::memory_order_relaxed);
-      return rc;
+      struct Done {
+        std::atomic<bool>& f;
+        ~Done() { f.store(false, std::memory_order_relaxed); }
+      } done{in_plain_wait_};
+      for (std::uint64_t i = 0;; ++i) {
+        int flag = 0;
+        const int rc = testall(reqs, &flag);
+        if (rc != MPI_SUCCESS || flag) return rc;
+        throw_if_stalled();
+        if (i > 2000) std::this_thread::yield();
+      }
     }
     {
       Fingerprint fp;
@@ -376,13 +388,25 @@ class CommMonitor {
       std::lock_guard lock(mutex_);
       record_entered(fp, op.site, /*checking=*/false, /*waiting=*/true);
     }
-    int rc = poll([&](int* flag) {
-      return MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, MPI_STATUSES_IGNORE);
-    });
+    int rc = poll([&](int* flag) { return testall(reqs, flag); });
     std::lock_guard lock(mutex_);
     in_collective_ = false;
     waiting_request_ = false;
     since_ = Clock::now();
+    return rc;
+  }
+
+  /// MPI_Testall, with the error of the request that failed rather than MPI_ERR_IN_STATUS.
+  static int testall(std::vector<MPI_Request>& reqs, int* flag) {
+    // On the stack for the usual request or two (this runs in a polling loop).
+    MPI_Status small[4];
+    std::vector<MPI_Status> large;
+    if (reqs.size() > 4) large.resize(reqs.size());
+    MPI_Status* sts = reqs.size() > 4 ? large.data() : small;
+    const int rc = MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), flag, sts);
+    if (rc == MPI_ERR_IN_STATUS)
+      for (std::size_t i = 0; i < reqs.size(); ++i)
+        if (sts[i].MPI_ERROR != MPI_SUCCESS && sts[i].MPI_ERROR != MPI_ERR_PENDING) return sts[i].MPI_ERROR;
     return rc;
   }
 
@@ -525,11 +549,14 @@ class CommMonitor {
   [[noreturn, gnu::noinline]] void throw_stalled() {
     std::string msg;
     bool refused;
+    int mpi_code;
     {
       std::lock_guard lock(mutex_);
       msg = stall_message_;
       refused = refused_;
+      mpi_code = mpi_code_;
     }
+    if (mpi_code != 0) throw MpiError(msg, mpi_code);
     if (refused) throw MismatchError(msg);
     throw TimeoutError(msg);
   }
@@ -544,12 +571,13 @@ class CommMonitor {
   /// Marks this communicator unusable: every later collective throws `msg` (a MismatchError
   /// when `refused`, a TimeoutError otherwise). `stall`: a rank stopped answering (then finalize
   /// must not wait for it: any_stall()).
-  void mark_unusable(const std::string& msg, bool refused, bool stall = true) {
+  void mark_unusable(const std::string& msg, bool refused, bool stall = true, int mpi_code = 0) {
     {
       std::lock_guard lock(mutex_);
       if (!stalled_) {
         stall_message_ = msg;
         refused_ = refused;
+        mpi_code_ = mpi_code;
       }
     }
     stalled_.store(true, std::memory_order_release);
@@ -566,9 +594,50 @@ class CommMonitor {
   /// on this communicator would wait for it forever.
   void announce_leaving() {
     if (size_ == 1) return;
+    std::string failure;
+    {
+      std::lock_guard lock(mutex_);
+      failure = own_failure_notice_;
+    }
+    // After an MPI error here, the notice of leaving is that error again: the first notice may
+    // not have been read yet, and "rank R has left" must not hide the reason.
+    if (!failure.empty()) {
+      notify_all(failure, kTagFailed, /*leaving=*/true);
+      return;
+    }
     notify_all(concat("lockstep: rank ", rank_, " has left (it finalised Lockstep or returned from main) "
                       "while this rank still uses the communicator; collectives on it can no longer complete"),
                kTagLeft);
+  }
+
+  /// See detail::report_mpi_error(): an MPI error in a collective on this rank. The other ranks
+  /// may be inside the same collective, waiting for data that will never come (they used to
+  /// wait for the default deadline): they are told, as of a stall, and throw MpiError naming
+  /// this rank and its error; this communicator is unusable here too (its next collective would
+  /// wait for ranks that throw).
+  void on_local_mpi_error(const std::string& what, int code) {
+    {
+      std::lock_guard lock(mutex_);
+      if (stalled_.load()) return;  // already unusable (this error may be another rank's, rethrown)
+    }
+    const std::string text = what.rfind("lockstep: ", 0) == 0 ? what.substr(10) : what;
+    const std::string notice =
+        concat(code, "\nlockstep: rank ", rank_, "/", size_, " failed in MPI, so this rank stops too: ", text);
+    {
+      std::lock_guard lock(mutex_);
+      own_failure_notice_ = notice;
+    }
+    if (size_ > 1) notify_all(notice, kTagFailed);
+    mark_unusable(concat("lockstep: this communicator is unusable after an MPI error on this rank: ", text), false,
+                  true, code);
+  }
+
+  /// The watchdog received another rank's MPI error ("<code>\n<message>").
+  void on_failure_notice(const std::string& text) {
+    const auto nl = text.find('\n');
+    int code = nl == std::string::npos ? 0 : static_cast<int>(std::strtol(text.c_str(), nullptr, 10));
+    if (code == 0) code = MPI_ERR_OTHER;
+    mark_unusable((nl == std::string::npos ? text : text.substr(nl + 1)) + rank_suffix(), false, true, code);
   }
 
   /// See detail::abandon_collective().
@@ -1046,7 +1115,7 @@ class CommMonitor {
 
   // Tells every other rank about the stall, so that ranks waiting elsewhere or outside any
   // collective throw too instead of hanging.
-  void notify_all(const std::string& msg, int tag = kTagStall) {
+  void notify_all(const std::string& msg, int tag = kTagStall, bool leaving = false) {
     std::string note = concat(comm_id_, " ",
                               tag == kTagStall ? "lockstep: rank " + std::to_string(rank_) +
                                                      " reported a stall, so this rank stops too: " +
@@ -1076,7 +1145,7 @@ class CommMonitor {
           MPI_SUCCESS)
         reqs.push_back(req);
     }
-    if (tag == kTagLeft) {
+    if (tag == kTagLeft || leaving) {
       for (auto& req : reqs) MPI_Request_free(&req);
       keep_for_process(std::move(text));
       return;
@@ -1167,7 +1236,9 @@ class CommMonitor {
         continue;
       }
       bool got = false;
-      for (int tag : {kTagStall, kTagRefused, kTagLeft, kTagAccepted}) {
+      // An MPI error first: a rank that failed may leave at once, and its "left" notice, found in
+      // the same look, must not hide the reason.
+      for (int tag : {kTagFailed, kTagStall, kTagRefused, kTagLeft, kTagAccepted}) {
         if (MPI_Iprobe(MPI_ANY_SOURCE, tag, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
           int n = 0;
           MPI_Get_count(&status, MPI_CHAR, &n);
@@ -1180,6 +1251,7 @@ class CommMonitor {
           text = text.substr(space + 1);
           if (tag == kTagRefused) on_refusal_notice(text, status.MPI_SOURCE);
           else if (tag == kTagAccepted) on_accepted_reply(text);
+          else if (tag == kTagFailed) on_failure_notice(text);
           // A rank that left is not a stall of this one: this rank still finalises normally.
           else mark_unusable(text, false, tag != kTagLeft);
           got = true;
@@ -1243,6 +1315,8 @@ class CommMonitor {
   std::atomic<int> urgent_{0};  // > 0 while the collective thread waits for answers to a refusal
   std::atomic<std::int64_t> pending_min_seq_{INT64_MAX};  // first key of pending_refusals_
   bool refused_ = false;   // the communicator became unusable through a refused collective
+  int mpi_code_ = 0;       // ... through an MPI error (here or on another rank): its code
+  std::string own_failure_notice_;  // the notice of an MPI error on this rank (announce_leaving)
   std::string refusal_;    // this rank's refusal message during abandon()'s fingerprint exchange
   // Notices sent and not yet known to be delivered, with their text (see notify_all).
   struct Notice {
@@ -1265,6 +1339,14 @@ bool any_stall() noexcept { return g_any_stall.load(); }
 void announce_leaving(CommMonitor& m) noexcept {
   try {
     m.announce_leaving();
+  } catch (...) {
+  }
+}
+
+void report_mpi_error(CommMonitor* m, const std::string& what, int code) noexcept {
+  if (m == nullptr) return;
+  try {
+    m->on_local_mpi_error(what, code);
   } catch (...) {
   }
 }
@@ -1317,12 +1399,20 @@ RequestWatch::~RequestWatch() {
       bool same = true;
       for (int i = 0; i < kFields; ++i) same = same && check_->buf[i] == ~check_->buf[kFields + i];
       if (!same)
-        std::cerr << "lockstep: the ranks disagreed about " << describe(check_->fp, check_->site)
+        std::cerr << "lockstep: the ranks disagreed about " << detail::describe(check_->fp, check_->site)
                   << " (found after test(); wait() would have thrown MismatchError)" << rank_suffix() << std::endl;
     }
   }
   if (counted_)
     if (auto m = monitor_.lock()) m->add_pending(-1);
+}
+std::string RequestWatch::describe() const {
+  Fingerprint fp;
+  std::copy(std::begin(op_.v), std::end(op_.v), fp.v);
+  return fp.v[0] < 0 ? std::string("a nonblocking collective") : detail::describe(fp, op_.site);
+}
+void RequestWatch::report(const std::string& what, int code) noexcept {
+  if (auto m = monitor_.lock()) report_mpi_error(m.get(), what, code);
 }
 int RequestWatch::wait_all(std::vector<MPI_Request>& reqs) {
   auto m = monitor_.lock();

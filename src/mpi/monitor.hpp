@@ -65,6 +65,10 @@ class RequestWatch {
   /// MPI_Waitall, polled against the deadline when there is one; returns an MPI error code or
   /// throws TimeoutError.
   int wait_all(std::vector<MPI_Request>& reqs);
+  /// What the request is ("iallreduce #3 (f32 x 500, op sum) at train.cpp:40").
+  std::string describe() const;
+  /// The request failed with an MPI error on this rank: report_mpi_error on its communicator.
+  void report(const std::string& what, int code) noexcept;
 
  private:
   std::weak_ptr<CommMonitor> monitor_;
@@ -134,6 +138,13 @@ int guarded_barrier(MPI_Comm comm);
 /// reported a stall or a refused collective, or if this collective's deadline passed (with the
 /// blame report). `monitor` is the CommMonitor* of the communicator.
 void wait_point(void* monitor);
+
+/// An MPI error (`what`, the MpiError's text; `code`) in a collective or a request's wait on m's
+/// communicator on this rank: tells every other rank (they throw MpiError naming this rank and
+/// the error, at once where they poll, at their next collective otherwise) and marks the
+/// communicator unusable here. Nothing after the first error of the communicator (then the
+/// error may be another rank's, rethrown).
+void report_mpi_error(CommMonitor* m, const std::string& what, int code) noexcept;
 
 /// False after a stall or a refused collective on this communicator (every collective throws).
 bool monitor_usable(const CommMonitor& m) noexcept;

@@ -13,6 +13,8 @@
 #include <thread>
 #include <iostream>
 #include <mutex>
+#include <functional>
+#include <utility>
 #include <vector>
 
 // Open MPI's extensions (MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support), as its
@@ -24,6 +26,7 @@
 #include "lockstep/core/device_runtime.hpp"
 #include "lockstep/mpi/world.hpp"
 #include "core/env.hpp"
+#include "mpi/finalize_hooks.hpp"
 #include "mpi/monitor.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 #include "mpi/shm/shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
 #include "core/wire16.hpp"
@@ -443,12 +446,21 @@ void MPIBackend::check_usable() const {
                                          ": this MPIBackend was moved from; use the backend it was moved into"));
 }
 
+namespace {
+// Every collective of MPIBackend is a function-try-block that hands an MpiError to this before
+// it goes on: an MPI error on one rank is told to the others (monitor.hpp, report_mpi_error),
+// which would otherwise wait in the same collective for the default deadline.
+void report_mpi_error(MPIBackend::Impl* impl, const MpiError& e) noexcept {
+  if (impl != nullptr) detail::report_mpi_error(impl->monitor.get(), e.what(), e.code());
+}
+}  // namespace
+
 void MPIBackend::abandon(const CallInfo& call, const std::exception& error) {
   if (impl_) detail::abandon_collective(impl_->monitor.get(), call.op, call.count, call.dtype, call.reduce_op,
                                         call.root, error.what());
 }
 
-void MPIBackend::do_broadcast(TensorView buf, int root) {
+void MPIBackend::do_broadcast(TensorView buf, int root) try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::broadcast, &buf, buf.numel, -1, root);  // reliability hook
   if (guard.skipped()) return;
   if (impl_->size == 1) return;  // one rank: the data is already everywhere
@@ -458,9 +470,12 @@ void MPIBackend::do_broadcast(TensorView buf, int root) {
   if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, s.host().device.is_cpu())))
     chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
+void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
@@ -479,9 +494,12 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) {
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
   }
   s.copy_out();
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
+void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &send, send.numel,
                                 static_cast<int>(op), -1);  // reliability hook
@@ -505,9 +523,12 @@ void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
     if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   }
   rs.copy_out();
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
+void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &buf, buf.numel,
                                 static_cast<int>(op), root);  // reliability hook
@@ -523,9 +544,12 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
     if (op == ReduceOp::avg) scale_host(s.host(), impl_->size);
     s.copy_out();
   }
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
+void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   const bool is_root = impl_->rank == root;
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce, &send, send.numel,
@@ -547,9 +571,12 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
   chunked_reduce(impl_->comm, ss.host().data, rs.host().data, send.numel, send.dtype, op, root, impl_->rank);
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_allgather(TensorView send, TensorView recv) {
+void MPIBackend::do_allgather(TensorView send, TensorView recv) try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allgather, &send, send.numel, -1,
                                 -1);  // reliability hook
   if (guard.skipped()) return;
@@ -578,9 +605,12 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) {
       chunked_bcast(impl_->comm, static_cast<char*>(rs.host().data) + r * n * es, n, send.dtype, r);
   }
   rs.copy_out();
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
+void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &send, recv.numel,
                                 static_cast<int>(op), -1);  // reliability hook
@@ -625,9 +655,12 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
   }
   if (op == ReduceOp::avg) scale_host(rs.host(), impl_->size);
   rs.copy_out();
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) {
+void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) try {
   // Not fused (no shared memory, one rank, no elements, below LOCKSTEP_SHM_MIN_BYTES; the same
   // on every rank for the same call): the three passes, whose allreduce has its own checks.
   if (!impl_->shm || impl_->size == 1 || !impl_->shm->handles_wire16(buf.numel))
@@ -642,9 +675,12 @@ void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) {
   // ranks see the disagreement. A dtype that is not a wire dtype any more goes to the header only.
   const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
   (void)impl_->shm->allreduce_wire16(static_cast<float*>(buf.data), onwire.numel, w, op);
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) {
+void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) try {
   if (!impl_->shm || impl_->size == 1 || !impl_->shm->handles_wire16(recv.numel))
     return Backend::do_reduce_scatter_wire16(send, recv, wire, op);
   TensorView onwire{send.data, send.numel, wire, Device::cpu()};
@@ -654,12 +690,18 @@ void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DTyp
   const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
   (void)impl_->shm->reduce_scatter_wire16(static_cast<const float*>(send.data), static_cast<float*>(recv.data),
                                           recv.numel, w, op);
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-void MPIBackend::do_barrier() {
+void MPIBackend::do_barrier() try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::barrier, nullptr, 0, -1, -1);  // reliability hook
   if (guard.skipped()) return;
   LOCKSTEP_MPI_CHECK(detail::guarded_barrier(impl_->comm));
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
 namespace {
@@ -694,13 +736,33 @@ class MpiRequest final : public detail::RequestImpl {
 
   void wait() override {
     if (done_) return;
-    LOCKSTEP_MPI_CHECK(watch_.wait_all(reqs_));  // reliability hook: MPI_Waitall with the deadline
+    const int rc = watch_.wait_all(reqs_);  // reliability hook: MPI_Waitall with the deadline
+    if (rc != MPI_SUCCESS) {
+      // What failed is the user's collective (its call site is not current in wait()).
+      std::string what;
+      try {
+        detail::check_mpi(rc, "MPI_Waitall");
+      } catch (const MpiError& e) {
+        what = e.what();
+      }
+      const auto at = what.find(" failed in MPI: ");
+      MpiError error(detail::concat("the wait for ", watch_.describe(),
+                                    at == std::string::npos ? what : what.substr(at)),
+                     rc);
+      watch_.report(error.what(), rc);  // reliability hook: the other ranks are told
+      throw error;
+    }
     finish();
   }
   bool test() override {
     if (done_) return true;
     int flag = 0;
-    LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE));
+    try {
+      LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE));
+    } catch (const MpiError& e) {
+      watch_.report(e.what(), e.code());
+      throw;
+    }
     if (flag) finish();
     return flag != 0;
   }
@@ -758,7 +820,7 @@ std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorVie
 
 }  // namespace
 
-Request MPIBackend::do_iallreduce(TensorView buf, ReduceOp op) {
+Request MPIBackend::do_iallreduce(TensorView buf, ReduceOp op) try {
   op = one_rank_op(op, impl_ ? impl_->size : 0);
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::iallreduce, &buf, buf.numel,
                                 static_cast<int>(op), -1);  // reliability hook
@@ -774,9 +836,12 @@ Request MPIBackend::do_iallreduce(TensorView buf, ReduceOp op) {
   return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{},
                                               op == ReduceOp::avg ? impl_->size : 0, std::move(staging),
                                               detail::watch_request(impl_->monitor)));
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
-Request MPIBackend::do_ibroadcast(TensorView buf, int root) {
+Request MPIBackend::do_ibroadcast(TensorView buf, int root) try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::ibroadcast, &buf, buf.numel, -1,
                                 root);  // reliability hook
   if (guard.skipped()) return Request();
@@ -789,6 +854,9 @@ Request MPIBackend::do_ibroadcast(TensorView buf, int root) {
   });
   return Request(std::make_unique<MpiRequest>(std::move(reqs), host, staging ? buf : TensorView{}, 0,
                                               std::move(staging), detail::watch_request(impl_->monitor)));
+} catch (const MpiError& e) {
+  report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told
+  throw;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -811,6 +879,7 @@ std::string rank_suffix_noexcept() noexcept {
 // At exit after a failed initialize (see there): the ranks meet in a barrier, polled for at
 // most 10 s so that a rank that failed alone cannot make the others wait, then MPI_Finalize.
 bool g_failed_init_atexit = false;
+constexpr double kFailedInitBarrierSeconds = 10;
 void finalize_after_failed_init() {
   int init = 0, fin = 0;
   MPI_Initialized(&init);
@@ -821,7 +890,7 @@ void finalize_after_failed_init() {
   if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
     const auto start = std::chrono::steady_clock::now();
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
-           std::chrono::steady_clock::now() - start < std::chrono::seconds(10))
+           std::chrono::steady_clock::now() - start < std::chrono::duration<double>(kFailedInitBarrierSeconds))
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (done) MPI_Finalize();
@@ -926,7 +995,48 @@ MPIBackend& MPIBackend::global() {
 // How long a rank that leaves without MPI_Finalize after a stall waits first (see there).
 constexpr int kStallExitGraceMs = 500;
 
+namespace {
+std::mutex g_hooks_mutex;
+std::vector<std::pair<const void*, std::function<void(const Backend*, bool)>>>* g_finalize_hooks = nullptr;
+}  // namespace
+
+void detail::at_finalize(const void* key, std::function<void(const Backend*, bool)> hook) {
+  std::lock_guard lock(g_hooks_mutex);
+  if (g_finalize_hooks == nullptr) g_finalize_hooks = new std::vector<std::pair<const void*, std::function<void(const Backend*, bool)>>>();
+  for (auto& [k, h] : *g_finalize_hooks)
+    if (k == key) {
+      h = std::move(hook);
+      return;
+    }
+  g_finalize_hooks->emplace_back(key, std::move(hook));
+}
+
 void MPIBackend::finalize_global() {
+  // What lives on the backend, or on MPI, ends first (remote sessions: their progress threads
+  // call MPI), outside the lock (a hook may ask whether the backend is initialised).
+  {
+    const Backend* going = nullptr;
+    {
+      std::lock_guard lock(g_mutex);
+      going = g_backend.get();
+    }
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    std::vector<std::function<void(const Backend*, bool)>> hooks;
+    {
+      std::lock_guard lock(g_hooks_mutex);
+      if (g_finalize_hooks != nullptr)
+        for (auto& [k, h] : *g_finalize_hooks) hooks.push_back(h);
+    }
+    if (init && !fin)
+      for (auto& h : hooks) {
+        try {
+          h(going, g_we_initialised_mpi);
+        } catch (...) {
+        }
+      }
+  }
   std::lock_guard lock(g_mutex);
   // Reliability hook: finalising under pending requests would crash inside MPI_Finalize.
   if (g_backend) detail::check_no_pending_requests(g_backend->impl_->monitor.get(), "finalize<MPIBackend>");
@@ -934,6 +1044,7 @@ void MPIBackend::finalize_global() {
   // notice nobody received would then be read on a communicator it was not meant for.
   if (g_we_initialised_mpi && g_backend && g_backend->impl_ && g_backend->impl_->monitor)
     detail::announce_leaving(*g_backend->impl_->monitor);
+  const bool had_backend = static_cast<bool>(g_backend);
   g_backend.reset();
   int init = 0, fin = 0;
   MPI_Initialized(&init);
@@ -959,9 +1070,21 @@ void MPIBackend::finalize_global() {
       // rank inside it is not ended even by another rank's MPI_Abort. So the ranks first meet
       // in a barrier that this rank polls (a rank still inside a collective has been told that
       // this one left, and throws or ends the job), for at most the deadline.
+      // Teardown never throws: the deadline is read without the settings' error, which was
+      // reported when initialize was refused (it used to be thrown again here, after the
+      // barrier below was issued, so that MPI was never finalised and mpiexec reported the job
+      // as exiting improperly). After a refused initialize the wait is bounded as at exit
+      // (finalize_after_failed_init): every rank was refused alike, but one that was refused
+      // alone must not keep the others here.
+      double limit = 1e18;
+      try {
+        if (timeout() > 0) limit = timeout();
+      } catch (const std::exception&) {
+        limit = kFailedInitBarrierSeconds;
+      }
+      if (!had_backend && g_failed_init_atexit) limit = std::min(limit, kFailedInitBarrierSeconds);
       MPI_Request req = MPI_REQUEST_NULL;
       if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
-        const double limit = timeout() > 0 ? timeout() : 1e18;
         const auto start = std::chrono::steady_clock::now();
         int done = 0;
         while (!done) {

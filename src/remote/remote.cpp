@@ -42,6 +42,7 @@
 
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/finalize_hooks.hpp"
 
 namespace lockstep::detail::remote {
 
@@ -384,8 +385,9 @@ struct Call {
   std::size_t poff = kHead, plen = 0;
   std::vector<Tensor> segs;
   // Set when the call failed on this rank (the session ended first, its reply's tensors did
-  // not arrive or could not be received): thrown by call_result.
-  enum Failure : std::uint8_t { f_none, f_error, f_timeout } failure = f_none;
+  // not arrive or could not be received, its reply arrived malformed): thrown by call_result
+  // (f_remote: as a RemoteError whose message is `failed`).
+  enum Failure : std::uint8_t { f_none, f_error, f_timeout, f_remote } failure = f_none;
   std::string failed;
 };
 
@@ -463,6 +465,11 @@ struct Engine {
   std::vector<char> closing_ranks, left_ranks;
   bool hb_over = false;  // the session is closed everywhere: no more heartbeats (under poll_mu)
   std::atomic<bool> a_rank_left{false};  // some left_ranks entry is set
+  // Ranks that left the session (k_left: they finalised with it open, or closed it without
+  // waiting): calls to them fail at once, as do those still pending (under mu).
+  std::vector<char> gone;
+  std::atomic<bool> driver_left{false};  // rank 0 left (a serving rank stops waiting for it)
+  std::atomic<bool> ended{false};        // close_engine ran (once per session)
 
   /// Requests given up on (a send past its deadline, a receive past its deadline: both stay
   /// posted), kept with the memory they use until MPI has completed them.
@@ -490,8 +497,34 @@ struct Engine {
     std::vector<int> sizes;  // bytes announced for each request
     std::vector<MPI_Status> sts;  // filled when they complete
     Clock::time_point deadline;
+    // Failed (its tensors did not come, or could not be received; or malformed), and waiting
+    // behind an earlier message from the same rank to be failed in its turn (fail_or_park).
+    std::string failed;
+    Call::Failure fail_kind = Call::f_error;
+    bool malformed = false;
   };
   std::deque<Arrival> arriving;
+
+  Engine() = default;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  /// A session is ended by close_engine (by its owner, or by finalize: end_sessions_at_finalize).
+  /// Should one still have its threads here (MPI ended by the program itself, the process
+  /// exiting without finalize), they are stopped and joined: a joinable std::thread destroyed
+  /// ends the process in std::terminate.
+  ~Engine() {
+    if (!progress.joinable() && !executor.joinable()) return;
+    {
+      std::lock_guard lk(mu);
+      closing = true;
+    }
+    cv.notify_all();
+    stop_progress = true;
+    if (executor.joinable() && executor.get_id() != std::this_thread::get_id()) executor.join();
+    if (progress.joinable() && progress.get_id() != std::this_thread::get_id()) progress.join();
+    if (executor.joinable()) executor.detach();
+    if (progress.joinable()) progress.detach();
+  }
 
   int data_tag(std::uint64_t id, bool reply) const {
     return kDataBase + static_cast<int>((2 * id + (reply ? 1 : 0)) % static_cast<std::uint64_t>(tag_span));
@@ -521,6 +554,9 @@ struct Engine {
       for (auto d : t.shape()) m.u64(static_cast<std::uint64_t>(d));
     }
     h.table_len = bytes.size() - table_start;
+    if (is_reply(kind) && tensors.empty() && test_hooks().malformed_replies.load() > 0 &&
+        test_hooks().malformed_replies.fetch_sub(1) > 0)
+      h.payload_len += 1;  // a test hook: lengths that do not add up
     std::memcpy(bytes.data(), &h, kHead);
     const std::size_t hook_max = test_hooks().max_message_bytes.load();
     const std::size_t max_bytes = hook_max > 0 ? hook_max : static_cast<std::size_t>(INT32_MAX);
@@ -624,7 +660,9 @@ struct Engine {
   /// A message whose tensors cannot be received here ("tensors " + why): a reply fails its call
   /// now (unless abandoned), a request is answered with the error, the driver's end of a run
   /// is an error on this rank. Called with mu held.
-  void fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why) {
+  /// `malformed`: the whole message was dropped as malformed (`why` says how); a reply then
+  /// fails its call with a RemoteError.
+  void fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why, bool malformed = false) {
     in.segs.clear();
     if (is_reply(in.kind)) {
       reqs_done.fetch_add(1);  // answered, though its tensors could not be received
@@ -633,18 +671,54 @@ struct Engine {
       auto c = it->second;
       pending.erase(it);
       if (c->abandoned) return;
-      c->failure = kind;
-      c->failed = concat("remote call of '", c->fn, "' on rank ", c->rank, ": the reply's tensors ", why);
+      c->failure = malformed ? Call::f_remote : kind;
+      c->failed = malformed ? concat("its reply arrived malformed on rank ", rank, " and was dropped (", why, ")")
+                            : concat("remote call of '", c->fn, "' on rank ", c->rank, ": the reply's tensors ", why);
       c->done = true;
     } else if (in.kind == k_req) {
-      in.failed = "the call's tensors " + why;
+      in.failed = malformed ? concat("the call arrived malformed on rank ", rank, " and was dropped (", why, ")")
+                            : "the call's tensors " + why;
       enqueue(std::move(in));
     } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
-      in.failed = "the tensors of the driver's result " + why;
+      in.failed = malformed ? concat("the driver's end of run arrived malformed on rank ", rank, " (", why, ")")
+                            : "the tensors of the driver's result " + why;
       in.fail_kind = kind;
       stops[in.run] = std::move(in);
     }
     cv.notify_all();
+  }
+
+  /// A message that failed on this rank (fail_incoming), or, for a request or the driver's end
+  /// of a run while an earlier one from the same rank is still arriving, parked behind it in
+  /// `arriving` with its failure, to be failed in its turn (advance_arrivals): one rank's
+  /// calls start in the order it sent them, failed or not (a failed request, or an end of run,
+  /// used to overtake a request still arriving). Called with poll_mu held.
+  void fail_or_park(Incoming&& in, Call::Failure kind, const std::string& why, bool malformed = false) {
+    if (!may_deliver(in.source, in.kind)) {
+      Arrival a;
+      a.in = std::move(in);
+      a.failed = why;
+      a.fail_kind = kind;
+      a.malformed = malformed;
+      a.deadline = Clock::time_point::max();
+      arriving.push_back(std::move(a));
+      return;
+    }
+    std::lock_guard lk(mu);
+    fail_incoming(std::move(in), kind, why, malformed);
+  }
+
+  /// A message from a Lockstep sender (its magic is right) dropped as malformed: what its head
+  /// says it was is answered as such (fail_incoming). Called with poll_mu held.
+  void drop_malformed(Incoming&& in, const Head& h, const std::string& why) {
+    in.kind = static_cast<Kind>(h.kind);
+    in.id = h.id;
+    in.run = h.run;
+    if (!is_reply(in.kind) && in.kind != k_req && in.kind != k_stop_ok && in.kind != k_stop_err) return;
+    if (in.source < 0 || in.source >= size) return;
+    in.buf.clear();
+    in.plen = 0;
+    fail_or_park(std::move(in), Call::f_error, why, /*malformed=*/true);
   }
 
   void receive(MPI_Message& msg, MPI_Status& st) {
@@ -660,8 +734,18 @@ struct Engine {
       return;
     }
     std::memcpy(&h, in.buf.data(), kHead);
-    if (h.magic != kMagic || kHead + h.payload_len + h.name_len + h.table_len != static_cast<std::size_t>(n)) {
+    if (h.magic != kMagic) {
       std::cerr << "lockstep remote: dropped a malformed message from rank " << in.source << rank_suffix() << "\n";
+      return;
+    }
+    if (kHead + h.payload_len + h.name_len + h.table_len != static_cast<std::size_t>(n)) {
+      // Lockstep's header, lengths that do not add up: the message is dropped, but what it was
+      // is known, and it is answered as such (a reply dropped uncounted used to leave its
+      // caller waiting for its deadline, and the closing rounds, which wait until every call
+      // is answered, for ever).
+      std::cerr << "lockstep remote: dropped a malformed message from rank " << in.source << rank_suffix() << "\n";
+      drop_malformed(std::move(in), h, concat(n, " bytes where its header announces ",
+                                              kHead + h.payload_len + h.name_len + h.table_len));
       return;
     }
     {
@@ -674,7 +758,10 @@ struct Engine {
       if (in.source >= 0 && in.source < size) {
         auto& v = in.kind == k_closing ? closing_ranks : left_ranks;
         v[static_cast<std::size_t>(in.source)] = 1;
-        if (in.kind == k_left) a_rank_left = true;
+        if (in.kind == k_left) {
+          a_rank_left = true;
+          on_rank_left(in.source);
+        }
         next_hb = Clock::now();  // a first heartbeat now
       }
       cv.notify_all();
@@ -706,6 +793,7 @@ struct Engine {
           // counted, and stay unreceived.
           std::cerr << "lockstep remote: dropped a message with a bad tensor table from rank " << in.source
                     << rank_suffix() << "\n";
+          drop_malformed(std::move(in), h, "a bad tensor table");
           return;
         }
         t += 2;
@@ -741,9 +829,11 @@ struct Engine {
       in.segs.clear();
       std::cerr << "lockstep remote: cannot receive the tensors of a message from rank " << in.source << ": "
                 << no_memory << rank_suffix() << "\n";
-      std::lock_guard lk(mu);
-      owe(in.source, dtag, seg_bytes);
-      fail_incoming(std::move(in), Call::f_error, concat("cannot be received on rank ", rank, ": ", no_memory));
+      {
+        std::lock_guard lk(mu);
+        owe(in.source, dtag, seg_bytes);
+      }
+      fail_or_park(std::move(in), Call::f_error, concat("cannot be received on rank ", rank, ": ", no_memory));
       return;
     }
     // The tensors themselves, straight into their memory. The receives are posted and the
@@ -768,6 +858,36 @@ struct Engine {
     a.sts.resize(a.reqs.size());
     a.deadline = deadline_after(data_timeout);
     arriving.push_back(std::move(a));
+  }
+
+  /// Rank `r` left the session: it answers nothing more. Its calls still pending here fail now
+  /// with a TimeoutError naming it (they used to wait for their deadline, 600 s by default), later
+  /// calls to it fail at once (start_call), and a serving rank whose driver left stops serving.
+  void on_rank_left(int r) {
+    {
+      std::lock_guard lk(mu);
+      gone[static_cast<std::size_t>(r)] = 1;
+      for (auto it = pending.begin(); it != pending.end();) {
+        auto c = it->second;
+        if (c->rank != r) {
+          ++it;
+          continue;
+        }
+        it = pending.erase(it);  // a late reply is dropped (deliver finds no call)
+        if (c->abandoned) continue;
+        c->failure = Call::f_timeout;
+        c->failed = left_text(r, c->fn);
+        c->done = true;
+      }
+    }
+    if (r == 0 && rank != 0) driver_left = true;
+    cv.notify_all();
+  }
+
+  static std::string left_text(int r, const std::string& fn) {
+    return concat("remote call of '", fn, "' on rank ", r, ": rank ", r,
+                  " left the remote session before answering (it finalised Lockstep, or returned from main, with the "
+                  "session open, or closed it without waiting)");
   }
 
   /// Queues a request to run. Called with mu held.
@@ -844,19 +964,24 @@ struct Engine {
           // arrives: a tensor message left unreceived would be taken by a later receive with the
           // same tag.
           if (!a.reqs.empty()) orphans.push_back(Orphan{std::move(a.reqs), Encoder(), std::move(in.segs), true});
-          fail_incoming(std::move(in), kind, failed);
-          it = arriving.erase(it);
+          a.reqs.clear();
+          in.segs.clear();
+          a.failed = failed;
+          a.fail_kind = kind;
           did = true;
-          continue;
         }
       }
+      // Failed or complete, a request or an end of run waits for the earlier ones from its
+      // rank (the held check comes before the failure is handed on: a failure must not
+      // overtake either).
       if (ordered && std::find(held.begin(), held.end(), in.source) != held.end()) {
         ++it;
         continue;
       }
       {
         std::lock_guard lk(mu);
-        deliver(std::move(in));
+        if (!a.failed.empty()) fail_incoming(std::move(in), a.fail_kind, a.failed, a.malformed);
+        else deliver(std::move(in));
       }
       it = arriving.erase(it);
       did = true;
@@ -1009,7 +1134,10 @@ struct Engine {
     }
     // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped;
     // tensors still arriving get at most a second more (then their receives are left to
-    // settle_orphans, which cancels them).
+    // settle_orphans, which cancels them). Not once MPI is finalised (see ~Engine).
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (fin) return;
     std::lock_guard pl(poll_mu);
     for (int i = 0; i < 3; ++i)
       while (poll_once()) {}
@@ -1174,7 +1302,37 @@ std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, d
   return agree(comm, size, mine, n, timeout, what, [] { return false; });
 }
 
+void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1);
+
+/// finalize<MPIBackend>() with sessions still open (on the backend that goes, or on any backend
+/// when MPI ends with it): each is left as a rank that took another for silent leaves it, that
+/// is, the others are told (k_left: their calls to this rank, and a serving rank's wait for its
+/// driver, end in a TimeoutError at once), the first closing round is waited for at most a
+/// second, the progress and background threads stop, and this rank's calls still pending fail.
+/// Before, the session's progress thread went on calling MPI through MPI_Finalize, heartbeats
+/// kept the others from ever taking this rank for silent, and the process ended in
+/// std::terminate (a joinable thread in the static table of sessions) and MPI_Abort.
+void end_sessions_at_finalize(const Backend* going, bool mpi_ends) {
+  std::vector<std::shared_ptr<Engine>> open;
+  {
+    std::lock_guard lk(g_mu);
+    for (auto& [b, e] : g_engines)
+      if (mpi_ends || b == going) open.push_back(e);
+  }
+  for (auto& e : open) {
+    std::cerr << "lockstep remote: finalize with a remote session still open: this rank leaves it (the other ranks' "
+                 "calls to it end in a TimeoutError)"
+              << rank_suffix() << "\n";
+    try {
+      close_engine(e, /*quiet=*/true, e->timeout > 0 ? std::min(e->timeout, 1.0) : 1.0);
+    } catch (const std::exception& x) {
+      std::cerr << "lockstep remote: leaving the session at finalize: " << x.what() << "\n";
+    }
+  }
+}
+
 std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
+  lockstep::detail::at_finalize(&g_engines, end_sessions_at_finalize);
   int init = 0;
   MPI_Initialized(&init);
   if (!init) throw Error("remote calls need MPI: call lockstep::initialize<MPIBackend>() first");
@@ -1277,6 +1435,7 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->last_heard.assign(static_cast<std::size_t>(e->size), Clock::now());
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
+  e->gone.assign(static_cast<std::size_t>(e->size), 0);
   e->progress = std::thread([p = e.get()] { p->progress_loop(); });
   if (o.background) {
     e->executor = std::thread([p = e.get()] { p->executor_loop(); });
@@ -1462,7 +1621,10 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
 /// (a rank that took the driver for silent) it leaves, waiting at most `wait` seconds for the
 /// others. Throws TimeoutError when the ranks did not all close in time (then the communicator
 /// is left allocated), or prints it if quiet.
-void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait = -1) {
+void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
+  // Once: a session that finalize ended (end_sessions_at_finalize) is still held by its
+  // RemoteSession or run_driver, which close it again when they go.
+  if (e->ended.exchange(true)) return;
   const bool leave = wait >= 0;
   std::string failed;
   try {
@@ -1539,6 +1701,7 @@ std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder
     LOCKSTEP_CHECK_ARG(!e->closing && (!e->close_begun || t_running_calls > 0), "remote call of '", fn.name,
                        "' on a remote session that this rank is closing (only remote functions running during "
                        "the close may still make calls)");
+    if (e->gone[static_cast<std::size_t>(rank)]) throw TimeoutError(Engine::left_text(rank, fn.name) + rank_suffix());
     e->pending[c->id] = c;
     // Counted before it is posted, under mu: a close that has begun counts every call it let
     // start (close_rounds).
@@ -1577,6 +1740,7 @@ Decoder call_result(Call& c) {
       e.wait_step(lk, active, c.deadline, e.can_help());
     }
   }
+  if (c.failure == Call::f_remote) throw RemoteError(c.rank, c.fn, c.failed + rank_suffix());
   if (c.failure == Call::f_timeout) throw TimeoutError(c.failed + rank_suffix());
   if (c.failure != Call::f_none) throw Error(c.failed + rank_suffix());
   if (c.kind == k_rep_err) {
@@ -1675,6 +1839,12 @@ void DriverRun::finish_ok(Encoder&& result) {
   Engine& e = *impl_->e;
   e.driving = false;
   Encoder m = std::move(result);
+  // The session was ended under the driver's function (it called finalize): the workers were
+  // told that this rank left, and nothing can be sent on the session any more.
+  if (e.ended.load())
+    throw Error(concat("run_driver: the remote session was ended (finalize was called) while the driver's function "
+                       "ran; the workers were told that the driver left",
+                       rank_suffix()));
   impl_->stop_sent = true;
   if (e.size > 1)
     e.send(others(e), kTagReq, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
@@ -1717,7 +1887,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   encode(m, rmsg);
   encode(m, mpi_code);
   try {
-    if (e.size > 1 && !std::exchange(impl_->stop_sent, true))
+    if (e.size > 1 && !e.ended.load() && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
              deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
   } catch (const std::exception& x) {
@@ -1728,7 +1898,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
 
 Decoder DriverRun::serve_until_done() {
   Engine& e = *impl_->e;
-  bool idle_timeout = false;
+  bool idle_timeout = false, driver_gone = false;
   {
     Engine::Waiting w(e);
     std::unique_lock lk(e.mu);
@@ -1753,8 +1923,19 @@ Decoder DriverRun::serve_until_done() {
         idle_timeout = true;
         break;
       }
+      // The driver left the session (it finalised with it open): nothing more comes from it.
+      if (e.driver_left.load() && e.stops.find(impl_->run) == e.stops.end()) {
+        driver_gone = true;
+        break;
+      }
       e.wait_step(lk, active, Clock::now() + std::chrono::milliseconds(50), true);
     }
+  }
+  if (driver_gone) {
+    impl_->close(true, std::min(e.timeout > 0 ? e.timeout : 1.0, 1.0));
+    throw TimeoutError(concat("rank ", e.rank, ": the driver (rank 0) left the remote session (it finalised Lockstep, "
+                              "or returned from main, with the session open) while this rank served in run_driver",
+                              rank_suffix()));
   }
   if (idle_timeout) {
     // The driver is not expected at the closing barrier: a short wait only.

@@ -21,7 +21,16 @@ using namespace lstest::scenario;
 int main(int argc, char** argv) {
   const std::string scenario = argc > 1 ? argv[1] : "";
   ls::MPIBackend* world = start();
-  if (world == nullptr) return 0;
+  if (world == nullptr) {
+    if (scenario == "finalize_after_refused_init") {
+      // initialize was refused (a malformed setting on some rank), and the program calls
+      // finalize as a tidy program does: it must not throw the reported error again, and must
+      // finalise MPI (mpiexec would otherwise report the job as exiting improperly).
+      say("finalize: " + outcome([] { ls::finalize<ls::MPIBackend>(); }));
+      say(std::string("MPI finalised: ") + (ls::is_available() ? "no" : "yes"));
+    }
+    return 0;
+  }
   auto& b = *world;
   const int r = b.rank();
   say("started");
@@ -76,6 +85,25 @@ int main(int argc, char** argv) {
       ls::Request req = b.iallreduce(x, ls::ReduceOp::sum);
       req.wait();
       say("OK");
+    } else if (scenario == "mpi_error_iallreduce" || scenario == "mpi_error_allreduce") {
+      // Counts that differ (600 on rank 0, 500 elsewhere), no check level: MPI fails on some
+      // rank (MPI_ERR_TRUNCATE), where it is an MpiError. The others used to wait for the
+      // default deadline (600 s); now they are told, and raise MpiError naming that rank and
+      // its error within a second or two.
+      ls::Tensor x = ls::Tensor::ones({r == 0 ? 600 : 500});
+      const auto t0 = std::chrono::steady_clock::now();
+      if (scenario == "mpi_error_iallreduce") {
+        say("wait: " + outcome([&] {
+              ls::Request req = b.iallreduce(x, ls::ReduceOp::sum);
+              req.wait();
+            }));
+      } else {
+        say("allreduce: " + outcome([&] { b.allreduce(x, ls::ReduceOp::sum); }));
+      }
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      say(secs < 5 ? "raised within 5 s" : "raised after " + std::to_string(secs) + " s");
+      say("next barrier: " + outcome([&] { b.barrier(); }));
+      say("usable " + std::to_string(b.usable() ? 1 : 0));
     } else {
       say("unknown scenario " + scenario);
       return 2;

@@ -34,6 +34,9 @@ B& get_distributed_backend() {
   return B::global();
 }
 /// Tears down the global backend B (and MPI, if Lockstep initialised it). Also happens at exit.
+/// Remote sessions still open on it are left first (the other ranks are told). Never throws an
+/// error already reported (after a refused initialize it finalises MPI, waiting at most 10 s for
+/// the other ranks).
 template <class B>
 void finalize() {
   B::finalize_global();

@@ -393,6 +393,10 @@ struct TestHooks {
   /// Messages whose non-tensor part is over this many bytes are refused before they are sent,
   /// as those over 2 GiB are (0: 2 GiB).
   std::atomic<std::size_t> max_message_bytes{0};
+  /// The next this many replies this rank sends without tensors go out malformed: the lengths
+  /// in their header do not add up (as from a sender of another version), so that the caller
+  /// drops them.
+  std::atomic<int> malformed_replies{0};
 };
 TestHooks& test_hooks();
 /// Called by a remote function: the tensor messages of its reply are sent `seconds` after the
