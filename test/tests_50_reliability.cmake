@@ -81,19 +81,19 @@ lockstep_add_fault_test(NAME skip
 # (5.1 s was seen there with two tests at a time) and is still well before the late rank wakes.
 lockstep_add_fault_test(NAME delay ENDED_RANK 1 MAX_MS_AFTER_FAULT 8000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
-  EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1." "allreduce #3 (f32 x 16, op sum)"
+  EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1 (host " "allreduce #3 (f32 x 16, op sum)"
          "rank 1: not inside any collective")
 
 # The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
 # deadline and the blame apply to Request::wait too.
 lockstep_add_fault_test(NAME delay_nonblocking MODE nonblocking ENDED_RANK 1 MAX_MS_AFTER_FAULT 8000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
-  EXPECT "TimeoutError" "the wait for iallreduce #3 (f32 x 16, op sum)" "Behind (not yet in collective #3): rank 1.")
+  EXPECT "TimeoutError" "the wait for iallreduce #3 (f32 x 16, op sum)" "Behind (not yet in collective #3): rank 1 (host ")
 
 # The same with fingerprint checks on: the others wait in the fingerprint check.
 lockstep_add_fault_test(NAME delay_checked RANKS 3 ENDED_RANK 1
   ENV LOCKSTEP_CHECK=always LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=5,seconds=6"
-  EXPECT "TimeoutError" "Behind (not yet in collective #5): rank 1." "the fingerprint check of allreduce #5")
+  EXPECT "TimeoutError" "Behind (not yet in collective #5): rank 1 (host " "the fingerprint check of allreduce #5")
 
 # A rank's contribution to a gradient bucket turns NaN in transit (kind=nan on collective #7, an
 # iallreduce of DistributedOptimizer): every rank skips that step, counts it, and stays in step
@@ -105,7 +105,7 @@ lockstep_add_fault_test(NAME nan_gradient MODE optimizer STEPS 8
 # LOCKSTEP_TIMEOUT_ACTION=abort: the job ends through MPI_Abort with the blame printed.
 lockstep_add_fault_test(NAME delay_abort RANKS 2 3 ABORT
   ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TIMEOUT_ACTION=abort "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=20"
-  EXPECT "Behind (not yet in collective #3): rank 1." "aborting the job")
+  EXPECT "Behind (not yet in collective #3): rank 1 (host " "aborting the job")
 
 # A rank killed with SIGKILL in the middle of training: the job ends within 10 s, and mpiexec
 # names the dead rank (Open MPI's runtime does this; the test makes sure it stays so).

@@ -308,6 +308,23 @@ class CommMonitor {
                  static_cast<std::uint64_t>(Clock::now().time_since_epoch().count());
     }
     check_mpi(MPI_Bcast(&comm_id_, 1, MPI_UINT64_T, 0, ctrl_), "MPI_Bcast(monitor identity)");
+    // Every rank's host name, once: a stall report names the host of each rank it blames, and
+    // a host none of whose ranks answers as lost (across hosts, the thing to replace).
+    {
+      constexpr int kSlot = 64;
+      char mine[kSlot] = {};
+      char name_buf[MPI_MAX_PROCESSOR_NAME] = {};
+      int len = 0;
+      if (MPI_Get_processor_name(name_buf, &len) != MPI_SUCCESS || len <= 0) std::strcpy(name_buf, "unknown");
+      std::strncpy(mine, name_buf, kSlot - 1);
+      std::vector<char> all(static_cast<std::size_t>(kSlot) * static_cast<std::size_t>(size_));
+      check_mpi(MPI_Allgather(mine, kSlot, MPI_CHAR, all.data(), kSlot, MPI_CHAR, ctrl_),
+                "MPI_Allgather(host names)");
+      hosts_.resize(static_cast<std::size_t>(size_));
+      for (int r = 0; r < size_; ++r)
+        hosts_[static_cast<std::size_t>(r)] = std::string(all.data() + static_cast<std::size_t>(r) * kSlot,
+                                                          strnlen(all.data() + static_cast<std::size_t>(r) * kSlot, kSlot));
+    }
     (void)settings();  // a bad environment variable fails at creation, on every rank alike
 #if LOCKSTEP_FAULT_INJECTION
     const FaultSpec& f = fault_spec();
@@ -1036,7 +1053,7 @@ class CommMonitor {
     std::vector<int> behind, waiting, ahead, silent;
     std::ostringstream lines;
     for (int r = 0; r < size_; ++r) {
-      lines << "\n  rank " << r << ": ";
+      lines << "\n  rank " << r << " (" << hosts_[static_cast<std::size_t>(r)] << "): ";
       if (!answered[r]) {
         silent.push_back(r);
         lines << "did not answer (exited, finalised, killed, or MPI without thread support)";
@@ -1056,8 +1073,15 @@ class CommMonitor {
     os << "lockstep: stall: " << (checking ? "the fingerprint check of " : "")
        << (waiting_request_ ? "the wait for " : "") << describe(cur, site)
        << " did not complete within " << t << " s on rank " << rank_ << "/" << size_ << ".";
-    if (!behind.empty()) os << " Behind (not yet in collective #" << seq << "): " << rank_list(behind) << ".";
-    if (!silent.empty()) os << " No answer from " << rank_list(silent) << ".";
+    if (!behind.empty()) os << " Behind (not yet in collective #" << seq << "): " << ranks_on_hosts(behind) << ".";
+    if (!silent.empty()) os << " No answer from " << ranks_on_hosts(silent) << ".";
+    const std::vector<std::string> lost = lost_hosts(silent);
+    if (!lost.empty()) {
+      os << " No rank of " << (lost.size() == 1 ? "host " : "hosts ");
+      for (std::size_t i = 0; i < lost.size(); ++i) os << (i ? ", " : "") << lost[i];
+      os << " answered: " << (lost.size() == 1 ? "that host is" : "those hosts are")
+         << " lost or cut off from this one.";
+    }
     if (behind.empty() && silent.empty())
       os << " Every rank has reached collective #" << seq
          << " (a mismatched collective or a deadline too short for the data size).";
@@ -1269,6 +1293,30 @@ class CommMonitor {
   }
 
   int rank_ = 0, size_ = 1;
+  std::vector<std::string> hosts_;  // every rank's host name (MPI_Get_processor_name)
+
+  // "ranks 2, 3 (host b)" / "ranks 1 (host a), 4 (host b)": the ranks with their hosts.
+  std::string ranks_on_hosts(const std::vector<int>& ranks) const {
+    std::ostringstream os;
+    os << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      const std::string& h = hosts_[static_cast<std::size_t>(ranks[i])];
+      os << (i ? ", " : "") << ranks[i];
+      if (i + 1 == ranks.size() || hosts_[static_cast<std::size_t>(ranks[i + 1])] != h) os << " (host " << h << ")";
+    }
+    return os.str();
+  }
+  // The hosts none of whose ranks answered, where the ranks span more than one host.
+  std::vector<std::string> lost_hosts(const std::vector<int>& silent) const {
+    std::vector<std::string> out;
+    std::map<std::string, int> total, quiet;
+    for (const auto& h : hosts_) ++total[h];
+    if (total.size() < 2) return out;
+    for (int r : silent) ++quiet[hosts_[static_cast<std::size_t>(r)]];
+    for (const auto& [h, n] : quiet)
+      if (n == total[h] && h != hosts_[static_cast<std::size_t>(rank_)]) out.push_back(h);
+    return out;
+  }
   std::uint64_t comm_id_ = 0;  // the same on every rank of the communicator (see the constructor)
   MPI_Comm check_ = MPI_COMM_NULL, ctrl_ = MPI_COMM_NULL;
   std::thread watchdog_;
