@@ -44,7 +44,7 @@ SELF=$(readlink -f "${BASH_SOURCE[0]}")
 STATE=/run/$NAME-cluster
 BR=$NAME-br
 
-die() { echo "cluster.sh: $*" >&2; exit "${2:-1}"; }
+die() { echo "cluster.sh: $1" >&2; exit "${2:-1}"; }
 usage() { sed -n '/^# Usage:/,/^# Exit codes/p' "$SELF" | sed 's/^# \{0,1\}//' | sed '$d' >&2; exit 2; }
 
 host_ns() { echo "$NAME-h$1"; }
