@@ -70,7 +70,7 @@ our_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAM
 # Ends every process inside the cluster's namespaces (only this script's runs put any there):
 # TERM, then KILL whatever is left after 3 s.
 end_processes() {
-  local ns pids sig tries
+  local ns pids sig
   for sig in TERM KILL; do
     pids=""
     for ns in $(our_namespaces); do pids+=" $(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')"; done
@@ -79,7 +79,7 @@ end_processes() {
     # shellcheck disable=SC2086  # a list of process ids
     kill -s "$sig" $pids 2>/dev/null
     [ "$sig" = KILL ] && return 0
-    for tries in $(seq 30); do
+    for _ in $(seq 30); do
       # shellcheck disable=SC2086
       kill -0 $pids 2>/dev/null || return 0
       sleep 0.1
@@ -160,8 +160,7 @@ cmd_up() {
   trap - ERR
   set +E
   # Every bridge port forwarding before anyone relies on it (no STP: at once, normally).
-  local try
-  for try in $(seq 50); do
+  for _ in $(seq 50); do
     [ "$(bridge -n "$BR" link show | grep -c 'state forwarding')" -eq "$hosts" ] && break
     sleep 0.1
   done
