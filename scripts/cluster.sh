@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# A cluster on one machine: H "hosts", each a network namespace with its own host name, joined by
+# one bridge, with Open MPI started across them the way it starts across real machines (one
+# orted daemon per host, launched through an rsh agent, TCP between hosts, shared memory only
+# within a host). For trying multi-node runs before there is a cluster, and for CI (scripts/test.sh,
+# stage multihost). Needs root (network namespaces, veth pairs, tc). See docs/multi-node.md.
+#
+# Usage:
+#   cluster.sh up H [--rate RATE] [--burst SIZE] [--latency TIME] [--slots N]
+#       H hosts (1..250) named <cluster>-h0 .. <cluster>-h<H-1>, at 10.231.0.1 .. 10.231.0.H.
+#       --rate 2gbit shapes each host's egress with a tc tbf qdisc (and --burst, default
+#       max(8 ms at RATE, 256kb), --latency, default 20ms); --slots N (default nproc) ranks per
+#       host in the hostfile. Idempotent: the same cluster up again is left as it is (processes
+#       left in it by a killed run are ended); a different one replaces it.
+#   cluster.sh run [mpiexec args] [--] program [args]
+#       mpiexec started in host 0, with the cluster's hostfile, rsh agent and transports
+#       (--mca btl tcp,self,vader over the bridge's subnet). E.g. 2 hosts x 2 ranks:
+#       cluster.sh run -n 4 --map-by ppr:2:node -- build/examples/hello_world
+#       Every process the run left in the cluster is ended when it returns or is killed. The
+#       first "--" is dropped (give one when the program's own arguments hold a "--"), so
+#       `cluster.sh run` can stand for mpiexec in scripts that take an MPIEXEC. One run at a time
+#       per cluster (the end of one ends every process in the cluster).
+#   cluster.sh down       removes every namespace, link and file of the cluster (idempotent).
+#   cluster.sh status     prints the hosts, their addresses and qdiscs.
+#   cluster.sh agent HOST command...   the rsh agent mpiexec calls (not for users).
+#
+# Exit codes: that of the command (run), 0 otherwise; 77 where network namespaces cannot be made
+# (not root, no iproute2/unshare, a kernel or container that refuses them), so callers report
+# skipped; 2 for usage errors.
+#
+# Environment: LOCKSTEP_CLUSTER (default lockstep): the cluster's name, prefix of its namespaces;
+# two clusters with different names can be up at once (they share nothing, not even the subnet's
+# routing: each bridge lives in a namespace of its own). LOCKSTEP_CLUSTER_SUBNET (default 10.231.0):
+# the first three octets of the hosts' /24.
+#
+# What is made: a namespace <cluster>-br holding bridge br0 (and no address); per host a namespace
+# <cluster>-h<i> holding lo and eth0 (<i+1> on the subnet, no default route), eth0's peer h<i>
+# attached to br0. Nothing is added to the root namespace's network, so no traffic can leave the
+# cluster. State (hostfile, agent) in /run/<cluster>-cluster.
+set -uo pipefail
+
+NAME=${LOCKSTEP_CLUSTER:-lockstep}
+SUBNET=${LOCKSTEP_CLUSTER_SUBNET:-10.231.0}
+SELF=$(readlink -f "${BASH_SOURCE[0]}")
+STATE=/run/$NAME-cluster
+BR=$NAME-br
+
+die() { echo "cluster.sh: $1" >&2; exit "${2:-1}"; }
+usage() { sed -n '/^# Usage:/,/^# Exit codes/p' "$SELF" | sed 's/^# \{0,1\}//' | sed '$d' >&2; exit 2; }
+
+host_ns() { echo "$NAME-h$1"; }
+
+# Exits 77 (skip) unless this process can make network and UTS namespaces.
+need_namespaces() {
+  [ "$(id -u)" -eq 0 ] ||
+    die "needs root (network namespaces, veth pairs, tc); run it as root, e.g. sudo $0 $*" 77
+  local tool
+  for tool in ip unshare nsenter; do
+    command -v "$tool" >/dev/null || die "needs '$tool' (iproute2, util-linux)" 77
+  done
+  unshare --uts true 2>/dev/null || die "cannot make a UTS namespace here (unshare --uts failed)" 77
+  local probe=$NAME-probe$$
+  ip netns add "$probe" 2>/dev/null || die "cannot make a network namespace here (ip netns add failed)" 77
+  ip netns del "$probe"
+}
+
+# Our namespaces, whether or not the state directory survived.
+our_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-(br|h[0-9]+)\$"; }
+
+# Ends every process inside the cluster's namespaces (only this script's runs put any there):
+# TERM, then KILL whatever is left after 3 s.
+end_processes() {
+  local ns pids sig
+  for sig in TERM KILL; do
+    pids=""
+    for ns in $(our_namespaces); do pids+=" $(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')"; done
+    pids=$(echo "$pids" | tr ' ' '\n' | grep -v -x -e '' -e "$$" | sort -u | tr '\n' ' ')
+    [ -n "${pids// /}" ] || return 0
+    # shellcheck disable=SC2086  # a list of process ids
+    kill -s "$sig" $pids 2>/dev/null
+    [ "$sig" = KILL ] && return 0
+    for _ in $(seq 30); do
+      # shellcheck disable=SC2086
+      kill -0 $pids 2>/dev/null || return 0
+      sleep 0.1
+    done
+  done
+}
+
+cmd_down() {
+  [ "$(id -u)" -eq 0 ] || die "needs root to remove the cluster's namespaces" 77
+  end_processes
+  local ns
+  for ns in $(our_namespaces); do ip netns del "$ns" 2>/dev/null || echo "cluster.sh: could not remove namespace $ns" >&2; done
+  rm -rf "$STATE"
+}
+
+cmd_up() {
+  [ $# -ge 1 ] || usage
+  local hosts=$1 rate="" burst="" latency=20ms slots
+  slots=$(nproc)
+  shift
+  [[ $hosts =~ ^[0-9]+$ ]] && [ "$hosts" -ge 1 ] && [ "$hosts" -le 250 ] || die "up: H must be 1..250, not '$hosts'" 2
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --rate) rate=${2:?--rate needs a value, e.g. 2gbit}; shift 2 ;;
+      --burst) burst=${2:?--burst needs a size, e.g. 512kb}; shift 2 ;;
+      --latency) latency=${2:?--latency needs a time, e.g. 20ms}; shift 2 ;;
+      --slots) slots=${2:?--slots needs a number}; shift 2 ;;
+      *) die "up: unknown option '$1'" 2 ;;
+    esac
+  done
+  need_namespaces up
+  if [ -n "$rate" ]; then
+    command -v tc >/dev/null || die "--rate needs 'tc' (iproute2)" 77
+    if [ -z "$burst" ]; then
+      # 8 ms worth of the rate, at least 256 kB: a veth carries GSO packets of up to 64 kB, and a
+      # smaller bucket does not fill the rate. Measured, MPI_Send of 16 MiB messages between two
+      # hosts (the payload can reach 95.6% of the rate, 1448 of 1514 bytes per frame): at 1gbit,
+      # 0.71 Gbit/s with a 64kb burst, 0.93 with 256kb, 0.95 with 1mb; at 2gbit, 1.30 with 64kb,
+      # 1.6-1.7 with 512kb-1mb, 1.88 with 2mb.
+      burst=$(tc_burst "$rate") || die "up: cannot read rate '$rate' (e.g. 500mbit, 2gbit)" 2
+    fi
+  fi
+  local config="hosts=$hosts rate=$rate burst=$burst latency=$latency slots=$slots subnet=$SUBNET"
+  if [ -f "$STATE/config" ] && [ "$(cat "$STATE/config")" = "$config" ] && cluster_complete "$hosts"; then
+    end_processes   # what a killed run left behind
+    echo "cluster.sh: cluster '$NAME' is up: $hosts host(s)${rate:+, egress $rate}"
+    return 0
+  fi
+  cmd_down
+  trap 'cmd_down; exit 1' ERR
+  set -E
+  mkdir -p "$STATE"
+  ip netns add "$BR"
+  ip -n "$BR" link set lo up
+  ip -n "$BR" link add br0 type bridge
+  ip -n "$BR" link set br0 up
+  local i ns
+  : >"$STATE/hostfile"
+  for ((i = 0; i < hosts; i++)); do
+    ns=$(host_ns "$i")
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    # Made inside the bridge's namespace, the peer moved straight into the host's: neither end
+    # ever exists in the root namespace.
+    ip -n "$BR" link add "h$i" type veth peer name eth0 netns "$ns"
+    ip -n "$BR" link set "h$i" master br0 up
+    ip -n "$ns" addr add "$SUBNET.$((i + 1))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    if [ -n "$rate" ]; then
+      tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency "$latency"
+    fi
+    echo "$SUBNET.$((i + 1)) slots=$slots" >>"$STATE/hostfile"
+  done
+  # The rsh agent mpiexec calls: a file of its own, since plm_rsh_agent splits its value at spaces.
+  printf '#!/bin/sh\nexec %q agent "$@"\n' "$SELF" >"$STATE/agent"
+  chmod +x "$STATE/agent"
+  echo "$config" >"$STATE/config"
+  trap - ERR
+  set +E
+  # Every bridge port forwarding before anyone relies on it (no STP: at once, normally).
+  for _ in $(seq 50); do
+    [ "$(bridge -n "$BR" link show | grep -c 'state forwarding')" -eq "$hosts" ] && break
+    sleep 0.1
+  done
+  [ "$(bridge -n "$BR" link show | grep -c 'state forwarding')" -eq "$hosts" ] ||
+    { cmd_down; die "up: the bridge's ports did not reach the forwarding state"; }
+  echo "cluster.sh: cluster '$NAME' is up: $hosts host(s) $(host_ns 0)..$(host_ns $((hosts - 1))) on $SUBNET.0/24${rate:+, egress $rate (tbf burst $burst latency $latency)}"
+}
+
+# tc_burst RATE: 8 ms of RATE in bytes, at least 256 kB, as "<n>b".
+tc_burst() {
+  awk -v r="$1" 'BEGIN {
+    n = r + 0; u = tolower(r); sub(/^[0-9.]+/, "", u)
+    m["bit"] = 1; m["kbit"] = 1e3; m["mbit"] = 1e6; m["gbit"] = 1e9; m["tbit"] = 1e12
+    m["bps"] = 8; m["kbps"] = 8e3; m["mbps"] = 8e6; m["gbps"] = 8e9
+    if (n <= 0 || !(u in m)) exit 1
+    b = n * m[u] / 8 * 0.008; if (b < 262144) b = 262144
+    printf "%db\n", b }'
+}
+
+# cluster_complete H: every namespace of an H-host cluster exists (and no more hosts).
+cluster_complete() {
+  local want have i
+  want=$( { echo "$BR"; for ((i = 0; i < $1; i++)); do host_ns "$i"; done; } | sort)
+  have=$(our_namespaces | sort)
+  [ "$want" = "$have" ]
+}
+
+cmd_run() {
+  [ -f "$STATE/config" ] || die "run: cluster '$NAME' is not up; start it with: $0 up H"
+  need_namespaces run
+  # Everything goes to mpiexec, less the first "--" (which only marks where the program starts,
+  # for the reader): mpiexec itself tells its options from the program.
+  local args=() seen=0
+  while [ $# -gt 0 ]; do
+    if [ "$1" = -- ] && [ "$seen" -eq 0 ]; then seen=1; else args+=("$1"); fi
+    shift
+  done
+  [ ${#args[@]} -gt 0 ] || die "run: no program (cluster.sh run [mpiexec args] [--] program args)" 2
+  # Open MPI refuses root without these; the hosts share this machine's cores, so no binding
+  # (an environment default: a --bind-to given to run wins).
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-none}
+  local h0
+  h0=$(host_ns 0)
+  # mpiexec runs in host 0 (its network namespace, and a UTS namespace named after it); the
+  # other hosts' orted daemons are started by the agent. Every address Open MPI may use, for its
+  # own out-of-band channel and for MPI messages, is on the bridge's subnet. Given as
+  # environment (OMPI_MCA_*), so that an --mca given to run wins over any of them.
+  export OMPI_MCA_plm_rsh_agent=$STATE/agent OMPI_MCA_plm_rsh_no_tree_spawn=1
+  export OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,self,vader
+  export OMPI_MCA_btl_tcp_if_include=$SUBNET.0/24 OMPI_MCA_oob_tcp_if_include=$SUBNET.0/24
+  ip netns exec "$h0" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$h0" \
+    mpiexec --hostfile "$STATE/hostfile" \
+    "${args[@]}" &
+  local pid=$! rc
+  # On a signal or any exit, end mpiexec and whatever it left in the cluster.
+  trap 'kill -TERM $pid 2>/dev/null; end_processes; exit 143' TERM INT HUP
+  trap 'end_processes' EXIT
+  wait "$pid"
+  rc=$?
+  trap - TERM INT HUP
+  return "$rc"
+}
+
+# The rsh agent: Open MPI calls it as `agent [options] HOST command words...`, like ssh. HOST is
+# a hostfile address; the command (a shell command line, as ssh would pass it) runs in that
+# host's network namespace, in a new UTS namespace named after the host.
+cmd_agent() {
+  while [ $# -gt 0 ] && [[ $1 == -* ]]; do shift; done
+  [ $# -ge 2 ] || die "agent: expected HOST command..." 2
+  local host=$1 i
+  shift
+  [[ $host == "$SUBNET".* ]] || die "agent: '$host' is not a host of cluster '$NAME' ($SUBNET.0/24)"
+  i=$((${host##*.} - 1))
+  local ns
+  ns=$(host_ns "$i")
+  exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1"' "$ns" "$*"
+}
+
+cmd_status() {
+  if [ ! -f "$STATE/config" ]; then echo "cluster '$NAME' is not up"; return 0; fi
+  echo "cluster '$NAME': $(cat "$STATE/config")"
+  local ns
+  for ns in $(our_namespaces); do
+    [ "$ns" = "$BR" ] && continue
+    echo "$ns: $(ip -n "$ns" -4 -o addr show dev eth0 | awk '{print $4}')  $(tc -n "$ns" qdisc show dev eth0 2>/dev/null | head -1)"
+  done
+}
+
+[ $# -ge 1 ] || usage
+command=$1
+shift
+case $command in
+  up) cmd_up "$@" ;;
+  run) cmd_run "$@" ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  agent) cmd_agent "$@" ;;
+  -h | --help | help) usage ;;
+  *) echo "cluster.sh: unknown command '$command'" >&2; usage ;;
+esac
