@@ -82,7 +82,7 @@ lockstep_add_fault_test(NAME skip
 lockstep_add_fault_test(NAME delay ENDED_RANK 1 MAX_MS_AFTER_FAULT 8000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
   EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1 (host " "allreduce #3 (f32 x 16, op sum)"
-         "rank 1: not inside any collective")
+         "rank 1 (" "not inside any collective")
 
 # The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
 # deadline and the blame apply to Request::wait too.

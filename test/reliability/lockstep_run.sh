@@ -73,7 +73,10 @@ cat >stopwrap.sh <<EOF
 #!/usr/bin/env bash
 if [ "\$LOCKSTEP_RUN_ATTEMPT" = 0 ] && [ "\$OMPI_COMM_WORLD_RANK" = 1 ]; then
   "$EXE" "\$@" & pid=\$!
-  (sleep 3; echo "test: SIGSTOP rank 1 at unix time \$EPOCHREALTIME" >&2; kill -STOP \$pid) &
+  # Stopped once the first checkpoint is committed (not after a fixed time: on a quiet machine
+  # the whole run can end within seconds), so that there is a checkpoint to resume from.
+  (for _ in \$(seq 1 2000); do [ -e run/ck.latest ] && break; sleep 0.01; done
+   echo "test: SIGSTOP rank 1 at unix time \$EPOCHREALTIME" >&2; kill -STOP \$pid) &
   wait \$pid
   exit \$?
 fi
