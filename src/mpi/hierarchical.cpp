@@ -19,12 +19,16 @@ namespace {
 // multiple of the ranks per machine): large enough that a chunk's inter-host allreduce is
 // bandwidth-bound, small enough that a 16 MiB gradient bucket is four chunks that overlap.
 constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
+// Smaller calls go flat: below it the three stages' latencies (and the agreement's) cost more
+// than the network time they save (bench_collectives at 4 ranks as two machines over TCP: 2.8x
+// slower than flat at 8 B, even at 32 KiB, 1.5x faster at 128 KiB; docs/performance.md).
+constexpr std::size_t kDefaultMinBytes = std::size_t{64} << 10;
 constexpr int kFields = 5;  // call number, count, dtype, op, memory
 }  // namespace
 
 std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm comm, MPI_Comm node, bool enabled,
                                                                      MpiOps ops, void* monitor,
-                                                                     std::size_t chunk_bytes, std::size_t min_bytes) {
+                                                                     std::size_t chunk_bytes, std::int64_t min_bytes) {
   int size = 1, rank = 0, local_size = 1, local_rank = 0;
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
@@ -59,7 +63,7 @@ std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm co
   self->ops_ = ops;
   self->monitor_ = monitor;
   self->chunk_bytes_ = chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes;
-  self->min_bytes_ = min_bytes;
+  self->min_bytes_ = min_bytes >= 0 ? static_cast<std::size_t>(min_bytes) : kDefaultMinBytes;
   // The ranks with this local rank, one per machine, in the order of comm.
   LOCKSTEP_MPI_CHECK(MPI_Comm_split(comm, local_rank, rank, &self->cross_));
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->cross_, MPI_ERRORS_RETURN));
@@ -153,8 +157,10 @@ void HierarchicalAllreduce::agree(std::int64_t numel, DType dtype, ReduceOp op, 
 
 bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                       bool host) {
-  agree(numel, dtype, op, host);
+  // The path depends on the call's own fields (the same on every rank for the same call); a call
+  // this path takes is agreed first, and a disagreement is MismatchError on every rank.
   if (!handles(numel, dtype, op, host)) return false;
+  agree(numel, dtype, op, host);
   try {
     run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op);
   } catch (...) {

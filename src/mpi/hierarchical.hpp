@@ -49,18 +49,18 @@ class HierarchicalAllreduce {
   /// two or more machines, every machine holds the same number of ranks, at least two, and the
   /// shared-memory segment of every machine could be created (and `enabled` on every rank).
   /// `chunk_bytes`: the pipeline's chunk (0: the default, 4 MiB); `min_bytes`: smaller calls go
-  /// flat (after the agreement). `monitor`: the backend's CommMonitor (wait_point).
+  /// flat (negative: the default, 64 KiB). `monitor`: the backend's CommMonitor (wait_point).
   static std::unique_ptr<HierarchicalAllreduce> create(MPI_Comm comm, MPI_Comm node, bool enabled, MpiOps ops,
-                                                       void* monitor, std::size_t chunk_bytes, std::size_t min_bytes);
+                                                       void* monitor, std::size_t chunk_bytes, std::int64_t min_bytes);
   ~HierarchicalAllreduce();
   HierarchicalAllreduce(const HierarchicalAllreduce&) = delete;
   HierarchicalAllreduce& operator=(const HierarchicalAllreduce&) = delete;
 
-  /// Agrees on the call with every rank (MismatchError on every rank when the calls differ), then
-  /// computes recv = op over ranks of send (send may equal recv) and returns true if the call
-  /// goes this way, or returns false (on every rank alike) when the caller must run it over the
-  /// flat communicator: dtypes other than f32/f64/i32/i64 (bf16/f16 with sum or avg only), device
-  /// memory, no elements, fewer than min_bytes().
+  /// Returns false, having done nothing, when the call goes over the flat communicator (the same
+  /// answer on every rank for the same call): dtypes other than f32/f64/i32/i64 (bf16/f16 with
+  /// sum or avg only), device memory, no elements, fewer than min_bytes(). Otherwise agrees on the
+  /// call with every rank (MismatchError on every rank when the calls differ), computes
+  /// recv = op over ranks of send (send may equal recv) and returns true.
   bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
 
   int hosts() const noexcept { return hosts_; }

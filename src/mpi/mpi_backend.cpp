@@ -451,7 +451,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
       agreed_setting(impl_->comm, "LOCKSTEP_TEST_HOST_SIZE", 0, test_only("LOCKSTEP_TEST_HOST_SIZE", 1, 1 << 20));
   const std::int64_t hier_chunk = agreed_setting(impl_->comm, "LOCKSTEP_TEST_HIER_CHUNK_BYTES", 0,
                                                  test_only("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 1, std::uint64_t{1} << 30));
-  const std::int64_t hier_min = agreed_setting(impl_->comm, "LOCKSTEP_TEST_HIER_MIN_BYTES", 0,
+  const std::int64_t hier_min = agreed_setting(impl_->comm, "LOCKSTEP_TEST_HIER_MIN_BYTES", -1,
                                                test_only("LOCKSTEP_TEST_HIER_MIN_BYTES", 0, std::uint64_t{1} << 40));
   MPI_Comm node = MPI_COMM_NULL;
   if (test_host_size > 0)
@@ -473,7 +473,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
     // the placement allows it. It takes over `node`, and frees it when it says no.
     impl_->hier = detail::HierarchicalAllreduce::create(
         impl_->comm, node, hier_on, {&mpi_type_fn, &mpi_op_fn, &scale_host_fn}, impl_->monitor.get(),
-        static_cast<std::size_t>(hier_chunk), static_cast<std::size_t>(hier_min));
+        static_cast<std::size_t>(hier_chunk), hier_min);
   }
 }
 
