@@ -74,6 +74,11 @@ if(LOCKSTEP_FAULT_INJECTION)
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_CHUNK_BYTES=8192 LOCKSTEP_TEST_HIER_MIN_BYTES=0
                             LOCKSTEP_SHM_SLICE_BYTES=4096
                         TIMEOUT 300)
+  # The shared-memory stages declined (LOCKSTEP_SHM_MIN_BYTES above every call): the node stages
+  # and the agreement's node step go over MPI on the machine's communicator instead.
+  lockstep_add_mpi_test(NAME hierarchical.node_mpi TARGET test_hierarchical RANKS 4
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 LOCKSTEP_SHM_MIN_BYTES=1G
+                            LOCKSTEP_TEST_HIER_CHUNK_BYTES=65536 TIMEOUT 300)
   lockstep_add_mpi_test(NAME collective.hierarchical TARGET test_collective RANKS 4
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 TIMEOUT 300)
 endif()

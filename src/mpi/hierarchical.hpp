@@ -13,7 +13,9 @@
 // of all of it, and the network part of chunk k overlaps the shared-memory reduce-scatter of
 // chunk k+1 (the wait hook of the node's ShmCollectives tests the pending request while it waits).
 //
-// The ranks agree before they act: every allreduce on such a backend first exchanges its call
+// The ranks agree before they act: whether a call takes this path depends on its own fields only
+// (size, dtype, op, memory: the same on every rank for the same call), and every call that takes
+// it first exchanges its call
 // (count, dtype, op, memory, call number) with every rank, as a max over the ranks of the fields
 // and of their complements (one small MPI allreduce among the ranks of this local rank, then one
 // shared-memory allreduce among the ranks of this machine: every rank ends with the same global
