@@ -59,3 +59,26 @@ lockstep_add_mpi_test(NAME shm_collectives.off TARGET test_shm_collectives RANKS
                       ARGS "~[shm]" ENV LOCKSTEP_SHM=0 TIMEOUT 300)
 lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 2 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)
+
+# The hierarchical allreduce (src/mpi/hierarchical.*), on one machine: LOCKSTEP_TEST_HOST_SIZE=2
+# (honoured in builds with fault injection only) makes ranks {0,1} and {2,3} separate "machines".
+# At 4 ranks the path is on: with the default 4 MiB chunk and 64 KiB threshold, and with 8 KiB
+# chunks, 4 KiB shared-memory slices and no threshold (every call from one element takes it and
+# crosses many chunks and slices); at 3 ranks the placement is
+# uneven ({0,1} and {2}) and every call takes the flat path. The collective suite and the
+# training tests run once more at 4 ranks with the setting.
+if(LOCKSTEP_FAULT_INJECTION)
+  lockstep_add_mpi_test(NAME hierarchical TARGET test_hierarchical SOURCES mpi/hierarchical_test.cpp RANKS 4 3
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 TIMEOUT 300)
+  lockstep_add_mpi_test(NAME hierarchical.small_chunks TARGET test_hierarchical RANKS 4
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_CHUNK_BYTES=8192 LOCKSTEP_TEST_HIER_MIN_BYTES=0
+                            LOCKSTEP_SHM_SLICE_BYTES=4096
+                        TIMEOUT 300)
+  # The shared-memory stages declined (LOCKSTEP_SHM_MIN_BYTES above every call): the node stages
+  # and the agreement's node step go over MPI on the machine's communicator instead.
+  lockstep_add_mpi_test(NAME hierarchical.node_mpi TARGET test_hierarchical RANKS 4
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 LOCKSTEP_SHM_MIN_BYTES=1G
+                            LOCKSTEP_TEST_HIER_CHUNK_BYTES=65536 TIMEOUT 300)
+  lockstep_add_mpi_test(NAME collective.hierarchical TARGET test_collective RANKS 4
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 TIMEOUT 300)
+endif()

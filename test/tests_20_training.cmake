@@ -5,6 +5,12 @@ lockstep_add_unit_test(NAME optimizer_rules TARGET test_optimizer_rules SOURCES 
 # DistributedOptimizer at 1 to 4 ranks, and at 3 over TCP (a multi-node job's transport).
 lockstep_add_mpi_test(NAME training TARGET test_training SOURCES train/training_test.cpp RANKS 1 2 3 4 TIMEOUT 300)
 lockstep_add_mpi_test(NAME training TARGET test_training RANKS 3 TCP TIMEOUT 300)
+# And at 4 ranks as two "machines" of two (LOCKSTEP_TEST_HOST_SIZE, fault-injection builds): the
+# blocking host allreduces take the hierarchical path (tests_10_foundation.cmake).
+if(LOCKSTEP_FAULT_INJECTION)
+  lockstep_add_mpi_test(NAME training.hierarchical TARGET test_training RANKS 4 ENV LOCKSTEP_TEST_HOST_SIZE=2
+                        TIMEOUT 300)
+endif()
 foreach(area IN ITEMS synchronize data)
   lockstep_add_mpi_test(NAME ${area} TARGET test_${area} SOURCES train/${area}_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
 endforeach()

@@ -361,3 +361,12 @@ lockstep_add_trust_test(NAME mpi_error_allreduce SCENARIO mpi_error_allreduce MA
   EXPECT "rank {rank}: raised within 5 s" "rank {rank}: next barrier: MpiError"
          "failed in MPI, so this rank stops too: allreduce called at" "MPI_ERR_TRUNCATE" "rank {rank}: usable 0"
          "!TimeoutError")
+
+# The hierarchical allreduce (two simulated machines of two ranks, every size on the path): a rank
+# late for an allreduce leaves its peers waiting in the path's agreement (over MPI among the
+# machines, over shared memory within one); every wait is polled against the deadline, so they
+# end with the TimeoutError and the blame of the flat path.
+lockstep_add_fault_test(NAME hierarchical_delay RANKS 4 ENDED_RANK 3 MAX_MS_AFTER_FAULT 8000
+  ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 LOCKSTEP_TIMEOUT=2
+      "LOCKSTEP_FAULT=rank=3,kind=delay,after=3,seconds=12"
+  EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 3 (host " "allreduce #3 (f32 x 16, op sum)")

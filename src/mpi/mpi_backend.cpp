@@ -14,6 +14,7 @@
 #include <iostream>
 #include <mutex>
 #include <functional>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "mpi/finalize_hooks.hpp"
 #include "mpi/monitor.hpp"  // reliability hooks (fingerprints, deadlines, fault injection)
 #include "mpi/shm/shm_collectives.hpp"  // node-local allreduce and broadcast through shared memory
+#include "mpi/hierarchical.hpp"  // allreduce across machines: shared memory within, MPI between
 #include "core/wire16.hpp"
 
 namespace lockstep {
@@ -270,7 +272,9 @@ struct MPIBackend::Impl {
 
   // Large host allreduce and broadcast when every rank is on this machine (null otherwise).
   std::unique_ptr<detail::ShmCollectives> shm;
-
+  // Host allreduce when the ranks span machines with the same number (>= 2) on each (null
+  // otherwise, and whenever shm is set).
+  std::unique_ptr<detail::HierarchicalAllreduce> hier;
 
   ~Impl() {
     // Reliability hook: after a stall or with requests still pending, MPI may still progress
@@ -379,6 +383,35 @@ void chunked_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n,
   }
 }
 
+// A setting of the hierarchical path, read here (not among the reliability settings): parsed on
+// each rank, then agreed over comm, so that a malformed value, a value this build refuses, or
+// values that differ between ranks are the same InvalidArgument on every rank. `parse` returns
+// the value or nullopt when unset, and may throw InvalidArgument.
+template <class Parse>
+std::int64_t agreed_setting(MPI_Comm comm, const char* name, std::int64_t fallback, Parse&& parse) {
+  std::int64_t v = fallback;
+  std::string error;
+  try {
+    if (auto x = parse()) v = static_cast<std::int64_t>(*x);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::int64_t buf[3] = {v, -v, error.empty() ? 0 : 1};
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, buf, 3, MPI_INT64_T, MPI_MAX, comm));
+  if (buf[2] != 0)
+    throw InvalidArgument(error.empty() ? detail::concat(name, ": refused on another rank (malformed, or not "
+                                                               "available in this build)")
+                                        : error);
+  if (buf[0] != -buf[1])
+    throw InvalidArgument(detail::concat(name, ": the ranks differ (from ", -buf[1], " to ", buf[0],
+                                         "); set it alike on every rank"));
+  return v;
+}
+
+MPI_Datatype mpi_type_fn(DType t) { return mpi_type(t); }
+MPI_Op mpi_op_fn(ReduceOp op, DType t) { return mpi_op(op, t); }
+void scale_host_fn(TensorView v, int n) { scale_host(v, n); }
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -398,18 +431,53 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   // Every LOCKSTEP_* setting, parsed on each rank and then agreed: a value that is malformed or
   // differs on any rank is the same InvalidArgument on every rank (no rank is left waiting).
   detail::agree_on_settings(impl_->comm);
+  // The hierarchical allreduce (docs/architecture.md): LOCKSTEP_HIERARCHICAL=0 turns it off.
+  const bool hier_on = agreed_setting(impl_->comm, "LOCKSTEP_HIERARCHICAL", 1, [] {
+    auto b = detail::env::get_bool("LOCKSTEP_HIERARCHICAL");
+    return b ? std::optional<int>(*b ? 1 : 0) : std::nullopt;
+  }) != 0;
+  // Test settings, honoured only in builds with fault injection (refused on every rank
+  // elsewhere): LOCKSTEP_TEST_HOST_SIZE=k treats ranks [0,k), [k,2k), ... as separate machines,
+  // so that the hierarchical path runs on one; LOCKSTEP_TEST_HIER_CHUNK_BYTES and
+  // LOCKSTEP_TEST_HIER_MIN_BYTES set its chunk and threshold.
+  auto test_only = [](const char* name, std::uint64_t lo, std::uint64_t hi) {
+    return [name, lo, hi]() -> std::optional<std::uint64_t> {
+      auto v = detail::env::get(name);
+      if (!v) return std::nullopt;
+      if (!LOCKSTEP_FAULT_INJECTION)
+        throw InvalidArgument(detail::concat(name, "=\"", *v, "\": a test setting, honoured only in builds with "
+                                             "LOCKSTEP_FAULT_INJECTION=ON; unset it"));
+      return detail::env::parse_bytes(name, *v, lo, hi);
+    };
+  };
+  const std::int64_t test_host_size =
+      agreed_setting(impl_->comm, "LOCKSTEP_TEST_HOST_SIZE", 0, test_only("LOCKSTEP_TEST_HOST_SIZE", 1, 1 << 20));
+  const std::int64_t hier_chunk = agreed_setting(impl_->comm, "LOCKSTEP_TEST_HIER_CHUNK_BYTES", 0,
+                                                 test_only("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 1, std::uint64_t{1} << 30));
+  const std::int64_t hier_min = agreed_setting(impl_->comm, "LOCKSTEP_TEST_HIER_MIN_BYTES", -1,
+                                               test_only("LOCKSTEP_TEST_HIER_MIN_BYTES", 0, std::uint64_t{1} << 40));
   MPI_Comm node = MPI_COMM_NULL;
-  LOCKSTEP_MPI_CHECK(
-      MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->rank, MPI_INFO_NULL, &node));
+  if (test_host_size > 0)
+    LOCKSTEP_MPI_CHECK(MPI_Comm_split(impl_->comm, static_cast<int>(impl_->rank / test_host_size), impl_->rank, &node));
+  else
+    LOCKSTEP_MPI_CHECK(
+        MPI_Comm_split_type(impl_->comm, MPI_COMM_TYPE_SHARED, impl_->rank, MPI_INFO_NULL, &node));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(node, &impl_->local_rank));
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &impl_->local_size));
-  LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   impl_->cuda_aware = detail::settings_cuda_aware_mpi().value_or(detect_cuda_aware());
   impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
   impl_->shm = detail::ShmCollectives::create(impl_->comm, impl_->local_size);
   // Every wait of the shared-memory path is bounded: it polls the reliability hook (stall
   // notices from other ranks, this collective's deadline).
-  if (impl_->shm) impl_->shm->set_wait_hook(&detail::wait_point, impl_->monitor.get());
+  if (impl_->shm) {
+    LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
+  } else {
+    // Not all on one machine (the same verdict on every rank): the hierarchical allreduce where
+    // the placement allows it. It takes over `node`, and frees it when it says no.
+    impl_->hier = detail::HierarchicalAllreduce::create(
+        impl_->comm, node, hier_on, {&mpi_type_fn, &mpi_op_fn, &scale_host_fn}, impl_->monitor.get(),
+        static_cast<std::size_t>(hier_chunk), hier_min);
+  }
 }
 
 MPIBackend::~MPIBackend() = default;
@@ -438,6 +506,7 @@ void MPIBackend::set_cuda_aware(bool on) noexcept {
   if (impl_) impl_->cuda_aware = on;
 }
 bool MPIBackend::shared_memory() const noexcept { return impl_ && impl_->shm != nullptr; }
+bool MPIBackend::hierarchical() const noexcept { return impl_ && impl_->hier != nullptr; }
 bool MPIBackend::usable() const noexcept { return impl_ && detail::monitor_usable(*impl_->monitor); }
 
 void MPIBackend::check_usable() const {
@@ -481,9 +550,12 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) try {
                                 static_cast<int>(op), -1);  // reliability hook
   if (guard.skipped()) return;
   if (impl_->size == 1 && buf.device.is_cpu()) return;  // one rank: the result is the data itself
-  Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype));
+  // The hierarchical path works on the host: device memory is staged for it, CUDA-aware or not.
+  Staged s(*impl_, buf, true, op == ReduceOp::avg || !is_mpi_native(buf.dtype) || impl_->hier);
   const bool host = s.host().device.is_cpu();
   if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
+    // avg included
+  } else if (impl_->hier && impl_->hier->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
     // avg included
   } else {
     if (buf.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop
@@ -508,11 +580,15 @@ void MPIBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) try
     if (send.data != recv.data) std::memcpy(recv.data, send.data, send.nbytes());
     return;
   }
-  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype);
+  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype) || impl_->hier;
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);
   const bool host = rs.host().device.is_cpu();
   if (impl_->shm && impl_->shm->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, host)) {
+    // avg included
+  } else if (impl_->hier &&
+             impl_->hier->allreduce(ss.host().data, rs.host().data, send.numel, send.dtype, op,
+                                    host && ss.host().device.is_cpu())) {
     // avg included
   } else {
     if (send.numel <= kMaxChunk)  // one MPI call (every small message): no chunk loop

@@ -39,6 +39,12 @@ class MPIBackend final : public Backend {
   /// it and then go to MPI. allreduce_wire16 and reduce_scatter_wire16 of f32 host data take
   /// it too, fused (docs/training.md, "Scale"). See docs/architecture.md.
   bool shared_memory() const noexcept;
+  /// Whether blocking host allreduce (f32/f64/i32/i64, bf16/f16 sum and avg, from 64 KiB) goes
+  /// hierarchically: shared memory within each machine, MPI between machines (docs/architecture.md, "Hierarchical allreduce"). True when the ranks span
+  /// two or more machines with the same number of ranks, at least two, on each (at most 8), and
+  /// neither LOCKSTEP_HIERARCHICAL=0 nor LOCKSTEP_SHM=0 is set. Uneven placements and one rank
+  /// per machine use the flat MPI path.
+  bool hierarchical() const noexcept;
 
   struct Impl;
 

@@ -1,0 +1,241 @@
+// Allreduce that knows the topology (see hierarchical.hpp).
+#include "mpi/hierarchical.hpp"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/errors.hpp"
+#include "lockstep/mpi/mpi_backend.hpp"
+#include "mpi/monitor.hpp"
+
+namespace lockstep::detail {
+
+namespace {
+// The chunk of the pipeline (bytes of the caller's buffer per chunk, before the rounding to a
+// multiple of the ranks per machine): large enough that a chunk's inter-host allreduce is
+// bandwidth-bound, small enough that a 16 MiB gradient bucket is four chunks that overlap.
+constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
+// Smaller calls go flat: below it the three stages' latencies (and the agreement's) cost more
+// than the network time they save (bench_collectives at 4 ranks as two machines over TCP: 2.8x
+// slower than flat at 8 B, even at 32 KiB, 1.5x faster at 128 KiB; docs/performance.md).
+constexpr std::size_t kDefaultMinBytes = std::size_t{64} << 10;
+constexpr int kFields = 5;  // call number, count, dtype, op, memory
+}  // namespace
+
+std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm comm, MPI_Comm node, bool enabled,
+                                                                     MpiOps ops, void* monitor,
+                                                                     std::size_t chunk_bytes, std::int64_t min_bytes) {
+  int size = 1, rank = 0, local_size = 1, local_rank = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &local_size));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(node, &local_rank));
+  auto drop = [&] {
+    MPI_Comm_free(&node);
+    return std::unique_ptr<HierarchicalAllreduce>();
+  };
+  // Every machine the same number of ranks (at least two), at least two machines, enabled on
+  // every rank: the same verdict everywhere (one MPI allreduce over comm).
+  int v[3] = {local_size, -local_size, enabled ? 1 : 0};
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_INT, MPI_MIN, comm));
+  const bool uniform = v[0] == -v[1];
+  if (!(v[2] == 1 && uniform && local_size >= 2 && size / local_size >= 2)) return drop();
+  // The shared-memory segment of every machine (a collective over node): on every rank, or none.
+  std::unique_ptr<ShmCollectives> shm = ShmCollectives::create(node, local_size);
+  int ok = shm ? 1 : 0;
+  LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
+  if (!ok) {
+    shm.reset();
+    return drop();
+  }
+  std::unique_ptr<HierarchicalAllreduce> self(new HierarchicalAllreduce());
+  self->comm_ = comm;
+  self->node_ = node;
+  self->rank_ = rank;
+  self->size_ = size;
+  self->local_rank_ = local_rank;
+  self->local_size_ = local_size;
+  self->hosts_ = size / local_size;
+  self->ops_ = ops;
+  self->monitor_ = monitor;
+  self->chunk_bytes_ = chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes;
+  self->min_bytes_ = min_bytes >= 0 ? static_cast<std::size_t>(min_bytes) : kDefaultMinBytes;
+  // The ranks with this local rank, one per machine, in the order of comm.
+  LOCKSTEP_MPI_CHECK(MPI_Comm_split(comm, local_rank, rank, &self->cross_));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->cross_, MPI_ERRORS_RETURN));
+  LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->node_, MPI_ERRORS_RETURN));
+  self->shm_ = std::move(shm);
+  self->shm_->set_wait_hook(&HierarchicalAllreduce::hook, self.get());
+  return self;
+}
+
+HierarchicalAllreduce::~HierarchicalAllreduce() {
+  shm_.reset();
+  int fin = 0;
+  MPI_Finalized(&fin);
+  // After a wait that threw (a deadline, a stall elsewhere) a request may still be in flight on
+  // the communicators: they are left allocated then, as the backend leaves its own.
+  const bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
+  if (fin || busy) return;
+  if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
+  if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+}
+
+void HierarchicalAllreduce::hook(void* p) {
+  auto* self = static_cast<HierarchicalAllreduce*>(p);
+  wait_point(self->monitor_);
+  self->progress();
+}
+
+void HierarchicalAllreduce::progress() noexcept {
+  for (MPI_Request& r : pending_) {
+    if (r == MPI_REQUEST_NULL) continue;
+    int flag = 0;
+    const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
+  }
+}
+
+void HierarchicalAllreduce::wait(MPI_Request* req) {
+  int polls = 0;
+  while (*req != MPI_REQUEST_NULL) {
+    int flag = 0;
+    const int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
+    if (rc != MPI_SUCCESS || flag) break;
+    if (++polls == 4096) {
+      wait_point(monitor_);  // may throw: the deadline, a stall or refused call elsewhere
+      sched_yield();
+      polls = 0;
+    }
+  }
+  if (error_ != MPI_SUCCESS) {
+    const int rc = error_;
+    error_ = MPI_SUCCESS;
+    LOCKSTEP_MPI_CHECK(rc);
+  }
+}
+
+bool HierarchicalAllreduce::handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept {
+  if (!host || numel <= 0) return false;
+  const bool half16 = (dtype == DType::bf16 || dtype == DType::f16) && (op == ReduceOp::sum || op == ReduceOp::avg);
+  if (dtype != DType::f32 && dtype != DType::f64 && dtype != DType::i32 && dtype != DType::i64 && !half16) return false;
+  return static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
+}
+
+void HierarchicalAllreduce::agree(std::int64_t numel, DType dtype, ReduceOp op, bool host) {
+  const std::int64_t mine[kFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
+                                      static_cast<std::int64_t>(op), host ? 1 : 0};
+  // The max over every rank of each field and of its complement: all ranks agree on a field
+  // exactly when max(x) == ~max(~x). First among the ranks of this local rank (over the network),
+  // then among the ranks of this machine (shared memory): every rank ends with the max over all.
+  std::int64_t buf[2 * kFields];
+  for (int i = 0; i < kFields; ++i) {
+    buf[i] = mine[i];
+    buf[kFields + i] = ~mine[i];
+  }
+  MPI_Request req = MPI_REQUEST_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, cross_, &req));
+  wait(&req);
+  if (!shm_->allreduce(buf, buf, 2 * kFields, DType::i64, ReduceOp::max, true))
+    LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, node_));
+  std::string differ;
+  static const char* const names[kFields] = {"call number", "element count", "dtype", "op", "memory (host or device)"};
+  for (int i = 0; i < kFields; ++i)
+    if (buf[i] != ~buf[kFields + i]) differ += concat(differ.empty() ? "" : ", ", names[i]);
+  if (!differ.empty())
+    throw MismatchError(concat("allreduce: ranks called different collectives: this rank (", rank_,
+                               ") called allreduce of ", numel, " ", name(dtype), " elements with op ", name(op),
+                               host ? "" : " in device memory", " (call number ", mine[0],
+                               " on this communicator), and another rank's call differs in its ", differ,
+                               " (found by the hierarchical path's agreement)", rank_suffix()));
+}
+
+bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                                      bool host) {
+  // The path depends on the call's own fields (the same on every rank for the same call); a call
+  // this path takes is agreed first, and a disagreement is MismatchError on every rank.
+  if (!handles(numel, dtype, op, host)) return false;
+  agree(numel, dtype, op, host);
+  try {
+    run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
+
+void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op) {
+  const std::size_t es = size_of(dtype);
+  const auto L = static_cast<std::size_t>(local_size_);
+  const auto lr = static_cast<std::size_t>(local_rank_);
+  // Chunks of a multiple of L elements; only the last one may be shorter, and if it is not a
+  // multiple of L it goes through a scratch buffer padded with zeros (whose results are dropped).
+  const std::size_t chunk = std::max<std::size_t>(L, chunk_bytes_ / es / L * L);
+  const ReduceOp sum_op = op == ReduceOp::avg ? ReduceOp::sum : op;
+  const MPI_Datatype dt = ops_.type(dtype);
+  const MPI_Op mop = ops_.op(sum_op, dtype);
+  std::vector<char> scratch;
+
+  struct Stage {
+    char* work = nullptr;   // the chunk's L blocks (out, or scratch)
+    std::size_t b = 0;      // block length
+    char* copy_to = nullptr;  // where the first `c` elements go at the end (padded chunk), else null
+    std::size_t c = 0;
+    int slot = 0;           // its request in pending_
+  };
+  auto finish = [&](const Stage& s) {
+    wait(&pending_[s.slot]);
+    char* block = s.work + lr * s.b * es;
+    if (op == ReduceOp::avg) ops_.scale(TensorView{block, static_cast<std::int64_t>(s.b), dtype, Device::cpu()}, size_);
+    // Stage 3: every rank's finished block to every rank of this machine (in place).
+    if (!shm_->allgather(block, s.work, static_cast<std::int64_t>(s.b), dtype, true))
+      LOCKSTEP_MPI_CHECK(guarded_allgather(MPI_IN_PLACE, static_cast<int>(s.b), dt, s.work, static_cast<int>(s.b), dt,
+                                           node_));
+    if (s.copy_to != nullptr) std::memcpy(s.copy_to, s.work, s.c * es);
+  };
+
+  Stage prev;
+  bool have_prev = false;
+  int k = 0;
+  for (std::size_t off = 0; off < n; off += chunk, ++k) {
+    const std::size_t c = std::min(chunk, n - off);
+    Stage s;
+    s.slot = k & 1;
+    s.c = c;
+    const char* src = in + off * es;
+    if (c % L == 0) {
+      s.b = c / L;
+      s.work = out + off * es;
+    } else {
+      s.b = (c + L - 1) / L;
+      scratch.assign(s.b * L * es, 0);
+      std::memcpy(scratch.data(), src, c * es);
+      src = scratch.data();
+      s.work = scratch.data();
+      s.copy_to = out + off * es;
+    }
+    char* block = s.work + lr * s.b * es;
+    // Stage 1: this machine's sum of block lr of the chunk, into block lr of its place in out
+    // (in place when src is out, which the shared-memory reduce-scatter allows).
+    if (!shm_->reduce_scatter(src, block, static_cast<std::int64_t>(s.b), dtype, sum_op, true)) {
+      std::vector<char> tmp(s.b * es);
+      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(src, tmp.data(), static_cast<int>(s.b), dt, mop, node_));
+      std::memcpy(block, tmp.data(), s.b * es);
+    }
+    // Stage 2, nonblocking: the block among the machines. It runs while the previous chunk's
+    // all-gather and the next chunk's reduce-scatter do (their waits test it).
+    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(s.b), dt, mop, cross_, &pending_[s.slot]));
+    if (have_prev) finish(prev);
+    prev = s;
+    have_prev = true;
+  }
+  if (have_prev) finish(prev);
+}
+
+}  // namespace lockstep::detail

@@ -1,0 +1,98 @@
+// Allreduce that knows the topology: for communicators whose ranks span several machines with the
+// same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce.
+//
+// Why: between machines every byte of a flat allreduce goes over the network, and Open MPI's
+// algorithms do not tell the ranks on one machine apart from the others. Here a call runs in three
+// stages, chunk by chunk:
+//   1. node-local reduce-scatter through shared memory (a ShmCollectives over the ranks of this
+//      machine): local rank j ends with the machine's sum of block j of the chunk;
+//   2. inter-host allreduce of that block among the ranks with the same local rank (one rank per
+//      machine, a communicator split by local rank), nonblocking, over the network;
+//   3. node-local all-gather through shared memory of the finished blocks.
+// Each machine then sends 1/L of the data per rank (L ranks per machine) over the network instead
+// of all of it, and the network part of chunk k overlaps the shared-memory reduce-scatter of
+// chunk k+1 (the wait hook of the node's ShmCollectives tests the pending request while it waits).
+//
+// The ranks agree before they act: whether a call takes this path depends on its own fields only
+// (size, dtype, op, memory: the same on every rank for the same call), and every call that takes
+// it first exchanges its call
+// (count, dtype, op, memory, call number) with every rank, as a max over the ranks of the fields
+// and of their complements (one small MPI allreduce among the ranks of this local rank, then one
+// shared-memory allreduce among the ranks of this machine: every rank ends with the same global
+// verdict). A disagreement is MismatchError on every rank, before any buffer is written; otherwise
+// every rank takes the same path, which depends on the agreed fields only. Every wait is bounded:
+// the MPI requests are polled with the collective's wait point (deadline, stall notices), the
+// shared-memory waits poll the same hook.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "lockstep/comm/backend.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "mpi/shm/shm_collectives.hpp"
+
+namespace lockstep::detail {
+
+class HierarchicalAllreduce {
+ public:
+  /// How the backend reduces over MPI and divides for avg (its own helpers).
+  struct MpiOps {
+    MPI_Datatype (*type)(DType);
+    MPI_Op (*op)(ReduceOp, DType);
+    void (*scale)(TensorView, int);  // divides every element by n (host memory)
+  };
+
+  /// Collective over `comm`. `node` is this rank's machine (a communicator over its ranks, which
+  /// this object takes over and frees). Returns nullptr on every rank alike unless the ranks span
+  /// two or more machines, every machine holds the same number of ranks, at least two, and the
+  /// shared-memory segment of every machine could be created (and `enabled` on every rank).
+  /// `chunk_bytes`: the pipeline's chunk (0: the default, 4 MiB); `min_bytes`: smaller calls go
+  /// flat (negative: the default, 64 KiB). `monitor`: the backend's CommMonitor (wait_point).
+  static std::unique_ptr<HierarchicalAllreduce> create(MPI_Comm comm, MPI_Comm node, bool enabled, MpiOps ops,
+                                                       void* monitor, std::size_t chunk_bytes, std::int64_t min_bytes);
+  ~HierarchicalAllreduce();
+  HierarchicalAllreduce(const HierarchicalAllreduce&) = delete;
+  HierarchicalAllreduce& operator=(const HierarchicalAllreduce&) = delete;
+
+  /// Returns false, having done nothing, when the call goes over the flat communicator (the same
+  /// answer on every rank for the same call): dtypes other than f32/f64/i32/i64 (bf16/f16 with
+  /// sum or avg only), device memory, no elements, fewer than min_bytes(). Otherwise agrees on the
+  /// call with every rank (MismatchError on every rank when the calls differ), computes
+  /// recv = op over ranks of send (send may equal recv) and returns true.
+  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+
+  int hosts() const noexcept { return hosts_; }
+  int ranks_per_host() const noexcept { return local_size_; }
+  std::size_t min_bytes() const noexcept { return min_bytes_; }
+  std::size_t chunk_bytes() const noexcept { return chunk_bytes_; }
+
+  /// Called by the node ShmCollectives' waits (set as its wait hook).
+  static void hook(void* self);
+
+ private:
+  HierarchicalAllreduce() = default;
+  bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
+  void agree(std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  void wait(MPI_Request* req);
+  void progress() noexcept;
+  void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op);
+
+  MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, hosts_ = 1;
+  std::unique_ptr<ShmCollectives> shm_;  // over node_
+  MpiOps ops_{};
+  void* monitor_ = nullptr;  // the backend's CommMonitor (wait_point)
+  std::size_t min_bytes_ = 0, chunk_bytes_ = 0;
+  std::uint64_t calls_ = 0;
+  // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
+  // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
+  MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  int error_ = MPI_SUCCESS;
+  bool failed_ = false;
+};
+
+}  // namespace lockstep::detail

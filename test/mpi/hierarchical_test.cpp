@@ -1,0 +1,323 @@
+// MPIBackend's hierarchical allreduce (src/mpi/hierarchical.*), on one machine: ctest runs this
+// binary with LOCKSTEP_TEST_HOST_SIZE=k (a build with fault injection), which makes the backend
+// treat ranks [0,k), [k,2k), ... as separate machines. Checked: the path is on exactly where the
+// placement allows it (even, at least two machines of at least two ranks); every op and dtype
+// (f32, f64, i32, i64; bf16 and f16 with sum and avg) at sizes from 1 element to several MiB,
+// in place and out of place, gives the flat MPI allreduce's result (bitwise for the integers and
+// for min and max; for the floating sums and products, within rounding of it, and bitwise what
+// the hierarchical order of the sum gives at two machines), the same bits on every rank; ranks
+// or whole machines that disagree about a call get MismatchError on every rank, with no buffer
+// written and the backend still usable.
+#include <catch2/catch.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "lockstep/lockstep.hpp"
+
+namespace ls = lockstep;
+
+namespace {
+
+ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? fallback : std::atoi(v);
+}
+bool env_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && (std::string(v) == "0" || std::string(v) == "off");
+}
+
+bool all_ranks(bool ok) {
+  int v = ok ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return v == 1;
+}
+
+bool same_on_every_rank(const void* p, std::size_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
+  std::uint64_t lo = h, hi = h;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
+}
+
+// Rank r's element i: non-integer floats (the order of a sum shows in the last bits), small
+// integers for prod (no overflow at 8 ranks), anything for the other integer ops.
+double value_uncached(ls::DType t, ls::ReduceOp op, int r, std::int64_t i) {
+  const bool integer = t == ls::DType::i32 || t == ls::DType::i64;
+  if (op == ls::ReduceOp::prod) return integer ? 1 + (i + r) % 3 : 0.75 + 0.5 * std::abs(std::sin(0.37 * i + r));
+  if (integer) return static_cast<double>(((i * 7919 + r * 104729) % 20011) - 10005);
+  return std::sin(0.001 * static_cast<double>(i) + r) * (1.0 + 0.37 * r);
+}
+
+// Memoized (the references read every rank's values again and again).
+double value(ls::DType t, ls::ReduceOp op, int r, std::int64_t i) {
+  const bool integer = t == ls::DType::i32 || t == ls::DType::i64;
+  const int kind = (op == ls::ReduceOp::prod ? 2 : 0) + (integer ? 1 : 0);
+  static std::vector<std::vector<double>> memo[4];
+  auto& per_rank = memo[kind];
+  if (static_cast<std::size_t>(r) >= per_rank.size()) per_rank.resize(static_cast<std::size_t>(r) + 1);
+  auto& m = per_rank[static_cast<std::size_t>(r)];
+  if (static_cast<std::size_t>(i) >= m.size()) {
+    const std::size_t from = m.size();
+    m.resize(std::max(static_cast<std::size_t>(i) + 1, 2 * from));
+    for (std::size_t k = from; k < m.size(); ++k) m[k] = value_uncached(t, op, r, static_cast<std::int64_t>(k));
+  }
+  return m[static_cast<std::size_t>(i)];
+}
+
+template <class T>
+void fill(ls::Tensor& x, ls::DType t, ls::ReduceOp op, int r) {
+  T* p = x.data<T>();
+  for (std::int64_t i = 0; i < x.numel(); ++i) p[i] = static_cast<T>(value(t, op, r, i));
+}
+
+// The sizes: from one element up to several MiB, none a multiple of anything in particular, and
+// around the pipeline's chunk (LOCKSTEP_TEST_HIER_CHUNK_BYTES, default 4 MiB) for 4-byte types.
+std::vector<std::int64_t> sizes() {
+  const std::int64_t chunk = env_int("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 4 << 20) / 4;
+  std::vector<std::int64_t> out = {1, 2, 3, 5, 7, 1001, 65537, chunk - 1, chunk + 1, 1700003};
+  if (chunk < 100000) out.push_back(3 * chunk + 5);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// The flat reference: MPI_Allreduce over MPI_COMM_WORLD (then / n for avg, as the flat path does).
+template <class T>
+std::vector<T> flat_reference(const ls::Tensor& x, MPI_Datatype dt, ls::ReduceOp op, int n) {
+  std::vector<T> out(static_cast<std::size_t>(x.numel()));
+  MPI_Op mop = op == ls::ReduceOp::prod ? MPI_PROD
+               : op == ls::ReduceOp::min ? MPI_MIN
+               : op == ls::ReduceOp::max ? MPI_MAX
+                                         : MPI_SUM;
+  MPI_Allreduce(x.data<T>(), out.data(), static_cast<int>(x.numel()), dt, mop, MPI_COMM_WORLD);
+  if (op == ls::ReduceOp::avg)
+    for (auto& v : out) v = static_cast<T>(v / static_cast<T>(n));
+  return out;
+}
+
+// At two machines of k ranks each, what the hierarchical order gives: each machine folds its
+// ranks in rank order, then one addition (or product) of the two machines' values, commutative
+// so the same bits whichever machine's value comes first, then / n for avg.
+template <class T>
+T hier_order(ls::DType t, ls::ReduceOp op, int k, std::int64_t i) {
+  auto fold = [&](int from) {
+    T acc = static_cast<T>(value(t, op, from, i));
+    for (int r = from + 1; r < from + k; ++r) {
+      const T x = static_cast<T>(value(t, op, r, i));
+      acc = op == ls::ReduceOp::prod ? static_cast<T>(acc * x) : static_cast<T>(acc + x);
+    }
+    return acc;
+  };
+  T a = fold(0), b = fold(k);
+  T v = op == ls::ReduceOp::prod ? static_cast<T>(a * b) : static_cast<T>(a + b);
+  if (op == ls::ReduceOp::avg) v = static_cast<T>(v / static_cast<T>(2 * k));
+  return v;
+}
+
+// Calls from this many bytes take the hierarchical path (LOCKSTEP_TEST_HIER_MIN_BYTES, default 64 KiB).
+std::size_t hier_min_bytes() { return static_cast<std::size_t>(env_int("LOCKSTEP_TEST_HIER_MIN_BYTES", 64 << 10)); }
+
+template <class T>
+void check_dtype(ls::DType t, MPI_Datatype dt) {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const bool two_hosts = b.hierarchical() && b.local_size() * 2 == n;
+  const bool integer = t == ls::DType::i32 || t == ls::DType::i64;
+  for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::prod, ls::ReduceOp::min, ls::ReduceOp::max,
+                          ls::ReduceOp::avg}) {
+    if (integer && op == ls::ReduceOp::avg) continue;
+    for (std::int64_t count : sizes()) {
+      for (bool in_place : {true, false}) {
+        ls::Tensor x(ls::Shape{count}, t);
+        fill<T>(x, t, op, rank);
+        const std::vector<T> flat = flat_reference<T>(x, dt, op, n);
+        ls::Tensor out(ls::Shape{count}, t);
+        if (in_place) {
+          b.allreduce(x.view(), op);
+        } else {
+          b.allreduce(x.view(), out.view(), op);
+          // send is left as it was
+          std::int64_t changed = 0;
+          for (std::int64_t i = 0; i < count; ++i)
+            changed += x.data<T>()[i] == static_cast<T>(value(t, op, rank, i)) ? 0 : 1;
+          CHECK(changed == 0);
+        }
+        const T* got = in_place ? x.data<T>() : out.data<T>();
+        std::int64_t wrong = 0, wrong_order = 0;
+        double worst = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          const T want = flat[static_cast<std::size_t>(i)];
+          if (integer || op == ls::ReduceOp::min || op == ls::ReduceOp::max) {
+            wrong += got[i] == want ? 0 : 1;  // bitwise: the order does not matter
+          } else {
+            const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want)) /
+                               std::max(1.0, std::abs(static_cast<double>(want)));
+            worst = std::max(worst, err);
+            wrong += err <= 8 * n * std::numeric_limits<T>::epsilon() ? 0 : 1;
+            if (two_hosts && static_cast<std::size_t>(count) * sizeof(T) >= hier_min_bytes()) wrong_order += got[i] == hier_order<T>(t, op, n / 2, i) ? 0 : 1;
+          }
+        }
+        INFO(ls::name(t) << " " << ls::name(op) << " count " << count << (in_place ? " in place" : " out of place")
+                         << " rank " << rank << ": worst relative error " << worst);
+        CHECK(wrong == 0);
+        CHECK(wrong_order == 0);
+        CHECK(same_on_every_rank(got, static_cast<std::size_t>(count) * sizeof(T)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the hierarchical path is on exactly where the placement allows it") {
+  ls::MPIBackend& b = backend();
+  const int k = env_int("LOCKSTEP_TEST_HOST_SIZE", 0), n = b.size();
+  const bool expected = k >= 2 && k < n && n % k == 0 && k <= 8 && !env_off("LOCKSTEP_HIERARCHICAL") &&
+                        !env_off("LOCKSTEP_SHM");
+  CHECK(b.hierarchical() == expected);
+  if (k > 0 && k < n) {
+    CHECK_FALSE(b.shared_memory());  // the whole communicator is not on one "machine"
+    CHECK(b.local_size() == std::min(k, n - b.rank() / k * k));
+    CHECK(b.local_rank() == b.rank() % k);
+  }
+  ls::MPIBackend self(MPI_COMM_SELF);  // one rank: nothing to split
+  CHECK_FALSE(self.hierarchical());
+}
+
+TEST_CASE("allreduce f32: the flat result within rounding, the hierarchical order bitwise") {
+  check_dtype<float>(ls::DType::f32, MPI_FLOAT);
+}
+TEST_CASE("allreduce f64: the flat result within rounding, the hierarchical order bitwise") {
+  check_dtype<double>(ls::DType::f64, MPI_DOUBLE);
+}
+TEST_CASE("allreduce i32 and i64: the flat result bitwise") {
+  check_dtype<std::int32_t>(ls::DType::i32, MPI_INT32_T);
+  check_dtype<std::int64_t>(ls::DType::i64, MPI_INT64_T);
+}
+
+// The 16-bit value of x (bf16 or f16), as a float.
+float round16(ls::DType t, float x) {
+  return t == ls::DType::bf16 ? ls::to_float(ls::to_bfloat16(x)) : ls::to_float(ls::to_half(x));
+}
+
+TEST_CASE("allreduce of bf16 and f16 (the 16-bit wire): within the 16-bit rounding of the exact sum") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  for (ls::DType t : {ls::DType::bf16, ls::DType::f16}) {
+    const double eps = t == ls::DType::bf16 ? 1.0 / 128 : 1.0 / 1024;
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t count : sizes()) {
+        ls::Tensor x(ls::Shape{count}, t);
+        auto* p = static_cast<std::uint16_t*>(x.raw_data());
+        for (std::int64_t i = 0; i < count; ++i) {
+          const float v = static_cast<float>(value(ls::DType::f32, op, rank, i));
+          if (t == ls::DType::bf16) {
+            const ls::bfloat16 h = ls::to_bfloat16(v);
+            std::memcpy(p + i, &h, 2);
+          } else {
+            const ls::half h = ls::to_half(v);
+            std::memcpy(p + i, &h, 2);
+          }
+        }
+        b.allreduce(x.view(), op);
+        std::int64_t wrong = 0;
+        // Against the exact sum of the 16-bit inputs, element by element (every element: a sum
+        // of n values), with a bound of a few roundings of the sum of the magnitudes.
+        for (std::int64_t i = 0; i < count; ++i) {
+          double exact = 0, mag = 0;
+          for (int r = 0; r < n; ++r) {
+            const double v = round16(t, static_cast<float>(value(ls::DType::f32, op, r, i)));
+            exact += v;
+            mag += std::abs(v);
+          }
+          if (op == ls::ReduceOp::avg) {
+            exact /= n;
+            mag /= n;
+          }
+          float got;
+          if (t == ls::DType::bf16) {
+            ls::bfloat16 h;
+            std::memcpy(&h, p + i, 2);
+            got = ls::to_float(h);
+          } else {
+            ls::half h;
+            std::memcpy(&h, p + i, 2);
+            got = ls::to_float(h);
+          }
+          wrong += std::abs(got - exact) <= 4 * eps * mag + 1e-6 ? 0 : 1;
+        }
+        INFO(ls::name(t) << " " << ls::name(op) << " count " << count << " rank " << rank);
+        CHECK(wrong == 0);
+        CHECK(same_on_every_rank(x.raw_data(), static_cast<std::size_t>(count) * 2));
+      }
+    }
+  }
+}
+
+TEST_CASE("ranks or whole machines that disagree about an allreduce get MismatchError on every rank") {
+  ls::MPIBackend& b = backend();
+  if (!b.hierarchical()) return;  // the flat path's own checks are tested elsewhere
+  const int rank = b.rank(), k = b.local_size();
+  const std::int64_t count = (std::int64_t{1} << 18) + 3;
+  int round = 0;
+  auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
+    ls::Tensor x(ls::Shape{count + 1});
+    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+    std::string text;
+    bool threw = false;
+    try {
+      call(x);
+    } catch (const ls::MismatchError& e) {
+      threw = true;
+      text = e.what();
+    }
+    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+    CHECK(all_ranks(threw));
+    CHECK(all_ranks(text.find(part) != std::string::npos));
+    std::int64_t changed = 0;
+    for (std::int64_t i = 0; i <= count; ++i)
+      changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+    CHECK(all_ranks(changed == 0));
+    // Still in step: a correct call works.
+    ls::Tensor y(ls::Shape{count});
+    for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = 1.0f;
+    b.allreduce(y.view(), ls::ReduceOp::sum);
+    std::int64_t wrong = 0;
+    for (std::int64_t i = 0; i < count; ++i) wrong += y.data<float>()[i] == static_cast<float>(b.size()) ? 0 : 1;
+    CHECK(all_ranks(wrong == 0));
+    ++round;
+  };
+  expect_mismatch("one rank's element count", "element count", [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, rank == b.size() - 1 ? count + 1 : count), ls::ReduceOp::sum);
+  });
+  expect_mismatch("one machine's op (each machine agrees within)", "op", [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, count), rank < k ? ls::ReduceOp::sum : ls::ReduceOp::max);
+  });
+  if (hier_min_bytes() <= 4) {
+    // Every size takes the path (LOCKSTEP_TEST_HIER_MIN_BYTES=0): even one element is agreed. (With
+    // a threshold, a call below it goes flat without agreement, as on the flat path: a count that
+    // straddles it is found by LOCKSTEP_CHECK, or the deadline.)
+    expect_mismatch("one machine's count of one element", "element count", [&](ls::Tensor& x) {
+      b.allreduce(x.view().slice(0, rank < k ? 1 : count), ls::ReduceOp::sum);
+    });
+  } else {
+    ++round;
+  }
+  expect_mismatch("the same local rank differs on every machine", "element count", [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, rank % k == 0 ? count : count - 1), ls::ReduceOp::sum);
+  });
+  CHECK(round == 4);
+}
