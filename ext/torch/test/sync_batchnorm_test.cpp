@@ -2,7 +2,8 @@
 // batch b train a conv net as one process with torch::nn::BatchNorm2d on batch N*b (declared and
 // converted), uneven batches (one rank with 0 rows), BatchNorm1d without affine or running
 // statistics, collectives per forward/backward (none in eval), convert refusing a BatchNorm held
-// by a custom module's member on every rank, and BatchNorm's state_dict names and checkpoints.
+// by a custom module's member on every rank, and BatchNorm's state_dict names and checkpoints;
+// lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part).
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
@@ -17,6 +18,7 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/torch.hpp"
+#include "lockstep/torch/join.hpp"
 #include "lockstep/torch/sync_batchnorm.hpp"
 #include "test_support.hpp"
 
@@ -359,4 +361,78 @@ TEST_CASE("SyncBatchNorm2d has BatchNorm2d's state_dict names and loads its chec
   torch::load(back, (dir / "sync.pt").string());
   CHECK(max_diff(*back, *sync) == 0);
   std::filesystem::remove_all(dir);
+}
+
+namespace {
+struct MlpImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Sequential bn{nullptr};
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 6));
+    bn = register_module("bn", torch::nn::Sequential(torch::nn::BatchNorm1d(6)));
+    fc2 = register_module("fc2", torch::nn::Linear(6, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
+};
+TORCH_MODULE(Mlp);
+}  // namespace
+
+TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part with 0 rows until it is done, "
+          "SyncBatchNorm too; the same model as one process on the active ranks' rows, divided by the world size",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size();
+  const std::int64_t rows = 3, base = 2;
+  for (int extra : {0, 1, 5}) {
+    INFO(extra << " extra batches on the last rank");
+    // Rank r has base batches, the last rank base + extra.
+    auto batches_of = [&](int r) { return base + (r == n - 1 ? extra : 0); };
+    const std::int64_t mine = batches_of(b.rank());
+    torch::manual_seed(3);
+    Mlp ref;
+    Mlp dist;
+    {
+      torch::NoGradGuard no_grad;
+      auto src = ref->named_parameters();
+      for (auto& p : dist->named_parameters()) p.value().copy_(src[p.key()]);
+    }
+    CHECK(lt::convert_sync_batchnorm(b, *dist) == 1);
+    torch::optim::SGD sgd(dist->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD sgd_ref(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    lt::DistributedOptimizer opt(b, sgd);  // ReduceOp::avg: divided by the world size
+    lt::Join join(b);
+    std::int64_t i = 0;
+    for (; join.next(i < mine); ++i) {
+      torch::manual_seed(800 + static_cast<int>(i));
+      const auto x = torch::randn({n * rows, 4}), y = torch::randn({n * rows, 2});
+      // The reference: the active ranks' rows, each rank's mean loss, summed and divided by n.
+      std::vector<torch::Tensor> xs, ys;
+      for (int r = 0; r < n; ++r)
+        if (i < batches_of(r)) {
+          xs.push_back(x.narrow(0, r * rows, rows));
+          ys.push_back(y.narrow(0, r * rows, rows));
+        }
+      CHECK(join.active_ranks() == static_cast<int>(xs.size()));
+      sgd_ref.zero_grad();
+      ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / (rows * 2 * n)).backward();
+      sgd_ref.step();
+      const std::int64_t k = i < mine ? rows : 0;  // a joined rank: 0 rows
+      opt.zero_grad();
+      torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)),
+                                      y.narrow(0, b.rank() * rows, k))
+          .backward();
+      CHECK(opt.step());
+    }
+    CHECK(i == base + extra);
+    CHECK(join.steps() == base + extra);
+    CHECK(join.joined_steps() == (b.rank() == n - 1 ? 0 : extra));
+    CHECK(join.active_ranks() == 0);
+    CHECK(all_ranks(max_diff(*dist, *ref) < 1e-4));
+    UNSCOPED_INFO("largest difference " << max_diff(*dist, *ref));
+    std::map<std::string, ls::Tensor> t;
+    for (const auto& p : dist->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
+    for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
+    CHECK_NOTHROW(ls::check_replicas(b, t));
+  }
 }
