@@ -384,8 +384,11 @@ TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part wi
   auto& b = backend();
   const int n = b.size();
   const std::int64_t rows = 3, base = 2;
-  for (int extra : {0, 1, 5}) {
-    INFO(extra << " extra batches on the last rank");
+  for (int extra : {0, 1, 5})
+  for (bool by_active : {false, true}) {
+    // by_active: the mean over the ranks that had a batch (DDP's divide_by_initial_world_size=False),
+    // by scaling the loss by size() / active_ranks().
+    INFO(extra << " extra batches on the last rank; divided by " << (by_active ? "the active ranks" : "the world size"));
     // Rank r has base batches, the last rank base + extra.
     auto batches_of = [&](int r) { return base + (r == n - 1 ? extra : 0); };
     const std::int64_t mine = batches_of(b.rank());
@@ -415,12 +418,15 @@ TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part wi
         }
       CHECK(join.active_ranks() == static_cast<int>(xs.size()));
       sgd_ref.zero_grad();
-      ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / (rows * 2 * n)).backward();
+      const double divisor = static_cast<double>(rows * 2 * (by_active ? static_cast<std::int64_t>(xs.size()) : n));
+      ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / divisor).backward();
       sgd_ref.step();
       const std::int64_t k = i < mine ? rows : 0;  // a joined rank: 0 rows
       opt.zero_grad();
-      torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)),
-                                      y.narrow(0, b.rank() * rows, k))
+      const double scale = by_active ? static_cast<double>(n) / join.active_ranks() : 1.0;
+      (torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)),
+                                       y.narrow(0, b.rank() * rows, k)) *
+       scale)
           .backward();
       CHECK(opt.step());
     }
