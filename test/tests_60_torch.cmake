@@ -5,6 +5,13 @@ if(TARGET lockstep_torch)
   target_link_libraries(test_torch PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch TARGET test_torch RANKS 1 2 3 4 LABELS torch TIMEOUT 600
     ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  # lt::SyncBatchNorm and lt::convert_sync_batchnorm: N ranks equal one process on the global
+  # batch (even, uneven, a rank with 0 rows), collectives counted, convert's refusals; lt::Join
+  # with 0, 1 and 5 extra batches on one rank.
+  lockstep_test_executable(test_torch_sync_batchnorm ${PROJECT_SOURCE_DIR}/ext/torch/test/sync_batchnorm_test.cpp)
+  target_link_libraries(test_torch_sync_batchnorm PRIVATE lockstep::torch)
+  lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch_sync_batchnorm RANKS 1 2 3 4 LABELS torch
+    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).
@@ -14,8 +21,12 @@ if(TARGET lockstep_torch)
                               RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME torch_digits_resume SCRIPT torch_digits_resume.sh TARGET torch_digits
                               RANKS 2 TIMEOUT 120)
-    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY LABELS torch)
-    set_property(TEST torch_digits_accuracy torch_digits_resume APPEND PROPERTY ENVIRONMENT OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+    # torch_digits_bn: a CNN with convert_sync_batchnorm, the same test loss at -n 1, 2 and 4.
+    lockstep_add_example_test(NAME torch_digits_bn_scale SCRIPT torch_digits_bn_scale.sh TARGET torch_digits_bn
+                              RANKS 4 TIMEOUT 240)
+    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale APPEND PROPERTY LABELS torch)
+    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale APPEND PROPERTY ENVIRONMENT
+                 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   endif()
 endif()
 

@@ -19,6 +19,10 @@
 // This header declares LibTorch's types without including LibTorch (its headers are slow to
 // compile); code that calls these functions includes <torch/torch.h> itself. Inside namespace
 // lockstep::torch, LibTorch's own namespace is ::torch.
+//
+// Also: lt::Join (uneven inputs, lockstep/torch/join.hpp, included here) and lt::SyncBatchNorm1d/
+// 2d/3d with lt::convert_sync_batchnorm (<lockstep/torch/sync_batchnorm.hpp>, included on its own:
+// its module holders need LibTorch's headers).
 #pragma once
 
 #include <cstddef>
@@ -33,6 +37,7 @@
 #include "lockstep/backend.hpp"
 #include "lockstep/gradient_reducer.hpp"
 #include "lockstep/tensor.hpp"
+#include "lockstep/torch/join.hpp"
 
 namespace at {
 class Tensor;

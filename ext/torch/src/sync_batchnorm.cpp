@@ -1,0 +1,314 @@
+// lockstep::torch::SyncBatchNorm and convert_sync_batchnorm (see lockstep/torch/sync_batchnorm.hpp).
+#include "lockstep/torch/sync_batchnorm.hpp"
+
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+
+#include "lockstep/comm/consensus.hpp"
+#include "lockstep/core/errors.hpp"
+#include "lockstep/reliability/call_site.hpp"
+
+namespace lockstep::torch {
+
+using detail::concat;
+
+namespace {
+
+using ::torch::autograd::AutogradContext;
+using ::torch::autograd::variable_list;
+
+// The per-channel reduction dims of an (N, C, ...) input, and the shape that broadcasts a
+// per-channel vector over it.
+std::vector<std::int64_t> reduce_dims(const at::Tensor& x) {
+  std::vector<std::int64_t> dims{0};
+  for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  return dims;
+}
+std::vector<std::int64_t> channel_shape(const at::Tensor& x) {
+  std::vector<std::int64_t> s(static_cast<std::size_t>(x.dim()), 1);
+  s[1] = x.size(1);
+  return s;
+}
+
+// Normalises with the global batch's statistics. Outputs: y, then the global mean and the
+// unbiased global variance (f64, not differentiable) for the running statistics.
+struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, Backend* backend, double eps) {
+    const std::int64_t c = x.size(1);
+    const auto dims = reduce_dims(x);
+    // One collective: [count, sum(x) per channel, sum(x * x) per channel], in f64.
+    auto stats = at::empty({1 + 2 * c}, x.options().dtype(at::kDouble));
+    stats[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
+    if (x.numel() > 0) {
+      stats.narrow(0, 1, c).copy_(at::sum(x, dims, false, at::kDouble));
+      stats.narrow(0, 1 + c, c).copy_(at::sum(x * x, dims, false, at::kDouble));
+    } else {
+      stats.narrow(0, 1, 2 * c).zero_();
+    }
+    backend->allreduce(view(stats), ReduceOp::sum);
+    const double n = stats[0].item<double>();
+    LOCKSTEP_CHECK_ARG(n > 1, "lockstep::torch::SyncBatchNorm: expected more than 1 value per channel in the global "
+                              "batch when training, got ", n, " (input ", x.sizes(), " on rank ", backend->rank(), ")");
+    const auto mean = stats.narrow(0, 1, c) / n;
+    const auto var = (stats.narrow(0, 1 + c, c) / n - mean * mean).clamp_min(0);  // biased
+    const auto invstd = (var + eps).rsqrt();
+    const auto shape = channel_shape(x);
+    const auto mean_x = mean.to(x.scalar_type()).view(shape), invstd_x = invstd.to(x.scalar_type()).view(shape);
+    auto y = (x - mean_x) * invstd_x;
+    if (weight.defined()) y = y * weight.view(shape);
+    if (bias.defined()) y = y + bias.view(shape);
+    ctx->save_for_backward({x, weight, mean_x, invstd_x});
+    ctx->saved_data["backend"] = reinterpret_cast<std::int64_t>(backend);
+    ctx->saved_data["n"] = n;
+    const auto unbiased = var * (n / (n - 1));
+    ctx->mark_non_differentiable({mean, unbiased});
+    return {y, mean, unbiased};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &invstd = saved[3];
+    auto* backend = reinterpret_cast<Backend*>(ctx->saved_data["backend"].toInt());
+    const double n = ctx->saved_data["n"].toDouble();
+    at::Tensor dy = grad_outputs[0];
+    if (!dy.defined()) dy = at::zeros_like(x);
+    const std::int64_t c = x.size(1);
+    const auto dims = reduce_dims(x);
+    const auto shape = channel_shape(x);
+    const auto xhat = (x - mean) * invstd;
+    // This rank's sums: the gradients of bias and weight (the optimizer averages them).
+    auto sums = at::empty({2 * c}, x.options().dtype(at::kDouble));
+    if (x.numel() > 0) {
+      sums.narrow(0, 0, c).copy_(at::sum(dy, dims, false, at::kDouble));
+      sums.narrow(0, c, c).copy_(at::sum(dy * xhat, dims, false, at::kDouble));
+    } else {
+      sums.zero_();
+    }
+    at::Tensor grad_weight, grad_bias, grad_x;
+    if (weight.defined() && ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight.scalar_type());
+    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(x.scalar_type());
+    if (ctx->needs_input_grad(0)) {
+      // One collective: the global batch's sums of dy and dy * xhat per channel.
+      backend->allreduce(view(sums), ReduceOp::sum);
+      const auto mean_dy = (sums.narrow(0, 0, c) / n).to(x.scalar_type()).view(shape);
+      const auto mean_dy_xhat = (sums.narrow(0, c, c) / n).to(x.scalar_type()).view(shape);
+      auto scale = invstd;
+      if (weight.defined()) scale = scale * weight.view(shape);
+      grad_x = (dy - mean_dy - xhat * mean_dy_xhat) * scale;
+    }
+    return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+template <std::size_t D>
+SyncBatchNormImpl<D>::SyncBatchNormImpl(Backend& backend, const ::torch::nn::BatchNormOptions& options_)
+    : options(options_), backend_(&backend) {
+  reset();
+}
+
+template <std::size_t D>
+SyncBatchNormImpl<D>::SyncBatchNormImpl(Backend& backend, const ::torch::nn::BatchNormOptions& options_,
+                                        std::vector<at::Tensor> adopt)
+    : options(options_), backend_(&backend), adopt_(std::move(adopt)) {
+  LOCKSTEP_CHECK_ARG(adopt_.size() == 5, "lockstep::torch::SyncBatchNorm: 5 tensors to adopt, got ", adopt_.size());
+  reset();
+}
+
+template <std::size_t D>
+void SyncBatchNormImpl<D>::reset() {
+  std::vector<at::Tensor> adopt = std::move(adopt_);
+  adopt_.clear();
+  const bool adopting = !adopt.empty();
+  const std::int64_t c = options.num_features();
+  if (options.affine()) {
+    // An adopted parameter keeps its trained or frozen state.
+    weight = this->register_parameter("weight", adopting ? adopt[0] : ::torch::empty({c}),
+                                      adopting ? adopt[0].requires_grad() : true);
+    bias = this->register_parameter("bias", adopting ? adopt[1] : ::torch::empty({c}),
+                                    adopting ? adopt[1].requires_grad() : true);
+  } else {
+    weight = this->register_parameter("weight", at::Tensor(), /*requires_grad=*/false);
+    bias = this->register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = this->register_buffer("running_mean", adopting ? adopt[2] : ::torch::zeros({c}));
+    running_var = this->register_buffer("running_var", adopting ? adopt[3] : ::torch::ones({c}));
+    num_batches_tracked = this->register_buffer(
+        "num_batches_tracked", adopting ? adopt[4] : ::torch::tensor(0, ::torch::dtype(::torch::kLong)));
+  } else {
+    running_mean = this->register_buffer("running_mean", at::Tensor());
+    running_var = this->register_buffer("running_var", at::Tensor());
+    num_batches_tracked = this->register_buffer("num_batches_tracked", at::Tensor());
+  }
+  if (!adopting) reset_parameters();
+}
+
+template <std::size_t D>
+void SyncBatchNormImpl<D>::reset_running_stats() {
+  if (!options.track_running_stats()) return;
+  ::torch::NoGradGuard no_grad;
+  running_mean.zero_();
+  running_var.fill_(1);
+  num_batches_tracked.zero_();
+}
+
+template <std::size_t D>
+void SyncBatchNormImpl<D>::reset_parameters() {
+  reset_running_stats();
+  if (options.affine()) {
+    ::torch::nn::init::ones_(weight);
+    ::torch::nn::init::zeros_(bias);
+  }
+}
+
+template <std::size_t D>
+void SyncBatchNormImpl<D>::pretty_print(std::ostream& stream) const {
+  stream << "lockstep::torch::SyncBatchNorm" << D << "d(" << options.num_features() << ", eps=" << options.eps()
+         << ", momentum=";
+  if (options.momentum().has_value())
+    stream << *options.momentum();
+  else
+    stream << "None";
+  stream << ", affine=" << (options.affine() ? "true" : "false")
+         << ", track_running_stats=" << (options.track_running_stats() ? "true" : "false") << ")";
+}
+
+template <std::size_t D>
+void SyncBatchNormImpl<D>::check_input_dim(const at::Tensor& input) const {
+  const auto dim = input.dim();
+  const bool ok = D == 1 ? (dim == 2 || dim == 3) : dim == static_cast<std::int64_t>(D) + 2;
+  LOCKSTEP_CHECK_ARG(ok, "lockstep::torch::SyncBatchNorm", D, "d: expected ",
+                     D == 1 ? std::string("2D or 3D") : std::to_string(D + 2) + "D", " input (got ", dim, "D input)");
+  LOCKSTEP_CHECK_ARG(input.size(1) == options.num_features(), "lockstep::torch::SyncBatchNorm", D, "d: input has ",
+                     input.size(1), " channels, the module ", options.num_features());
+}
+
+template <std::size_t D>
+at::Tensor SyncBatchNormImpl<D>::forward(const at::Tensor& input) {
+  check_input_dim(input);
+  if (!this->is_training()) {
+    // The running statistics (or, without them, this rank's own batch): no collective.
+    return at::batch_norm(input, weight, bias, running_mean, running_var,
+                          /*training=*/!options.track_running_stats(), /*momentum=*/0.0, options.eps(),
+                          /*cudnn_enabled=*/true);
+  }
+  // LibTorch's autograd Function takes no undefined inputs: without affine, a constant 1 and 0.
+  const auto w = weight.defined() ? weight : at::ones({options.num_features()}, input.options());
+  const auto b = bias.defined() ? bias : at::zeros({options.num_features()}, input.options());
+  auto out = SyncBatchNormFunction::apply(input, w, b, backend_, options.eps());
+  if (options.track_running_stats()) {
+    ::torch::NoGradGuard no_grad;
+    num_batches_tracked += 1;
+    const double factor = options.momentum().has_value() ? *options.momentum()
+                                                         : 1.0 / num_batches_tracked.template item<double>();
+    running_mean.mul_(1 - factor).add_(out[1].to(running_mean.scalar_type()), factor);
+    running_var.mul_(1 - factor).add_(out[2].to(running_var.scalar_type()), factor);
+  }
+  return out[0];
+}
+
+template class SyncBatchNormImpl<1>;
+template class SyncBatchNormImpl<2>;
+template class SyncBatchNormImpl<3>;
+
+// ---------------------------------------------------------------------------------------------
+// convert_sync_batchnorm
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// A BatchNorm{1,2,3}d found inside the module, where it is held.
+struct Found {
+  std::string path;                         // "features.1"
+  ::torch::nn::Module* parent = nullptr;    // the container (or the module holding it)
+  std::string name;                         // its name in parent
+  std::shared_ptr<::torch::nn::Module> bn;  // the BatchNorm
+};
+
+int batchnorm_dims(const ::torch::nn::Module& m) {
+  if (dynamic_cast<const ::torch::nn::BatchNorm1dImpl*>(&m) != nullptr) return 1;
+  if (dynamic_cast<const ::torch::nn::BatchNorm2dImpl*>(&m) != nullptr) return 2;
+  if (dynamic_cast<const ::torch::nn::BatchNorm3dImpl*>(&m) != nullptr) return 3;
+  return 0;
+}
+
+bool is_container(const ::torch::nn::Module& m) {
+  return dynamic_cast<const ::torch::nn::SequentialImpl*>(&m) != nullptr ||
+         dynamic_cast<const ::torch::nn::ModuleListImpl*>(&m) != nullptr ||
+         dynamic_cast<const ::torch::nn::ModuleDictImpl*>(&m) != nullptr;
+}
+
+void find_batchnorms(::torch::nn::Module& m, const std::string& prefix, std::vector<Found>& out) {
+  for (const auto& child : m.named_children()) {
+    const std::string path = prefix.empty() ? child.key() : prefix + "." + child.key();
+    if (batchnorm_dims(*child.value()) != 0)
+      out.push_back({path, &m, child.key(), child.value()});
+    else
+      find_batchnorms(*child.value(), path, out);
+  }
+}
+
+template <std::size_t D, class BN>
+std::shared_ptr<SyncBatchNormImpl<D>> make_sync(Backend& backend, const ::torch::nn::Module& m) {
+  const auto& bn = dynamic_cast<const BN&>(m);
+  auto sync = std::make_shared<SyncBatchNormImpl<D>>(
+      backend, bn.options,
+      std::vector<at::Tensor>{bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked});
+  sync->train(bn.is_training());
+  return sync;
+}
+
+template <std::size_t D>
+void swap_in(Found& f, const std::shared_ptr<SyncBatchNormImpl<D>>& sync) {
+  if (auto* seq = dynamic_cast<::torch::nn::SequentialImpl*>(f.parent)) {
+    for (auto& any : *seq)
+      if (any.ptr().get() == f.bn.get()) any = ::torch::nn::AnyModule(sync);
+  } else if (auto* list = dynamic_cast<::torch::nn::ModuleListImpl*>(f.parent)) {
+    for (auto& p : *list)
+      if (p.get() == f.bn.get()) p = sync;
+  } else if (auto* dict = dynamic_cast<::torch::nn::ModuleDictImpl*>(f.parent)) {
+    for (auto& item : *dict)
+      if (item.value().get() == f.bn.get()) item.value() = sync;
+  }
+  f.parent->replace_module(f.name, sync);
+}
+
+}  // namespace
+
+std::size_t convert_sync_batchnorm(Backend& backend, ::torch::nn::Module& module, std::source_location loc) {
+  detail::CallSiteScope site(loc, "lockstep::torch::convert_sync_batchnorm");
+  std::vector<Found> found;
+  const auto verdict = detail::verdict_of([&] {
+    const int root_dims = batchnorm_dims(module);
+    LOCKSTEP_CHECK_ARG(root_dims == 0, "lockstep::torch::convert_sync_batchnorm: the module itself is a BatchNorm",
+                       root_dims, "d, which has no container to be replaced in; declare lt::SyncBatchNorm", root_dims,
+                       "d instead");
+    find_batchnorms(module, "", found);
+    for (const auto& f : found) {
+      const int d = batchnorm_dims(*f.bn);
+      LOCKSTEP_CHECK_ARG(is_container(*f.parent), "lockstep::torch::convert_sync_batchnorm: BatchNorm", d, "d '",
+                         f.path, "' is held by a module's own member, whose forward LibTorch calls directly, so it "
+                         "cannot be replaced; declare it as lt::SyncBatchNorm", d, "d(backend, options), or hold it in "
+                         "a Sequential, ModuleList or ModuleDict");
+    }
+  });
+  detail::agree(backend, "lockstep::torch::convert_sync_batchnorm", 0, verdict, 0, "no BatchNorm was replaced");
+  for (auto& f : found) {
+    switch (batchnorm_dims(*f.bn)) {
+      case 1: swap_in<1>(f, make_sync<1, ::torch::nn::BatchNorm1dImpl>(backend, *f.bn));
+        break;
+      case 2: swap_in<2>(f, make_sync<2, ::torch::nn::BatchNorm2dImpl>(backend, *f.bn));
+        break;
+      default: swap_in<3>(f, make_sync<3, ::torch::nn::BatchNorm3dImpl>(backend, *f.bn));
+        break;
+    }
+  }
+  return found.size();
+}
+
+}  // namespace lockstep::torch
