@@ -361,3 +361,9 @@ lockstep_add_trust_test(NAME mpi_error_allreduce SCENARIO mpi_error_allreduce MA
   EXPECT "rank {rank}: raised within 5 s" "rank {rank}: next barrier: MpiError"
          "failed in MPI, so this rank stops too: allreduce called at" "MPI_ERR_TRUNCATE" "rank {rank}: usable 0"
          "!TimeoutError")
+
+# Adversarial tests of trust round 3 (issue 25): the ranks' agreement on names, shapes, options,
+# nested structures and micro-step counts, attacked with differences a naive signature would hide.
+lockstep_test_executable(test_agreement_adversarial reliability/agreement_adversarial_test.cpp)
+lockstep_add_mpi_test(NAME agreement_adversarial TARGET test_agreement_adversarial RANKS 2 3 TIMEOUT 120
+                      LABELS reliability ENV LOCKSTEP_TIMEOUT=20)
