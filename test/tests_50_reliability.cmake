@@ -370,3 +370,9 @@ lockstep_add_fault_test(NAME hierarchical_delay RANKS 4 ENDED_RANK 3 MAX_MS_AFTE
   ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 LOCKSTEP_TIMEOUT=2
       "LOCKSTEP_FAULT=rank=3,kind=delay,after=3,seconds=12"
   EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 3 (host " "allreduce #3 (f32 x 16, op sum)")
+
+# Adversarial tests of trust round 3 (issue 25): the ranks' agreement on names, shapes, options,
+# nested structures and micro-step counts, attacked with differences a naive signature would hide.
+lockstep_test_executable(test_agreement_adversarial reliability/agreement_adversarial_test.cpp)
+lockstep_add_mpi_test(NAME agreement_adversarial TARGET test_agreement_adversarial RANKS 2 3 TIMEOUT 120
+                      LABELS reliability ENV LOCKSTEP_TIMEOUT=20)
