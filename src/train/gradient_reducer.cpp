@@ -103,6 +103,7 @@ struct GradientReducer::Impl {
   // The communication thread (DistributedOptions::comm_thread): reduces the host buckets that
   // ready reports launch, in launch order, with blocking collectives. Started at its first use.
   bool use_thread = false;
+  bool has_host_bucket = false;  // a bucket of host gradients (set with use_thread)
   std::thread worker;
   std::mutex wm;
   std::condition_variable wcv;
@@ -349,6 +350,7 @@ struct GradientReducer::Impl {
   // Whether host buckets go to the communication thread; registers the drain that makes every
   // other collective on the backend wait for the thread's queue.
   void start_thread_if_used() {
+    has_host_bucket = std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.device.is_cpu(); });
     use_thread = options.comm_thread && backend->concurrent_collectives() &&
                  std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.device.is_cpu(); });
     if (use_thread) detail::register_drain(backend, this, [this] { wait_idle(); });
@@ -707,6 +709,12 @@ void GradientReducer::mark_ready(const Tensor& grad) {
   LOCKSTEP_CHECK_ARG(!m.ready[j], "grad_ready: gradient '", m.paths[j], "' reported twice");
   m.ready[j] = 1;
   if (!final_micro_step()) return;  // accumulate-only micro-step: nothing to launch
+  // Without the communication thread, host buckets are launched by reduce_bound, with the
+  // blocking collective, on every rank. Launched here they would be nonblocking, so the form of a
+  // bucket's collective would depend on which gradients this rank reported (a branch that did
+  // not run, a cycle cut short), and MPI does not match a blocking collective with a
+  // nonblocking one: the ranks would wait for each other until the deadline.
+  if (!m.use_thread && m.has_host_bucket) return;
   auto& b = m.buckets[m.bucket_of[j]];
   --b.remaining;
   if (b.remaining == 0) m.launch_ready();

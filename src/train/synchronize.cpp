@@ -20,25 +20,42 @@ constexpr std::size_t kMessageSlot = 512;
 
 std::string shown(const std::string& path) { return path.empty() ? "<root>" : path; }
 
+// Each field as its length, a colon, then its bytes: a name may hold any byte (a NUL too), and no
+// field can run into the next.
 std::string serialize(const std::vector<StructureEntry>& entries) {
   std::string out;
   for (const auto& e : entries) {
-    out += e.path;
-    out += '\0';
-    out += e.desc;
-    out += '\0';
+    for (const std::string* f : {&e.path, &e.desc}) {
+      out += std::to_string(f->size());
+      out += ':';
+      out += *f;
+    }
   }
   return out;
 }
 
+// The inverse of serialize; a blob it did not write (it never is) ends the list where it stops
+// making sense, never reads outside it.
 std::vector<StructureEntry> deserialize(const std::string& blob) {
   std::vector<StructureEntry> out;
   std::size_t pos = 0;
+  auto field = [&](std::string& f) {
+    const std::size_t colon = blob.find(':', pos);
+    if (colon == std::string::npos || colon == pos || colon - pos > 19) return false;
+    std::size_t len = 0;
+    for (std::size_t i = pos; i < colon; ++i) {
+      if (blob[i] < '0' || blob[i] > '9') return false;
+      len = len * 10 + static_cast<std::size_t>(blob[i] - '0');
+    }
+    if (len > blob.size() - colon - 1) return false;
+    f = blob.substr(colon + 1, len);
+    pos = colon + 1 + len;
+    return true;
+  };
   while (pos < blob.size()) {
-    auto a = blob.find('\0', pos);
-    auto b = blob.find('\0', a + 1);
-    out.push_back({blob.substr(pos, a - pos), blob.substr(a + 1, b - a - 1)});
-    pos = b + 1;
+    StructureEntry e;
+    if (!field(e.path) || !field(e.desc)) break;
+    out.push_back(std::move(e));
   }
   return out;
 }

@@ -92,13 +92,13 @@ TEST_CASE("names that run together without separators or with ';' '=' ':' in the
   }
 }
 
-// DEFECT (hidden: it ends the job). A name holding a NUL byte on rank 0 (the root of the
+// Was a defect (fixed: serialize length-prefixes every field). A name holding a NUL byte on rank 0 (the root of the
 // structure check): the check's explanation serialises root's entries with NUL separators
 // (synchronize.cpp, serialize), so the other ranks' deserialize finds an odd number of NULs, its
 // last find() returns npos and `pos = b + 1` wraps to 0: an endless loop that grows a vector until
 // memory runs out, while rank 0 waits in the explanations' allgather until LOCKSTEP_TIMEOUT and the
-// job is ended as a stall. Run it with: test_agreement_adversarial "[nul]".
-TEST_CASE("a name with a NUL byte on the root rank", "[.][nul][!mayfail]") {
+// job was ended as a stall.
+TEST_CASE("a name with a NUL byte on the root rank", "[nul]") {
   ls::MPIBackend& b = backend();
   const int r = b.rank();
   const std::string name = odd_rank(b) ? std::string("a\0c", 3) : std::string("a\0b", 3);
@@ -400,7 +400,7 @@ TEST_CASE("short cycle: comm_thread with ready reports (the whole ranks launch o
   short_cycle({.bucket_bytes = 1024, .accumulation_steps = 3, .comm_thread = true}, true, 2);
 }
 
-// DEFECT (hidden: the stall leaves the communicator unusable for every later case). Without the
+// Was a defect (fixed: without the communication thread host buckets are launched by reduce_bound only, blocking, on every rank). Without the
 // communication thread, the whole ranks' final micro-step launches its buckets from mark_ready
 // as nonblocking allreduces (gradient_reducer.cpp, launch: iallreduce), while the short rank (not
 // at its final micro-step, so mark_ready launches nothing) reduces them in reduce_bound with
@@ -408,7 +408,7 @@ TEST_CASE("short cycle: comm_thread with ready reports (the whole ranks launch o
 // a stall on every rank (TimeoutError at LOCKSTEP_TIMEOUT, the default deadline otherwise) instead
 // of the MismatchError on the micro-step counts, which is agreed only after the buckets. Run it
 // with: test_agreement_adversarial "[hang_short_cycle]".
-TEST_CASE("short cycle: ready reports without the communication thread", "[.][hang_short_cycle][!mayfail]") {
+TEST_CASE("short cycle: ready reports without the communication thread", "[hang_short_cycle]") {
   short_cycle({.bucket_bytes = 1024, .accumulation_steps = 2, .comm_thread = false}, true, 1);
 }
 
@@ -476,11 +476,11 @@ TEST_CASE("ready reported on some ranks only, with the communication thread: rig
   partial_ready(true);
 }
 
-// DEFECT (hidden, as above): without the communication thread the ranks that reported launch
+// Was a defect (fixed as above): without the communication thread the ranks that reported launched
 // nonblocking allreduces from mark_ready, the rank that did not reduces the same buckets with
 // blocking allreduces in reduce_bound: they never match, a stall on every rank. Run it with:
 // test_agreement_adversarial "[hang_partial_ready]".
-TEST_CASE("ready reported on some ranks only, without the communication thread", "[.][hang_partial_ready][!mayfail]") {
+TEST_CASE("ready reported on some ranks only, without the communication thread", "[hang_partial_ready]") {
   partial_ready(false);
 }
 
