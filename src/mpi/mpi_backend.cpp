@@ -467,9 +467,10 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
   impl_->cuda_aware = detail::settings_cuda_aware_mpi().value_or(detect_cuda_aware());
   impl_->monitor = detail::make_comm_monitor(impl_->comm);  // reliability hook
   impl_->shm = detail::ShmCollectives::create(impl_->comm, impl_->local_size);
-  // Every wait of the shared-memory path is bounded: it polls the reliability hook (stall
-  // notices from other ranks, this collective's deadline).
   if (impl_->shm) {
+    // Every wait of the shared-memory path is bounded: it polls the reliability hook (stall
+    // notices from other ranks, this collective's deadline).
+    impl_->shm->set_wait_hook(&detail::wait_point, impl_->monitor.get());
     LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   } else {
     // Not all on one machine (the same verdict on every rank): the hierarchical allreduce where
