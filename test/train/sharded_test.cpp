@@ -331,6 +331,44 @@ TEST_CASE("sharded layouts: tails, buckets smaller than N elements, one bucket, 
   }
 }
 
+// Regression (issue 26's multihost stage): bucket_bytes = 12 cut a 4 MiB tensor into slices of
+// 12 bytes, 349,526 allreduces a step; through shared memory that took seconds, over MPI
+// (LOCKSTEP_SHM=0, across hosts) minutes at 3 ranks, with every rank in the same allreduce: it
+// looked like a hang. Slices are now at least kMinSliceBytes. Registered at 3 ranks with the
+// shared-memory path off too (tests_20_training.cmake), where it timed out before.
+TEST_CASE("a tensor far larger than a tiny bucket_bytes is reduced in slices of at least kMinSliceBytes",
+          "[sharded][slices]") {
+  auto& mpi = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = mpi.rank(), n = mpi.size();
+  CountingBackend b(mpi);
+  const std::int64_t big = (std::int64_t{1} << 20) + 3;  // 4 MiB and 12 bytes of f32
+  const auto min_slice = static_cast<std::int64_t>(ls::kMinSliceBytes);
+  const std::int64_t slices = (big * 4 + min_slice - 1) / min_slice;  // 65
+  const float mean = static_cast<float>(n + 1) / 2.0f;                 // of rank + 1: exact in f32
+  for (bool sharded : {false, true}) {
+    std::vector<ls::Tensor> model, grads;
+    for (std::int64_t size : {big, std::int64_t{5}}) {
+      model.push_back(ls::Tensor::zeros({size}));
+      grads.push_back(ls::Tensor::full({size}, rank + 1));
+    }
+    auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 1.0f},
+                                        ls::DistributedOptions{.bucket_bytes = 12, .shard_optimizer_state = sharded});
+    auto st = ls::setup(opt, model);
+    b.reset();
+    ls::update(st, model, grads);
+    // Replicated: an allreduce per slice of the large tensor and one for the small one. Sharded:
+    // a reduce-scatter and a tail allreduce per bucket, then an all-gather and a tail broadcast.
+    const int calls = b.allreduces + b.allgathers + b.broadcasts + b.other;
+    bool ok = calls <= slices + 8;
+    if (!sharded) ok = ok && (n == 1 || b.largest_bytes == min_slice);  // whole slices of the minimum
+    for (const auto& t : model)
+      for (float v : t.span<float>()) ok = ok && v == -mean;
+    INFO((sharded ? "sharded" : "replicated") << ": " << calls << " collectives, at most " << slices + 8
+                                              << " expected; largest " << b.largest_bytes << " bytes");
+    CHECK(all_ranks(mpi, ok));
+  }
+}
+
 TEST_CASE("16-bit gradients on the wire: bf16 and f16 averages, the rule sees f32", "[sharded][wire]") {
   auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int rank = backend.rank(), n = backend.size();
