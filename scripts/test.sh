@@ -131,12 +131,8 @@ stage_multihost() (
 
   # Test cases by name (Catch2 patterns; a comma separates patterns, so none holds one).
   local training='data-parallel*,uneven slices*,gradient accumulation*,GradientReducer on its own*'
-  # Left out: "sharded layouts*" hangs in the gradient reducer's MPI_Allreduce at 3 and 4 ranks
-  # whenever Lockstep's shared-memory path is off (on one machine too: LOCKSTEP_SHM=0, over
-  # vader or TCP); "16-bit gradients: the reducer's sync*" expects
-  # bitwise sums or 2e-2 of the result, which MPI's partial 16-bit sums miss where they cancel
-  # (at 3 ranks on one machine with LOCKSTEP_SHM=0 too).
-  local sharded='sharded Adam and AdamW*,16-bit gradients on the wire*,16-bit gradients with skip_non_finite*'
+  local sharded='sharded Adam and AdamW*,sharded layouts*,[slices],16-bit gradients on the wire*'
+  sharded+=',16-bit gradients: the reducer*,16-bit gradients with skip_non_finite*'
   sharded+=',a sharded checkpoint holds*,a non-finite gradient on one rank*'
   # 2x2: ranks 0,1 on host 0 and 2,3 on host 1; 3x1: rank i on host i.
   local layout hosts map
