@@ -85,8 +85,8 @@ stage_main() {
 # equals -n 1; stop and resume bitwise). Prints each run's result and time; fails if any fails;
 # reports skipped (exit 77 from cluster.sh: not root, or no namespaces here) rather than passed.
 # 5.9-6.2 min on 2 cores shared with 3 other agents' builds (load 10-12), 4.5 min at load 7; less on
-# a machine of its own; "sharded layouts*" and the 16-bit sync case add about 45 s per layout
-# (measured at load 21). See docs/multi-node.md.
+# a machine of its own; "sharded layouts*" and the 16-bit sync case add about 64 s at 2x2 (load
+# 8-16) and 45 s at 3x1 (load 21). See docs/multi-node.md.
 stage_multihost() (
   local bin=$BUILD_DIR failures=0 rc
   [[ $bin == /* ]] || bin=$ROOT/$bin
