@@ -11,11 +11,12 @@
 // Buckets: the trainable (floating-point) gradients, taken from the last one backwards (the
 // order backward produces them), are grouped into buckets of at most options.bucket_bytes (a
 // tensor larger than that is a bucket of its own, reduced in slices of bucket_bytes, never smaller
-// than kMinSliceBytes; dtype or device changes start a new bucket). Bucket 0 holds the last tensors. Buckets are launched
-// strictly in index order on every rank, whatever order ready() reports come in, so the
-// collectives always match across ranks. A bucket that ready() completes starts as nonblocking
-// allreduces (overlapping the rest of backward), or is handed to the reducer's communication
-// thread (DistributedOptions::comm_thread); reduce() launches the rest, blocking, in order.
+// than kMinSliceBytes; dtype or device changes start a new bucket). Bucket 0 holds the last
+// tensors. Buckets are launched strictly in index order on every rank, whatever order ready()
+// reports come in, so the collectives always match across ranks. A bucket that ready() completes
+// starts as nonblocking allreduces (overlapping the rest of backward), or is handed to the
+// reducer's communication thread (DistributedOptions::comm_thread); reduce() launches the rest,
+// blocking, in order.
 // A bucket whose tensors lie back to back in memory is reduced in place (zero copy); otherwise
 // it is packed into a staging buffer and unpacked after its reduction.
 //
