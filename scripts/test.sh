@@ -85,7 +85,8 @@ stage_main() {
 # equals -n 1; stop and resume bitwise). Prints each run's result and time; fails if any fails;
 # reports skipped (exit 77 from cluster.sh: not root, or no namespaces here) rather than passed.
 # 5.9-6.2 min on 2 cores shared with 3 other agents' builds (load 10-12), 4.5 min at load 7; less on
-# a machine of its own. See docs/multi-node.md.
+# a machine of its own; "sharded layouts*" and the 16-bit sync case add about 64 s at 2x2 (load
+# 8-16) and 45 s at 3x1 (load 21). See docs/multi-node.md.
 stage_multihost() (
   local bin=$BUILD_DIR failures=0 rc
   [[ $bin == /* ]] || bin=$ROOT/$bin
@@ -131,12 +132,8 @@ stage_multihost() (
 
   # Test cases by name (Catch2 patterns; a comma separates patterns, so none holds one).
   local training='data-parallel*,uneven slices*,gradient accumulation*,GradientReducer on its own*'
-  # Left out: "sharded layouts*" hangs in the gradient reducer's MPI_Allreduce at 3 and 4 ranks
-  # whenever Lockstep's shared-memory path is off (on one machine too: LOCKSTEP_SHM=0, over
-  # vader or TCP); "16-bit gradients: the reducer's sync*" expects
-  # bitwise sums or 2e-2 of the result, which MPI's partial 16-bit sums miss where they cancel
-  # (at 3 ranks on one machine with LOCKSTEP_SHM=0 too).
-  local sharded='sharded Adam and AdamW*,16-bit gradients on the wire*,16-bit gradients with skip_non_finite*'
+  local sharded='sharded Adam and AdamW*,sharded layouts*,[slices],16-bit gradients on the wire*'
+  sharded+=',16-bit gradients: the reducer*,16-bit gradients with skip_non_finite*'
   sharded+=',a sharded checkpoint holds*,a non-finite gradient on one rank*'
   # 2x2: ranks 0,1 on host 0 and 2,3 on host 1; 3x1: rank i on host i.
   local layout hosts map

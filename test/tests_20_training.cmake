@@ -46,6 +46,11 @@ endif()
 # ranks; a sharded checkpoint saved at 4 ranks and resumed at 3 (sharded) and 1 (replicated).
 lockstep_test_executable(test_sharded train/sharded_test.cpp)
 lockstep_add_mpi_test(NAME sharded TARGET test_sharded RANKS 1 2 3 4 TIMEOUT 300)
+# The slices of a tensor far larger than a tiny bucket_bytes, at 3 ranks over MPI (the
+# shared-memory path off, as across hosts): 349,526 allreduces a step before kMinSliceBytes (27 s
+# over vader and a failed count, minutes over TCP); about a second now.
+lockstep_add_mpi_test(NAME sharded_slices_noshm TARGET test_sharded RANKS 3 ARGS "[slices]" ENV LOCKSTEP_SHM=0
+                      TIMEOUT 60)
 set(_ls_sharded_ckpt ${CMAKE_CURRENT_BINARY_DIR}/sharded_resume.safetensors)
 lockstep_add_mpi_test(NAME sharded_ckpt_save TARGET test_sharded RANKS 4 TIMEOUT 120 ARGS "[.ckpt_save]"
   ENV LOCKSTEP_TEST_CKPT=${_ls_sharded_ckpt})
