@@ -178,7 +178,7 @@ TEST_CASE("sharded: the same parameters as the replicated form after k steps; ea
       train(b, *sh, sh_opt, 0, 4);
       const float d = max_abs_diff(*rep, *sh);
       UNSCOPED_INFO("max |replicated - sharded| = " << d);
-      CHECK(all_ranks(d <= 1e-6f));
+      CHECK(all_ranks(d == 0.0f));  // the same optimizer code on the same averaged gradients: bitwise
       CHECK(replicas_equal(b, *sh));
       // Every rank computed the same owners.
       std::vector<std::int32_t> owners(sh_opt.owners().begin(), sh_opt.owners().end()), root = owners;
@@ -407,7 +407,7 @@ TEST_CASE("wire_dtype: gradients travel as bf16 or f16, the optimizer sees f32; 
   train(b, *bfs, o3, 0, 3);
   const float d = max_abs_diff(*f32, *bf);
   UNSCOPED_INFO("max |f32 - bf16 wire| after 3 Adam steps of lr 1e-2: " << d);
-  CHECK(all_ranks(d < 3e-2f));
+  CHECK(all_ranks(d < 1e-2f));  // measured 4e-4 at 3 ranks
   CHECK(all_ranks(max_abs_diff(*bf, *bfs) <= 1e-6f));
   CHECK(replicas_equal(b, *bf));
   // An f64 parameter: InvalidArgument on every rank, naming it.
