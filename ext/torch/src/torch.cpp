@@ -576,37 +576,49 @@ void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
     auto ps = optimizer_params(*optimizer, &module);
     std::vector<std::uint8_t> archive;
     if (backend.rank() == 0 && kind_of(*optimizer) == Kind::other) archive = archive_bytes(*optimizer);
-    const auto info = shard_info(*optimizer);  // the same on every rank (checked above)
+    // Root writes what a replicated state holds: each parameter's state as the rank that has it
+    // holds it. Sharded (now, or by a DistributedOptimizer since destroyed: the state stays
+    // split), that is its owner; replicated, root itself. Every rank learns every rank's layout
+    // (one string broadcast per rank); each parameter's state comes from root if root has it,
+    // else from the lowest rank that has it.
+    const bool known = kind_of(*optimizer) != Kind::other;
     std::string layout = state_layout(*optimizer, ps);
-    std::vector<std::vector<std::string>> lines;  // sharded: every rank's layout, line by line
-    if (info) {
-      // Root writes what a replicated state would hold: each parameter's state as its owner has
-      // it. Every rank learns every rank's layout (one string broadcast per rank) ...
+    std::vector<std::vector<std::string>> lines;  // every rank's layout, line by line
+    std::vector<int> source(ps.size(), 0);
+    bool gather = false;
+    if (known) {
       for (int r = 0; r < backend.size(); ++r)
         lines.push_back(split_lines(detail::broadcast_string(backend, layout, r)));
-      if (backend.rank() == 0) {
-        std::string merged;
-        for (std::size_t i = 0; i < ps.size(); ++i) {
-          const int o = info->owner[i] >= 0 ? info->owner[i] : 0;
-          const auto& l = lines[static_cast<std::size_t>(o)];
-          merged += (i < l.size() ? l[i] : std::string("-")) + "\n";
-        }
-        layout = std::move(merged);
+      auto has = [&](int r, std::size_t i) {
+        const auto& l = lines[static_cast<std::size_t>(r)];
+        return i < l.size() && !l[i].empty() && l[i] != "-";
+      };
+      std::string merged;
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        for (int r = 0; r < backend.size(); ++r)
+          if (has(r, i)) {
+            source[i] = r;
+            break;
+          }
+        gather = gather || source[i] != 0;
+        const auto& l = lines[static_cast<std::size_t>(source[i])];
+        merged += (i < l.size() ? l[i] : std::string("-")) + "\n";
       }
+      if (backend.rank() == 0) layout = std::move(merged);
     }
     agreed(backend, "lockstep::torch::save_checkpoint", 0, [&] {
       prepared.emplace(*optimizer, ps, layout, archive.size());
     }, "nothing was written");
-    if (info) {
-      // ... and each other rank sends root its parameters' state, packed (one broadcast of its
-      // size and one of its bytes per rank): root's prepared tensors are new ones for them.
+    if (gather) {  // the same on every rank: computed from the same layouts
+      // Each other rank sends root the state root lacks, packed (one broadcast of its size and
+      // one of its bytes per rank): root's prepared tensors are new ones for them.
       std::string transfer_error;  // root's, agreed after the transfers
       for (int r = 1; r < backend.size(); ++r) {
         std::vector<Tensor*> mine;
         const auto& l = lines[static_cast<std::size_t>(r)];
         if (backend.rank() == r || backend.rank() == 0) {
           for (std::size_t i = 0; i < ps.size(); ++i) {
-            if (info->owner[i] != r || i >= l.size() || l[i] == "-" || l[i].empty()) continue;
+            if (source[i] != r) continue;
             const std::string prefix = concat("optimizer.state.", ps[i].name, ".");
             auto& tm = prepared->tensors();
             if (has_step(kind_of(*optimizer))) mine.push_back(&tm.at(prefix + "step"));
