@@ -171,6 +171,7 @@ TEST_CASE("sharded: the same parameters as the replicated form after k steps; ea
       o.bucket_bytes = bucket;
       lt::DistributedOptimizer rep_opt(b, *rep_inner, o);
       o.shard_optimizer_state = true;
+      o.check_replicas_every = 2;  // sharded: the parameters and learning rates are compared
       lt::DistributedOptimizer sh_opt(b, *sh_inner, o);
       CHECK(sh_opt.sharded());
       CHECK_FALSE(rep_opt.sharded());

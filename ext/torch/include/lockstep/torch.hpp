@@ -70,8 +70,9 @@ void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
 /// yet (it creates it at the first step) is created where root has it and dropped where root
 /// has none. The ranks first check that their optimizers have the same kind and the same
 /// parameter groups (position by position: shapes, dtypes, trained or frozen): MismatchError on
-/// every rank otherwise. Optimizers other
-/// than Adam, AdamW, SGD, RMSprop and Adagrad go through their own save()/load().
+/// every rank otherwise. Optimizers other than Adam, AdamW, SGD, RMSprop and Adagrad go through
+/// their own save()/load(). An optimizer whose state a live DistributedOptimizer shards is
+/// refused (InvalidArgument on every rank).
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root = 0,
                  std::source_location loc = std::source_location::current());
 
@@ -186,7 +187,9 @@ void fail_next_gradient(std::string message);
 /// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
 /// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
 /// that Python reads (docs/torch.md has a reader for Debian 12, which lacks python3-safetensors). Atomic, checksummed, and the
-/// same error on every rank, as ls::save_checkpoint.
+/// same error on every rank, as ls::save_checkpoint. Each parameter's optimizer state is root's,
+/// or, where root has none, that of the lowest rank that has it (a sharded state: its owner's),
+/// so a sharded optimizer writes the replicated form's file.
 /// `metadata` (string keys and values; keys starting with "lockstep." are reserved) is stored in
 /// the file's header and returned by load_checkpoint.
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
