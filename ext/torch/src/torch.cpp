@@ -1148,6 +1148,19 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     std::lock_guard lock(g_wrapped_mutex);
     for (auto& p : m.params) wrapped().emplace(p.p.unsafeGetTensorImpl(), p.name);
   }
+  m.reports.assign(n, 0);
+  m.used.assign(n, 0);
+  m.launched.assign(n, 0);
+  m.start_micro_step();
+  for (std::size_t k = 0; k < n; ++k) {
+    auto acc = ::torch::autograd::impl::grad_accumulator(m.params[k].p);
+    LOCKSTEP_CHECK_ARG(acc != nullptr, "lockstep::torch::DistributedOptimizer: parameter '", m.params[k].name,
+                       "' has no gradient accumulator (is it a leaf that requires grad?)");
+    const std::uintptr_t key = acc->add_post_hook(std::make_unique<Impl::Hook>(&m, k));
+    m.hooks.emplace_back(std::move(acc), key);
+  }
+  // Last: nothing after this throws, so the registry never names an optimizer no live wrapper
+  // shards.
   m.sharded = options.shard_optimizer_state;
   m.plan_shards(backend.size(), backend.rank());
   if (m.sharded) {
@@ -1165,17 +1178,6 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     drop_unowned_state(optimizer, all, info, backend.rank());
     std::lock_guard lock(g_shard_mutex);
     sharded_optimizers()[&optimizer] = std::move(info);
-  }
-  m.reports.assign(n, 0);
-  m.used.assign(n, 0);
-  m.launched.assign(n, 0);
-  m.start_micro_step();
-  for (std::size_t k = 0; k < n; ++k) {
-    auto acc = ::torch::autograd::impl::grad_accumulator(m.params[k].p);
-    LOCKSTEP_CHECK_ARG(acc != nullptr, "lockstep::torch::DistributedOptimizer: parameter '", m.params[k].name,
-                       "' has no gradient accumulator (is it a leaf that requires grad?)");
-    const std::uintptr_t key = acc->add_post_hook(std::make_unique<Impl::Hook>(&m, k));
-    m.hooks.emplace_back(std::move(acc), key);
   }
 }
 
