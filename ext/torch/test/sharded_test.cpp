@@ -206,6 +206,30 @@ TEST_CASE("sharded: the same parameters as the replicated form after k steps; ea
   }
 }
 
+TEST_CASE("sharded: with accumulation_steps = 2 and skip_non_finite, the same as the replicated form",
+          "[torch][mpi][sharded]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(6);
+  auto rep = deep(4), sh = deep(4);
+  copy_params(*rep, *sh);
+  lt::synchronize(b, *rep, 0);
+  lt::synchronize(b, *sh, 0);
+  torch::optim::Adam ra(rep->parameters(), torch::optim::AdamOptions(1e-2));
+  torch::optim::Adam sa(sh->parameters(), torch::optim::AdamOptions(1e-2));
+  ls::DistributedOptions o;
+  o.accumulation_steps = 2;
+  o.skip_non_finite = true;
+  lt::DistributedOptimizer ro(b, ra, o);
+  o.shard_optimizer_state = true;
+  lt::DistributedOptimizer so(b, sa, o);
+  train(b, *rep, ro, 0, 6);  // 3 cycles of 2 micro-steps
+  train(b, *sh, so, 0, 6);
+  CHECK(so.applied_steps() == 3);
+  CHECK(all_ranks(max_abs_diff(*rep, *sh) == 0.0f));
+  CHECK(replicas_equal(b, *sh));
+}
+
 TEST_CASE("sharded: on a model with many tensors each rank holds 1/N of the state within 10%",
           "[torch][mpi][sharded]") {
   torch::set_num_threads(1);
