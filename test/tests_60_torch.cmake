@@ -12,6 +12,13 @@ if(TARGET lockstep_torch)
   target_link_libraries(test_torch_sync_batchnorm PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch_sync_batchnorm RANKS 1 2 3 4 LABELS torch
     TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  # shard_optimizer_state (ZeroRedundancyOptimizer) and wire_dtype for torch optimizers: the
+  # sharded form equals the replicated one, 1/N of the state per rank, the same checkpoint file,
+  # read at any N (written at 2, read at 1 and 3); the 16-bit wire rounds and trains close to f32.
+  lockstep_test_executable(test_torch_sharded ${PROJECT_SOURCE_DIR}/ext/torch/test/sharded_test.cpp)
+  target_link_libraries(test_torch_sharded PRIVATE lockstep::torch)
+  lockstep_add_mpi_test(NAME torch_sharded TARGET test_torch_sharded RANKS 1 2 3 LABELS torch
+    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).

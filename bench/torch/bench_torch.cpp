@@ -3,6 +3,9 @@
 //   lockstep     lt::DistributedOptimizer (flat gradient buffers, buckets reduced during
 //                backward from autograd hooks, then the inner SGD step); lockstep-25m: the same
 //                with buckets of 25 MiB (DDP's default) instead of the default 1 MiB;
+//                lockstep-sharded: shard_optimizer_state (ZeroRedundancyOptimizer: each rank
+//                steps its own parameters, then one broadcast per bucket of each owner's);
+//                lockstep-bf16: wire_dtype bf16 (gradients sent as 16-bit floats);
 //   ls-blocking  ls::MPIBackend::allreduce (blocking: its shared-memory path) per gradient after
 //                backward, no overlap: what the bucket transfers alone cost on the fast path;
 //   mpi-loop     a hand-written MPI_Allreduce per parameter after backward, then grad /= size
@@ -29,13 +32,22 @@
 // parameters) or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
 // bench/torch/export_resnet50.py, input --image-size, 1000 classes, cross-entropy).
 //
+// --optimizer adam: the inner optimizer is Adam instead of SGD (state twice the parameters:
+// what sharding divides).
+//
+// --model bn: instead, lt::SyncBatchNorm2d against torch::nn::BatchNorm2d, forward + backward in
+// training mode on this rank's [--batch, --channels, --image-size, --image-size] input (the
+// same shape on every rank), each rank's time, the slowest rank's median.
+//
 // Run: mpiexec -n 2 ./bench_torch [--model mlp] [--batch 64] [--warmup 3] [--steps 20]
-//      [--variants lockstep,lockstep-25m,ls-blocking,mpi-loop,gloo,local] [--threads 1] [--json out.json]
+//      [--variants lockstep,lockstep-25m,lockstep-sharded,lockstep-bf16,ls-blocking,mpi-loop,gloo,local]
+//      [--optimizer sgd|adam] [--threads 1] [--json out.json]
 #include <torch/script.h>
 #include <torch/torch.h>
 
 #include <lockstep/lockstep.hpp>
 #include <lockstep/torch.hpp>
+#include <lockstep/torch/sync_batchnorm.hpp>
 
 #ifdef LOCKSTEP_BENCH_GLOO
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -60,13 +72,15 @@ namespace {
 
 double g_inner_start = 0;  // when the inner optimizer's step() began (this rank)
 
-// SGD that notes when its step() starts: the end of the communication for every variant.
-class TimedSGD : public torch::optim::SGD {
+// An optimizer that notes when its step() starts: the end of the communication for every
+// variant.
+template <class O>
+class Timed : public O {
  public:
-  using torch::optim::SGD::SGD;
-  torch::Tensor step(LossClosure closure = nullptr) override {
+  using O::O;
+  torch::Tensor step(typename O::LossClosure closure = nullptr) override {
     g_inner_start = bench::now();
-    return torch::optim::SGD::step(std::move(closure));
+    return O::step(std::move(closure));
   }
 };
 
@@ -85,8 +99,9 @@ struct Config {
   std::string model = "mlp";
   std::string script;
   int layers = 50, width = 512, batch = 64, image = 64, classes = 1000;
-  int warmup = 3, steps = 20, chunk = 5;
+  int warmup = 3, steps = 20, chunk = 5, channels = 64;
   double lr = 0.01;
+  std::string optimizer = "sgd";
 };
 
 // One model replica: either an nn::Module (mlp) or a TorchScript module.
@@ -142,11 +157,60 @@ using Phases = std::array<double, 4>;
 struct Runner {
   std::string name;
   Replica rep;
-  std::unique_ptr<TimedSGD> sgd;
+  std::unique_ptr<torch::optim::Optimizer> sgd;
   std::function<void()> zero_grad;        // before forward
   std::function<void()> after_backward;   // communication after backward, then the inner step
   std::vector<Phases> samples;
 };
+
+// --model bn: lt::SyncBatchNorm2d against torch::nn::BatchNorm2d, forward + backward in training
+// mode, interleaved in chunks; the slowest rank's time per step, median.
+int run_bn(const Config& c, ls::Backend& backend, const std::string& json) {
+  const int rank = bench::world_rank(), size = bench::world_size();
+  torch::manual_seed(200 + rank);
+  const auto x0 = torch::randn({c.batch, c.channels, c.image, c.image});
+  const auto gy = torch::randn_like(x0);
+  torch::nn::BatchNorm2d plain(torch::nn::BatchNorm2dOptions(c.channels));
+  lt::SyncBatchNorm2d sync(backend, torch::nn::BatchNorm2dOptions(c.channels));
+  std::vector<std::pair<std::string, std::function<torch::Tensor(const torch::Tensor&)>>> variants{
+      {"BatchNorm2d", [&](const torch::Tensor& x) { return plain->forward(x); }},
+      {"SyncBatchNorm2d", [&](const torch::Tensor& x) { return sync->forward(x); }}};
+  std::vector<std::vector<double>> samples(variants.size());
+  auto one = [&](std::size_t v, bool keep) {
+    auto x = x0.clone().requires_grad_(true);
+    MPI_Barrier(MPI_COMM_WORLD);
+    const double t0 = bench::now();
+    variants[v].second(x).backward(gy);
+    double t = bench::now() - t0, m = 0;
+    MPI_Allreduce(&t, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (keep) samples[v].push_back(m);
+  };
+  for (std::size_t v = 0; v < variants.size(); ++v)
+    for (int i = 0; i < c.warmup; ++i) one(v, false);
+  for (int done = 0, round = 0; done < c.steps; done += c.chunk, ++round)
+    for (std::size_t j = 0; j < variants.size(); ++j)
+      for (int i = 0; i < std::min(c.chunk, c.steps - done); ++i) one((j + static_cast<std::size_t>(round)) % variants.size(), true);
+  const double base = bench::stats_of(samples[0]).median;
+  if (rank == 0)
+    std::printf("## bench_torch --model bn: forward+backward in training mode, input [%d, %d, %d, %d] per rank, "
+                "%d rank(s); median of %d, ms, the slowest rank's\n\n",
+                c.batch, c.channels, c.image, c.image, size, c.steps);
+  bench::Table table({"module", "forward+backward", "/ BatchNorm2d"});
+  auto arr = bench::Json::array();
+  for (std::size_t v = 0; v < variants.size(); ++v) {
+    const double med = bench::stats_of(samples[v]).median;
+    table.add({variants[v].first, bench::fmt(med * 1e3, 2), bench::fmt(med / base, 2)});
+    auto o = bench::Json::object();
+    o.set("variant", variants[v].first).set("step_s", med).set("ratio_to_batchnorm2d", med / base);
+    arr.push(o);
+  }
+  table.print();
+  auto j = bench::run_info("torch_bn");
+  j.set("batch_per_rank", c.batch).set("channels", c.channels).set("image", c.image).set("steps", c.steps);
+  j.set("variants", arr);
+  j.write(json);
+  return 0;
+}
 
 }  // namespace
 
@@ -159,16 +223,22 @@ int main(int argc, char** argv) {
   Config c;
   int threads = 1;
 #ifdef LOCKSTEP_BENCH_GLOO
-  std::vector<std::string> names = {"lockstep", "lockstep-25m", "ls-blocking", "mpi-loop", "gloo", "local"};
+  std::vector<std::string> names = {"lockstep", "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
+                                    "ls-blocking", "mpi-loop", "gloo", "local"};
 #else
-  std::vector<std::string> names = {"lockstep", "lockstep-25m", "ls-blocking", "mpi-loop", "local"};
+  std::vector<std::string> names = {"lockstep", "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
+                                    "ls-blocking", "mpi-loop", "local"};
 #endif
   if (size == 1) names = {"local"};
   {
     namespace cli = lockstep_cli;
     auto& app = opt.app;
-    app.add_option("--model", c.model, "mlp, or script (a TorchScript module, --script)")->type_name("mlp|script")
-        ->check(cli::one_of({"mlp", "script"}));
+    app.add_option("--model", c.model, "mlp, script (a TorchScript module, --script), or bn (SyncBatchNorm2d "
+                   "against BatchNorm2d)")->type_name("mlp|script|bn")
+        ->check(cli::one_of({"mlp", "script", "bn"}));
+    app.add_option("--optimizer", c.optimizer, "the inner optimizer")->type_name("sgd|adam")
+        ->check(cli::one_of({"sgd", "adam"}));
+    app.add_option("--channels", c.channels, "channels of --model bn")->type_name("N")->check(cli::at_least(1));
     app.add_option("--script", c.script, "the TorchScript module of --model script")->type_name("FILE");
     app.add_option("--layers", c.layers, "Linear + ReLU layers of the MLP")->type_name("N")->check(cli::at_least(1));
     app.add_option("--width", c.width, "width of the MLP's layers")->type_name("N")->check(cli::at_least(1));
@@ -187,6 +257,11 @@ int main(int argc, char** argv) {
   if (opt.quick) c.steps = std::min(c.steps, 5), c.warmup = 1;
   try {
     torch::set_num_threads(threads);
+    if (c.model == "bn") {
+      rc = run_bn(c, backend, opt.json);
+      ls::finalize<ls::MPIBackend>();
+      return rc;
+    }
     const Batch batch = make_batch(c, rank);
 
     std::vector<std::unique_ptr<Runner>> runners;
@@ -199,14 +274,22 @@ int main(int argc, char** argv) {
       auto r = std::make_unique<Runner>();
       r->name = n;
       r->rep = make_replica(c);
-      r->sgd = std::make_unique<TimedSGD>(r->rep.params, torch::optim::SGDOptions(c.lr));
+      if (c.optimizer == "adam")
+        r->sgd = std::make_unique<Timed<torch::optim::Adam>>(r->rep.params, torch::optim::AdamOptions(c.lr * 0.1));
+      else
+        r->sgd = std::make_unique<Timed<torch::optim::SGD>>(r->rep.params, torch::optim::SGDOptions(c.lr));
       numel = 0;
       for (auto& p : r->rep.params) numel += p.numel();
       Runner* rr = r.get();
       if (n == "lockstep" || n.rfind("lockstep-", 0) == 0) {
         // "lockstep-25m": buckets of 25 MiB (DDP's bucket_cap_mb) instead of the default.
         ls::DistributedOptions o;
-        if (n != "lockstep") o.bucket_bytes = std::stoull(n.substr(9)) << 20;
+        if (n == "lockstep-sharded")
+          o.shard_optimizer_state = true;
+        else if (n == "lockstep-bf16")
+          o.wire_dtype = ls::DType::bf16;
+        else if (n != "lockstep")
+          o.bucket_bytes = std::stoull(n.substr(9)) << 20;
         if (rr->rep.module) lt::synchronize(backend, *rr->rep.module, 0);
         dopts.push_back(std::make_unique<lt::DistributedOptimizer>(backend, *rr->sgd, o));
         auto* d = dopts.back().get();
@@ -315,10 +398,12 @@ int main(int argc, char** argv) {
         ref = r.get();
         continue;
       }
+      // The 16-bit wire rounds every gradient: close, not equal.
+      const double tol = r->name == "lockstep-bf16" ? 2e-2 : 1e-4;
       for (std::size_t i = 0; i < r->rep.params.size(); ++i) {
         const double d = (r->rep.params[i] - ref->rep.params[i]).abs().max().item<double>();
         const double s = ref->rep.params[i].abs().max().item<double>();
-        if (!(d <= 1e-4 * std::max(1.0, s))) {
+        if (!(d <= tol * std::max(1.0, s))) {
           if (rank == 0)
             std::fprintf(stderr, "bench_torch: %s and %s differ in parameter %zu by %g\n", r->name.c_str(),
                          ref->name.c_str(), i, d);
@@ -357,8 +442,8 @@ int main(int argc, char** argv) {
                                                 "," + std::to_string(c.width) + ")+ReLU"
                                           : "TorchScript " + c.script + " at " + std::to_string(c.image) + "x" +
                                                 std::to_string(c.image);
-      std::printf("## bench_torch: %s, %.2f M parameters, batch %d per rank, SGD, %d rank(s)\n\n", what.c_str(),
-                  static_cast<double>(numel) / 1e6, c.batch, size);
+      std::printf("## bench_torch: %s, %.2f M parameters, batch %d per rank, %s, %d rank(s)\n\n", what.c_str(),
+                  static_cast<double>(numel) / 1e6, c.batch, c.optimizer == "adam" ? "Adam" : "SGD", size);
       std::printf("CPU: %s; torch::set_num_threads(%d) per rank; LibTorch %s; median of %d steps after %d warm-up; "
                   "times in ms, each the slowest rank's\n\n",
                   cpu_model().c_str(), threads, TORCH_VERSION, c.steps, c.warmup);

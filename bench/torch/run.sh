@@ -2,14 +2,17 @@
 # Runs every variant of the LibTorch comparison in one go and prints the tables, with the CPU
 # model and the date. Builds nothing: build bench_torch first (LibTorch found, e.g.
 #   cmake -S . -B build-bench -DLOCKSTEP_WITH_TORCH=ON && cmake --build build-bench -j2 --target bench_torch).
-#   - C++ at NP ranks (mpiexec): lockstep::torch DistributedOptimizer, a per-parameter
-#     MPI_Allreduce loop, c10d::ProcessGroupGloo (where built), and no communication;
+#   - C++ at NP ranks (mpiexec): lockstep::torch DistributedOptimizer (replicated, sharded
+#     optimizer state, the bf16 wire), a per-parameter MPI_Allreduce loop,
+#     c10d::ProcessGroupGloo (where built), and no communication; the MLP again with Adam (state
+#     twice the parameters: what sharding divides) for the replicated, sharded and bf16 forms;
 #   - C++ at 1 rank: no communication (backward alone, nothing else on the cores);
 #   - Python (/usr/bin/python3): torch DistributedDataParallel with gloo at NP processes, and
 #     the same model without DDP;
 #   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank) and, unless
 #   --no-resnet, ResNet-50 at 64x64 (torchvision, traced to TorchScript by export_resnet50.py,
-#   loaded by both sides; batch RESNET_BATCH per rank).
+#   loaded by both sides; batch RESNET_BATCH per rank); and lt::SyncBatchNorm2d against
+#   torch::nn::BatchNorm2d, forward+backward at NP ranks (input [BN_BATCH, 64, 16, 16] per rank).
 # One thread per rank: torch::set_num_threads(1) / torch.set_num_threads(1), and
 # OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 (Debian's LibTorch calls OpenBLAS, whose own thread
 # pool set_num_threads does not limit: without them each rank runs 2 spinning BLAS threads).
@@ -17,7 +20,7 @@
 # Usage: bench/torch/run.sh [--quick] [--no-resnet]
 # Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results/torch),
 #   MPIEXEC (mpiexec), PYTHON (/usr/bin/python3), STEPS (20), WARMUP (3), BATCH (64),
-#   RESNET_BATCH (16), RESNET_STEPS (6).
+#   RESNET_BATCH (16), RESNET_STEPS (6), BN_BATCH (32).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,12 +35,13 @@ warmup=${WARMUP:-3}
 batch=${BATCH:-64}
 rbatch=${RESNET_BATCH:-16}
 rsteps=${RESNET_STEPS:-6}
+bnbatch=${BN_BATCH:-32}
 resnet=1
 for a in "$@"; do
   case $a in
     --quick) steps=5; warmup=1; rsteps=2 ;;
     --no-resnet) resnet=0 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -78,6 +82,13 @@ run_models() {  # run_models TAG ARGS...: the C++ (NP ranks, 1 rank) and Python 
 }
 
 run_models mlp --model mlp --batch "$batch" --steps "$steps" --warmup "$warmup"
+echo "== mlp with Adam: C++, $np ranks (replicated, sharded, bf16 wire)" >&2
+"$mpiexec" -n "$np" "${mpiflags[@]}" "$exe" --json "$results/mlp_adam_cpp.json" --model mlp --optimizer adam \
+  --variants lockstep,lockstep-sharded,lockstep-bf16,local --batch "$batch" --steps "$steps" --warmup "$warmup" \
+  | tee "$results/mlp_adam_cpp.md"
+echo "== SyncBatchNorm2d against BatchNorm2d: C++, $np ranks" >&2
+"$mpiexec" -n "$np" "${mpiflags[@]}" "$exe" --json "$results/bn_cpp.json" --model bn --batch "$bnbatch" \
+  --channels 64 --image-size 16 --steps "$steps" --warmup "$warmup" | tee "$results/bn_cpp.md"
 if [ "$resnet" = 1 ]; then
   pt=$build/bench/resnet50_64.pt  # 100 MB: kept out of the results
   [ -f "$pt" ] || "$python" "$here/export_resnet50.py" "$pt" 64
@@ -105,5 +116,18 @@ for tag in ["mlp"] + (["resnet50"] if resnet else []):
               if r is not None else
               f"| {tag} | {name} | {v['step_s'] * 1e3:.1f} | {v['backward_comm_s'] * 1e3:.1f} | - | "
               f"{v['backward_comm_s'] / one['backward_comm_s']:.2f} | {ddp_step / v['step_s']:.2f} |")
+print()
+adam = json.load(open(os.path.join(d, "mlp_adam_cpp.json")))["variants"]
+rep = next(v for v in adam if v["variant"] == "lockstep")
+print("| MLP, Adam | step ms | optimizer (inner step + sharded broadcasts) ms | step / replicated step |")
+print("|---|--:|--:|--:|")
+for v in adam:
+    print(f"| {v['variant']} | {v['step_s'] * 1e3:.1f} | {v['optimizer_s'] * 1e3:.1f} | {v['step_s'] / rep['step_s']:.2f} |")
+print()
+bn = json.load(open(os.path.join(d, "bn_cpp.json")))["variants"]
+print("| module | forward+backward ms | / BatchNorm2d |")
+print("|---|--:|--:|")
+for v in bn:
+    print(f"| {v['variant']} | {v['step_s'] * 1e3:.2f} | {v['ratio_to_batchnorm2d']:.2f} |")
 PY
 echo "- Load at the end: $(uptime | sed 's/.*load average: //')" | tee -a "$results/machine.md"

@@ -12,6 +12,8 @@
 #include <atomic>
 #include <deque>
 #include <mutex>
+#include <optional>
+#include <cstring>
 #include <sstream>
 #include <unordered_map>
 #include <utility>
@@ -274,6 +276,29 @@ std::vector<OptParam> optimizer_params(::torch::optim::Optimizer& o, const ::tor
 // A parameter DistributedOptimizer reduces the gradient of (the others it leaves alone).
 bool trained(const at::Tensor& p) { return p.requires_grad() && p.is_floating_point(); }
 
+// Optimizers whose state a live DistributedOptimizer shards (shard_optimizer_state): per
+// parameter of optimizer_params() (frozen ones included), the rank that owns it, -1 for one
+// that is not trained (its state, if any, is kept on every rank as it is).
+struct ShardInfo {
+  int nranks = 1;
+  std::vector<int> owner;
+};
+std::mutex g_shard_mutex;
+std::unordered_map<const ::torch::optim::Optimizer*, ShardInfo>& sharded_optimizers() {
+  static std::unordered_map<const ::torch::optim::Optimizer*, ShardInfo> m;
+  return m;
+}
+std::optional<ShardInfo> shard_info(const ::torch::optim::Optimizer& o) {
+  std::lock_guard lock(g_shard_mutex);
+  auto it = sharded_optimizers().find(&o);
+  if (it == sharded_optimizers().end()) return std::nullopt;
+  return it->second;
+}
+std::string sharding_desc(const ::torch::optim::Optimizer& o) {
+  const auto info = shard_info(o);
+  return info ? concat("sharded over ", info->nranks, " ranks by a DistributedOptimizer") : std::string("replicated");
+}
+
 // The kind, the groups and every parameter, by name (the module's, or its position), with its
 // dtype, shape, device and whether it is trained: what the ranks' optimizers must share. Shapes
 // alone would not tell apart ranks that froze different layers of one shape.
@@ -281,7 +306,8 @@ std::string param_desc(const OptParam& p) {
   return concat(describe(p.p), " in group ", p.group, trained(p.p) ? ", trained" : ", frozen (no gradient)");
 }
 std::string optimizer_signature(::torch::optim::Optimizer& o, const std::vector<OptParam>& ps) {
-  std::string s = concat("optimizer ", kind_name(kind_of(o)), "; groups ", o.param_groups().size(), ";");
+  std::string s = concat("optimizer ", kind_name(kind_of(o)), "; groups ", o.param_groups().size(), "; ",
+                         sharding_desc(o), ";");
   for (const auto& p : ps) s += concat(p.name, "=", param_desc(p), ";");
   return s;
 }
@@ -293,6 +319,7 @@ void check_same_optimizer(Backend& backend, ::torch::optim::Optimizer& o, const 
   detail::check_same_structure(backend, sig, 0, root, what, [&] {
     std::vector<detail::StructureEntry> e;
     e.push_back({"optimizer", concat(kind_name(kind_of(o)), " with ", o.param_groups().size(), " group(s)")});
+    e.push_back({"optimizer state", sharding_desc(o)});
     for (const auto& p : ps) e.push_back({p.name, param_desc(p)});
     return e;
   });
@@ -451,11 +478,47 @@ class PreparedState {
   TensorMap tensors_;
 };
 
+// Sharded state: drops what this rank holds for parameters another rank owns.
+void drop_unowned_state(::torch::optim::Optimizer& o, const std::vector<OptParam>& ps, const ShardInfo& info,
+                        int rank) {
+  auto& st = o.state();
+  for (std::size_t i = 0; i < ps.size() && i < info.owner.size(); ++i)
+    if (info.owner[i] >= 0 && info.owner[i] != rank) st.erase(state_key<StateMap>(ps[i].p));
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
 }  // namespace
+
+std::int64_t state_bytes(::torch::optim::Optimizer& o) {
+  const Kind k = kind_of(o);
+  if (k == Kind::other) return static_cast<std::int64_t>(archive_bytes(o).size());
+  const StateAccess a = access(k);
+  std::int64_t n = 0;
+  for (auto& [key, s] : o.state()) {
+    for (const char* f : tensor_fields(k)) {
+      const at::Tensor* t = a.field(*s, f);
+      if (t != nullptr && t->defined()) n += static_cast<std::int64_t>(t->nbytes());
+    }
+  }
+  return n;
+}
 
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::synchronize");
   check_same_optimizer(backend, optimizer, nullptr, root, "lockstep::torch::synchronize(optimizer)");
+  // The check above compared whether the optimizer is sharded: every rank refuses alike.
+  LOCKSTEP_CHECK_ARG(!shard_info(optimizer),
+                     "lockstep::torch::synchronize(optimizer): the optimizer's state is sharded by a "
+                     "DistributedOptimizer (shard_optimizer_state): each rank holds the state of its own parameters "
+                     "only, so there is no root state to copy; nothing was changed (save_checkpoint and "
+                     "load_checkpoint gather and split it)");
   auto ps = optimizer_params(optimizer, nullptr);
   // Root's layout (which state exists), or for another kind root's archive.
   std::vector<std::uint8_t> archive;
@@ -513,9 +576,92 @@ void save_impl(Backend& backend, const std::filesystem::path& path, ::torch::nn:
     auto ps = optimizer_params(*optimizer, &module);
     std::vector<std::uint8_t> archive;
     if (backend.rank() == 0 && kind_of(*optimizer) == Kind::other) archive = archive_bytes(*optimizer);
+    // Root writes what a replicated state holds: each parameter's state as the rank that has it
+    // holds it. Sharded (now, or by a DistributedOptimizer since destroyed: the state stays
+    // split), that is its owner; replicated, root itself. Every rank learns every rank's layout
+    // (one string broadcast per rank); each parameter's state comes from root if root has it,
+    // else from the lowest rank that has it.
+    const bool known = kind_of(*optimizer) != Kind::other;
+    std::string layout = state_layout(*optimizer, ps);
+    std::vector<std::vector<std::string>> lines;  // every rank's layout, line by line
+    std::vector<int> source(ps.size(), 0);
+    bool gather = false;
+    if (known) {
+      for (int r = 0; r < backend.size(); ++r)
+        lines.push_back(split_lines(detail::broadcast_string(backend, layout, r)));
+      auto has = [&](int r, std::size_t i) {
+        const auto& l = lines[static_cast<std::size_t>(r)];
+        return i < l.size() && !l[i].empty() && l[i] != "-";
+      };
+      std::string merged;
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        for (int r = 0; r < backend.size(); ++r)
+          if (has(r, i)) {
+            source[i] = r;
+            break;
+          }
+        gather = gather || source[i] != 0;
+        const auto& l = lines[static_cast<std::size_t>(source[i])];
+        merged += (i < l.size() ? l[i] : std::string("-")) + "\n";
+      }
+      if (backend.rank() == 0) layout = std::move(merged);
+    }
     agreed(backend, "lockstep::torch::save_checkpoint", 0, [&] {
-      prepared.emplace(*optimizer, ps, state_layout(*optimizer, ps), archive.size());
+      prepared.emplace(*optimizer, ps, layout, archive.size());
     }, "nothing was written");
+    if (gather) {  // the same on every rank: computed from the same layouts
+      // Each other rank sends root the state root lacks, packed (one broadcast of its size and
+      // one of its bytes per rank): root's prepared tensors are new ones for them.
+      std::string transfer_error;  // root's, agreed after the transfers
+      for (int r = 1; r < backend.size(); ++r) {
+        std::vector<Tensor*> mine;
+        const auto& l = lines[static_cast<std::size_t>(r)];
+        if (backend.rank() == r || backend.rank() == 0) {
+          for (std::size_t i = 0; i < ps.size(); ++i) {
+            if (source[i] != r) continue;
+            const std::string prefix = concat("optimizer.state.", ps[i].name, ".");
+            auto& tm = prepared->tensors();
+            if (has_step(kind_of(*optimizer))) mine.push_back(&tm.at(prefix + "step"));
+            std::istringstream words(l[i]);
+            std::string w;
+            while (words >> w)
+              if (w != "+") mine.push_back(&tm.at(prefix + w));
+          }
+        }
+        std::int64_t bytes = 0;
+        for (Tensor* t : mine) bytes += static_cast<std::int64_t>(t->nbytes());
+        backend.broadcast(TensorView{&bytes, 1, DType::i64, Device::cpu()}, r);
+        if (bytes == 0) continue;
+        std::vector<std::uint8_t> blob(static_cast<std::size_t>(bytes));
+        if (backend.rank() == r) {
+          std::size_t off = 0;
+          for (Tensor* t : mine) {
+            if (t->nbytes() > 0) std::memcpy(blob.data() + off, t->raw_data(), t->nbytes());
+            off += t->nbytes();
+          }
+        }
+        backend.broadcast(TensorView{blob.data(), bytes, DType::u8, Device::cpu()}, r);
+        if (backend.rank() == 0) {
+          std::int64_t expect = 0;
+          for (Tensor* t : mine) expect += static_cast<std::int64_t>(t->nbytes());
+          if (expect != bytes) {  // not expected: the state's tensors are shaped like their parameters
+            if (transfer_error.empty())
+              transfer_error = concat("lockstep::torch::save_checkpoint: rank ", r, " sent ", bytes,
+                                      " bytes of optimizer state where root expected ", expect,
+                                      " (a state tensor not shaped like its parameter?)");
+            continue;
+          }
+          std::size_t off = 0;
+          for (Tensor* t : mine) {
+            if (t->nbytes() > 0) std::memcpy(t->raw_data(), blob.data() + off, t->nbytes());
+            off += t->nbytes();
+          }
+        }
+      }
+      agreed(backend, "lockstep::torch::save_checkpoint", 0, [&] {
+        if (!transfer_error.empty()) throw Error(transfer_error);
+      }, "nothing was written");
+    }
     if (!archive.empty())
       std::copy(archive.begin(), archive.end(),
                 prepared->tensors().at("optimizer.torch_archive").data<std::uint8_t>());
@@ -575,7 +721,12 @@ std::map<std::string, std::string> load_impl(Backend& backend, const std::filesy
     // All or nothing on every rank: checked against the file before anything is written.
     meta = lockstep::load_checkpoint(backend, path, all, 0);
   }
-  if (prepared) prepared->install();
+  if (prepared) {
+    prepared->install();
+    // A sharded optimizer keeps the state of its own parameters only.
+    if (const auto info = shard_info(*optimizer))
+      drop_unowned_state(*optimizer, optimizer_params(*optimizer, &module), *info, backend.rank());
+  }
   for (auto it = meta.begin(); it != meta.end();) it = it->first.rfind("lockstep.", 0) == 0 ? meta.erase(it) : std::next(it);
   return meta;
 }
@@ -623,7 +774,9 @@ void check_same_structure_for_reduction(Backend& backend, const std::vector<OptP
                                         const DistributedOptions& options, const TorchOptions& topts) {
   const char* unused = topts.unused_parameters == UnusedParameters::error ? "error" : "zero";
   const std::string opts = concat("op ", name(options.op), ", accumulation_steps ", options.accumulation_steps,
-                                  ", unused_parameters ", unused);
+                                  ", unused_parameters ", unused, ", shard_optimizer_state ",
+                                  options.shard_optimizer_state ? "true" : "false", ", wire_dtype ",
+                                  options.wire_dtype ? name(*options.wire_dtype) : "none");
   auto desc = [](const OptParam& p) { return param_desc(p); };
   std::string sig = concat("lockstep::torch ", opts, ";");
   for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
@@ -703,6 +856,128 @@ struct DistributedOptimizer::Impl {
   std::size_t hook_error_param = 0;  // the parameter whose gradient it was taking
   std::string local_bad;     // this rank's first non-finite gradient, before the reduction
   std::int64_t skipped = 0, applied = 0;
+
+  // shard_optimizer_state: the rank that steps each parameter, and the broadcasts that send the
+  // owners' updated parameters to every rank (a bucket of small parameters of one owner packed
+  // into a staging buffer, or one parameter of bucket_bytes or more, broadcast in place).
+  struct ParamBucket {
+    int root = 0;
+    std::vector<std::size_t> members;
+    at::Tensor staging;  // undefined: members[0] is broadcast in place
+  };
+  bool sharded = false;
+  std::vector<int> owners;
+  std::int64_t owned_bytes = 0;
+  std::vector<ParamBucket> pbuckets;
+
+  void plan_shards(int nranks, int rank) {
+    const std::size_t n = params.size();
+    owners.assign(n, rank);
+    if (!sharded) return;
+    auto bytes = [&](std::size_t j) { return static_cast<std::int64_t>(params[j].p.nbytes()); };
+    // Largest first, each to the rank with the fewest bytes so far (the lowest on a tie): the
+    // same on every rank, since the ranks agreed on every parameter's shape and dtype.
+    std::vector<std::size_t> order(n);
+    for (std::size_t j = 0; j < n; ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return bytes(a) > bytes(b); });
+    std::vector<std::int64_t> load(static_cast<std::size_t>(nranks), 0);
+    for (std::size_t j : order) {
+      const auto r = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      owners[j] = static_cast<int>(r);
+      load[r] += bytes(j);
+    }
+    owned_bytes = load[static_cast<std::size_t>(rank)];
+    if (nranks == 1) return;  // nothing to send
+    const auto cap = static_cast<std::int64_t>(options.bucket_bytes);
+    for (int r = 0; r < nranks; ++r) {
+      ParamBucket cur;
+      std::int64_t cur_bytes = 0;
+      auto close = [&] {
+        if (cur.members.empty()) return;
+        if (cur.members.size() > 1)
+          cur.staging = at::empty({cur_bytes}, at::TensorOptions().dtype(at::kByte));
+        pbuckets.push_back(std::move(cur));
+        cur = ParamBucket{};
+        cur_bytes = 0;
+      };
+      for (std::size_t j = 0; j < n; ++j) {
+        if (owners[j] != r) continue;
+        if (bytes(j) >= cap) {  // a bucket of its own, broadcast in place
+          ParamBucket big;
+          big.root = r;
+          big.members.push_back(j);
+          pbuckets.push_back(std::move(big));
+          continue;
+        }
+        if (cur_bytes + bytes(j) > cap) close();
+        cur.root = r;
+        cur.members.push_back(j);
+        cur_bytes += bytes(j);
+      }
+      close();
+    }
+  }
+
+  // The owners' parameters to every rank: one broadcast per bucket, in bucket order.
+  void broadcast_params() {
+    ::torch::NoGradGuard no_grad;
+    const int me = backend->rank();
+    for (auto& b : pbuckets) {
+      if (!b.staging.defined()) {
+        backend->broadcast(view(params[b.members.front()].p), b.root);
+        continue;
+      }
+      auto* base = static_cast<std::uint8_t*>(b.staging.data_ptr());
+      if (b.root == me) {
+        std::size_t off = 0;
+        for (std::size_t j : b.members) {
+          std::memcpy(base + off, params[j].p.data_ptr(), params[j].p.nbytes());
+          off += params[j].p.nbytes();
+        }
+      }
+      backend->broadcast(view(b.staging), b.root);
+      if (b.root != me) {
+        std::size_t off = 0;
+        for (std::size_t j : b.members) {
+          std::memcpy(params[j].p.data_ptr(), base + off, params[j].p.nbytes());
+          off += params[j].p.nbytes();
+        }
+      }
+    }
+  }
+
+  // The inner step on this rank's parameters only (the others' gradients hidden from it), then
+  // the broadcasts. A failure of the inner step on one rank is every rank's error (one allreduce
+  // of a flag; the broadcasts still happen, so the replicas stay equal).
+  void sharded_step() {
+    const int me = backend->rank();
+    std::exception_ptr error;
+    {
+      ::torch::NoGradGuard no_grad;
+      for (std::size_t j = 0; j < params.size(); ++j)
+        if (owners[j] != me) params[j].p.mutable_grad() = at::Tensor();
+      try {
+        optimizer->step();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      for (std::size_t j = 0; j < params.size(); ++j)
+        if (owners[j] != me) params[j].p.mutable_grad() = slots[j];
+    }
+    std::int32_t failed = error ? 1 : 0;
+    backend->allreduce(TensorView{&failed, 1, DType::i32, Device::cpu()}, ReduceOp::max);
+    broadcast_params();
+    if (failed == 0) return;
+    detail::Verdict mine;
+    if (error) {
+      mine = detail::verdict_of([&] { std::rethrow_exception(error); });
+      mine.message = concat("lockstep::torch::DistributedOptimizer: the wrapped optimizer's step() failed on its "
+                            "share of the parameters: ", mine.message);
+    }
+    detail::agree(*backend, "lockstep::torch::DistributedOptimizer::step", 0, mine, 0,
+                  "the owners' parameters were sent as they were after the failure");
+    throw Error("lockstep::torch::DistributedOptimizer::step: the inner step failed on a rank");  // not reached
+  }
 
   void ensure_slot(std::size_t j) {
     at::Tensor& g = params[j].p.mutable_grad();
@@ -798,8 +1073,22 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
       LOCKSTEP_CHECK_ARG(p.p.layout() == c10::kStrided && dtype_of(p.p.scalar_type()).has_value(),
                          "lockstep::torch::DistributedOptimizer: parameter '", p.name, "' (", describe(p.p),
                          ") has no flat gradient buffer");
+      LOCKSTEP_CHECK_ARG(!options.wire_dtype || p.p.scalar_type() == c10::kFloat,
+                         "lockstep::torch::DistributedOptimizer: wire_dtype ",
+                         options.wire_dtype ? name(*options.wire_dtype) : "", " compresses Float (f32) gradients; "
+                         "parameter '", p.name, "' is ", describe(p.p));
+      LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || p.p.is_contiguous(),
+                         "lockstep::torch::DistributedOptimizer: shard_optimizer_state broadcasts each owner's "
+                         "parameters in place; parameter '", p.name, "' (", describe(p.p), ") is not contiguous");
       m.params.push_back(std::move(p));
     }
+    LOCKSTEP_CHECK_ARG(!options.wire_dtype || *options.wire_dtype == DType::bf16 || *options.wire_dtype == DType::f16,
+                       "lockstep::torch::DistributedOptimizer: wire_dtype must be bf16 or f16 (a 16-bit float), got ",
+                       options.wire_dtype ? name(*options.wire_dtype) : "none");
+    LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || kind_of(optimizer) != Kind::other,
+                       "lockstep::torch::DistributedOptimizer: shard_optimizer_state needs Adam, AdamW, SGD, RMSprop "
+                       "or Adagrad (optimizers known to step only parameters that have a gradient, and whose state "
+                       "Lockstep gathers field by field for a checkpoint); this optimizer is another kind");
   }, "no optimizer was wrapped");
   // Which numbers meet which in the reductions: the ranks must agree on every parameter of the
   // optimizer, in order, by name (the module's, or the position), with its group, dtype, shape,
@@ -851,6 +1140,9 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   // ranks' accumulation_steps were compared above; the reducer's check covers its options).
   DistributedOptions reducer_options = options;
   reducer_options.accumulation_steps = 1;
+  // Sharded, the gradients are still all-reduced (whole parameters, not the core's flat pieces):
+  // the reducer does what it does without sharding.
+  reducer_options.shard_optimizer_state = false;
   m.reducer = std::make_unique<GradientReducer>(backend, std::move(ptrs), std::move(names), reducer_options, loc);
   {
     std::lock_guard lock(g_wrapped_mutex);
@@ -867,11 +1159,35 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     const std::uintptr_t key = acc->add_post_hook(std::make_unique<Impl::Hook>(&m, k));
     m.hooks.emplace_back(std::move(acc), key);
   }
+  // Last: nothing after this throws, so the registry never names an optimizer no live wrapper
+  // shards.
+  m.sharded = options.shard_optimizer_state;
+  m.plan_shards(backend.size(), backend.rank());
+  if (m.sharded) {
+    ShardInfo info;
+    info.nranks = backend.size();
+    info.owner.assign(all.size(), -1);
+    std::unordered_map<const void*, int> owner_of;
+    for (std::size_t k = 0; k < n; ++k) owner_of.emplace(m.params[k].p.unsafeGetTensorImpl(), m.owners[k]);
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      auto it = owner_of.find(all[i].p.unsafeGetTensorImpl());
+      if (it != owner_of.end()) info.owner[i] = it->second;
+    }
+    // State the optimizer already holds (a checkpoint loaded before wrapping) is kept for this
+    // rank's own parameters only.
+    drop_unowned_state(optimizer, all, info, backend.rank());
+    std::lock_guard lock(g_shard_mutex);
+    sharded_optimizers()[&optimizer] = std::move(info);
+  }
 }
 
 DistributedOptimizer::~DistributedOptimizer() {
   if (!impl_) return;
   for (auto& [node, key] : impl_->hooks) node->del_post_hook(key);
+  if (impl_->sharded) {
+    std::lock_guard lock(g_shard_mutex);
+    sharded_optimizers().erase(impl_->optimizer);
+  }
   std::lock_guard lock(g_wrapped_mutex);
   for (auto& p : impl_->params) wrapped().erase(p.p.unsafeGetTensorImpl());
 }
@@ -984,7 +1300,10 @@ bool DistributedOptimizer::step(std::source_location loc) {
       return false;
     }
   }
-  m.optimizer->step();
+  if (m.sharded)
+    m.sharded_step();
+  else
+    m.optimizer->step();
   ++m.applied;
   if (m.options.check_replicas_every > 0 && m.applied % m.options.check_replicas_every == 0) {
     std::vector<OptParam> all = optimizer_params(*m.optimizer, m.topts.names_from);
@@ -992,8 +1311,10 @@ bool DistributedOptimizer::step(std::source_location loc) {
     TensorMap x;
     for (auto& p : all)
       if (p.p.defined()) x.emplace("param." + p.name, borrow(p.p));
+    // Sharded, each rank's state is its own by design: the parameters and learning rates only.
     for (auto& [name, t] : state.tensors())
-      if (name != "optimizer.torch_archive") x.emplace(name, t.reshape_view(t.shape()));
+      if (name != "optimizer.torch_archive" && (!m.sharded || name.rfind("optimizer.state.", 0) != 0))
+        x.emplace(name, t.reshape_view(t.shape()));
     lockstep::check_replicas(*m.backend, x);
   }
   return true;
@@ -1004,5 +1325,9 @@ const GradientReducer& DistributedOptimizer::reducer() const noexcept { return *
 std::int64_t DistributedOptimizer::skipped_steps() const noexcept { return impl_->skipped; }
 std::int64_t DistributedOptimizer::applied_steps() const noexcept { return impl_->applied; }
 std::size_t DistributedOptimizer::buffer_count() const noexcept { return impl_->buffers.size(); }
+bool DistributedOptimizer::sharded() const noexcept { return impl_->sharded; }
+const std::vector<int>& DistributedOptimizer::owners() const noexcept { return impl_->owners; }
+std::int64_t DistributedOptimizer::owned_bytes() const noexcept { return impl_->owned_bytes; }
+std::size_t DistributedOptimizer::broadcast_count() const noexcept { return impl_->pbuckets.size(); }
 
 }  // namespace lockstep::torch

@@ -33,6 +33,7 @@
 #include <memory>
 #include <source_location>
 #include <string>
+#include <vector>
 
 #include "lockstep/backend.hpp"
 #include "lockstep/gradient_reducer.hpp"
@@ -69,8 +70,9 @@ void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
 /// yet (it creates it at the first step) is created where root has it and dropped where root
 /// has none. The ranks first check that their optimizers have the same kind and the same
 /// parameter groups (position by position: shapes, dtypes, trained or frozen): MismatchError on
-/// every rank otherwise. Optimizers other
-/// than Adam, AdamW, SGD, RMSprop and Adagrad go through their own save()/load().
+/// every rank otherwise. Optimizers other than Adam, AdamW, SGD, RMSprop and Adagrad go through
+/// their own save()/load(). An optimizer whose state a live DistributedOptimizer shards is
+/// refused (InvalidArgument on every rank).
 void synchronize(Backend& backend, ::torch::optim::Optimizer& optimizer, int root = 0,
                  std::source_location loc = std::source_location::current());
 
@@ -112,6 +114,22 @@ struct TorchOptions {
 /// rank's gradient skips the inner step on every rank; check_replicas_every = K: the
 /// parameters and the optimizer state are compared across ranks every K steps.
 ///
+/// wire_dtype = bf16 or f16: f32 gradients travel as 16-bit floats (half the bytes), summed in
+/// f32 where the path allows it and divided in f32; the wrapped optimizer sees f32 gradients.
+/// Every trained parameter must then be f32 (InvalidArgument on every rank naming one that is
+/// not).
+///
+/// shard_optimizer_state (PyTorch's ZeroRedundancyOptimizer over DDP): each trained parameter,
+/// whole, is owned by one rank (largest first, each to the rank with the fewest bytes so far: the
+/// same assignment on every rank, owners()). Gradients are reduced as without it; then each rank
+/// runs the wrapped optimizer's step() on its own parameters only (the others' gradients are
+/// hidden from it for that call, so it creates state for its own only; state it held for the
+/// others' is dropped at construction), and each owner's updated parameters reach every rank by
+/// one broadcast per bucket (bucket_bytes; a parameter of bucket_bytes or more is broadcast in
+/// place). For Adam, AdamW, SGD, RMSprop and Adagrad (others: InvalidArgument). save_checkpoint
+/// writes the same file as without sharding (root gathers the state), load_checkpoint reads any
+/// file at any number of ranks, lt::synchronize(optimizer) refuses a sharded optimizer.
+///
 /// Parameters on a cuda device are refused for now (InvalidArgument): Debian's LibTorch is
 /// CPU-only and this adapter has not run on a GPU.
 class DistributedOptimizer {
@@ -139,11 +157,24 @@ class DistributedOptimizer {
   std::int64_t applied_steps() const noexcept;
   /// The flat gradient buffers (one per run of parameters of one dtype and device).
   std::size_t buffer_count() const noexcept;
+  /// shard_optimizer_state: true; owners()[i] is the rank that steps the i-th trained parameter
+  /// (optimizer order, frozen ones left out; every entry is this rank when not sharded), and
+  /// owned_bytes() the bytes of this rank's parameters. Parameter broadcasts per step:
+  /// broadcast_count().
+  bool sharded() const noexcept;
+  const std::vector<int>& owners() const noexcept;
+  std::int64_t owned_bytes() const noexcept;
+  std::size_t broadcast_count() const noexcept;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The bytes of the tensors in the optimizer's state on this rank (Adam's moments, SGD's
+/// momentum buffers...; for an optimizer Lockstep does not know field by field, the size of its
+/// save() archive). Not collective.
+std::int64_t state_bytes(::torch::optim::Optimizer& optimizer);
 
 namespace testing {
 /// For tests: the next gradient hook of a DistributedOptimizer in this process fails with
@@ -156,7 +187,9 @@ void fail_next_gradient(std::string message);
 /// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
 /// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
 /// that Python reads (docs/torch.md has a reader for Debian 12, which lacks python3-safetensors). Atomic, checksummed, and the
-/// same error on every rank, as ls::save_checkpoint.
+/// same error on every rank, as ls::save_checkpoint. Each parameter's optimizer state is root's,
+/// or, where root has none, that of the lowest rank that has it (a sharded state: its owner's),
+/// so a sharded optimizer writes the replicated form's file.
 /// `metadata` (string keys and values; keys starting with "lockstep." are reserved) is stored in
 /// the file's header and returned by load_checkpoint.
 void save_checkpoint(Backend& backend, const std::filesystem::path& path, ::torch::nn::Module& module,
