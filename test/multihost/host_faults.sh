@@ -54,18 +54,21 @@ rc=\$?
 EOF
 chmod +x mpx probe
 
-up() {  # up HOSTS SLOTS
+up() {  # up HOSTS SLOTS, every link up (an earlier case may have left one down: `up` of the
+         # same cluster leaves it as it is)
   "${CLUSTER[@]}" up "$1" --slots "$2" >up.log 2>&1 || { cat up.log; exit 1; }
+  local i
+  for ((i = 0; i < $1; ++i)); do ip -n "$NAME-h$i" link set eth0 up; done
 }
 hostlist() {  # hostlist HOSTS SLOTS: addr:slots,...
   local i out=""
   for ((i = 1; i <= $1; ++i)); do out+="${out:+,}$SUBNET.$i:$2"; done
   echo "$out"
 }
-# wait_for_ranks NS COMM N: until N processes named COMM run in namespace NS (at most 60 s).
+# wait_for_ranks NS COMM N: until N processes named COMM run in namespace NS (at most 30 s).
 wait_for_ranks() {
   local p c
-  for _ in $(seq 600); do
+  for _ in $(seq 300); do
     c=0
     for p in $(ip netns pids "$1" 2>/dev/null); do
       [ "$(cat "/proc/$p/comm" 2>/dev/null)" = "$2" ] && c=$((c + 1))
@@ -97,7 +100,7 @@ lost_host_fault() {
     "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 >lr.out 2>lr.err &
   local pid=$!
   if ! wait_for_ranks "$NAME-h$lost" lockstep_fault_ "$per"; then
-    fail "$layout: the ranks of host $lost did not start"; kill "$pid"; wait "$pid"; return
+    fail "$layout: the ranks of host $lost did not start"; kill "$pid"; wait "$pid"; lr_rc=1 t_end=$(now); return
   fi
   sleep 2   # well inside the loop of allreduces (20 ms apart), every connection made
   t_fault=$(now)
