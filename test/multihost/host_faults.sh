@@ -8,11 +8,13 @@
 #              (fault_program, LOCKSTEP_TIMEOUT=3): ranks 0 and 1 raise TimeoutError naming ranks
 #              2, 3 and host <cluster>-h1, within the deadline plus the status queries; the job
 #              ends (lockstep-run ends the mpiexec that waits for the lost daemon).
-#   link-3x1   the same with 3 hosts of 1 rank, host 2 cut off: ranks 0 and 1 name rank 2.
+#   link-3x1   the same with 3 hosts of 1 rank, host 2 cut off while the ranks loop collective
+#              checkpoint saves: ranks 0 and 1 name rank 2; the checkpoint is one save, whole.
 #   kill-2x2   every process of host 1 (its orted too) SIGKILLed during the allreduces:
 #              (a) as mpiexec runs by default: it ends the job about 1 s later, and lockstep-run
 #              names the lost host and its ranks; (b) with --enable-recovery (mpiexec keeps
-#              the survivors running): they raise TimeoutError naming ranks 2, 3 and the host.
+#              the survivors running), during synchronize calls (1 MiB from rank 0): they raise
+#              TimeoutError naming ranks 2, 3 and the host.
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
@@ -89,18 +91,19 @@ kill_host() {  # every process of host $1 at once, its orted too
   [ -n "${pids// /}" ] && kill -KILL $pids
 }
 
-# lost_host_fault LAYOUT LOST FAULT [lockstep-run args]: fault_program looping allreduces under
-# lockstep-run --max-restarts 0, FAULT (link_down or kill_host) on host LOST once its ranks run.
+# lost_host_fault LAYOUT LOST FAULT MODE [lockstep-run args]: fault_program looping MODE's
+# collective (blocking: allreduces; synchronize; checkpoint: collective saves) under lockstep-run
+# --max-restarts 0, FAULT (link_down or kill_host) on host LOST once its ranks run.
 # Leaves lr.err, lr.out, out/rank*.txt, and sets t_fault, t_end, lr_rc.
 lost_host_fault() {
-  local layout=$1 lost=$2 fault=$3
-  shift 3
+  local layout=$1 lost=$2 fault=$3 mode=$4
+  shift 4
   local hosts=${layout%x*} per=${layout#*x}
   up "$hosts" "$per"
   rm -rf out && mkdir out
   LOCKSTEP_TIMEOUT=3 timeout -k 5 120 "$RUNNER" -H "$(hostlist "$hosts" "$per")" --mpiexec ./mpx \
     --probe ./probe --per-host-timeout 20 --max-restarts 0 "$@" -- \
-    "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 >lr.out 2>lr.err &
+    "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 "$mode" >lr.out 2>lr.err &
   local pid=$!
   if ! wait_for_ranks "$NAME-h$lost" lockstep_fault_ "$per"; then
     fail "$layout: the ranks of host $lost did not start"; kill "$pid"; wait "$pid"; lr_rc=1 t_end=$(now); return
@@ -141,7 +144,7 @@ job_ended() {  # the job ended, and how long after the fault
 
 case $CASE in
   link-2x2)
-    lost_host_fault 2x2 1 link_down
+    lost_host_fault 2x2 1 link_down blocking
     survivors_name 2 "ranks 2, 3" "$NAME-h1"
     job_ended
     grep -q "every rank reported the stall or was named silent" lr.err &&
@@ -149,19 +152,22 @@ case $CASE in
       fail "lockstep-run did not see every rank accounted for"
     ;;
   link-3x1)
-    lost_host_fault 3x1 2 link_down
+    lost_host_fault 3x1 2 link_down checkpoint
     survivors_name 2 "rank 2" "$NAME-h2"
     job_ended
+    # The checkpoint rank 0 was saving, over and over, when host 2 was cut off: one save, whole.
+    v=$("$BIN/test/lockstep_fault_program" "$WORK/out" 0 verify)
+    [[ $v == "OK step="* ]] && pass "the checkpoint is one save, whole ($v)" || fail "the checkpoint: $v"
     ;;
   kill-2x2)
     echo "-- (a) mpiexec's default: it ends the job itself"
-    lost_host_fault 2x2 1 kill_host
+    lost_host_fault 2x2 1 kill_host blocking
     job_ended
     grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err &&
       pass "lockstep-run names the lost host and its ranks" ||
       fail "lockstep-run does not name host $SUBNET.2 and ranks 2 3: $(grep lockstep-run lr.err | tail -5)"
     echo "-- (b) --enable-recovery: the survivors go on until their deadline"
-    lost_host_fault 2x2 1 kill_host --mpiexec-arg --enable-recovery
+    lost_host_fault 2x2 1 kill_host synchronize --mpiexec-arg --enable-recovery
     survivors_name 2 "ranks 2, 3" "$NAME-h1"
     job_ended
     ;;
