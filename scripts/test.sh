@@ -172,12 +172,14 @@ stage_multihost() (
   done
 
   # ---- A lost host (issue 27): test/multihost/host_faults.sh, under tools/lockstep-run --------
-  # A host's link taken down for good (2x2 and 3x1) and every process of a host killed (2x2)
-  # during allreduces: the survivors' TimeoutError names the lost ranks and host, the job ends;
-  # 2% of a host's packets dropped: the allreduce tests pass; the acceptance run (the train
-  # example at 2x2 loses host 1 after its epoch-50 checkpoint, restarts at N=2 on host 0 and
-  # finishes). About 2.5 min here (load 2-3); a case that cannot run here (no nft) is reported
-  # skipped, not passed.
+  # A host's link taken down for good (2x2 during allreduces, 3x1 during checkpoint saves) and
+  # every process of a host killed (2x2, allreduces and synchronize): the survivors'
+  # TimeoutError names the lost ranks and host, the job ends, the checkpoint is whole; 2% of a
+  # host's packets dropped: the allreduce test passes; a host at 1 Mbit/s: training finishes
+  # without a stall; the acceptance run (the train example at 2x2 loses host 1 after its
+  # epoch-50 checkpoint, restarts at N=2 on host 0 and finishes). 17+17+18+21+12+76 s, about
+  # 2.7 min, on this 2-core machine at load 2-3; a case that cannot run here (no nft) is
+  # reported skipped, not passed.
   fault() {
     local name=$1 start=$SECONDS log="$logs/fault-$1.log"
     timeout -k 10 300 bash "$ROOT/test/multihost/host_faults.sh" "$name" "$bin" "$logs/work-fault-$name" >"$log" 2>&1
@@ -195,7 +197,7 @@ stage_multihost() (
     fi
   }
   [ -x "$bin/test/lockstep_fault_program" ] || { echo "stage multihost: $bin/test/lockstep_fault_program is not built"; return 1; }
-  for t in link-2x2 link-3x1 kill-2x2 drop-2x2 train-2x2; do fault "$t"; done
+  for t in link-2x2 link-3x1 kill-2x2 drop-2x2 slow-2x2 train-2x2; do fault "$t"; done
 
   [ "$failures" -eq 0 ] || { echo "stage multihost: $failures run(s) failed; logs in $logs"; return 1; }
 )
