@@ -87,7 +87,7 @@ stage_main() {
 # reports skipped (exit 77 from cluster.sh: not root, or no namespaces here) rather than passed.
 # 5.9-6.2 min on 2 cores shared with 3 other agents' builds (load 10-12), 4.5 min at load 7; less on
 # a machine of its own; the lost-host block at its end (issue 27) adds about 2.7 min (the whole
-# stage took 12.4 min at load 2-3 with it). # See docs/multi-node.md.
+# stage took 12.4 min at load 2-3 with it). See docs/multi-node.md.
 stage_multihost() (
   local bin=$BUILD_DIR failures=0 rc
   [[ $bin == /* ]] || bin=$ROOT/$bin
