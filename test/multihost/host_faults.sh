@@ -218,10 +218,12 @@ case $CASE in
     ref=$(awk '/^final loss/ {print $3}' ref.out)
     up 2 2
     rm -rf run
-    # Host 1's link goes down once the epoch-50 checkpoint is committed.
-    (for _ in $(seq 1200); do
-       [ "$(cat run/ck.latest 2>/dev/null)" = ck-000050.safetensors ] && break
-       sleep 0.1
+    # Host 1's link goes down once the epoch-50 checkpoint is committed (or a later one, on a
+    # machine fast enough to pass it between two looks).
+    (for _ in $(seq 2400); do
+       e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
+       [ -n "$e" ] && [ "$e" -ge 50 ] && break
+       sleep 0.05
      done
      now >t_fault; link_down 1) &
     cutter=$!
