@@ -9,8 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
-#include <csignal>
-#include <signal.h>
 #include <exception>
 #include <thread>
 #include <iostream>
@@ -1022,12 +1020,6 @@ void MPIBackend::initialize_global() {
     } catch (const std::exception&) {
     }
     if (ompi_defaults) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
-    // A peer process that dies (its host's processes killed) resets its TCP connections, and
-    // Open MPI's next write to one raised SIGPIPE here: this rank died of the signal, and mpiexec
-    // named it, on a host that is fine, as the failure. Ignored (only where it has its default
-    // action), the write fails with EPIPE and MPI reports the lost peer as an error instead.
-    struct sigaction old_pipe {};
-    if (::sigaction(SIGPIPE, nullptr, &old_pipe) == 0 && old_pipe.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);
