@@ -622,7 +622,10 @@ class CommMonitor {
       notify_all(failure, kTagFailed, /*leaving=*/true);
       return;
     }
-    notify_all(concat("lockstep: rank ", rank_, " has left (it finalised Lockstep or returned from main) "
+    // Led by the number of collectives this rank took part in: a peer still finishing one of
+    // those (its last data in flight on a slow link) can complete it (see on_left_notice).
+    notify_all(concat(started_.load(), " lockstep: rank ", rank_,
+                      " has left (it finalised Lockstep or returned from main) "
                       "while this rank still uses the communicator; collectives on it can no longer complete"),
                kTagLeft);
   }
@@ -1234,6 +1237,29 @@ class CommMonitor {
     }
   }
 
+  // A peer left after taking part in `after` collectives ("<after> <message>"). This rank is
+  // unusable from its first collective the peer did not take part in; until it has completed
+  // those the peer did (a slow link can leave this rank's last one in progress after the peer
+  // has finished it and left), the notice waits. Watchdog thread only.
+  void on_left_notice(const std::string& text) {
+    char* end = nullptr;
+    const long long after = std::strtoll(text.c_str(), &end, 10);
+    const std::string msg = (end != nullptr && *end == ' ') ? std::string(end + 1) : text;
+    if (left_after_ < 0 || after < left_after_) {
+      left_after_ = after;
+      left_message_ = msg;
+    }
+    apply_left_notice();
+  }
+  void apply_left_notice() {
+    if (left_after_ < 0) return;
+    const std::int64_t in_common = std::min<std::int64_t>(started_.load(), left_after_);
+    if (completed_.load() < in_common) return;  // still in a collective the peer completed
+    // A rank that left is not a stall of this one: this rank still finalises normally.
+    mark_unusable(left_message_, false, false);
+    left_after_ = -1;
+  }
+
   void watchdog_loop() {
     while (!stop_.load()) {
       int fin = 0;
@@ -1276,12 +1302,13 @@ class CommMonitor {
           if (tag == kTagRefused) on_refusal_notice(text, status.MPI_SOURCE);
           else if (tag == kTagAccepted) on_accepted_reply(text);
           else if (tag == kTagFailed) on_failure_notice(text);
-          // A rank that left is not a stall of this one: this rank still finalises normally.
-          else mark_unusable(text, false, tag != kTagLeft);
+          else if (tag == kTagLeft) on_left_notice(text);
+          else mark_unusable(text, false, true);
           got = true;
         }
       }
       if (got) continue;
+      apply_left_notice();
       check_blocked();
       if (urgent_.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
       else std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -1344,6 +1371,8 @@ class CommMonitor {
   std::atomic<bool> in_plain_wait_{false}, deadline_flag_{false};
   // Touched only by the watchdog thread.
   std::int64_t wd_started_ = -1, wd_completed_ = -1, wd_waits_ = -1, wd_points_ = -1;
+  std::int64_t left_after_ = -1;  // see on_left_notice(); -1: no notice waiting
+  std::string left_message_;
   Clock::time_point wd_since_ = Clock::now();
   // Touched only by the thread running the collective.
   Clock::time_point deadline_at_{};

@@ -3,11 +3,13 @@
 // and LOCKSTEP_TIMEOUT. Each rank writes what happened ("OK" or "<ErrorType>: <message>") to
 // <outdir>/rank<R>.txt, which run_fault.sh then checks rank by rank.
 //
-// Usage: fault_program <outdir> [steps] [blocking|nonblocking|optimizer]
+// Usage: fault_program <outdir> [steps] [blocking|nonblocking|optimizer|synchronize|checkpoint|verify]
 //   nonblocking: the loop's allreduce is an iallreduce followed by wait() (as DistributedOptimizer
 //   reduces its buckets), so that the deadline of Request::wait is exercised.
 //   optimizer: `steps` DistributedOptimizer(SGD) updates with skip_non_finite and
 //   check_replicas_every = 1; reports "OK skipped=S applied=A".
+//   synchronize, checkpoint: `steps` synchronize calls or collective checkpoint saves (to
+//   <outdir>/ck.safetensors); verify: one process without MPI checks that file is one save whole.
 #include <mpi.h>
 
 #include <chrono>
@@ -70,6 +72,49 @@ std::string run_optimizer(ls::MPIBackend& b, int steps) {
   return "OK skipped=" + std::to_string(state.skipped_steps()) + " applied=" + std::to_string(state.applied_steps());
 }
 
+// Cross-host faults (test/multihost/host_faults.sh): `steps` synchronize calls of a 1 MiB model
+// from rank 0, or `steps` collective checkpoint saves to <outdir>/ck.safetensors, each of a model
+// whose every value is the step number (metadata "step"), so that `verify` can tell a file that
+// is whole from one that mixes two saves.
+std::string run_synchronize(ls::MPIBackend& b, int steps) {
+  Params model{ls::Tensor::full({256 * 1024}, 1.0), ls::Tensor::full({3}, 0.5)};
+  for (int step = 0; step < steps; ++step) {
+    ls::synchronize(b, model, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "OK";
+}
+
+std::string run_checkpoint(ls::MPIBackend& b, const std::string& outdir, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    Params model{ls::Tensor::full({4096}, step), ls::Tensor::full({3}, step)};
+    ls::save_checkpoint(b, outdir + "/ck.safetensors", model, {{"step", std::to_string(step)}});
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "OK";
+}
+
+// One process, no MPI: <outdir>/ck.safetensors loads (its checksum holds) and is one save whole.
+int verify_checkpoint(const std::string& outdir) {
+  try {
+    const ls::Checkpoint ck = ls::load_checkpoint(outdir + "/ck.safetensors");
+    const std::string step = ck.metadata.at("step");
+    Params model{ls::Tensor::zeros({4096}), ls::Tensor::zeros({3})};
+    ls::restore_from_checkpoint(ck, model);
+    for (const ls::Tensor* t : {&model.w, &model.b})
+      for (float v : t->span<float>())
+        if (v != std::stof(step)) {
+          std::cout << "MIXED: step " << step << " holds " << v << "\n";
+          return 1;
+        }
+    std::cout << "OK step=" << step << "\n";
+    return 0;
+  } catch (const std::exception& e) {
+    std::cout << "BAD: " << e.what() << "\n";
+    return 1;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,13 +124,18 @@ int main(int argc, char** argv) {
   }
   const std::string outdir = argv[1];
   const int steps = argc > 2 ? std::atoi(argv[2]) : 8;
-  const bool nonblocking = argc > 3 && std::string(argv[3]) == "nonblocking";
+  const std::string mode = argc > 3 ? argv[3] : "blocking";
+  const bool nonblocking = mode == "nonblocking";
+  if (mode == "verify") return verify_checkpoint(outdir);
   int code = 0;
   try {
     ls::initialize<ls::MPIBackend>();
     auto& b = ls::get_distributed_backend<ls::MPIBackend>();
     const bool optimizer = argc > 3 && std::string(argv[3]) == "optimizer";
-    report(outdir, optimizer ? run_optimizer(b, steps) : run(b, steps, nonblocking));
+    report(outdir, optimizer                ? run_optimizer(b, steps)
+                   : mode == "synchronize" ? run_synchronize(b, steps)
+                   : mode == "checkpoint"  ? run_checkpoint(b, outdir, steps)
+                                           : run(b, steps, nonblocking));
   } catch (const ls::MismatchError& e) {
     report(outdir, std::string("MismatchError: ") + e.what());
     code = 3;

@@ -1,0 +1,279 @@
+#!/usr/bin/env bash
+# A lost host, on the cluster on one machine (scripts/cluster.sh): faults between hosts, under
+# tools/lockstep-run, as scripts/test.sh's multihost stage runs them (issue 27).
+#
+# Usage: host_faults.sh CASE BUILD_DIR WORKDIR
+#   CASE is one of
+#   link-2x2   host 1's link taken down (never brought back) while the ranks loop allreduces
+#              (fault_program, LOCKSTEP_TIMEOUT=3): ranks 0 and 1 raise TimeoutError naming ranks
+#              2, 3 and host <cluster>-h1, within the deadline plus the status queries; the job
+#              ends (lockstep-run ends the mpiexec that waits for the lost daemon).
+#   link-3x1   the same with 3 hosts of 1 rank, host 2 cut off while the ranks loop collective
+#              checkpoint saves: ranks 0 and 1 name rank 2; the checkpoint is one save, whole.
+#   kill-2x2   every process of host 1 (its orted too) SIGKILLed during the allreduces:
+#              (a) as mpiexec runs by default: it ends the job about 1 s later, and lockstep-run
+#              names the lost host and its ranks; (b) with --enable-recovery (mpiexec keeps
+#              the survivors running), during synchronize calls (1 MiB from rank 0): they raise
+#              TimeoutError naming ranks 2, 3 and the host.
+#   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
+#              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
+#              without nft.
+#   slow-2x2   host 1's egress shaped to 1 Mbit/s (tc tbf): the train example's 10 epochs at 2x2
+#              under LOCKSTEP_TIMEOUT=3 finish without a stall.
+#   train-2x2  the acceptance run: the train example at 2 hosts x 2 ranks under lockstep-run,
+#              checkpoints every 10 epochs, host 1's link taken down after the epoch-50
+#              checkpoint; lockstep-run restarts at N=2 on host 0 from the newest checkpoint and
+#              finishes 100 epochs: final loss < 1e-3 and within 10% of an uninterrupted run (the
+#              same run at 4 ranks on one host), at most one checkpoint interval redone; prints the
+#              time to detect, to restart, and the work lost.
+# The cluster (LOCKSTEP_CLUSTER, LOCKSTEP_CLUSTER_SUBNET) is brought up here at the layout the
+# case needs; the caller takes it down. Figures are printed as "figures: ..." lines; they are
+# indications only (the machine is shared) and nothing here asserts a time, except that the job
+# ends within a bound far above the expected (a hang fails, it does not stall CI).
+set -uo pipefail
+CASE=$1 BIN=$2 WORK=$3
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+CLUSTER=(bash "$ROOT/scripts/cluster.sh")
+NAME=${LOCKSTEP_CLUSTER:-lockstep}
+SUBNET=${LOCKSTEP_CLUSTER_SUBNET:-10.231.0}
+RUNNER=$ROOT/tools/lockstep-run
+rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+pass() { echo "ok: $*"; }
+now() { echo "${EPOCHREALTIME/,/.}"; }
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+
+# mpiexec for lockstep-run: cluster.sh run (mpiexec in host 0, the cluster's agent and subnet).
+printf '#!/bin/sh\nexec bash %q run "$@"\n' "$ROOT/scripts/cluster.sh" >mpx
+# The probe lockstep-run runs for each host after a failure: a TCP connection from host 0 to
+# the host's address (port 9, where nothing listens): "refused" means the host answered; a
+# timeout or "no route" (ARP unanswered) means it is cut off. (Its default probe, an mpiexec
+# per host, cannot run in parallel on this cluster: cluster.sh allows one run at a time.)
+cat >probe <<EOF
+#!/usr/bin/env bash
+out=\$(ip netns exec $NAME-h0 timeout 3 bash -c 'exec 3<>/dev/tcp/\$0/9' "\$1" 2>&1)
+rc=\$?
+[ \$rc -eq 0 ] || [[ \$out == *"Connection refused"* ]]
+EOF
+chmod +x mpx probe
+
+up() {  # up HOSTS SLOTS, every link up (an earlier case may have left one down: `up` of the
+         # same cluster leaves it as it is)
+  "${CLUSTER[@]}" up "$1" --slots "$2" >up.log 2>&1 || { cat up.log; exit 1; }
+  local i
+  for ((i = 0; i < $1; ++i)); do ip -n "$NAME-h$i" link set eth0 up; done
+}
+hostlist() {  # hostlist HOSTS SLOTS: addr:slots,...
+  local i out=""
+  for ((i = 1; i <= $1; ++i)); do out+="${out:+,}$SUBNET.$i:$2"; done
+  echo "$out"
+}
+# wait_for_ranks NS COMM N: until N processes named COMM run in namespace NS (at most 30 s).
+wait_for_ranks() {
+  local p c
+  for _ in $(seq 300); do
+    c=0
+    for p in $(ip netns pids "$1" 2>/dev/null); do
+      [ "$(cat "/proc/$p/comm" 2>/dev/null)" = "$2" ] && c=$((c + 1))
+    done
+    [ "$c" -ge "$3" ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+link_down() { ip -n "$NAME-h$1" link set eth0 down; }
+kill_host() {  # every process of host $1 at once, its orted too
+  local pids
+  pids=$(ip netns pids "$NAME-h$1" | tr '\n' ' ')
+  # shellcheck disable=SC2086
+  [ -n "${pids// /}" ] && kill -KILL $pids
+}
+
+# lost_host_fault LAYOUT LOST FAULT MODE [lockstep-run args]: fault_program looping MODE's
+# collective (blocking: allreduces; synchronize; checkpoint: collective saves) under lockstep-run
+# --max-restarts 0, FAULT (link_down or kill_host) on host LOST once its ranks run.
+# Leaves lr.err, lr.out, out/rank*.txt, and sets t_fault, t_end, lr_rc.
+lost_host_fault() {
+  local layout=$1 lost=$2 fault=$3 mode=$4
+  shift 4
+  local hosts=${layout%x*} per=${layout#*x}
+  up "$hosts" "$per"
+  rm -rf out && mkdir out
+  LOCKSTEP_TIMEOUT=3 timeout -k 5 120 "$RUNNER" -H "$(hostlist "$hosts" "$per")" --mpiexec ./mpx \
+    --probe ./probe --per-host-timeout 20 --max-restarts 0 "$@" -- \
+    "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 "$mode" >lr.out 2>lr.err &
+  local pid=$!
+  if ! wait_for_ranks "$NAME-h$lost" lockstep_fault_ "$per"; then
+    fail "$layout: the ranks of host $lost did not start"; kill "$pid"; wait "$pid"; lr_rc=1 t_end=$(now); return
+  fi
+  sleep 2   # well inside the loop of allreduces (20 ms apart), every connection made
+  t_fault=$(now)
+  "$fault" "$lost"
+  wait "$pid"
+  lr_rc=$? t_end=$(now)
+}
+
+# survivors_name N RANKS HOST: ranks 0..N-1 each wrote a TimeoutError naming RANKS and HOST.
+survivors_name() {
+  local n=$1 ranks=$2 host=$3 r t_first=""
+  for ((r = 0; r < n; ++r)); do
+    if grep -q "^TimeoutError: .*No answer from $ranks (host $host)" "out/rank$r.txt" 2>/dev/null; then
+      pass "rank $r: TimeoutError naming $ranks (host $host)"
+      local m
+      m=$(stat -c %.Y "out/rank$r.txt")
+      [ -z "$t_first" ] && t_first=$m
+    else
+      fail "rank $r: no TimeoutError naming $ranks (host $host): $(head -c 300 "out/rank$r.txt" 2>/dev/null)"
+    fi
+  done
+  [ -n "$t_first" ] && echo "figures: rank 0 reported $(secs "$t_fault" "$t_first") s after the fault (LOCKSTEP_TIMEOUT=3)"
+}
+
+job_ended() {  # the job ended, and how long after the fault
+  if [ "$lr_rc" -eq 124 ] || [ "$lr_rc" -eq 137 ]; then
+    fail "the job did not end within 120 s (lockstep-run exit $lr_rc)"; tail -20 lr.err
+  elif [ "$lr_rc" -eq 0 ]; then
+    fail "the job succeeded although a host was lost"
+  else
+    pass "the job ended $(secs "$t_fault" "$t_end") s after the fault (lockstep-run exit $lr_rc)"
+    echo "figures: job ended $(secs "$t_fault" "$t_end") s after the fault"
+  fi
+}
+
+case $CASE in
+  link-2x2)
+    lost_host_fault 2x2 1 link_down blocking
+    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
+    grep -q "every rank reported the stall or was named silent" lr.err &&
+      pass "lockstep-run ended the job once every rank was accounted for" ||
+      fail "lockstep-run did not see every rank accounted for"
+    ;;
+  link-3x1)
+    lost_host_fault 3x1 2 link_down checkpoint
+    survivors_name 2 "rank 2" "$NAME-h2"
+    job_ended
+    # The checkpoint rank 0 was saving, over and over, when host 2 was cut off: one save, whole.
+    v=$("$BIN/test/lockstep_fault_program" "$WORK/out" 0 verify)
+    [[ $v == "OK step="* ]] && pass "the checkpoint is one save, whole ($v)" || fail "the checkpoint: $v"
+    ;;
+  kill-2x2)
+    echo "-- (a) mpiexec's default: it ends the job itself"
+    lost_host_fault 2x2 1 kill_host blocking
+    job_ended
+    # Usually mpiexec reports the lost daemon first. Sometimes (about 1 run in 5 here) a rank of
+    # host 0 writing to a killed rank's reset connection dies of SIGPIPE first, and mpiexec names
+    # only that rank (docs/reliability.md, "A lost host": left open); that is reported, not failed.
+    if grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err; then
+      pass "lockstep-run names the lost host and its ranks"
+    elif grep -q "exited on signal 13" lr.err; then
+      echo "note: a rank of host 0 died of SIGPIPE before mpiexec saw the lost daemon (known, left open)"
+    else
+      fail "lockstep-run does not name host $SUBNET.2 and ranks 2 3: $(grep lockstep-run lr.err | tail -5)"
+    fi
+    echo "-- (b) --enable-recovery: the survivors go on until their deadline"
+    lost_host_fault 2x2 1 kill_host synchronize --mpiexec-arg --enable-recovery
+    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
+    ;;
+  drop-2x2)
+    command -v nft >/dev/null || { echo "skipped: no nft (nftables) here"; exit 77; }
+    up 2 2
+    ns=$NAME-h1
+    ip netns exec "$ns" nft add table inet lockstep_drop &&
+      ip netns exec "$ns" nft add chain inet lockstep_drop out '{ type filter hook output priority 0; }' &&
+      ip netns exec "$ns" nft add rule inet lockstep_drop out oifname eth0 numgen random mod 100 '<' 2 counter drop ||
+      { fail "could not add the drop rule"; exit 1; }
+    t0=$(now)
+    timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -- "$BIN/test/test_collective" \
+      'allreduce: every dtype*' >run.log 2>&1
+    rc=$? t1=$(now)
+    dropped=$(ip netns exec "$ns" nft list table inet lockstep_drop | sed -n -E 's/.*counter packets ([0-9]+).*/\1/p')
+    ip netns exec "$ns" nft delete table inet lockstep_drop
+    if [ "$rc" -eq 0 ] && grep -q 'All tests passed' run.log; then
+      pass "collectives correct with 2% of host 1's packets dropped ($dropped dropped)"
+    else
+      fail "collectives with dropped packets: exit $rc"; tail -20 run.log
+    fi
+    [ "${dropped:-0}" -gt 0 ] || fail "the rule dropped no packet"
+    echo "figures: collective tests with 2% drop on host 1: $(secs "$t0" "$t1") s, $dropped packets dropped"
+    ;;
+  slow-2x2)
+    # Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
+    # example runs 10 epochs at 2x2 (each step's gradient allreduce, 3 KB, crosses the slow link)
+    # under LOCKSTEP_TIMEOUT=3: slower, but no rank times out and the run finishes.
+    up 2 2
+    tc -n "$NAME-h1" qdisc replace dev eth0 root tbf rate 1mbit burst 32kb latency 2s ||
+      { fail "could not shape host 1's link"; exit 1; }
+    t0=$(now)
+    LOCKSTEP_TIMEOUT=3 timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -x LOCKSTEP_TIMEOUT -- \
+      "$BIN/examples/train/train" --epochs 10 --batch 240 >run.log 2>&1
+    rc=$? t1=$(now)
+    tc -n "$NAME-h1" qdisc del dev eth0 root
+    [ "$rc" -eq 0 ] && grep -q '^done: 10 epochs' run.log && ! grep -q 'stall' run.log &&
+      pass "10 epochs with host 1 at 1 Mbit/s, no stall" || { fail "slow host: exit $rc"; tail -20 run.log; }
+    echo "figures: 10 epochs at 2x2 with host 1 at 1 Mbit/s: $(secs "$t0" "$t1") s"
+    ;;
+  train-2x2)
+    train=("$BIN/examples/train/train" --epochs 100 --batch 240)
+    # The uninterrupted run: the same training at 4 ranks on one host (the sums are the same
+    # arithmetic as across hosts; the final loss is compared, not bits).
+    timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
+      { fail "the uninterrupted run failed"; tail ref.err; }
+    ref=$(awk '/^final loss/ {print $3}' ref.out)
+    up 2 2
+    rm -rf run
+    # Host 1's link goes down once the epoch-50 checkpoint is committed (or a later one, on a
+    # machine fast enough to pass it between two looks).
+    (for _ in $(seq 2400); do
+       e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
+       [ -n "$e" ] && [ "$e" -ge 50 ] && break
+       sleep 0.05
+     done
+     now >t_fault; link_down 1) &
+    cutter=$!
+    t0=$(now)
+    LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "$RUNNER" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
+      --per-host-timeout 20 --max-restarts 2 --min-ranks 2 -- "${train[@]}" --checkpoint run/ck \
+      --checkpoint-every 10 --checkpoint-keep 3 --resume auto >lr.out 2>lr.err
+    rc=$? t_end=$(now)
+    kill "$cutter" 2>/dev/null; wait "$cutter" 2>/dev/null
+    [ "$rc" -eq 0 ] && pass "lockstep-run succeeded" || { fail "lockstep-run exited $rc"; tail -30 lr.err; }
+    [ -s t_fault ] || fail "the link was never taken down (no epoch-50 checkpoint seen)"
+    grep -q "dropping host $SUBNET.2" lr.err && pass "host $SUBNET.2 dropped" || fail "host $SUBNET.2 not dropped"
+    grep -q "keeping host $SUBNET.1\|attempt 2 (restart 1 of at most 2): 2 ranks on $SUBNET.1:2" lr.err &&
+      pass "restarted at N=2 on host 0" || fail "no restart at N=2 on $SUBNET.1: $(grep 'attempt 2' lr.err)"
+    grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
+      pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    reached=$(awk '/^resumed from/ {exit} /^epoch/ {e = $2} END {print e + 0}' lr.out)
+    resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' lr.out)
+    if [ -n "$resumed" ] && [ "$resumed" -ge 50 ] && [ $((reached - resumed)) -ge 0 ] && [ $((reached - resumed)) -le 10 ]; then
+      pass "resumed from epoch $resumed after reaching $reached: $((reached - resumed)) epoch(s) redone (<= 10)"
+    else
+      fail "resumed from '$resumed' after reaching epoch $reached"
+    fi
+    grep -q '^done: 100 epochs' lr.out && pass "all 100 epochs" || fail "the run did not finish 100 epochs"
+    loss=$(awk '/^final loss/ {print $3}' lr.out)
+    awk -v l="$loss" -v r="$ref" 'BEGIN { d = l - r; if (d < 0) d = -d; exit !(l != "" && l + 0 < 1e-3 && d <= 0.1 * r) }' &&
+      pass "final loss $loss < 1e-3, within 10% of the uninterrupted run's $ref" ||
+      fail "final loss '$loss' (uninterrupted: '$ref')"
+    # The checkpoints kept are complete: the pointer names the newest, each kept file is whole.
+    [ "$(cat run/ck.latest 2>/dev/null)" = ck-000100.safetensors ] && pass "ck.latest names epoch 100" ||
+      fail "ck.latest names '$(cat run/ck.latest 2>/dev/null)'"
+    if [ -s t_fault ]; then
+      tf=$(cat t_fault)
+      stamp() { sed -n -E "s/^lockstep-run: \[ *([0-9.]+)s\] $1.*/\1/p" lr.err | head -n1; }
+      seen=$(stamp 'failure seen') next=$(stamp 'attempt 2 ') done_at=$(stamp 'attempt 2 succeeded')
+      cut_at=$(secs "$t0" "$tf")
+      echo "figures: link down at ${cut_at}s (after epoch $reached), stall reported at ${seen}s" \
+        "(detect $(awk -v a="$cut_at" -v b="$seen" 'BEGIN { printf "%.1f", b - a }') s, LOCKSTEP_TIMEOUT=3)," \
+        "attempt 2 started at ${next}s (restart $(awk -v a="$seen" -v b="$next" 'BEGIN { printf "%.1f", b - a }') s after detection)," \
+        "work lost $((reached - resumed)) epoch(s), finished at ${done_at}s; final loss $loss (uninterrupted $ref)"
+    fi
+    ;;
+  *) echo "host_faults.sh: unknown case '$CASE'"; exit 2 ;;
+esac
+[ "$failures" -eq 0 ] || { echo "host_faults.sh $CASE: $failures failure(s); work in $WORK"; exit 1; }
+echo "host_faults.sh $CASE: passed"
