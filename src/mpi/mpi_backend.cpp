@@ -537,7 +537,9 @@ void MPIBackend::do_broadcast(TensorView buf, int root) try {
   Staged s(*impl_, buf, impl_->rank == root);
   // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
   // returns false, on every rank alike, when the call goes to MPI instead).
-  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, s.host().device.is_cpu())))
+  const bool host = s.host().device.is_cpu();
+  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, host)) &&
+      !(impl_->hier && impl_->hier->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
     chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
 } catch (const MpiError& e) {
