@@ -17,7 +17,7 @@
 # Usage (root; build the benchmarks first: cmake --build build --target bench_gradsync
 #        bench_synchronize bench_scale bench_link):
 #   bench/multihost.sh [--build DIR] [--out DIR] [--rate 2gbit] [--burst SIZE] [--latency TIME]
-#                      [--lists resnet50,gpt2_small] [--bursts "64kb 256kb 2mb 4mb"]
+#                      [--lists resnet50,gpt2_small] [--sweep-list resnet50|none] [--bursts "64kb 256kb 2mb"]
 #                      [--timeout S] [--han-timeout S] [--skip-unshaped] [--skip-shaped] [--no-yield]
 # --rate/--burst/--latency: the shaped link (cluster.sh up's options; burst and latency default
 # to cluster.sh's: 8 ms of the rate, at least 256 kB; 20 ms). --bursts: the tbf buckets whose
@@ -41,7 +41,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=$ROOT/build
 OUT=""
 RATE=2gbit BURST="" LATENCY=""
-LISTS=resnet50,gpt2_small
+LISTS=resnet50,gpt2_small SWEEP=resnet50
 BURSTS="64kb 256kb 2mb"
 TIMEOUT=900 HAN_TIMEOUT=300 SHORT_TIMEOUT=300
 DO_UNSHAPED=1 DO_SHAPED=1 YIELD=1
@@ -53,6 +53,7 @@ while [ $# -gt 0 ]; do
     --burst) BURST=$2; shift 2 ;;
     --latency) LATENCY=$2; shift 2 ;;
     --lists) LISTS=$2; shift 2 ;;
+    --sweep-list) SWEEP=$2; shift 2 ;;
     --bursts) BURSTS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --han-timeout) HAN_TIMEOUT=$2; shift 2 ;;
@@ -104,7 +105,7 @@ suite() {
     say "$tag, $pl: bench_gradsync"
     # shellcheck disable=SC2086
     run "gradsync-$tag-$pl" "$TIMEOUT" -n $n $map -- "$B/bench_gradsync" --quick --lists "$LISTS" \
-      --sweep-list resnet50 --json "$OUT/gradsync-$tag-$pl.json" || FAILED=1
+      --sweep-list "$SWEEP" --json "$OUT/gradsync-$tag-$pl.json" || FAILED=1
     if [ "$p" -gt 1 ]; then
       say "$tag, $pl: bench_gradsync with Open MPI's coll_han (--mca coll_han_priority 100)"
       # shellcheck disable=SC2086

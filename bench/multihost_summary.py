@@ -10,7 +10,7 @@ send (S at H = 2, whatever the ranks per host), over the rate; of a broadcast, t
 root's host must send. The shaped rate is the payload TCP can carry at most on a link shaped to
 RATE (1448 payload bytes per 1514-byte frame: 0.956 RATE); the unshaped "link" is a veth pair
 whose rate is what the CPUs push through it, so its bound uses the rate bench_link measured (both
-ways at once, as an allreduce sends).
+ways at once for an allreduce, which sends both ways; one way for a broadcast).
 """
 import json
 import os
@@ -64,7 +64,8 @@ print(open(os.path.join(OUT, "machine.txt")).read() if os.path.exists(os.path.jo
 print("## The link: raw MPI between two hosts (bench_link, 2 ranks, Gbit/s of payload, median)\n")
 rows = []
 tags = [f[5:-5] for f in sorted(os.listdir(OUT)) if f.startswith("link-") and f.endswith(".json")]
-link_rate = {}  # tag -> payload bit/s for the bound
+link_rate = {}  # tag -> payload bit/s for the bound of an allreduce (both ways at once)
+link_one_way = {}  # tag -> payload bit/s for the bound of a broadcast (one way)
 for tag in tags:
     j = load(f"link-{tag}.json")
     st = os.path.join(OUT, f"link-{tag}.status")
@@ -80,6 +81,7 @@ for tag in tags:
     frac = f"{max(one, both, ar) / (shaped_bits * PAYLOAD / 1e9) * 100:.0f}%" if q else "(unshaped)"
     rows.append([tag, q or "none", f"{one:.2f}", f"{both:.2f}", f"{ar:.2f}", frac])
     link_rate[tag] = both * 1e9
+    link_one_way[tag] = one * 1e9
 table(["setting", "qdisc", "one way", "both ways, per direction", "MPI_Allreduce 64 MiB (bytes sent / s)",
        "best of the three / payload max of the rate"], rows)
 
@@ -95,12 +97,12 @@ if rows:
     table(["setting", "calls 1", "calls 2", "calls 3", "calls 4"], rows)
 
 
-def bound_rate(tag):
+def bound_rate(tag, one_way=False):
     """payload bit/s for the link bound, and how it was got."""
     if tag == "shaped":
         return shaped_bits * PAYLOAD, f"{RATE} x 0.956"
-    r = link_rate.get(tag)
-    return r, "measured both ways" if r else None
+    r = (link_one_way if one_way else link_rate).get(tag)
+    return r, ("measured one way" if one_way else "measured both ways") if r else None
 
 
 # --- gradient averaging -------------------------------------------------------------------------
@@ -240,7 +242,7 @@ for tag in ("unshaped", "shaped"):
             continue
         for c in doc["cases"]:
             ls_row = next(r for r in c["rows"] if r["strategy"].startswith("lockstep"))
-            r, how = bound_rate(tag)
+            r, how = bound_rate(tag, one_way=True)
             bound = c["bytes"] * 8 / r if r else None
             rows.append([tag, pl, f"{c['list']} {c['layout']}", f"{c['bytes'] / 2**20:.1f} MiB", ms(ls_row["median_s"]),
                          ms(c["best_raw_median_s"]), ratio(ls_row["median_s"], c["best_raw_median_s"]),
