@@ -66,6 +66,11 @@ while [ $# -gt 0 ]; do
 done
 export LOCKSTEP_CLUSTER=${LOCKSTEP_CLUSTER:-lockstep-bench}
 [ "$YIELD" = 1 ] && export OMPI_MCA_mpi_yield_when_idle=1
+# Two TCP connections per pair of processes, as MPIBackend sets by default (mpi_backend.cpp):
+# with one, a rendezvous acknowledgement queues behind the bulk data going the other way in the
+# same connection, and traffic both ways at once (an allreduce's) gets about half the rate per
+# direction. Set here too because bench_link is plain MPI.
+export OMPI_MCA_btl_tcp_links=${OMPI_MCA_btl_tcp_links:-2}
 CLUSTER=$ROOT/scripts/cluster.sh
 B=$BUILD/bench
 for p in bench_gradsync bench_synchronize bench_scale bench_link; do
@@ -139,7 +144,7 @@ link() {  # link TAG [mpiexec args] [-- bench_link args]: bench_link at 2x1
   echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg); other processes: $(ps -e --no-headers | wc -l)"
   echo "kernel $(uname -r); $(mpiexec --version 2>&1 | head -1)"
   echo "shaped link: rate $RATE${BURST:+ burst $BURST}${LATENCY:+ latency $LATENCY}; lists $LISTS"
-  echo "Open MPI mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-0 (default)}"
+  echo "Open MPI mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-0 (default)}, btl_tcp_links=$OMPI_MCA_btl_tcp_links"
 } | tee "$OUT/machine.txt"
 
 if [ "$DO_UNSHAPED" = 1 ]; then

@@ -1022,6 +1022,13 @@ void MPIBackend::initialize_global() {
     } catch (const std::exception&) {
     }
     if (ompi_defaults) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
+    // Between machines Open MPI's TCP transport opens one connection per pair of processes, and
+    // a rendezvous acknowledgement then queues behind the bulk data going the other way in that
+    // connection: traffic both ways at once (every allreduce's) got about half the link's rate
+    // per direction, on a shaped link as unshaped. Two connections per pair fill it (measured
+    // across two simulated hosts at 500 Mbit/s: 0.24-0.32 -> 0.41-0.47 Gbit/s for a 64 MiB
+    // allreduce; docs/performance.md, "Across hosts"). No effect within a machine (shared memory).
+    if (ompi_defaults) ::setenv("OMPI_MCA_btl_tcp_links", "2", /*overwrite=*/0);
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);

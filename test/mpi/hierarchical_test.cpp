@@ -408,3 +408,13 @@ TEST_CASE("machines that disagree about a broadcast's root get MismatchError on 
   for (std::int64_t i = 0; i < count; ++i) wrong += x.data<float>()[i] == static_cast<float>(1000 + i % 1000) ? 0 : 1;
   CHECK(all_ranks(wrong == 0));
 }
+
+// Open MPI's TCP transport gets two connections per pair of processes by default when Lockstep
+// starts MPI (with one, traffic both ways at once, every allreduce's, shares a connection whose
+// acknowledgements queue behind the data: about half the link's rate per direction). The test
+// environments set neither OMPI_MCA_btl_tcp_links nor LOCKSTEP_OMPI_DEFAULTS=0.
+TEST_CASE("Lockstep's Open MPI defaults: two TCP connections per pair of processes") {
+  const char* links = std::getenv("OMPI_MCA_btl_tcp_links");
+  REQUIRE(links != nullptr);
+  CHECK(std::string(links) == "2");
+}
