@@ -7,7 +7,9 @@
 // for min and max; for the floating sums and products, within rounding of it, and bitwise what
 // the hierarchical order of the sum gives at two machines), the same bits on every rank; ranks
 // or whole machines that disagree about a call get MismatchError on every rank, with no buffer
-// written and the backend still usable.
+// written and the backend still usable. Also: the hierarchical broadcast (every root, every size,
+// a root that differs between machines), the reducer's default bucket size per path, and
+// Lockstep's Open MPI TCP default.
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
