@@ -67,6 +67,16 @@ std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm co
   // The ranks with this local rank, one per machine, in the order of comm.
   LOCKSTEP_MPI_CHECK(MPI_Comm_split(comm, local_rank, rank, &self->cross_));
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->cross_, MPI_ERRORS_RETURN));
+  // Where every rank is (for a broadcast's root): its local rank, and its machine's place in cross_.
+  int cross_rank = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(self->cross_, &cross_rank));
+  const int where[2] = {local_rank, cross_rank};
+  std::vector<int> all(2 * static_cast<std::size_t>(size));
+  LOCKSTEP_MPI_CHECK(MPI_Allgather(where, 2, MPI_INT, all.data(), 2, MPI_INT, comm));
+  for (int r = 0; r < size; ++r) {
+    self->local_of_.push_back(all[2 * static_cast<std::size_t>(r)]);
+    self->host_of_.push_back(all[2 * static_cast<std::size_t>(r) + 1]);
+  }
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->node_, MPI_ERRORS_RETURN));
   self->shm_ = std::move(shm);
   self->shm_->set_wait_hook(&HierarchicalAllreduce::hook, self.get());
@@ -127,9 +137,11 @@ bool HierarchicalAllreduce::handles(std::int64_t numel, DType dtype, ReduceOp op
   return static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
 }
 
-void HierarchicalAllreduce::agree(std::int64_t numel, DType dtype, ReduceOp op, bool host) {
+void HierarchicalAllreduce::agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg,
+                                  const char* arg_name, bool host) {
+  // A broadcast's root is told apart from every op (an allreduce and a broadcast disagree).
   const std::int64_t mine[kFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
-                                      static_cast<std::int64_t>(op), host ? 1 : 0};
+                                      arg, host ? 1 : 0};
   // The max over every rank of each field and of its complement: all ranks agree on a field
   // exactly when max(x) == ~max(~x). First among the ranks of this local rank (over the network),
   // then among the ranks of this machine (shared memory): every rank ends with the max over all.
@@ -144,12 +156,13 @@ void HierarchicalAllreduce::agree(std::int64_t numel, DType dtype, ReduceOp op, 
   if (!shm_->allreduce(buf, buf, 2 * kFields, DType::i64, ReduceOp::max, true))
     LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, node_));
   std::string differ;
-  static const char* const names[kFields] = {"call number", "element count", "dtype", "op", "memory (host or device)"};
+  const char* const names[kFields] = {"call number", "element count", "dtype", "op or root (or collective)",
+                                      "memory (host or device)"};
   for (int i = 0; i < kFields; ++i)
     if (buf[i] != ~buf[kFields + i]) differ += concat(differ.empty() ? "" : ", ", names[i]);
   if (!differ.empty())
-    throw MismatchError(concat("allreduce: ranks called different collectives: this rank (", rank_,
-                               ") called allreduce of ", numel, " ", name(dtype), " elements with op ", name(op),
+    throw MismatchError(concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", what,
+                               " of ", numel, " ", name(dtype), " elements with ", arg_name,
                                host ? "" : " in device memory", " (call number ", mine[0],
                                " on this communicator), and another rank's call differs in its ", differ,
                                " (found by the hierarchical path's agreement)", rank_suffix()));
@@ -160,7 +173,7 @@ bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t
   // The path depends on the call's own fields (the same on every rank for the same call); a call
   // this path takes is agreed first, and a disagreement is MismatchError on every rank.
   if (!handles(numel, dtype, op, host)) return false;
-  agree(numel, dtype, op, host);
+  agree("allreduce", numel, dtype, static_cast<std::int64_t>(op), concat("op ", name(op)).c_str(), host);
   try {
     run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op);
   } catch (...) {
@@ -231,6 +244,58 @@ void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType 
     // Stage 2, nonblocking: the block among the machines. It runs while the previous chunk's
     // all-gather and the next chunk's reduce-scatter do (their waits test it).
     LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(s.b), dt, mop, cross_, &pending_[s.slot]));
+    if (have_prev) finish(prev);
+    prev = s;
+    have_prev = true;
+  }
+  if (have_prev) finish(prev);
+}
+
+
+bool HierarchicalAllreduce::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
+  if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) < min_bytes_) return false;
+  // The root is encoded apart from every ReduceOp value, so that an allreduce and a broadcast of
+  // the same size disagree; a root out of range is the backend's InvalidArgument before this.
+  agree("broadcast", numel, dtype, std::int64_t{1} << 32 | static_cast<std::uint32_t>(root),
+        concat("root ", root).c_str(), host);
+  try {
+    run_broadcast(static_cast<char*>(buf), static_cast<std::size_t>(numel), dtype, root);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
+
+void HierarchicalAllreduce::run_broadcast(char* buf, std::size_t n, DType dtype, int root) {
+  const std::size_t es = size_of(dtype);
+  const int local_root = local_of_[static_cast<std::size_t>(root)];
+  const int host_root = host_of_[static_cast<std::size_t>(root)];
+  const bool carrier = local_rank_ == local_root;  // takes part in the inter-host broadcast
+  const std::size_t chunk = std::max<std::size_t>(1, chunk_bytes_ / es);
+  struct Stage {
+    char* p = nullptr;
+    std::size_t c = 0;
+    int slot = 0;
+  };
+  auto finish = [&](const Stage& s) {
+    if (carrier) wait(&pending_[s.slot]);
+    // Within the machine, from the carrier (the root itself on the root's machine).
+    if (!shm_->broadcast(s.p, static_cast<std::int64_t>(s.c), dtype, local_root, true))
+      LOCKSTEP_MPI_CHECK(guarded_bcast(s.p, static_cast<int>(s.c * es), MPI_BYTE, local_root, node_));
+  };
+  Stage prev;
+  bool have_prev = false;
+  int k = 0;
+  for (std::size_t off = 0; off < n; off += chunk, ++k) {
+    Stage s;
+    s.p = buf + off * es;
+    s.c = std::min(chunk, n - off);
+    s.slot = k & 1;
+    // Across the machines, nonblocking: it runs while the previous chunk is spread (the shared-
+    // memory waits test it).
+    if (carrier)
+      LOCKSTEP_MPI_CHECK(MPI_Ibcast(s.p, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_, &pending_[s.slot]));
     if (have_prev) finish(prev);
     prev = s;
     have_prev = true;

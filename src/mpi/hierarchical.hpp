@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -65,6 +66,16 @@ class HierarchicalAllreduce {
   /// recv = op over ranks of send (send may equal recv) and returns true.
   bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
 
+  /// Broadcast of buf from `root` (a rank of comm) the same way: the call is agreed as above
+  /// (count, dtype, root, memory, call number), then, chunk by chunk, the rank on the root's
+  /// machine with the root's local rank sends the chunk once to each other machine (MPI_Ibcast
+  /// among the ranks with that local rank), and each machine spreads it through shared memory,
+  /// while the next chunk crosses the network. Each machine receives the data once over the
+  /// network, as the link bound allows, where a flat broadcast's tree may send it to several
+  /// ranks of one machine. Returns false, having done nothing, for the calls allreduce() sends
+  /// flat (device memory, no elements, fewer than min_bytes()); any dtype.
+  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
+
   int hosts() const noexcept { return hosts_; }
   int ranks_per_host() const noexcept { return local_size_; }
   std::size_t min_bytes() const noexcept { return min_bytes_; }
@@ -76,10 +87,12 @@ class HierarchicalAllreduce {
  private:
   HierarchicalAllreduce() = default;
   bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
-  void agree(std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  // what: "allreduce" or "broadcast"; arg: the op, or the root (arg_name says which).
+  void agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg, const char* arg_name, bool host);
   void wait(MPI_Request* req);
   void progress() noexcept;
   void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op);
+  void run_broadcast(char* buf, std::size_t n, DType dtype, int root);
 
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, hosts_ = 1;
@@ -88,6 +101,7 @@ class HierarchicalAllreduce {
   void* monitor_ = nullptr;  // the backend's CommMonitor (wait_point)
   std::size_t min_bytes_ = 0, chunk_bytes_ = 0;
   std::uint64_t calls_ = 0;
+  std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)
   // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
   // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
   MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};

@@ -537,7 +537,9 @@ void MPIBackend::do_broadcast(TensorView buf, int root) try {
   Staged s(*impl_, buf, impl_->rank == root);
   // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
   // returns false, on every rank alike, when the call goes to MPI instead).
-  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, s.host().device.is_cpu())))
+  const bool host = s.host().device.is_cpu();
+  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, host)) &&
+      !(impl_->hier && impl_->hier->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
     chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
 } catch (const MpiError& e) {
@@ -1020,6 +1022,13 @@ void MPIBackend::initialize_global() {
     } catch (const std::exception&) {
     }
     if (ompi_defaults) ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
+    // Between machines Open MPI's TCP transport opens one connection per pair of processes, and
+    // a rendezvous acknowledgement then queues behind the bulk data going the other way in that
+    // connection: traffic both ways at once (every allreduce's) got about half the link's rate
+    // per direction, on a shaped link as unshaped. Two connections per pair fill it (measured
+    // across two simulated hosts at 500 Mbit/s: 0.24-0.32 -> 0.41-0.47 Gbit/s for a 64 MiB
+    // allreduce; docs/performance.md, "Across hosts"). No effect within a machine (shared memory).
+    if (ompi_defaults) ::setenv("OMPI_MCA_btl_tcp_links", "2", /*overwrite=*/0);
     int provided = 0;
     int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) throw MpiError("initialize<MPIBackend>: MPI_Init_thread failed", rc);

@@ -313,6 +313,9 @@ struct GradientReducer::Impl {
   }
 
   void plan() {
+    // The default suits shared memory; across machines, the network's (gradient_reducer.hpp).
+    if (options.bucket_bytes == kDefaultBucketBytes && backend->local_size() < backend->size())
+      options.bucket_bytes = kDefaultNetworkBucketBytes;
     bucket_of.assign(leaves.size(), 0);
     // Walk backwards: the last leaves (produced first by backward) go into bucket 0.
     std::size_t i = leaves.size();

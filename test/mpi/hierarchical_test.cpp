@@ -7,7 +7,9 @@
 // for min and max; for the floating sums and products, within rounding of it, and bitwise what
 // the hierarchical order of the sum gives at two machines), the same bits on every rank; ranks
 // or whole machines that disagree about a call get MismatchError on every rank, with no buffer
-// written and the backend still usable.
+// written and the backend still usable. Also: the hierarchical broadcast (every root, every size,
+// a root that differs between machines), the reducer's default bucket size per path, and
+// Lockstep's Open MPI TCP default.
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
@@ -320,4 +322,101 @@ TEST_CASE("ranks or whole machines that disagree about an allreduce get Mismatch
     b.allreduce(x.view().slice(0, rank % k == 0 ? count : count - 1), ls::ReduceOp::sum);
   });
   CHECK(round == 4);
+}
+
+// The gradient reducer's default bucket size follows the path (issue 26 item 4): 1 MiB while
+// every rank is on one machine (the shared-memory path's best), kDefaultNetworkBucketBytes when
+// the ranks span machines (each call over a network pays round trips); a size given explicitly
+// is kept either way. The buckets still average correctly.
+TEST_CASE("the gradient reducer's default bucket size: 1 MiB on one machine, larger across machines") {
+  auto& b = backend();
+  const int n = b.size(), r = b.rank(), k = env_int("LOCKSTEP_TEST_HOST_SIZE", 0);
+  const bool across = k > 0 && k < n;
+  REQUIRE((b.local_size() < n) == across);
+  std::vector<ls::Tensor> grads;
+  for (int i = 0; i < 8; ++i) grads.push_back(ls::Tensor::zeros({(std::int64_t{1} << 20) / 4}));  // 8 x 1 MiB
+  ls::GradientReducer dflt(b, grads);
+  ls::DistributedOptions two_mib;
+  two_mib.bucket_bytes = std::size_t{2} << 20;
+  ls::GradientReducer two(b, grads, two_mib);
+  static_assert(ls::kDefaultNetworkBucketBytes >= (std::size_t{8} << 20), "the 8 MiB fit in one network bucket");
+  CHECK(dflt.bucket_count() == (across ? 1u : 8u));
+  CHECK(two.bucket_count() == 4u);
+  for (auto& g : grads) {
+    float* p = g.data<float>();
+    for (std::int64_t i = 0; i < g.numel(); ++i) p[i] = static_cast<float>(i % 5 + r);
+  }
+  REQUIRE(dflt.reduce());
+  bool ok = true;
+  const float shift = static_cast<float>(n - 1) / 2.0f;
+  for (auto& g : grads) {
+    const float* p = g.data<float>();
+    for (std::int64_t i = 0; i < g.numel() && ok; ++i) ok = std::abs(p[i] - (static_cast<float>(i % 5) + shift)) < 1e-5f;
+  }
+  CHECK(all_ranks(ok));
+}
+
+// Broadcast across machines (issue 26 item 3): from every root, the root's machine sends each
+// chunk once to every other machine and each machine spreads it through shared memory. Every
+// rank ends with the root's bytes, at sizes below and above the threshold and across chunks, for
+// 1-, 4- and 8-byte dtypes.
+TEST_CASE("broadcast from every root: the root's bytes on every rank") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  for (const ls::DType t : {ls::DType::f32, ls::DType::f64, ls::DType::u8}) {
+    for (const std::int64_t count : {std::int64_t{1}, std::int64_t{3000}, std::int64_t{70000}, std::int64_t{1} << 20,
+                                     (std::int64_t{9} << 20) / 8 + 5}) {
+      for (int root = 0; root < n; ++root) {
+        ls::Tensor x(ls::Shape{count}, t);
+        auto* p = static_cast<unsigned char*>(x.raw_data());
+        const std::size_t bytes = static_cast<std::size_t>(x.nbytes());
+        for (std::size_t i = 0; i < bytes; ++i)
+          p[i] = static_cast<unsigned char>(rank == root ? (i * 131 + static_cast<std::size_t>(root) * 7) % 251 : 0xEE);
+        b.broadcast(x.view(), root);
+        std::size_t wrong = 0;
+        for (std::size_t i = 0; i < bytes; ++i)
+          wrong += p[i] == static_cast<unsigned char>((i * 131 + static_cast<std::size_t>(root) * 7) % 251) ? 0 : 1;
+        INFO("dtype " << ls::name(t) << ", " << count << " elements, root " << root << ", rank " << rank);
+        CHECK(all_ranks(wrong == 0));
+      }
+    }
+  }
+}
+
+TEST_CASE("machines that disagree about a broadcast's root get MismatchError on every rank") {
+  ls::MPIBackend& b = backend();
+  if (!b.hierarchical()) return;  // the flat path's own checks are tested elsewhere
+  const int rank = b.rank(), k = b.local_size();
+  const std::int64_t count = (std::int64_t{1} << 18) + 3;
+  ls::Tensor x(ls::Shape{count});
+  for (std::int64_t i = 0; i < count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+  std::string text;
+  bool threw = false;
+  try {
+    b.broadcast(x.view(), rank < k ? 0 : 1);  // the first machine says root 0, the others root 1
+  } catch (const ls::MismatchError& e) {
+    threw = true;
+    text = e.what();
+  }
+  INFO("rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+  CHECK(all_ranks(threw));
+  CHECK(all_ranks(text.find("root") != std::string::npos));
+  std::int64_t changed = 0;
+  for (std::int64_t i = 0; i < count; ++i) changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+  CHECK(all_ranks(changed == 0));
+  // Still in step: a correct call works.
+  b.broadcast(x.view(), 1);
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i) wrong += x.data<float>()[i] == static_cast<float>(1000 + i % 1000) ? 0 : 1;
+  CHECK(all_ranks(wrong == 0));
+}
+
+// Open MPI's TCP transport gets two connections per pair of processes by default when Lockstep
+// starts MPI (with one, traffic both ways at once, every allreduce's, shares a connection whose
+// acknowledgements queue behind the data: about half the link's rate per direction). The test
+// environments set neither OMPI_MCA_btl_tcp_links nor LOCKSTEP_OMPI_DEFAULTS=0.
+TEST_CASE("Lockstep's Open MPI defaults: two TCP connections per pair of processes") {
+  const char* links = std::getenv("OMPI_MCA_btl_tcp_links");
+  REQUIRE(links != nullptr);
+  CHECK(std::string(links) == "2");
 }

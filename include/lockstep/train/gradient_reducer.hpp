@@ -53,6 +53,10 @@ namespace lockstep {
 
 /// Default bucket size in bytes, chosen by measurement on the CI machine (see docs/training.md).
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
+/// Default bucket size of host gradients when the ranks span machines (Backend::local_size() <
+/// size()): every collective then crosses a network, where each call pays message round trips
+/// that a shared-memory call does not (docs/performance.md, "Across hosts").
+inline constexpr std::size_t kDefaultNetworkBucketBytes = std::size_t{16} << 20;
 /// Default bucket size of device (cuda) gradients: PyTorch DDP's bucket_cap_mb (25 MiB).
 inline constexpr std::size_t kDefaultDeviceBucketBytes = std::size_t{25} << 20;
 /// Smallest slice a host tensor larger than bucket_bytes is reduced in: the slice is
@@ -65,7 +69,9 @@ inline constexpr std::size_t kMinSliceBytes = std::size_t{64} << 10;
 struct DistributedOptions {
   /// Largest bucket of host gradients, in bytes (a larger tensor is a bucket of its own, reduced
   /// in slices of bucket_bytes so that each slice's reduction works in cache; slices are never
-  /// smaller than kMinSliceBytes). 0: one bucket per tensor, each reduced whole.
+  /// smaller than kMinSliceBytes). 0: one bucket per tensor, each reduced whole. Left at
+  /// kDefaultBucketBytes (1 MiB, the shared-memory path's best), it becomes
+  /// kDefaultNetworkBucketBytes when the ranks span machines.
   std::size_t bucket_bytes = kDefaultBucketBytes;
   /// Largest bucket of device (cuda) gradients, in bytes (DDP's 25 MiB by default; a larger
   /// tensor is a bucket of its own, reduced whole). 0: one bucket per tensor. The device
