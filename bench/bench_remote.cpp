@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/remote/test_hooks.hpp"  // receive_cache_stats: the cache's counters (not installed)
 #include "lockstep/lockstep.hpp"
 #include "lockstep_cli.hpp"
 

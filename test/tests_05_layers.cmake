@@ -44,3 +44,29 @@ add_test(NAME layers.upward_include_fails
           ${CMAKE_CURRENT_SOURCE_DIR}/layers/upward_include.cpp)
 set_tests_properties(layers.upward_include_fails PROPERTIES LABELS unit
   PASS_REGULAR_EXPRESSION "lockstep/io/checkpoint.hpp: No such file or directory")
+
+# Every installed header compiles alone: the layers' own headers above, and here those in their
+# detail/ folders (what the public templates need) and the 0.1.0 forwarding headers, with
+# lockstep::core's include path as a user has it.
+file(GLOB _ls_more_headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/lockstep/*/detail/*.hpp
+     ${PROJECT_SOURCE_DIR}/include/compat/lockstep/*.hpp)
+set(_tus "")
+foreach(h IN LISTS _ls_more_headers)
+  file(RELATIVE_PATH _rel ${PROJECT_SOURCE_DIR}/include ${h})
+  string(REGEX REPLACE "^compat/" "" _inc "${_rel}")
+  string(REPLACE "/" "_" _name "${_rel}")
+  set(_tu ${CMAKE_CURRENT_BINARY_DIR}/layers/installed/${_name}.cpp)
+  file(CONFIGURE OUTPUT ${_tu} CONTENT "#include \"${_inc}\"\n")
+  list(APPEND _tus ${_tu})
+endforeach()
+add_library(lockstep_headers_installed OBJECT ${_tus})
+target_link_libraries(lockstep_headers_installed PRIVATE lockstep::core lockstep_build_flags)
+# What the install rules put under include/ holds no test hook (TestHooks, test_hooks(),
+# *_for_test): the tests' hooks live in src/ (src/remote/test_hooks.hpp). The check installs into
+# a scratch prefix, so it sees what a user gets; the self-test plants a hook and sees it refused.
+add_test(NAME headers.installed
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_installed_headers.sh ${PROJECT_BINARY_DIR})
+set_tests_properties(headers.installed PROPERTIES LABELS unit PASS_REGULAR_EXPRESSION "installed headers: OK")
+add_test(NAME headers.installed_self_test
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_installed_headers.sh --self-test)
+set_tests_properties(headers.installed_self_test PROPERTIES LABELS unit PASS_REGULAR_EXPRESSION "self-test: OK")

@@ -15,6 +15,7 @@
 #include "lockstep/core/device_runtime.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/call_site.hpp"
+#include "comm/drain.hpp"
 #include "core/wire16.hpp"
 
 namespace lockstep {
@@ -144,6 +145,8 @@ std::mutex g_drains_mutex;
 std::vector<std::tuple<const Backend*, const void*, std::function<void()>>> g_drains;
 std::atomic<int> g_drain_count{0};
 }  // namespace
+
+thread_local bool detail::t_on_comm_thread = false;
 
 void detail::register_drain(const Backend* backend, const void* key, std::function<void()> drain) {
   std::lock_guard lock(g_drains_mutex);

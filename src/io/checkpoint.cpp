@@ -1,6 +1,6 @@
 // The collective checkpoint (checkpoint.hpp's structure-level templates): the helpers they call,
 // CheckpointIndex, the table of contents the root broadcasts, and the agreement of the ranks on
-// every outcome. The file format is safetensors.cpp's.
+// every outcome. The file format is safetensors*.cpp's.
 #include "lockstep/io/checkpoint.hpp"
 
 #include <algorithm>

@@ -18,6 +18,7 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/train/distributed_optimizer.hpp"
 #include "lockstep/reliability/call_site.hpp"
+#include "comm/drain.hpp"
 
 namespace lockstep {
 

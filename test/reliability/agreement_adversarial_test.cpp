@@ -583,7 +583,7 @@ TEST_CASE("remote mean_reducer: integer leaves nested in the result are refused 
 // DEFECT (remote calls, the reducers' own "which numbers meet which"): reduce_results
 // (remote.hpp) combines the partitions' results with detail::scale_into (data.hpp), which
 // compares only the number of tensors, each tensor's element count and dtype (add_scaled,
-// data.cpp), and walks the scalars in step without comparing their number or their keys.
+// parallelize.cpp), and walks the scalars in step without comparing their number or their keys.
 // parallelize compares the results' structures across ranks first (describe_result); remote calls
 // do not: a map keyed differently per partition is averaged key against key, a [2,3] tensor
 // against a [3,2] one, and a longer vector's extra numbers are dropped, all without a word.

@@ -21,38 +21,15 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace remote_test;
 
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-int me() { return ls::world_info().rank; }
-int world() { return ls::world_info().size; }
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// The pattern of one call's tensor: distinct for every seed (a shift of one sequence modulo a
-// prime), exact in f32 (below 2^20, so that adding a small integer stays exact).
-constexpr std::uint64_t kMod = 999983;
-float pat(std::uint64_t seed, std::int64_t i) {
-  return static_cast<float>((seed * 7919u + static_cast<std::uint64_t>(i)) % kMod);
-}
-ls::Tensor make(std::int64_t numel, std::uint64_t seed) {
-  ls::Tensor t({numel});
-  float* p = t.data<float>();
-  for (std::int64_t i = 0; i < numel; ++i) p[i] = pat(seed, i);
-  return t;
-}
-// The elements of t that are not pat(seed, i) + k (every one when t is not numel f32 elements).
-long bad_elems(const ls::Tensor& t, std::int64_t numel, std::uint64_t seed, float k) {
-  if (t.numel() != numel || t.dtype() != ls::DType::f32 || t.ndim() != 1) return numel > 0 ? static_cast<long>(numel) : 1;
-  const float* p = t.data<float>();
-  long bad = 0;
-  for (std::int64_t i = 0; i < numel; ++i) bad += p[i] != pat(seed, i) + k;
-  return bad;
-}
 
 // ---- remote functions ----
 // The tensor back, as received (its memory is the buffer it arrived in), each element plus k.
@@ -93,38 +70,6 @@ struct Hooked {
     h.data_timeout = -1.0;
   }
 };
-
-std::string describe(const std::exception_ptr& ep) {
-  try {
-    std::rethrow_exception(ep);
-  } catch (const ls::TimeoutError& e) {
-    return std::string("TimeoutError: ") + e.what();
-  } catch (const ls::RemoteError& e) {
-    return std::string("RemoteError: ") + e.what();
-  } catch (const ls::Error& e) {
-    return std::string("Error: ") + e.what();
-  } catch (const std::exception& e) {
-    return std::string("std::exception: ") + e.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
-/// Closes the session: what it threw (described, empty when nothing) and how long it took.
-struct Closed {
-  std::string error;
-  double seconds;
-};
-Closed close_session(ls::RemoteSession& s) {
-  const auto t0 = Clock::now();
-  std::string error;
-  try {
-    s.close();
-  } catch (...) {
-    error = describe(std::current_exception());
-  }
-  return Closed{error, since(t0)};
-}
 
 // 24 rounds of a 1 MiB call to every rank, each with its own pattern (with 8 data tags, the
 // tags of every rank's calls wrap six times over). Returns the bad elements (and failed calls).

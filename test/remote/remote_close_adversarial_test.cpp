@@ -32,18 +32,15 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace remote_test;
 
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-int me() { return ls::world_info().rank; }
-int world() { return ls::world_info().size; }
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); }
+
 
 // ---- what the calls run on this rank did ----
 // Per calling rank: calls run, the sum of their values; every call's key (a key seen twice is a
@@ -88,58 +85,6 @@ long bad_args() {
 // A key unique to (test, calling rank, index): the index below 2^40.
 std::int64_t key(int test, int from, std::int64_t i) {
   return (static_cast<std::int64_t>(test) << 52) | (static_cast<std::int64_t>(from) << 44) | i;
-}
-
-// Tensor patterns: distinct per seed, exact in f32.
-constexpr std::uint64_t kMod = 999983;
-float pat(std::uint64_t seed, std::int64_t i) {
-  return static_cast<float>((seed * 7919u + static_cast<std::uint64_t>(i)) % kMod);
-}
-ls::Tensor make(std::int64_t n, std::uint64_t seed) {
-  ls::Tensor t({n});
-  float* p = t.data<float>();
-  for (std::int64_t i = 0; i < n; ++i) p[i] = pat(seed, i);
-  return t;
-}
-long bad_elems(const ls::Tensor& t, std::int64_t n, std::uint64_t seed, float k) {
-  if (t.numel() != n || t.dtype() != ls::DType::f32 || t.ndim() != 1) return n > 0 ? static_cast<long>(n) : 1;
-  const float* p = t.data<float>();
-  long bad = 0;
-  for (std::int64_t i = 0; i < n; ++i) bad += p[i] != pat(seed, i) + k;
-  return bad;
-}
-
-std::string describe(const std::exception_ptr& ep) {
-  try {
-    std::rethrow_exception(ep);
-  } catch (const ls::TimeoutError& e) {
-    return std::string("TimeoutError: ") + e.what();
-  } catch (const ls::RemoteError& e) {
-    return std::string("RemoteError: ") + e.what();
-  } catch (const ls::InvalidArgument& e) {
-    return std::string("InvalidArgument: ") + e.what();
-  } catch (const ls::Error& e) {
-    return std::string("Error: ") + e.what();
-  } catch (const std::exception& e) {
-    return std::string("std::exception: ") + e.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
-struct Closed {
-  std::string error;
-  double seconds;
-};
-Closed close_session(ls::RemoteSession& s) {
-  const auto t0 = Clock::now();
-  std::string error;
-  try {
-    s.close();
-  } catch (...) {
-    error = describe(std::current_exception());
-  }
-  return Closed{error, since(t0)};
 }
 
 // Waits for kept futures of int: how many are not `want[i]` (errors included), and the first

@@ -16,17 +16,15 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using namespace remote_test;
 
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-int me() { return ls::world_info().rank; }
-int world() { return ls::world_info().size; }
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
 
 // What the calls to this rank did: calls from each rank, and the sum of their values.
 std::vector<std::atomic<long>> g_calls(64), g_sums(64);

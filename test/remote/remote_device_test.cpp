@@ -14,15 +14,15 @@
 
 #include "guarded_device_runtime.hpp"
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
+using namespace remote_test;
+
 const ls::Device kDev = ls::Device::cuda(0);
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-int me() { return ls::world_info().rank; }
-int world() { return ls::world_info().size; }
 
 // This rank's runtime, for the remote functions below (set by the test case on every rank).
 lstest::GuardedHostRuntime* g_rt = nullptr;

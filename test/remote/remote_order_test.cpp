@@ -16,14 +16,14 @@
 #include <thread>
 
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using namespace remote_test;
+
 
 // Returns x; its own reply goes out malformed (a test hook: the lengths in its header do not add up).
 int order_malformed_echo(int x) {

@@ -15,21 +15,10 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "remote/remote_test_support.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
-
-// The message of the E that f throws, or a text saying what happened instead.
-template <class E, class F>
-std::string error_text(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("another exception: ") + e.what();
-  }
-  return "no exception";
-}
 
 namespace rt {
 struct Model {
@@ -64,9 +53,8 @@ LOCKSTEP_REMOTE(rt::transform)
 
 namespace {
 
-ls::Backend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-int me() { return ls::world_info().rank; }
-int world() { return ls::world_info().size; }
+using namespace remote_test;
+
 
 int add(int a, int b) { return a + b; }
 int whoami() { return me(); }
@@ -612,11 +600,11 @@ TEST_CASE("remote: partitioners and reducers") {
     CHECK(ls::remote_sync_call(b, mine, ls::sum_reducer, add, 2, 1) == expect);
     // mean_reducer over integer results: refused as parallelize refuses them (one rule: floating
     // point only), naming what was integer; the same calls with sum_reducer add up exactly.
-    const std::string int_scalar = error_text<ls::InvalidArgument>(
+    const std::string int_scalar = lstest::expect_throw<ls::InvalidArgument>(
         [&] { (void)ls::remote_sync_call(b, ls::batch_partitioner, ls::mean_reducer, count_plus, x, std::int64_t{0}); });
     CHECK(int_scalar.find("remote call: mean_reducer needs floating-point results (use sum_reducer)") != std::string::npos);
     CHECK(int_scalar.find("integer scalar") != std::string::npos);
-    const std::string int_tensor = error_text<ls::InvalidArgument>(
+    const std::string int_tensor = lstest::expect_throw<ls::InvalidArgument>(
         [&] { (void)ls::remote_sync_call(b, ls::batch_partitioner, ls::mean_reducer, row_count_i32, x); });
     CHECK(int_tensor.find("remote call: mean_reducer needs floating-point results") != std::string::npos);
     CHECK(int_tensor.find("i32") != std::string::npos);

@@ -128,22 +128,22 @@ inline constexpr std::string_view kChecksumKey = "lockstep.checksum";
 inline constexpr std::string_view kFormatKey = "lockstep.format";
 
 /// CRC-32C (Castagnoli) of `bytes`, continuing from `crc` (0 to start).
-std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept;
+[[nodiscard]] std::uint32_t crc32c(std::span<const std::byte> bytes, std::uint32_t crc = 0) noexcept;
 
 /// The safetensors bytes of `ck` (CPU tensors of any dtype; the checksum and format keys are
 /// added to the metadata). Throws InvalidArgument for a device tensor or a reserved/invalid name.
-std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck);
+[[nodiscard]] std::vector<std::byte> serialize_checkpoint(const Checkpoint& ck);
 
 /// Parses and validates safetensors bytes; throws CheckpointError naming the first problem.
 /// Never reads outside `bytes`, whatever they hold (this is the fuzzing entry point).
-Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts = {});
+[[nodiscard]] Checkpoint parse_checkpoint(std::span<const std::byte> bytes, const CheckpointReadOptions& opts = {});
 
 /// Writes `ck` to `path` atomically (temp file in the same directory, fsync, rename, fsync dir).
 /// Throws CheckpointError (with the OS error) if any step fails; the old file is then untouched.
 void save_checkpoint(const std::filesystem::path& path, const Checkpoint& ck);
 
 /// Reads and validates the checkpoint at `path`; throws CheckpointError.
-Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointReadOptions& opts = {});
+[[nodiscard]] Checkpoint load_checkpoint(const std::filesystem::path& path, const CheckpointReadOptions& opts = {});
 
 /// Writes `bytes` to `path` atomically (the primitive behind save_checkpoint).
 void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes);
@@ -549,12 +549,12 @@ std::filesystem::path rotation_stem(const std::filesystem::path& path);
 /// file exists; nullopt if there is no pointer (nothing committed yet, a fresh start). Throws
 /// CheckpointError if the pointer exists but cannot be read, is malformed, or names a file that
 /// is missing (someone removed it: a restart must not silently start over).
-std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& path);
+[[nodiscard]] std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& path);
 
 /// The same as a collective: root looks, every rank gets root's answer (or root's error, as the
 /// same CheckpointError on every rank).
-std::optional<std::filesystem::path> latest_checkpoint(Backend& backend, const std::filesystem::path& path,
-                                                       int root = 0);
+[[nodiscard]] std::optional<std::filesystem::path> latest_checkpoint(Backend& backend, const std::filesystem::path& path,
+                                                                     int root = 0);
 
 /// Numbered checkpoints of one stem, the newest `keep` retained (see above).
 ///

@@ -157,8 +157,11 @@ constexpr DType scalar_wire_dtype() {
 ///   double loss = ls::allreduce(backend, local_loss, ls::ReduceOp::avg);
 /// float, double, int32 and uint8 travel as themselves; other integers (bool, int16, long...) as
 /// int64 (exact). Collective, with the checks of Backend::allreduce.
+/// [[nodiscard]]: the value passed in is not changed (unlike the tensor and structure forms,
+/// which reduce in place); a call whose result is dropped did nothing but communicate.
 template <class S>
   requires std::is_arithmetic_v<S>
+[[nodiscard("the scalar allreduce returns the reduced value; the argument is unchanged")]]
 S allreduce(Backend& backend, S value, ReduceOp op, std::source_location loc = std::source_location::current()) {
   constexpr DType dt = detail::scalar_wire_dtype<S>();
   if constexpr (dt == DType::f32) {

@@ -1,0 +1,109 @@
+// Remote calls: handing a received message to whoever waits for it (a reply to its call, a
+// request to the queue, the end of a run to the serving ranks), or failing it there.
+#include "remote/engine.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+
+#include "remote/polling.hpp"
+#include "remote/test_hooks.hpp"
+
+namespace lockstep::detail::remote {
+
+void Engine::fail_incoming(Incoming&& in, Call::Failure kind, const std::string& why, bool malformed) {
+  in.segs.clear();
+  if (is_reply(in.kind)) {
+    reqs_done.fetch_add(1);  // answered, though its tensors could not be received
+    auto it = pending.find(in.id);
+    if (it == pending.end()) return;
+    auto c = it->second;
+    pending.erase(it);
+    if (c->abandoned) return;
+    c->failure = malformed ? Call::f_remote : kind;
+    c->failed = malformed ? concat("its reply arrived malformed on rank ", rank, " and was dropped (", why, ")")
+                          : concat("remote call of '", c->fn, "' on rank ", c->rank, ": the reply's tensors ", why);
+    c->done = true;
+  } else if (in.kind == k_req) {
+    in.failed = malformed ? concat("the call arrived malformed on rank ", rank, " and was dropped (", why, ")")
+                          : "the call's tensors " + why;
+    enqueue(std::move(in));
+  } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
+    in.failed = malformed ? concat("the driver's end of run arrived malformed on rank ", rank, " (", why, ")")
+                          : "the tensors of the driver's result " + why;
+    in.fail_kind = kind;
+    stops[in.run] = std::move(in);
+  }
+  cv.notify_all();
+}
+
+void Engine::fail_or_park(Incoming&& in, Call::Failure kind, const std::string& why, bool malformed) {
+  if (!may_deliver(in.source, in.kind)) {
+    Arrival a;
+    a.in = std::move(in);
+    a.failed = why;
+    a.fail_kind = kind;
+    a.malformed = malformed;
+    a.deadline = Clock::time_point::max();
+    arriving.push_back(std::move(a));
+    return;
+  }
+  std::lock_guard lk(mu);
+  fail_incoming(std::move(in), kind, why, malformed);
+}
+
+void Engine::on_rank_left(int r) {
+  {
+    std::lock_guard lk(mu);
+    gone[static_cast<std::size_t>(r)] = 1;
+    for (auto it = pending.begin(); it != pending.end();) {
+      auto c = it->second;
+      if (c->rank != r) {
+        ++it;
+        continue;
+      }
+      it = pending.erase(it);  // a late reply is dropped (deliver finds no call)
+      if (c->abandoned) continue;
+      c->failure = Call::f_timeout;
+      c->failed = left_text(r, c->fn);
+      c->done = true;
+    }
+  }
+  if (r == 0 && rank != 0) driver_left = true;
+  cv.notify_all();
+}
+
+std::string Engine::left_text(int r, const std::string& fn) {
+  return concat("remote call of '", fn, "' on rank ", r, ": rank ", r,
+                " left the remote session before answering (it finalised Lockstep, or returned from main, with the "
+                "session open, or closed it without waiting)");
+}
+
+void Engine::enqueue(Incoming&& in) {
+  if (in.source == 0) ++driver_reqs_queued;
+  queue.push_back(std::move(in));
+}
+
+void Engine::deliver(Incoming&& in) {
+  if (in.kind == k_req) {
+    enqueue(std::move(in));
+  } else if (is_reply(in.kind)) {
+    reqs_done.fetch_add(1);  // its call is answered (close_rounds)
+    auto it = pending.find(in.id);
+    if (it == pending.end()) return;  // not ours (cannot happen) or already closed
+    auto c = it->second;
+    pending.erase(it);
+    if (c->abandoned) return;  // timed out or dropped: discard
+    c->kind = in.kind;
+    c->buf = std::move(in.buf);
+    c->poff = kHead;
+    c->plen = in.plen;
+    c->segs = std::move(in.segs);
+    c->done = true;
+  } else if (in.kind == k_stop_ok || in.kind == k_stop_err) {
+    stops[in.run] = std::move(in);
+  }
+  cv.notify_all();
+}
+
+}  // namespace lockstep::detail::remote
