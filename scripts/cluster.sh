@@ -203,6 +203,11 @@ cmd_run() {
   # (an environment default: a --bind-to given to run wins).
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-none}
+  # Every host's slots are this machine's cores, so Open MPI does not see the oversubscription
+  # and busy-polls: a rank spinning for its peer's message holds the core the peer needs, and each
+  # exchange can wait a scheduler time slice (docs/performance.md, "Across hosts"). Yielding when
+  # idle lets the peer run; a real cluster, with a core per rank, does not need it.
+  export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
   local h0
   h0=$(host_ns 0)
   # mpiexec runs in host 0 (its network namespace, and a UTS namespace named after it); the
