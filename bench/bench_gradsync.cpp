@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 
 #include "bench_common.hpp"
 #include "gradsync_strategies.hpp"
@@ -93,7 +94,8 @@ std::string size_label(std::size_t b) { return bench::human_bytes(static_cast<do
 // it: bind the gradients, reduce them. The optimizer rule itself is not part of the time.
 class DistAverage {
  public:
-  DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::size_t bucket_bytes) {
+  // bucket_bytes unset: the reducer's default for the path.
+  DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::optional<std::size_t> bucket_bytes) {
     for (const auto& v : views) grads_.push_back(ls::Tensor::borrow(v.data, {v.numel}, v.dtype, v.device));
     ls::DistributedOptions o;
     o.bucket_bytes = bucket_bytes;
@@ -186,9 +188,9 @@ int main(int argc, char** argv) {
       // design over MPIBackend (a proposal; see docs/performance.md).
       // The default bucket size: kDefaultBucketBytes on one machine, kDefaultNetworkBucketBytes
       // when the ranks span machines (the reducer's choice).
-      auto dist = std::make_shared<DistAverage>(be, is_flat ? fv : sep, ls::kDefaultBucketBytes);
+      auto dist = std::make_shared<DistAverage>(be, is_flat ? fv : sep, std::nullopt);
       {
-        const std::size_t dflt = be.local_size() < n ? ls::kDefaultNetworkBucketBytes : ls::kDefaultBucketBytes;
+        const std::size_t dflt = ls::host_bucket_bytes({}, be);
         const std::string name = "lockstep: DistributedOptimizer (" + size_label(dflt) +
                                  " buckets, " + std::to_string(dist->buckets()) + ")";
         auto body = [dist] { dist->run(); };
@@ -286,11 +288,9 @@ int main(int argc, char** argv) {
       bench::Json js = bench::Json::array();
       for (std::size_t c : sizes) {
         std::vector<bench::Variant> vs;
-        // Exactly c: the reducer reads kDefaultBucketBytes as "the default for the path", which
-        // across machines is larger; 4 bytes less is the same size for these lists.
-        const std::size_t exact = c == ls::kDefaultBucketBytes ? c - 4 : c;
-        auto dsep = std::make_shared<DistAverage>(be, sep, exact);
-        auto dflat = std::make_shared<DistAverage>(be, fv, exact);
+        // Exactly c: a bucket_bytes set is kept on every path.
+        auto dsep = std::make_shared<DistAverage>(be, sep, c);
+        auto dflat = std::make_shared<DistAverage>(be, fv, c);
         vs.push_back(sep_variant("pack", [&, c] { bench::raw_pack_buckets(sep, c, staging, comm, inv); }));
         vs.push_back(flat_variant("slices", [&, c] { bench::raw_flat_slices(flat, g.total, c, comm, inv); }));
         vs.push_back(sep_variant("dist-sep", [dsep] { dsep->run(); }));

@@ -174,9 +174,9 @@ int main(int argc, char** argv) {
       return ok;
     };
     // The three passes, alone, over one 16-bit copy of all the gradients (in the reducer's slices
-    // of bucket_bytes of f32 for the allreduce).
+    // of the default bucket size, of f32, for the allreduce).
     ls::Tensor w16 = ls::Tensor::zeros({total}, ls::DType::bf16);
-    const std::int64_t slice = static_cast<std::int64_t>(ls::DistributedOptions{}.bucket_bytes / 4);
+    const std::int64_t slice = static_cast<std::int64_t>(ls::host_bucket_bytes({}, b) / 4);
     auto leaves16 = ls::tensor_leaves(*grads);
     auto round_pass = [&] {
       std::int64_t at = 0;

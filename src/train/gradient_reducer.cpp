@@ -314,9 +314,8 @@ struct GradientReducer::Impl {
   }
 
   void plan() {
-    // The default suits shared memory; across machines, the network's (gradient_reducer.hpp).
-    if (options.bucket_bytes == kDefaultBucketBytes && backend->local_size() < backend->size())
-      options.bucket_bytes = kDefaultNetworkBucketBytes;
+    // Unset, the size follows the path (host_bucket_bytes); a size set is kept as given.
+    options.bucket_bytes = host_bucket_bytes(options, *backend);
     bucket_of.assign(leaves.size(), 0);
     // Walk backwards: the last leaves (produced first by backward) go into bucket 0.
     std::size_t i = leaves.size();
@@ -324,7 +323,7 @@ struct GradientReducer::Impl {
       const std::size_t last = i;
       std::size_t first = i - 1;
       // Host and device buckets have their own size (a bucket never mixes devices).
-      const std::size_t cap = leaves[first].device.is_cpu() ? options.bucket_bytes : options.device_bucket_bytes;
+      const std::size_t cap = leaves[first].device.is_cpu() ? *options.bucket_bytes : options.device_bucket_bytes;
       std::size_t bytes = static_cast<std::size_t>(leaves[first].numel) * size_of(leaves[first].dtype);
       while (first > 0) {
         const auto& prev = leaves[first - 1];
@@ -544,9 +543,9 @@ struct GradientReducer::Impl {
     // trip between the ranks), which looks like a hang over MPI, and smaller slices gain no
     // cache. bucket_bytes == 0 (one bucket per tensor) keeps each tensor whole.
     const std::int64_t step =
-        options.bucket_bytes == 0
+        *options.bucket_bytes == 0
             ? target.numel
-            : static_cast<std::int64_t>(std::max(options.bucket_bytes, kMinSliceBytes) / size_of(b.dtype));
+            : static_cast<std::int64_t>(std::max(*options.bucket_bytes, kMinSliceBytes) / size_of(b.dtype));
     if (!blocking && use_thread) {
       b.target = target;
       b.slice = step;
@@ -861,6 +860,9 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
     LOCKSTEP_CHECK_ARG(bad.empty(), "GradientReducer: ", bad);
   });
   detail::agree(backend, "GradientReducer", 0, mine, 0, "no reducer was made");
+  // The ranks compare the size each will use: an explicit 1 MiB and the unset default on one
+  // machine are the same buckets.
+  options = detail::resolved_options(options, backend);
   const std::string sig = detail::reducer_signature(options, leaves, names);
   detail::check_same_structure(backend, sig, 0, 0, "GradientReducer", [&] {
     return detail::reducer_entries(options, leaves, names);
@@ -904,7 +906,19 @@ bool GradientReducer::reduce() {
   return true;
 }
 
+std::size_t host_bucket_bytes(const DistributedOptions& o, const Backend& backend) {
+  if (o.bucket_bytes) return *o.bucket_bytes;
+  // The default suits shared memory; across machines, the network's (gradient_reducer.hpp).
+  return backend.local_size() < backend.size() ? kDefaultNetworkBucketBytes : kDefaultBucketBytes;
+}
+
 namespace detail {
+
+DistributedOptions resolved_options(const DistributedOptions& o, const Backend& backend) {
+  DistributedOptions r = o;
+  r.bucket_bytes = host_bucket_bytes(o, backend);
+  return r;
+}
 std::vector<ShardPiece> shard_pieces(const GradientReducer& red) {
   // Each range of this rank's shard lies in one bucket, and each leaf in one bucket: every leaf
   // has at most one piece. Both lists are in flat order.
@@ -1046,7 +1060,8 @@ std::vector<StructureEntry> reducer_entries(const DistributedOptions& o, const s
 
 std::string reducer_signature(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
                               const std::vector<std::string>& names) {
-  std::string s = concat("bucket_bytes=", o.bucket_bytes, " device_bucket_bytes=", o.device_bucket_bytes,
+  std::string s = concat("bucket_bytes=", o.bucket_bytes ? concat(*o.bucket_bytes) : std::string("default"),
+                         " device_bucket_bytes=", o.device_bucket_bytes,
                          " op=", name(o.op),
                          " accumulation_steps=", o.accumulation_steps,
                          " skip_non_finite=", o.skip_non_finite,

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -327,7 +328,8 @@ TEST_CASE("ranks or whole machines that disagree about an allreduce get Mismatch
 // The gradient reducer's default bucket size follows the path (issue 26 item 4): 1 MiB while
 // every rank is on one machine (the shared-memory path's best), kDefaultNetworkBucketBytes when
 // the ranks span machines (each call over a network pays round trips); a size given explicitly
-// is kept either way. The buckets still average correctly.
+// is kept either way, 1 MiB included (issue 29: an explicit 1 MiB read as "the default" and became
+// 16 MiB across machines). The buckets still average correctly.
 TEST_CASE("the gradient reducer's default bucket size: 1 MiB on one machine, larger across machines") {
   auto& b = backend();
   const int n = b.size(), r = b.rank(), k = env_int("LOCKSTEP_TEST_HOST_SIZE", 0);
@@ -342,6 +344,34 @@ TEST_CASE("the gradient reducer's default bucket size: 1 MiB on one machine, lar
   static_assert(ls::kDefaultNetworkBucketBytes >= (std::size_t{8} << 20), "the 8 MiB fit in one network bucket");
   CHECK(dflt.bucket_count() == (across ? 1u : 8u));
   CHECK(two.bucket_count() == 4u);
+  // Unset picks the path's size; a size set, 1 MiB exactly included, is kept on either path.
+  CHECK(!ls::DistributedOptions{}.bucket_bytes.has_value());
+  CHECK(ls::host_bucket_bytes({}, b) == (across ? ls::kDefaultNetworkBucketBytes : ls::kDefaultBucketBytes));
+  CHECK(ls::host_bucket_bytes({.bucket_bytes = ls::kDefaultBucketBytes}, b) == ls::kDefaultBucketBytes);
+  ls::GradientReducer one(b, grads, {.bucket_bytes = std::size_t{1} << 20});
+  CHECK(one.bucket_count() == 8u);
+  {
+    // The same through DistributedOptimizer's setup: its state holds the size it uses.
+    auto set = ls::setup(ls::DistributedOptimizer(b, ls::SGD{}, {.bucket_bytes = std::size_t{1} << 20}), grads);
+    CHECK(set.options().bucket_bytes == std::optional<std::size_t>(std::size_t{1} << 20));
+    CHECK(set.reducer().bucket_count() == 8u);
+    auto unset = ls::setup(ls::DistributedOptimizer(b, ls::SGD{}), grads);
+    CHECK(unset.options().bucket_bytes == std::optional<std::size_t>(ls::host_bucket_bytes({}, b)));
+    CHECK(unset.reducer().bucket_count() == (across ? 1u : 8u));
+  }
+  // The ranks compare the size each will use: rank 0's explicit 1 MiB against the others' unset
+  // default is the same plan on one machine and a MismatchError naming bucket_bytes across.
+  std::string why;
+  try {
+    ls::DistributedOptions o;
+    if (r == 0) o.bucket_bytes = ls::kDefaultBucketBytes;
+    ls::GradientReducer mixed(b, grads, o);
+    CHECK(mixed.bucket_count() == 8u);
+  } catch (const ls::MismatchError& e) {
+    why = e.what();
+  }
+  INFO("rank " << r << ": " << why);
+  CHECK(all_ranks(across ? why.find("bucket_bytes") != std::string::npos : why.empty()));
   for (auto& g : grads) {
     float* p = g.data<float>();
     for (std::int64_t i = 0; i < g.numel(); ++i) p[i] = static_cast<float>(i % 5 + r);

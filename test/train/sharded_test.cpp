@@ -470,7 +470,7 @@ TEST_CASE("16-bit gradients: the reducer's sync has the bits of the three passes
   std::vector<std::string> bad;
   for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
     for (ls::ReduceOp op : {ls::ReduceOp::avg, ls::ReduceOp::sum}) {
-      for (std::size_t bucket : {std::size_t{0}, std::size_t{4096}, ls::DistributedOptions{}.bucket_bytes}) {
+      for (std::size_t bucket : {std::size_t{0}, std::size_t{4096}, ls::kDefaultBucketBytes}) {
         for (bool flat : {false, true}) {
           for (int k : {1, 2}) {
             // flat: every tensor a view of one buffer (zero copy); otherwise separate tensors

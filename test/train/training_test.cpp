@@ -5,11 +5,13 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include <sys/mman.h>
 #include <unistd.h>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "training_common.hpp"
@@ -298,6 +300,27 @@ TEST_CASE("bucket plan groups tensors from the last backwards", "[training]") {
   auto st2 = ls::setup(opt2, m);
   const bool ok2 = st2.reducer().bucket_count() == 1;
   CHECK(all_ranks(backend, ok1 && ok2));
+}
+
+// Issue 29: bucket_bytes unset follows the path (1 MiB on one machine, 16 MiB across machines:
+// training.hierarchical.np4 runs this with two simulated machines); a size set is used as given,
+// 1 MiB exactly included (it was read as "the default" and became 16 MiB across machines).
+TEST_CASE("bucket_bytes unset follows the path, a size set is kept", "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const char* hs = std::getenv("LOCKSTEP_TEST_HOST_SIZE");
+  const int k = hs ? std::atoi(hs) : 0;
+  const bool across = k > 0 && k < backend.size();
+  const std::size_t want = across ? ls::kDefaultNetworkBucketBytes : ls::kDefaultBucketBytes;
+  std::vector<ls::Tensor> grads;
+  for (int i = 0; i < 4; ++i) grads.push_back(ls::Tensor::zeros({(std::int64_t{1} << 20) / 4}));  // 4 x 1 MiB
+  auto unset = ls::setup(ls::DistributedOptimizer(backend, ls::SGD{}), grads);
+  auto set = ls::setup(ls::DistributedOptimizer(backend, ls::SGD{}, {.bucket_bytes = std::size_t{1} << 20}), grads);
+  INFO("across machines: " << across);
+  CHECK(ls::host_bucket_bytes({}, backend) == want);
+  CHECK(unset.options().bucket_bytes == std::optional<std::size_t>(want));
+  CHECK(unset.reducer().bucket_count() == (across ? 1u : 4u));
+  CHECK(set.options().bucket_bytes == std::optional<std::size_t>(std::size_t{1} << 20));
+  CHECK(set.reducer().bucket_count() == 4u);
 }
 
 TEST_CASE("mismatched gradients are rejected before any communication", "[training]") {

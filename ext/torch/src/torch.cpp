@@ -888,7 +888,7 @@ struct DistributedOptimizer::Impl {
     }
     owned_bytes = load[static_cast<std::size_t>(rank)];
     if (nranks == 1) return;  // nothing to send
-    const auto cap = static_cast<std::int64_t>(options.bucket_bytes);
+    const auto cap = static_cast<std::int64_t>(*options.bucket_bytes);
     for (int r = 0; r < nranks; ++r) {
       ParamBucket cur;
       std::int64_t cur_bytes = 0;
@@ -1045,7 +1045,8 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
   auto& m = *impl_;
   m.backend = &backend;
   m.optimizer = &optimizer;
-  m.options = options;
+  // bucket_bytes unset follows the path (ls::host_bucket_bytes); the shard broadcasts use it too.
+  m.options = lockstep::detail::resolved_options(options, backend);
   m.topts = topts;
   std::vector<OptParam> all;  // every parameter of the optimizer, frozen ones too
   agreed(backend, "lockstep::torch::DistributedOptimizer", 0, [&] {

@@ -343,19 +343,22 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
     if (is_trainable(t)) leaves.push_back({t.numel(), t.dtype(), t.device(), t.shape()});
   });
   auto paths = detail::trainable_paths(model);
+  // The options with the host bucket size this backend gives (an unset bucket_bytes follows
+  // the path): the ranks compare, and the reducer uses, the size that decides the buckets.
+  const DistributedOptions options = detail::resolved_options(opt.options(), opt.backend());
   // Names (paths, map keys), order, shapes, dtypes and options: what decides which numbers meet.
-  const std::string sig = detail::reducer_signature(opt.options(), leaves, paths);
+  const std::string sig = detail::reducer_signature(options, leaves, paths);
   detail::check_same_structure(opt.backend(), sig, 0, 0, "DistributedOptimizer setup",
-                               [&] { return detail::reducer_entries(opt.options(), leaves, paths); });
+                               [&] { return detail::reducer_entries(options, leaves, paths); });
   // The same options and tensors on every rank (checked above): each rank reaches the same
   // verdict on them, so an error here is the same on every rank.
-  const std::string bad = detail::check_options(opt.options(), leaves, paths);
+  const std::string bad = detail::check_options(options, leaves, paths);
   LOCKSTEP_CHECK_ARG(bad.empty(), "DistributedOptimizer setup: ", bad);
   const DType dtype = leaves.empty() ? DType::f32 : leaves[0].dtype;
-  auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), opt.options(),
+  auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), options,
                                                        std::move(leaves), std::move(paths));
-  if (!opt.options().shard_optimizer_state)
-    return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), opt.options());
+  if (!options.shard_optimizer_state)
+    return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), options);
   // Sharded: rule state only for this rank's pieces.
   auto pieces = detail::shard_pieces(*reducer);
   std::vector<Shape> shapes;
@@ -374,7 +377,7 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
         static_cast<std::byte*>(const_cast<void*>(t.raw_data())) + static_cast<std::size_t>(p.lo) * size_of(dtype),
         {p.hi - p.lo}, dtype, t.device())));
   }
-  return DistributedState<R>(std::move(inner), std::move(reducer), opt.options(), std::move(pieces),
+  return DistributedState<R>(std::move(inner), std::move(reducer), options, std::move(pieces),
                              std::move(shapes), dtype);
 }
 

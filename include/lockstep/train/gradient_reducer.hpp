@@ -69,10 +69,11 @@ inline constexpr std::size_t kMinSliceBytes = std::size_t{64} << 10;
 struct DistributedOptions {
   /// Largest bucket of host gradients, in bytes (a larger tensor is a bucket of its own, reduced
   /// in slices of bucket_bytes so that each slice's reduction works in cache; slices are never
-  /// smaller than kMinSliceBytes). 0: one bucket per tensor, each reduced whole. Left at
-  /// kDefaultBucketBytes (1 MiB, the shared-memory path's best), it becomes
-  /// kDefaultNetworkBucketBytes when the ranks span machines.
-  std::size_t bucket_bytes = kDefaultBucketBytes;
+  /// smaller than kMinSliceBytes). 0: one bucket per tensor, each reduced whole. A value set
+  /// is always used as given. Unset (the default), the size follows the path
+  /// (host_bucket_bytes): kDefaultBucketBytes (1 MiB, the shared-memory path's best) while every
+  /// rank is on one machine, kDefaultNetworkBucketBytes (16 MiB) when the ranks span machines.
+  std::optional<std::size_t> bucket_bytes;
   /// Largest bucket of device (cuda) gradients, in bytes (DDP's 25 MiB by default; a larger
   /// tensor is a bucket of its own, reduced whole). 0: one bucket per tensor. The device
   /// buckets that update() reduces go to the backend together, in one iallreduce_many (one
@@ -126,7 +127,16 @@ struct FlatRange {
   std::int64_t begin = 0, end = 0;
 };
 
+/// The host bucket size `o` gives on `backend`: o.bucket_bytes where set; unset,
+/// kDefaultBucketBytes while every rank is on one machine and kDefaultNetworkBucketBytes when
+/// the ranks span machines (Backend::local_size() < size(), the same verdict on every rank).
+std::size_t host_bucket_bytes(const DistributedOptions& o, const Backend& backend);
+
 namespace detail {
+/// `o` with bucket_bytes set to host_bucket_bytes(o, backend): what the reducer uses, and what
+/// the ranks compare at setup (an explicit 1 MiB and the default on one machine agree).
+DistributedOptions resolved_options(const DistributedOptions& o, const Backend& backend);
+
 /// What the reducer knows of one trainable gradient.
 struct GradLeaf {
   std::int64_t numel = 0;
