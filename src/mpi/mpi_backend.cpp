@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
+#include <csignal>
+#include <signal.h>
 #include <exception>
 #include <thread>
 #include <iostream>
@@ -1009,6 +1011,22 @@ void MPIBackend::initialize_global() {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (fin) throw Error("initialize<MPIBackend>: MPI was already finalised; it cannot be initialised again");
+  // A peer process that dies (every process of its host killed) resets its TCP connections, and
+  // Open MPI's next write to one raised SIGPIPE here: this rank, on a host that is fine, died of
+  // the signal before mpiexec saw the lost host, and mpiexec named this rank as the failure.
+  // Ignored, the write fails with EPIPE and the lost peer is reported as such (an MPI error, or
+  // mpiexec's lost daemon). Only where SIGPIPE has its default action: a handler or disposition
+  // the program set is left alone (docs/reliability.md).
+  {
+    struct sigaction old_pipe {};
+    if (::sigaction(SIGPIPE, nullptr, &old_pipe) == 0 && !(old_pipe.sa_flags & SA_SIGINFO) &&
+        old_pipe.sa_handler == SIG_DFL) {
+      struct sigaction ign {};
+      ign.sa_handler = SIG_IGN;
+      sigemptyset(&ign.sa_mask);
+      ::sigaction(SIGPIPE, &ign, nullptr);
+    }
+  }
   if (!init) {
     // DistributedOptimizer reduces its buckets with MPI_Iallreduce, and Open MPI's default
     // nonblocking allreduce algorithm is much slower than its ring one (docs/performance.md):

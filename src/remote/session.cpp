@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <thread>
 #include <mutex>
 
 #include "lockstep/mpi/mpi_backend.hpp"
@@ -184,12 +185,24 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->gone.assign(static_cast<std::size_t>(e->size), 0);
-  e->progress = std::thread([p = e.get()] { p->progress_loop(); });
-  if (o.background) {
-    e->executor = std::thread([p = e.get()] { p->executor_loop(); });
+  // Found to the backend before its threads start: a call from a rank whose session was ready
+  // first can reach this rank at once, and a remote function run by the executor that calls
+  // again (a nested call) looks the session up by its backend. Registered after the threads, it
+  // sometimes found none ("remote call without a remote session") and failed.
+  {
+    std::lock_guard lk(g_mu);
+    g_engines[&b] = e;
   }
-  std::lock_guard lk(g_mu);
-  g_engines[&b] = e;
+  try {
+    e->progress = std::thread([p = e.get()] { p->progress_loop(); });
+    if (o.background) e->executor = std::thread([p = e.get()] { p->executor_loop(); });
+  } catch (...) {
+    forget_engine(e);
+    e->stop_progress = true;
+    if (e->progress.joinable()) e->progress.join();
+    keep_for_ever(e);  // its communicator is left to MPI
+    throw;
+  }
   return e;
 }
 

@@ -4,6 +4,10 @@
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
 
 #include <string>
 #include <vector>
@@ -46,6 +50,25 @@ TEST_CASE("initialize is idempotent and the global backend is stable") {
   int provided = 0;
   MPI_Query_thread(&provided);
   CHECK(provided == MPI_THREAD_MULTIPLE);
+}
+
+TEST_CASE("after initialize a write to a pipe nobody reads fails with EPIPE instead of ending the process") {
+  // initialize<MPIBackend> ignores SIGPIPE where it had its default action (a rank writing to a
+  // killed host's reset connection used to die of it; docs/reliability.md). Were it still the
+  // default, the write below would end this process and the test would fail.
+  struct sigaction now {};
+  REQUIRE(::sigaction(SIGPIPE, nullptr, &now) == 0);
+  CHECK((now.sa_flags & SA_SIGINFO) == 0);
+  CHECK(now.sa_handler == SIG_IGN);
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  ::close(fds[0]);
+  const char byte = 'x';
+  const ssize_t n = ::write(fds[1], &byte, 1);
+  const int err = errno;
+  ::close(fds[1]);
+  CHECK(n == -1);
+  CHECK(err == EPIPE);
 }
 
 TEST_CASE("rank, total_workers, local_rank, local_workers and world_info agree with MPI") {
