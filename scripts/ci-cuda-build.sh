@@ -28,9 +28,10 @@ if ! command -v nvcc >/dev/null; then
   exit 77
 fi
 
-timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
   -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON -DLOCKSTEP_WITH_TORCH=OFF \
-  -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}"
+  -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" \
+  -DCMAKE_CXX_FLAGS_RELEASE="${LOCKSTEP_CUDA_STAGE_CXX_FLAGS:--O0 -DNDEBUG}"
 # Only what this stage runs or what only it compiles: the libraries, the programs with CUDA code
 # (train has a CUDA path), and the executables of the tests it runs (labels nccl and nogpu,
 # read from CTest). The CPU tests, examples and benchmarks are the core stage's (same code, built

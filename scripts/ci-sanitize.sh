@@ -20,7 +20,7 @@ jobs=${JOBS:-2}
 # their time is in the library; a Catch2 test file compiles in 26 s of CPU at -O0 against 63 s
 # at -O1 under both sanitizers (test/train/data_test.cpp). -g1: line tables only (file:line in
 # every report, no variable info), which compiles and links faster than -g.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" -DCMAKE_UNITY_BUILD=ON \
   -DLOCKSTEP_TEST_CXX_FLAGS=-O0 \
   -DLOCKSTEP_SANITIZE=ON -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=OFF \
   -DLOCKSTEP_BUILD_TESTS=ON -DLOCKSTEP_FAULT_INJECTION=ON -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF

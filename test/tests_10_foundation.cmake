@@ -7,6 +7,10 @@ lockstep_add_unit_test(NAME tensor TARGET test_tensor SOURCES core/tensor_test.c
 lockstep_add_mpi_test(NAME collective TARGET test_collective SOURCES mpi/collective_test.cpp RANKS 1 2 3 4
                       TIMEOUT 300)
 lockstep_add_mpi_test(NAME collective TARGET test_collective RANKS 2 TCP TIMEOUT 300)
+# Label across_hosts: runs that scripts/test.sh's multihost stage repeats on real hosts (4 ranks
+# as 2 hosts x 2, TCP between them); the CI core stage leaves them to it, and runs them itself
+# only where that stage cannot run (no network namespaces).
+set_property(TEST collective.np4 collective.np2.tcp APPEND PROPERTY LABELS across_hosts)
 lockstep_add_mpi_test(NAME world TARGET test_world SOURCES mpi/world_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
 
 # Its own main: the shared test main initialises MPI, which is what these scenarios vary.

@@ -22,8 +22,8 @@ constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
 // Smaller calls go flat: below it the three stages' latencies (and the agreement's) cost more
 // than the network time they save (bench_collectives at 4 ranks as two machines over TCP: 2.8x
 // slower than flat at 8 B, even at 32 KiB, 1.5x faster at 128 KiB; docs/performance.md).
-constexpr std::size_t kDefaultMinBytes = std::size_t{64} << 10;
-constexpr int kFields = 5;  // call number, count, dtype, op, memory
+constexpr std::size_t kHierarchyMinBytes = std::size_t{64} << 10;
+constexpr int kCheckFields = 5;  // call number, count, dtype, op, memory
 }  // namespace
 
 std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm comm, MPI_Comm node, bool enabled,
@@ -63,7 +63,7 @@ std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm co
   self->ops_ = ops;
   self->monitor_ = monitor;
   self->chunk_bytes_ = chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes;
-  self->min_bytes_ = min_bytes >= 0 ? static_cast<std::size_t>(min_bytes) : kDefaultMinBytes;
+  self->min_bytes_ = min_bytes >= 0 ? static_cast<std::size_t>(min_bytes) : kHierarchyMinBytes;
   // The ranks with this local rank, one per machine, in the order of comm.
   LOCKSTEP_MPI_CHECK(MPI_Comm_split(comm, local_rank, rank, &self->cross_));
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->cross_, MPI_ERRORS_RETURN));
@@ -140,26 +140,26 @@ bool HierarchicalAllreduce::handles(std::int64_t numel, DType dtype, ReduceOp op
 void HierarchicalAllreduce::agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg,
                                   const char* arg_name, bool host) {
   // A broadcast's root is told apart from every op (an allreduce and a broadcast disagree).
-  const std::int64_t mine[kFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
+  const std::int64_t mine[kCheckFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
                                       arg, host ? 1 : 0};
   // The max over every rank of each field and of its complement: all ranks agree on a field
   // exactly when max(x) == ~max(~x). First among the ranks of this local rank (over the network),
   // then among the ranks of this machine (shared memory): every rank ends with the max over all.
-  std::int64_t buf[2 * kFields];
-  for (int i = 0; i < kFields; ++i) {
+  std::int64_t buf[2 * kCheckFields];
+  for (int i = 0; i < kCheckFields; ++i) {
     buf[i] = mine[i];
-    buf[kFields + i] = ~mine[i];
+    buf[kCheckFields + i] = ~mine[i];
   }
   MPI_Request req = MPI_REQUEST_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, cross_, &req));
+  LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, cross_, &req));
   wait(&req);
-  if (!shm_->allreduce(buf, buf, 2 * kFields, DType::i64, ReduceOp::max, true))
-    LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, node_));
+  if (!shm_->allreduce(buf, buf, 2 * kCheckFields, DType::i64, ReduceOp::max, true))
+    LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, node_));
   std::string differ;
-  const char* const names[kFields] = {"call number", "element count", "dtype", "op or root (or collective)",
+  const char* const names[kCheckFields] = {"call number", "element count", "dtype", "op or root (or collective)",
                                       "memory (host or device)"};
-  for (int i = 0; i < kFields; ++i)
-    if (buf[i] != ~buf[kFields + i]) differ += concat(differ.empty() ? "" : ", ", names[i]);
+  for (int i = 0; i < kCheckFields; ++i)
+    if (buf[i] != ~buf[kCheckFields + i]) differ += concat(differ.empty() ? "" : ", ", names[i]);
   if (!differ.empty())
     throw MismatchError(concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", what,
                                " of ", numel, " ", name(dtype), " elements with ", arg_name,

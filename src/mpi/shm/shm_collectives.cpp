@@ -34,7 +34,7 @@ constexpr std::size_t kLine = 64;
 constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // Every size: a call that goes to MPI instead must first agree on it with the other ranks (one
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
-constexpr std::size_t kDefaultMinBytes = 0;
+constexpr std::size_t kShmMinBytes = 0;
 
 enum class Kind : std::uint32_t {
   allreduce = 1,
@@ -338,7 +338,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm, int node_s
   LOCKSTEP_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
   if (!ok) return nullptr;
   const std::size_t slice = settings_shm_slice_bytes().value_or(kDefaultSliceBytes);
-  const std::size_t min_bytes = settings_shm_min_bytes().value_or(kDefaultMinBytes);
+  const std::size_t min_bytes = settings_shm_min_bytes().value_or(kShmMinBytes);
 
   std::unique_ptr<ShmCollectives> self(new ShmCollectives());
   self->rank_ = rank;
