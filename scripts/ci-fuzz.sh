@@ -19,7 +19,7 @@ cxx=${CXX:-clang++-14}
 # The library is compiled with coverage instrumentation (fuzzer-no-link); the target links the
 # fuzzer's main. Only the fuzz target and what it needs are built. test/fuzz/shim supplies
 # <source_location>, which clang 14 cannot compile from libstdc++ 12.
-cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S "$root" -B "$build" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_UNITY_BUILD=ON \
   -DCMAKE_CXX_FLAGS="-isystem $root/test/fuzz/shim -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined" \
   -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=OFF \
   -DLOCKSTEP_BUILD_TESTS=ON -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCH=OFF

@@ -30,6 +30,8 @@ foreach(layer IN LISTS _ls_layers)
   endforeach()
   add_library(lockstep_headers_${layer} OBJECT ${_tus})
   target_link_libraries(lockstep_headers_${layer} PRIVATE lockstep_layer_${layer} lockstep_build_flags)
+  # One translation unit per header even in a unity build (CI's): that is the check.
+  set_target_properties(lockstep_headers_${layer} PROPERTIES UNITY_BUILD OFF)
 endforeach()
 
 # An upward include fails to build: the train layer's include path finds train's header and
@@ -61,6 +63,7 @@ foreach(h IN LISTS _ls_more_headers)
 endforeach()
 add_library(lockstep_headers_installed OBJECT ${_tus})
 target_link_libraries(lockstep_headers_installed PRIVATE lockstep::core lockstep_build_flags)
+set_target_properties(lockstep_headers_installed PROPERTIES UNITY_BUILD OFF)
 # What the install rules put under include/ holds no test hook (TestHooks, test_hooks(),
 # *_for_test): the tests' hooks live in src/ (src/remote/test_hooks.hpp). The check installs into
 # a scratch prefix, so it sees what a user gets; the self-test plants a hook and sees it refused.
