@@ -15,6 +15,17 @@
 #              names the lost host and its ranks; (b) with --enable-recovery (mpiexec keeps
 #              the survivors running), during synchronize calls (1 MiB from rank 0): they raise
 #              TimeoutError naming ranks 2, 3 and the host.
+#   sharded    a sharded optimizer step (fault_program sharded: reduce-scatter, shard update,
+#              allgather, LOCKSTEP_TIMEOUT=3): (a) 2x2, host 1's link taken down: ranks 0 and 1
+#              raise TimeoutError naming ranks 2, 3 and host <cluster>-h1; (b) 3x1, every process
+#              of host 2 killed, mpiexec --enable-recovery: ranks 0 and 1 name rank 2 and
+#              <cluster>-h2. The job ends both times.
+#   remote     remote calls across hosts (fault_program remote: rank 0 drives, calling every other
+#              rank in turn): (a) 2x2, host 1's link taken down; (b) 3x1, host 2 killed
+#              (--enable-recovery). Rank 0's remote call raises TimeoutError naming the lost rank
+#              (not its host: the remote layer does not know host names), rank 1 (serving) a
+#              TimeoutError of the session's close, and the job ends (lockstep-run sees the ranks
+#              leave without MPI_Finalize and ends mpiexec after --per-host-timeout 8).
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
@@ -115,11 +126,13 @@ lost_host_fault() {
   lr_rc=$? t_end=$(now)
 }
 
-# survivors_name N RANKS HOST: ranks 0..N-1 each wrote a TimeoutError naming RANKS and HOST.
+# survivors_name N RANKS HOST [REGEX]: ranks 0..N-1 each wrote a TimeoutError naming RANKS and
+# HOST (the monitor's "No answer from RANKS (host HOST)", or REGEX where given).
 survivors_name() {
   local n=$1 ranks=$2 host=$3 r t_first=""
+  local re=${4:-"^TimeoutError: .*No answer from $ranks (host $host)"}
   for ((r = 0; r < n; ++r)); do
-    if grep -q "^TimeoutError: .*No answer from $ranks (host $host)" "out/rank$r.txt" 2>/dev/null; then
+    if grep -q "$re" "out/rank$r.txt" 2>/dev/null; then
       pass "rank $r: TimeoutError naming $ranks (host $host)"
       local m
       m=$(stat -c %.Y "out/rank$r.txt")
@@ -129,6 +142,26 @@ survivors_name() {
     fi
   done
   [ -n "$t_first" ] && echo "figures: rank 0 reported $(secs "$t_fault" "$t_first") s after the fault (LOCKSTEP_TIMEOUT=3)"
+}
+
+# remote_survivors RANK_RE LOST...: rank 0 (the driver) wrote the remote call's TimeoutError
+# naming a lost rank (RANK_RE), rank 1 (serving, on a surviving host) a TimeoutError; lockstep-run
+# named the host of the lost ranks. (A remote TimeoutError names the rank, not its host: the
+# remote layer has no table of host names; lockstep-run maps it, from mpiexec's placement.)
+remote_survivors() {
+  local re=$1 m
+  shift
+  # Either the call's deadline ("on rank 2 did not answer within 3 s") or its send's ("rank 2 did
+  # not take the message within 3 s", the link being down before the request left).
+  if grep -Eq "^TimeoutError: remote call of 'fault_echo'(:| on) $re did not (answer|take the message) within 3 s" out/rank0.txt 2>/dev/null; then
+    pass "rank 0 (driver): $(head -c 120 out/rank0.txt)"
+    m=$(stat -c %.Y out/rank0.txt)
+    echo "figures: rank 0 reported $(secs "$t_fault" "$m") s after the fault (LOCKSTEP_TIMEOUT=3)"
+  else
+    fail "rank 0: no TimeoutError naming $re: $(head -c 300 out/rank0.txt 2>/dev/null)"
+  fi
+  grep -q "^TimeoutError: " out/rank1.txt 2>/dev/null && pass "rank 1 (serving): $(head -c 160 out/rank1.txt)" ||
+    fail "rank 1: no TimeoutError: $(head -c 300 out/rank1.txt 2>/dev/null)"
 }
 
 job_ended() {  # the job ended, and how long after the fault
@@ -176,6 +209,26 @@ case $CASE in
     echo "-- (b) --enable-recovery: the survivors go on until their deadline"
     lost_host_fault 2x2 1 kill_host synchronize --mpiexec-arg --enable-recovery
     survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
+    ;;
+  sharded)
+    echo "-- (a) 2x2, host 1's link taken down"
+    lost_host_fault 2x2 1 link_down sharded
+    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
+    echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
+    lost_host_fault 3x1 2 kill_host sharded --mpiexec-arg --enable-recovery
+    survivors_name 2 "rank 2" "$NAME-h2"
+    job_ended
+    ;;
+  remote)
+    echo "-- (a) 2x2, host 1's link taken down"
+    lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
+    remote_survivors "rank [23]" 2 3
+    job_ended
+    echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
+    lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
+    remote_survivors "rank 2" 2
     job_ended
     ;;
   drop-2x2)
