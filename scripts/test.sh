@@ -200,7 +200,9 @@ stage_multihost() (
       77) verdict="SKIPPED ($(tail -1 "$log"))" ;;
       *) verdict="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))" ;;
     esac
-    printf '  %-4s %-28s %-42s %4d s\n' "${name#*-}" "fault_${name%-*}" "$verdict" $((SECONDS - start))
+    local layout=${name##*-} kind=${name%-*}
+    [[ $name == *-* ]] || layout=both kind=$name   # sharded, remote: 2x2 and 3x1
+    printf '  %-4s %-28s %-42s %4d s\n' "$layout" "fault_$kind" "$verdict" $((SECONDS - start))
     grep '^figures:' "$log" | sed 's/^/      /'
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; then
       failures=$((failures + 1))
@@ -208,7 +210,7 @@ stage_multihost() (
     fi
   }
   [ -x "$bin/test/lockstep_fault_program" ] || { echo "stage multihost: $bin/test/lockstep_fault_program is not built"; return 1; }
-  for t in link-2x2 link-3x1 kill-2x2 drop-2x2 slow-2x2 train-2x2; do fault "$t"; done
+  for t in link-2x2 link-3x1 kill-2x2 sharded remote drop-2x2 slow-2x2 train-2x2 train-kill-2x2; do fault "$t"; done
 
   [ "$failures" -eq 0 ] || { echo "stage multihost: $failures run(s) failed; logs in $logs"; return 1; }
 )

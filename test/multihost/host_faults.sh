@@ -37,6 +37,12 @@
 #              finishes 100 epochs: final loss < 1e-3 and within 10% of an uninterrupted run (the
 #              same run at 4 ranks on one host), at most one checkpoint interval redone; prints the
 #              time to detect, to restart, and the work lost.
+#   train-kill-2x2  the same acceptance run with every process of host 1 (its orted too) killed
+#              after the epoch-50 checkpoint instead of its link cut: mpiexec ends the job,
+#              lockstep-run names the lost daemon's host and ranks, drops it, restarts at N=2 on
+#              host 0 and finishes 100 epochs with the same checks and figures. The
+#              uninterrupted run it compares with is train-2x2's when that case ran first in the
+#              same parent directory (scripts/test.sh runs it first), else its own.
 # The cluster (LOCKSTEP_CLUSTER, LOCKSTEP_CLUSTER_SUBNET) is brought up here at the layout the
 # case needs; the caller takes it down. Figures are printed as "figures: ..." lines; they are
 # indications only (the machine is shared) and nothing here asserts a time, except that the job
@@ -269,23 +275,32 @@ case $CASE in
       pass "10 epochs with host 1 at 1 Mbit/s, no stall" || { fail "slow host: exit $rc"; tail -20 run.log; }
     echo "figures: 10 epochs at 2x2 with host 1 at 1 Mbit/s: $(secs "$t0" "$t1") s"
     ;;
-  train-2x2)
+  train-2x2 | train-kill-2x2)
+    fault=link_down what="link taken down"
+    [ "$CASE" = train-kill-2x2 ] && fault=kill_host what="processes killed"
     train=("$BIN/examples/train/train" --epochs 100 --batch 240)
     # The uninterrupted run: the same training at 4 ranks on one host (the sums are the same
-    # arithmetic as across hosts; the final loss is compared, not bits).
-    timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
-      { fail "the uninterrupted run failed"; tail ref.err; }
+    # arithmetic as across hosts; the final loss is compared, not bits). Deterministic, so
+    # train-kill-2x2 reuses train-2x2's (same build) when it is there.
+    shared=$(dirname "$WORK")/work-fault-train-2x2/ref.out
+    if [ "$CASE" = train-kill-2x2 ] && [ -s "$shared" ] && [ "$shared" -nt "$BIN/examples/train/train" ] &&
+      grep -q '^final loss' "$shared"; then
+      cp "$shared" ref.out
+    else
+      timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
+        { fail "the uninterrupted run failed"; tail ref.err; }
+    fi
     ref=$(awk '/^final loss/ {print $3}' ref.out)
     up 2 2
     rm -rf run
-    # Host 1's link goes down once the epoch-50 checkpoint is committed (or a later one, on a
-    # machine fast enough to pass it between two looks).
+    # Host 1's link goes down (or its processes are killed) once the epoch-50 checkpoint is
+    # committed (or a later one, on a machine fast enough to pass it between two looks).
     (for _ in $(seq 2400); do
        e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
        [ -n "$e" ] && [ "$e" -ge 50 ] && break
        sleep 0.05
      done
-     now >t_fault; link_down 1) &
+     now >t_fault; "$fault" 1) &
     cutter=$!
     t0=$(now)
     LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "$RUNNER" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
@@ -298,8 +313,14 @@ case $CASE in
     grep -q "dropping host $SUBNET.2" lr.err && pass "host $SUBNET.2 dropped" || fail "host $SUBNET.2 not dropped"
     grep -q "keeping host $SUBNET.1\|attempt 2 (restart 1 of at most 2): 2 ranks on $SUBNET.1:2" lr.err &&
       pass "restarted at N=2 on host 0" || fail "no restart at N=2 on $SUBNET.1: $(grep 'attempt 2' lr.err)"
-    grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
-      pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    if [ "$fault" = link_down ]; then
+      grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
+        pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    else
+      grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err &&
+        pass "lockstep-run named the lost host $SUBNET.2 and its ranks 2 3" ||
+        fail "lockstep-run did not name the lost host: $(grep 'lockstep-run' lr.err | head -12)"
+    fi
     reached=$(awk '/^resumed from/ {exit} /^epoch/ {e = $2} END {print e + 0}' lr.out)
     resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' lr.out)
     if [ -n "$resumed" ] && [ "$resumed" -ge 50 ] && [ $((reached - resumed)) -ge 0 ] && [ $((reached - resumed)) -le 10 ]; then
@@ -320,7 +341,7 @@ case $CASE in
       stamp() { sed -n -E "s/^lockstep-run: \[ *([0-9.]+)s\] $1.*/\1/p" lr.err | head -n1; }
       seen=$(stamp 'failure seen') next=$(stamp 'attempt 2 ') done_at=$(stamp 'attempt 2 succeeded')
       cut_at=$(secs "$t0" "$tf")
-      echo "figures: link down at ${cut_at}s (after epoch $reached), stall reported at ${seen}s" \
+      echo "figures: host 1's $what at ${cut_at}s (after epoch $reached), failure seen at ${seen}s" \
         "(detect $(awk -v a="$cut_at" -v b="$seen" 'BEGIN { printf "%.1f", b - a }') s, LOCKSTEP_TIMEOUT=3)," \
         "attempt 2 started at ${next}s (restart $(awk -v a="$seen" -v b="$next" 'BEGIN { printf "%.1f", b - a }') s after detection)," \
         "work lost $((reached - resumed)) epoch(s), finished at ${done_at}s; final loss $loss (uninterrupted $ref)"
