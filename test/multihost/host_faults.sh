@@ -30,7 +30,9 @@
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
 #   slow-2x2   host 1's egress shaped to 1 Mbit/s (tc tbf): the train example's 10 epochs at 2x2
-#              under LOCKSTEP_TIMEOUT=3 finish without a stall.
+#              under LOCKSTEP_TIMEOUT=3 finish without a stall; then at 100 kbit/s with
+#              LOCKSTEP_STRAGGLER_WARN=0.2, one epoch: a straggler warning from host 0 names ranks
+#              2, 3 and host <cluster>-h1, once per rank and rank set, and the epoch finishes.
 #   train-2x2  the acceptance run: the train example at 2 hosts x 2 ranks under lockstep-run,
 #              checkpoints every 10 epochs, host 1's link taken down after the epoch-50
 #              checkpoint; lockstep-run restarts at N=2 on host 0 from the newest checkpoint and
@@ -260,9 +262,13 @@ case $CASE in
     echo "figures: collective tests with 2% drop on host 1: $(secs "$t0" "$t1") s, $dropped packets dropped"
     ;;
   slow-2x2)
-    # Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
+    # (a) Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
     # example runs 10 epochs at 2x2 (each step's gradient allreduce, 3 KB, crosses the slow link)
     # under LOCKSTEP_TIMEOUT=3: slower, but no rank times out and the run finishes.
+    # (b) The straggler warning: host 1 at 100 kbit/s (each allreduce then waits about 0.5 s for
+    # host 1's data), one epoch under LOCKSTEP_TIMEOUT=3 and LOCKSTEP_STRAGGLER_WARN=0.2: a rank
+    # of host 0 warns that ranks 2, 3 (host 1) are slow, host 1's ranks that their own host is,
+    # each at most once per rank set; no stall, the epoch finishes.
     up 2 2
     tc -n "$NAME-h1" qdisc replace dev eth0 root tbf rate 1mbit burst 32kb latency 2s ||
       { fail "could not shape host 1's link"; exit 1; }
@@ -270,10 +276,26 @@ case $CASE in
     LOCKSTEP_TIMEOUT=3 timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -x LOCKSTEP_TIMEOUT -- \
       "$BIN/examples/train/train" --epochs 10 --batch 240 >run.log 2>&1
     rc=$? t1=$(now)
-    tc -n "$NAME-h1" qdisc del dev eth0 root
     [ "$rc" -eq 0 ] && grep -q '^done: 10 epochs' run.log && ! grep -q 'stall' run.log &&
       pass "10 epochs with host 1 at 1 Mbit/s, no stall" || { fail "slow host: exit $rc"; tail -20 run.log; }
     echo "figures: 10 epochs at 2x2 with host 1 at 1 Mbit/s: $(secs "$t0" "$t1") s"
+    tc -n "$NAME-h1" qdisc replace dev eth0 root tbf rate 100kbit burst 16kb latency 2s ||
+      { fail "could not shape host 1's link to 100 kbit/s"; exit 1; }
+    t0=$(now)
+    LOCKSTEP_TIMEOUT=3 LOCKSTEP_STRAGGLER_WARN=0.2 timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node \
+      -x LOCKSTEP_TIMEOUT -x LOCKSTEP_STRAGGLER_WARN -- "$BIN/examples/train/train" --epochs 1 --batch 240 >warn.log 2>&1
+    rc=$? t1=$(now)
+    tc -n "$NAME-h1" qdisc del dev eth0 root
+    [ "$rc" -eq 0 ] && grep -q '^done: 1 epochs' warn.log && ! grep -q 'stall' warn.log &&
+      pass "1 epoch with host 1 at 100 kbit/s, no stall" || { fail "slow host (100 kbit/s): exit $rc"; tail -20 warn.log; }
+    w=$(grep -m1 -E "^lockstep: straggler warning: .* on rank [01]/4; ranks 2, 3 \(host $NAME-h1\) answered a status query only after" warn.log)
+    [ -n "$w" ] && pass "a rank of host 0 named ranks 2, 3 and host $NAME-h1: ${w:0:300}" ||
+      fail "no straggler warning from host 0 naming ranks 2, 3 (host $NAME-h1): $(grep straggler warn.log | head -4)"
+    w=$(grep -m1 -E "^lockstep: straggler warning: .* on rank [23]/4; .*this rank's host \($NAME-h1\) or its link is slow" warn.log)
+    [ -n "$w" ] && pass "a rank of host 1 named its own host" || echo "note: no rank of host 1 named its own host (not required)"
+    dup=$(grep -oE "on rank [0-9]+/4; .*(answered a status|had not yet entered|this rank's messages)" warn.log | sort | uniq -d | head -1)
+    [ -z "$dup" ] && pass "each warning printed once per rank and rank set" || fail "a warning printed twice: $dup"
+    echo "figures: 1 epoch at 2x2 with host 1 at 100 kbit/s: $(secs "$t0" "$t1") s, $(grep -c 'straggler warning' warn.log) warning(s)"
     ;;
   train-2x2 | train-kill-2x2)
     fault=link_down what="link taken down"
