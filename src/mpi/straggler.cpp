@@ -3,8 +3,6 @@
 #include "mpi/straggler.hpp"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -12,38 +10,22 @@
 #include <utility>
 
 #include "lockstep/core/errors.hpp"
+#include "reliability/settings_state.hpp"
 
 namespace lockstep::detail {
 
 namespace {
-
-// A setting: unset -> `fallback`; "off" or "0" -> 0; "N%" -> N percent of the deadline (as a
-// negative number: a fraction, resolved in after()); a number of seconds > 0.
-double straggler_setting(const char* var, double fallback) {
-  const char* raw = std::getenv(var);
-  if (raw == nullptr || *raw == '\0') return fallback;
-  const std::string v = raw;
-  if (v == "off" || v == "OFF" || v == "Off") return 0;
-  errno = 0;
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  const bool percent = end != nullptr && *end == '%' && end[1] == '\0';
-  if (errno != 0 || end == v.c_str() || (!percent && *end != '\0') || !(x >= 0) || x > 1e9 ||
-      (percent && x > 100))
-    throw InvalidArgument(concat(var, "=\"", v, "\": expected off, a number of seconds >= 0, or a percentage of "
-                                 "LOCKSTEP_TIMEOUT such as 25%", rank_suffix()));
-  return percent ? -x / 100.0 : x;
-}
 
 struct StragglerSettings {
   double warn;      // seconds (> 0), a fraction of the deadline (< 0), or 0: off
   double interval;  // seconds between two warnings of a process
 };
 
-const StragglerSettings& straggler_settings() {
-  static const StragglerSettings s{straggler_setting("LOCKSTEP_STRAGGLER_WARN", -0.25),
-                                   straggler_setting("LOCKSTEP_STRAGGLER_INTERVAL", 30.0)};
-  return s;
+// Parsed with the other LOCKSTEP_* settings (src/reliability/settings.cpp) and agreed across
+// ranks when a backend is made, so a malformed value stops every rank alike.
+StragglerSettings straggler_settings() {
+  const Settings& s = settings();
+  return {s.straggler_warn, s.straggler_interval};
 }
 
 std::string straggler_secs(double s) {
@@ -59,11 +41,6 @@ double straggler_clock_now() noexcept {
 }
 
 StragglerWatch::StragglerWatch(int rank, std::vector<std::string> hosts) : rank_(rank), hosts_(std::move(hosts)) {
-  (void)straggler_settings();  // a malformed setting fails when the communicator is made
-  if (straggler_settings().interval < 0) {
-    // A percentage means nothing for the interval.
-    throw InvalidArgument(concat("LOCKSTEP_STRAGGLER_INTERVAL: expected a number of seconds", rank_suffix()));
-  }
 }
 
 double StragglerWatch::after(double timeout) const {

@@ -34,8 +34,8 @@ class StragglerWatch {
  public:
   StragglerWatch(int rank, std::vector<std::string> hosts);
   /// Seconds after a collective's entry at which to look, for deadline `timeout` (> 0); <= 0:
-  /// never (off, or not shorter than the deadline). Throws InvalidArgument for a malformed
-  /// LOCKSTEP_STRAGGLER_WARN or LOCKSTEP_STRAGGLER_INTERVAL.
+  /// never (off, or not shorter than the deadline). The settings are read with the other
+  /// LOCKSTEP_* ones (src/reliability/settings.cpp), agreed across ranks.
   double after(double timeout) const;
   /// The collective `what` has waited `waited` s of its `timeout`: `query(answers, give_up_s)`
   /// asks every rank (answers[rank] for each, this rank's own left unanswered) and waits at most
