@@ -45,7 +45,7 @@ StragglerWatch::StragglerWatch(int rank, std::vector<std::string> hosts) : rank_
 
 double StragglerWatch::after(double timeout) const {
   const double w = straggler_settings().warn;
-  if (w == 0 || timeout <= 0) return 0;
+  if (w == 0 || timeout <= 0 || straggler_clock_now() - last_look_.load(std::memory_order_relaxed) < kLookGap) return 0;
   const double s = w < 0 ? -w * timeout : w;
   return s < timeout ? s : 0;
 }
@@ -53,6 +53,7 @@ double StragglerWatch::after(double timeout) const {
 void StragglerWatch::look(const std::string& what, double waited, double timeout,
                           const std::function<void(std::vector<PeerAnswer>&, double)>& query) noexcept {
   try {
+    last_look_.store(straggler_clock_now(), std::memory_order_relaxed);
     const int size = static_cast<int>(hosts_.size());
     std::vector<PeerAnswer> a(static_cast<std::size_t>(size));
     // Answers are waited for until shortly before the deadline (a later one would stay queued

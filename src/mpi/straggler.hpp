@@ -10,6 +10,7 @@
 // on. The one-way delays need clocks synchronised (NTP) to well under the delays named.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <set>
@@ -34,9 +35,11 @@ class StragglerWatch {
  public:
   StragglerWatch(int rank, std::vector<std::string> hosts);
   /// Seconds after a collective's entry at which to look, for deadline `timeout` (> 0); <= 0:
-  /// never (off, or not shorter than the deadline). The settings are read with the other
-  /// LOCKSTEP_* ones (src/reliability/settings.cpp), agreed across ranks.
+  /// never (off, not shorter than the deadline, or the last look was under kLookGap s ago: in a
+  /// job that stays slow, not every collective pays for a query). The settings are read with
+  /// the other LOCKSTEP_* ones (src/reliability/settings.cpp), agreed across ranks.
   double after(double timeout) const;
+  static constexpr double kLookGap = 5.0;
   /// The collective `what` has waited `waited` s of its `timeout`: `query(answers, give_up_s)`
   /// asks every rank (answers[rank] for each, this rank's own left unanswered) and waits at most
   /// give_up_s for the answers. Prints the warning, if any. Never throws.
@@ -48,6 +51,7 @@ class StragglerWatch {
   std::vector<std::string> hosts_;
   std::set<std::string> named_;  // rank sets already warned about
   double last_warning_ = -1e18;
+  std::atomic<double> last_look_{-1e18};
 };
 
 }  // namespace lockstep::detail
