@@ -190,9 +190,9 @@ stage_multihost() (
   # 3x1); 2% of a host's packets dropped: the allreduce test passes; a host at 1 Mbit/s:
   # training finishes without a stall, and at 100 kbit/s the straggler warning names it; the
   # acceptance run (the train example at 2x2 loses host 1 after its epoch-50 checkpoint, by a
-  # cut link and by a kill, restarts at N=2 on host 0 and finishes). 17+17+17+34+50+10+25+36+15 s,
-  # about 3.7 min, on this 2-core machine at load 10-15 (the sharded, remote, straggler and
-  # train-kill cases added about 115 s); a case that cannot run here (no nft) is reported
+  # cut link and by a kill, restarts at N=2 on host 0 and finishes). 17+16+18+34+50+10+20+39+14 s,
+  # about 3.6 min, on this 2-core machine at load 10-15 (the sharded, remote, straggler and
+  # train-kill cases added about 105 s); a case that cannot run here (no nft) is reported
   # skipped, not passed.
   fault() {
     local name=$1 start=$SECONDS log="$logs/fault-$1.log"
