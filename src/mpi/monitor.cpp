@@ -41,6 +41,7 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/monitor.hpp"
+#include "mpi/straggler.hpp"
 #include "reliability/settings_state.hpp"
 #if LOCKSTEP_FAULT_INJECTION
 #include "reliability/fault.hpp"
@@ -142,6 +143,7 @@ struct StatusMsg {
   std::int64_t completed = 0;  // collectives completed
   std::int32_t in_collective = 0;
   std::int32_t pad = 0;
+  double stamp = 0;  // when it was answered (system clock, seconds): the straggler warning's timing
   char text[kTextBytes] = {};
 };
 
@@ -326,6 +328,7 @@ class CommMonitor {
                                                           strnlen(all.data() + static_cast<std::size_t>(r) * kSlot, kSlot));
     }
     (void)settings();  // a bad environment variable fails at creation, on every rank alike
+    straggler_ = std::make_unique<StragglerWatch>(rank_, hosts_);
 #if LOCKSTEP_FAULT_INJECTION
     const FaultSpec& f = fault_spec();
     fault_pending_ = f.kind != FaultKind::none && f.rank == rank_;
@@ -533,10 +536,12 @@ class CommMonitor {
   template <class Test>
   int poll(Test&& test) {
     const double t = polled_timeout();
-    Clock::time_point deadline;
+    double warn = t > 0 ? straggler_->after(t) : 0;  // the straggler warning (straggler.hpp)
+    Clock::time_point deadline, warn_at;
     {
       std::lock_guard lock(mutex_);
       deadline = entered_ + after_seconds(t);
+      warn_at = entered_ + after_seconds(warn);
     }
     for (std::uint64_t i = 0;; ++i) {
       int flag = 0;
@@ -547,6 +552,10 @@ class CommMonitor {
       // matters when ranks outnumber cores.
       if (i > 2000) {
         if (t > 0 && (i & 63) == 0 && Clock::now() > deadline) on_deadline(t);
+        if (warn > 0 && (i & 63) == 0 && Clock::now() > warn_at) {
+          look_for_stragglers(t, warn);
+          warn = 0;
+        }
         std::this_thread::yield();
       }
     }
@@ -1005,6 +1014,7 @@ class CommMonitor {
     m.started = started_.load();
     m.completed = completed_.load();
     m.in_collective = in_collective_.load() ? 1 : 0;
+    m.stamp = straggler_clock_now();
     const double secs = std::chrono::duration<double>(Clock::now() - since_).count();
     // Collectives that took the fast path left no record but their operation and number, and
     // no time (the clock is not read there).
@@ -1106,8 +1116,39 @@ class CommMonitor {
     throw TimeoutError(msg);
   }
 
-  // Asks every other rank's watchdog for its status; waits at most a few seconds for answers.
-  void query_all(std::vector<StatusMsg>& st, std::vector<bool>& answered) {
+  // The straggler warning's look (straggler.hpp), `warn` s into a collective with deadline t.
+  void look_for_stragglers(double t, double warn) {
+    std::int64_t seq;
+    std::string what;
+    {
+      std::lock_guard lock(mutex_);
+      seq = current_.v[5];
+      what = describe(current_, current_site_);
+    }
+    straggler_->look(what, warn, t, [&](std::vector<PeerAnswer>& a, double give_up) {
+      std::vector<StatusMsg> st(static_cast<std::size_t>(size_));
+      std::vector<bool> answered(static_cast<std::size_t>(size_), false);
+      answered[rank_] = true;
+      std::vector<double> got(static_cast<std::size_t>(size_), 0);
+      const double sent = straggler_clock_now();
+      query_all(st, answered, give_up, &got);
+      for (int r = 0; r < size_; ++r) {
+        auto& p = a[static_cast<std::size_t>(r)];
+        p.sent = sent;
+        p.answered = r != rank_ && answered[r];
+        p.received = p.answered ? got[r] : straggler_clock_now();
+        p.stamped = st[r].stamp;
+        // Behind: not yet in this collective and not inside the one before either (finishing
+        // it over a slow link is not being behind).
+        p.behind = p.answered && st[r].started <= seq && st[r].in_collective == 0;
+      }
+    });
+  }
+
+  // Asks every other rank's watchdog for its status; waits at most a few seconds (give_up) for
+  // answers. `arrived`: when each answer arrived (straggler_clock_now()).
+  void query_all(std::vector<StatusMsg>& st, std::vector<bool>& answered, double give_up_s = 3,
+                 std::vector<double>* arrived = nullptr) {
     std::vector<MPI_Request> recvs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
     std::vector<MPI_Request> sends(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
     int token = rank_;
@@ -1116,7 +1157,7 @@ class CommMonitor {
       MPI_Irecv(&st[r], sizeof(StatusMsg), MPI_BYTE, r, kTagReply, ctrl_, &recvs[r]);
       MPI_Isend(&token, 1, MPI_INT, r, kTagQuery, ctrl_, &sends[r]);
     }
-    const auto give_up = Clock::now() + std::chrono::seconds(3);
+    const auto give_up = Clock::now() + after_seconds(give_up_s);
     int pending = size_ - 1;
     while (pending > 0 && Clock::now() < give_up) {
       for (int r = 0; r < size_; ++r) {
@@ -1125,6 +1166,7 @@ class CommMonitor {
         MPI_Test(&recvs[r], &flag, MPI_STATUS_IGNORE);
         if (flag) {
           answered[r] = true;
+          if (arrived != nullptr) (*arrived)[static_cast<std::size_t>(r)] = straggler_clock_now();
           --pending;
         }
       }
@@ -1321,6 +1363,7 @@ class CommMonitor {
 
   int rank_ = 0, size_ = 1;
   std::vector<std::string> hosts_;  // every rank's host name (MPI_Get_processor_name)
+  std::unique_ptr<StragglerWatch> straggler_;
 
   // "ranks 2, 3 (host b)" / "ranks 1 (host a), 4 (host b)": the ranks with their hosts.
   std::string ranks_on_hosts(const std::vector<int>& ranks) const {

@@ -3,6 +3,8 @@
 #include "lockstep/reliability/settings.hpp"
 
 #include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cmath>
 #include <mutex>
 #include <string>
@@ -29,8 +31,26 @@ void update_quiet(Settings& s) {
   s.quiet.store(s.level.load() == CheckLevel::off && !(s.timeout_chosen.load() && s.timeout_s.load() > 0));
 }
 
+// LOCKSTEP_STRAGGLER_WARN and _INTERVAL: "off" or "0" -> 0; "N%" (WARN only) -> -N/100, a
+// fraction of the deadline; a number of seconds >= 0.
+double straggler_setting(const char* var, const std::string& v, bool percent_ok) {
+  if (v == "off") return 0;
+  errno = 0;
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  const bool percent = percent_ok && end != nullptr && *end == '%' && end[1] == '\0';
+  if (v.empty() || errno != 0 || end == v.c_str() || (!percent && *end != '\0') || !(x >= 0) || x > 1e9 ||
+      (percent && x > 100) || std::isspace(static_cast<unsigned char>(v[0])))
+    throw InvalidArgument(detail::concat(var, "=\"", v, "\": expected off or a number of seconds >= 0",
+                                         percent_ok ? ", or a percentage of LOCKSTEP_TIMEOUT such as 25%" : ""));
+  return percent ? -x / 100.0 : x;
+}
+
 void read_environment(Settings& s) {
   namespace env = detail::env;
+  if (auto v = env::get("LOCKSTEP_STRAGGLER_WARN")) s.straggler_warn = straggler_setting("LOCKSTEP_STRAGGLER_WARN", *v, true);
+  if (auto v = env::get("LOCKSTEP_STRAGGLER_INTERVAL"))
+    s.straggler_interval = straggler_setting("LOCKSTEP_STRAGGLER_INTERVAL", *v, false);
   if (auto v = env::get("LOCKSTEP_CHECK")) {
     std::string low = *v;
     for (auto& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -81,7 +101,8 @@ std::string canonical_settings(const Settings& s) {
                         " LOCKSTEP_TIMEOUT_ACTION=", s.action == TimeoutAction::abort ? "abort" : "throw",
                         " LOCKSTEP_SHM=", opt(s.shm), " LOCKSTEP_SHM_SLICE_BYTES=", opt(s.shm_slice),
                         " LOCKSTEP_SHM_MIN_BYTES=", opt(s.shm_min), " LOCKSTEP_CUDA_AWARE_MPI=", opt(s.cuda_aware),
-                        " LOCKSTEP_OMPI_DEFAULTS=", opt(s.ompi_defaults));
+                        " LOCKSTEP_OMPI_DEFAULTS=", opt(s.ompi_defaults), " LOCKSTEP_STRAGGLER_WARN=", s.straggler_warn,
+                        " LOCKSTEP_STRAGGLER_INTERVAL=", s.straggler_interval);
 }
 
 }  // namespace

@@ -41,6 +41,10 @@ struct Settings {
   std::optional<std::uint64_t> shm_min;   // LOCKSTEP_SHM_MIN_BYTES
   std::optional<bool> cuda_aware;         // LOCKSTEP_CUDA_AWARE_MPI
   std::optional<bool> ompi_defaults;      // LOCKSTEP_OMPI_DEFAULTS
+  // LOCKSTEP_STRAGGLER_WARN (src/mpi/straggler.hpp): seconds (> 0), a fraction of the deadline
+  // (< 0: "25%" is -0.25), or 0 (off); LOCKSTEP_STRAGGLER_INTERVAL: seconds between warnings.
+  double straggler_warn = -0.25;
+  double straggler_interval = 30.0;
   std::string env_error;                  // the first malformed variable, if any
   std::string canonical;                  // what must agree, as text
 };

@@ -15,17 +15,36 @@
 #              names the lost host and its ranks; (b) with --enable-recovery (mpiexec keeps
 #              the survivors running), during synchronize calls (1 MiB from rank 0): they raise
 #              TimeoutError naming ranks 2, 3 and the host.
+#   sharded    a sharded optimizer step (fault_program sharded: reduce-scatter, shard update,
+#              allgather, LOCKSTEP_TIMEOUT=3): (a) 2x2, host 1's link taken down: ranks 0 and 1
+#              raise TimeoutError naming ranks 2, 3 and host <cluster>-h1; (b) 3x1, every process
+#              of host 2 killed, mpiexec --enable-recovery: ranks 0 and 1 name rank 2 and
+#              <cluster>-h2. The job ends both times.
+#   remote     remote calls across hosts (fault_program remote: rank 0 drives, calling every other
+#              rank in turn): (a) 2x2, host 1's link taken down; (b) 3x1, host 2 killed
+#              (--enable-recovery). Rank 0's remote call raises TimeoutError naming the lost rank
+#              (not its host: the remote layer does not know host names), rank 1 (serving) a
+#              TimeoutError of the session's close, and the job ends (lockstep-run sees the ranks
+#              leave without MPI_Finalize and ends mpiexec after --per-host-timeout 8).
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
 #   slow-2x2   host 1's egress shaped to 1 Mbit/s (tc tbf): the train example's 10 epochs at 2x2
-#              under LOCKSTEP_TIMEOUT=3 finish without a stall.
+#              under LOCKSTEP_TIMEOUT=3 finish without a stall; then at 100 kbit/s with
+#              LOCKSTEP_STRAGGLER_WARN=0.2, one epoch: a straggler warning from host 0 names ranks
+#              2, 3 and host <cluster>-h1, once per rank and rank set, and the epoch finishes.
 #   train-2x2  the acceptance run: the train example at 2 hosts x 2 ranks under lockstep-run,
 #              checkpoints every 10 epochs, host 1's link taken down after the epoch-50
 #              checkpoint; lockstep-run restarts at N=2 on host 0 from the newest checkpoint and
 #              finishes 100 epochs: final loss < 1e-3 and within 10% of an uninterrupted run (the
 #              same run at 4 ranks on one host), at most one checkpoint interval redone; prints the
 #              time to detect, to restart, and the work lost.
+#   train-kill-2x2  the same acceptance run with every process of host 1 (its orted too) killed
+#              after the epoch-50 checkpoint instead of its link cut: mpiexec ends the job,
+#              lockstep-run names the lost daemon's host and ranks, drops it, restarts at N=2 on
+#              host 0 and finishes 100 epochs with the same checks and figures. The
+#              uninterrupted run it compares with is train-2x2's when that case ran first in the
+#              same parent directory (scripts/test.sh runs it first), else its own.
 # The cluster (LOCKSTEP_CLUSTER, LOCKSTEP_CLUSTER_SUBNET) is brought up here at the layout the
 # case needs; the caller takes it down. Figures are printed as "figures: ..." lines; they are
 # indications only (the machine is shared) and nothing here asserts a time, except that the job
@@ -115,11 +134,13 @@ lost_host_fault() {
   lr_rc=$? t_end=$(now)
 }
 
-# survivors_name N RANKS HOST: ranks 0..N-1 each wrote a TimeoutError naming RANKS and HOST.
+# survivors_name N RANKS HOST [REGEX]: ranks 0..N-1 each wrote a TimeoutError naming RANKS and
+# HOST (the monitor's "No answer from RANKS (host HOST)", or REGEX where given).
 survivors_name() {
   local n=$1 ranks=$2 host=$3 r t_first=""
+  local re=${4:-"^TimeoutError: .*No answer from $ranks (host $host)"}
   for ((r = 0; r < n; ++r)); do
-    if grep -q "^TimeoutError: .*No answer from $ranks (host $host)" "out/rank$r.txt" 2>/dev/null; then
+    if grep -q "$re" "out/rank$r.txt" 2>/dev/null; then
       pass "rank $r: TimeoutError naming $ranks (host $host)"
       local m
       m=$(stat -c %.Y "out/rank$r.txt")
@@ -129,6 +150,26 @@ survivors_name() {
     fi
   done
   [ -n "$t_first" ] && echo "figures: rank 0 reported $(secs "$t_fault" "$t_first") s after the fault (LOCKSTEP_TIMEOUT=3)"
+}
+
+# remote_survivors RANK_RE LOST...: rank 0 (the driver) wrote the remote call's TimeoutError
+# naming a lost rank (RANK_RE), rank 1 (serving, on a surviving host) a TimeoutError; lockstep-run
+# named the host of the lost ranks. (A remote TimeoutError names the rank, not its host: the
+# remote layer has no table of host names; lockstep-run maps it, from mpiexec's placement.)
+remote_survivors() {
+  local re=$1 m
+  shift
+  # Either the call's deadline ("on rank 2 did not answer within 3 s") or its send's ("rank 2 did
+  # not take the message within 3 s", the link being down before the request left).
+  if grep -Eq "^TimeoutError: remote call of 'fault_echo'(:| on) $re did not (answer|take the message) within 3 s" out/rank0.txt 2>/dev/null; then
+    pass "rank 0 (driver): $(head -c 120 out/rank0.txt)"
+    m=$(stat -c %.Y out/rank0.txt)
+    echo "figures: rank 0 reported $(secs "$t_fault" "$m") s after the fault (LOCKSTEP_TIMEOUT=3)"
+  else
+    fail "rank 0: no TimeoutError naming $re: $(head -c 300 out/rank0.txt 2>/dev/null)"
+  fi
+  grep -q "^TimeoutError: " out/rank1.txt 2>/dev/null && pass "rank 1 (serving): $(head -c 160 out/rank1.txt)" ||
+    fail "rank 1: no TimeoutError: $(head -c 300 out/rank1.txt 2>/dev/null)"
 }
 
 job_ended() {  # the job ended, and how long after the fault
@@ -178,6 +219,26 @@ case $CASE in
     survivors_name 2 "ranks 2, 3" "$NAME-h1"
     job_ended
     ;;
+  sharded)
+    echo "-- (a) 2x2, host 1's link taken down"
+    lost_host_fault 2x2 1 link_down sharded
+    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
+    echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
+    lost_host_fault 3x1 2 kill_host sharded --mpiexec-arg --enable-recovery
+    survivors_name 2 "rank 2" "$NAME-h2"
+    job_ended
+    ;;
+  remote)
+    echo "-- (a) 2x2, host 1's link taken down"
+    lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
+    remote_survivors "rank [23]" 2 3
+    job_ended
+    echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
+    lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
+    remote_survivors "rank 2" 2
+    job_ended
+    ;;
   drop-2x2)
     command -v nft >/dev/null || { echo "skipped: no nft (nftables) here"; exit 77; }
     up 2 2
@@ -201,9 +262,13 @@ case $CASE in
     echo "figures: collective tests with 2% drop on host 1: $(secs "$t0" "$t1") s, $dropped packets dropped"
     ;;
   slow-2x2)
-    # Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
+    # (a) Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
     # example runs 10 epochs at 2x2 (each step's gradient allreduce, 3 KB, crosses the slow link)
     # under LOCKSTEP_TIMEOUT=3: slower, but no rank times out and the run finishes.
+    # (b) The straggler warning: host 1 at 100 kbit/s (each allreduce then waits about 0.5 s for
+    # host 1's data), one epoch under LOCKSTEP_TIMEOUT=3 and LOCKSTEP_STRAGGLER_WARN=0.2: a rank
+    # of host 0 warns that ranks 2, 3 (host 1) are slow, host 1's ranks that their own host is,
+    # each at most once per rank set; no stall, the epoch finishes.
     up 2 2
     tc -n "$NAME-h1" qdisc replace dev eth0 root tbf rate 1mbit burst 32kb latency 2s ||
       { fail "could not shape host 1's link"; exit 1; }
@@ -211,28 +276,53 @@ case $CASE in
     LOCKSTEP_TIMEOUT=3 timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -x LOCKSTEP_TIMEOUT -- \
       "$BIN/examples/train/train" --epochs 10 --batch 240 >run.log 2>&1
     rc=$? t1=$(now)
-    tc -n "$NAME-h1" qdisc del dev eth0 root
     [ "$rc" -eq 0 ] && grep -q '^done: 10 epochs' run.log && ! grep -q 'stall' run.log &&
       pass "10 epochs with host 1 at 1 Mbit/s, no stall" || { fail "slow host: exit $rc"; tail -20 run.log; }
     echo "figures: 10 epochs at 2x2 with host 1 at 1 Mbit/s: $(secs "$t0" "$t1") s"
+    tc -n "$NAME-h1" qdisc replace dev eth0 root tbf rate 100kbit burst 16kb latency 2s ||
+      { fail "could not shape host 1's link to 100 kbit/s"; exit 1; }
+    t0=$(now)
+    LOCKSTEP_TIMEOUT=3 LOCKSTEP_STRAGGLER_WARN=0.2 timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node \
+      -x LOCKSTEP_TIMEOUT -x LOCKSTEP_STRAGGLER_WARN -- "$BIN/examples/train/train" --epochs 1 --batch 240 >warn.log 2>&1
+    rc=$? t1=$(now)
+    tc -n "$NAME-h1" qdisc del dev eth0 root
+    [ "$rc" -eq 0 ] && grep -q '^done: 1 epochs' warn.log && ! grep -q 'stall' warn.log &&
+      pass "1 epoch with host 1 at 100 kbit/s, no stall" || { fail "slow host (100 kbit/s): exit $rc"; tail -20 warn.log; }
+    w=$(grep -m1 -E "^lockstep: straggler warning: .* on rank [01]/4; ranks 2, 3 \(host $NAME-h1\) answered a status query only after" warn.log)
+    [ -n "$w" ] && pass "a rank of host 0 named ranks 2, 3 and host $NAME-h1: ${w:0:300}" ||
+      fail "no straggler warning from host 0 naming ranks 2, 3 (host $NAME-h1): $(grep straggler warn.log | head -4)"
+    w=$(grep -m1 -E "^lockstep: straggler warning: .* on rank [23]/4; .*this rank's host \($NAME-h1\) or its link is slow" warn.log)
+    [ -n "$w" ] && pass "a rank of host 1 named its own host" || echo "note: no rank of host 1 named its own host (not required)"
+    dup=$(grep -oE "on rank [0-9]+/4; .*(answered a status|had not yet entered|this rank's messages)" warn.log | sort | uniq -d | head -1)
+    [ -z "$dup" ] && pass "each warning printed once per rank and rank set" || fail "a warning printed twice: $dup"
+    echo "figures: 1 epoch at 2x2 with host 1 at 100 kbit/s: $(secs "$t0" "$t1") s, $(grep -c 'straggler warning' warn.log) warning(s)"
     ;;
-  train-2x2)
+  train-2x2 | train-kill-2x2)
+    fault=link_down what="link taken down"
+    [ "$CASE" = train-kill-2x2 ] && fault=kill_host what="processes killed"
     train=("$BIN/examples/train/train" --epochs 100 --batch 240)
     # The uninterrupted run: the same training at 4 ranks on one host (the sums are the same
-    # arithmetic as across hosts; the final loss is compared, not bits).
-    timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
-      { fail "the uninterrupted run failed"; tail ref.err; }
+    # arithmetic as across hosts; the final loss is compared, not bits). Deterministic, so
+    # train-kill-2x2 reuses train-2x2's (same build) when it is there.
+    shared=$(dirname "$WORK")/work-fault-train-2x2/ref.out
+    if [ "$CASE" = train-kill-2x2 ] && [ -s "$shared" ] && [ "$shared" -nt "$BIN/examples/train/train" ] &&
+      grep -q '^final loss' "$shared"; then
+      cp "$shared" ref.out
+    else
+      timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
+        { fail "the uninterrupted run failed"; tail ref.err; }
+    fi
     ref=$(awk '/^final loss/ {print $3}' ref.out)
     up 2 2
     rm -rf run
-    # Host 1's link goes down once the epoch-50 checkpoint is committed (or a later one, on a
-    # machine fast enough to pass it between two looks).
+    # Host 1's link goes down (or its processes are killed) once the epoch-50 checkpoint is
+    # committed (or a later one, on a machine fast enough to pass it between two looks).
     (for _ in $(seq 2400); do
        e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
        [ -n "$e" ] && [ "$e" -ge 50 ] && break
        sleep 0.05
      done
-     now >t_fault; link_down 1) &
+     now >t_fault; "$fault" 1) &
     cutter=$!
     t0=$(now)
     LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "$RUNNER" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
@@ -245,8 +335,14 @@ case $CASE in
     grep -q "dropping host $SUBNET.2" lr.err && pass "host $SUBNET.2 dropped" || fail "host $SUBNET.2 not dropped"
     grep -q "keeping host $SUBNET.1\|attempt 2 (restart 1 of at most 2): 2 ranks on $SUBNET.1:2" lr.err &&
       pass "restarted at N=2 on host 0" || fail "no restart at N=2 on $SUBNET.1: $(grep 'attempt 2' lr.err)"
-    grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
-      pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    if [ "$fault" = link_down ]; then
+      grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
+        pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    else
+      grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err &&
+        pass "lockstep-run named the lost host $SUBNET.2 and its ranks 2 3" ||
+        fail "lockstep-run did not name the lost host: $(grep 'lockstep-run' lr.err | head -12)"
+    fi
     reached=$(awk '/^resumed from/ {exit} /^epoch/ {e = $2} END {print e + 0}' lr.out)
     resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' lr.out)
     if [ -n "$resumed" ] && [ "$resumed" -ge 50 ] && [ $((reached - resumed)) -ge 0 ] && [ $((reached - resumed)) -le 10 ]; then
@@ -267,7 +363,7 @@ case $CASE in
       stamp() { sed -n -E "s/^lockstep-run: \[ *([0-9.]+)s\] $1.*/\1/p" lr.err | head -n1; }
       seen=$(stamp 'failure seen') next=$(stamp 'attempt 2 ') done_at=$(stamp 'attempt 2 succeeded')
       cut_at=$(secs "$t0" "$tf")
-      echo "figures: link down at ${cut_at}s (after epoch $reached), stall reported at ${seen}s" \
+      echo "figures: host 1's $what at ${cut_at}s (after epoch $reached), failure seen at ${seen}s" \
         "(detect $(awk -v a="$cut_at" -v b="$seen" 'BEGIN { printf "%.1f", b - a }') s, LOCKSTEP_TIMEOUT=3)," \
         "attempt 2 started at ${next}s (restart $(awk -v a="$seen" -v b="$next" 'BEGIN { printf "%.1f", b - a }') s after detection)," \
         "work lost $((reached - resumed)) epoch(s), finished at ${done_at}s; final loss $loss (uninterrupted $ref)"

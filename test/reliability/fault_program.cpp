@@ -3,11 +3,17 @@
 // and LOCKSTEP_TIMEOUT. Each rank writes what happened ("OK" or "<ErrorType>: <message>") to
 // <outdir>/rank<R>.txt, which run_fault.sh then checks rank by rank.
 //
-// Usage: fault_program <outdir> [steps] [blocking|nonblocking|optimizer|synchronize|checkpoint|verify]
+// Usage: fault_program <outdir> [steps]
+//            [blocking|nonblocking|optimizer|sharded|remote|synchronize|checkpoint|verify]
 //   nonblocking: the loop's allreduce is an iallreduce followed by wait() (as DistributedOptimizer
 //   reduces its buckets), so that the deadline of Request::wait is exercised.
 //   optimizer: `steps` DistributedOptimizer(SGD) updates with skip_non_finite and
 //   check_replicas_every = 1; reports "OK skipped=S applied=A".
+//   sharded: `steps` DistributedOptimizer(Adam) updates with the optimizer state sharded across
+//   the ranks (reduce-scatter of the gradients, each rank's shard step, allgather of the
+//   parameters); reports "OK applied=A".
+//   remote: rank 0 drives (run_driver) `steps` rounds of a remote call to every other rank (a
+//   64 KiB tensor each way), the others serve; reports "OK calls=C".
 //   synchronize, checkpoint: `steps` synchronize calls or collective checkpoint saves (to
 //   <outdir>/ck.safetensors); verify: one process without MPI checks that file is one save whole.
 #include <mpi.h>
@@ -72,6 +78,39 @@ std::string run_optimizer(ls::MPIBackend& b, int steps) {
   return "OK skipped=" + std::to_string(state.skipped_steps()) + " applied=" + std::to_string(state.applied_steps());
 }
 
+// A sharded optimizer step across hosts (test/multihost/host_faults.sh): 64 Ki parameters, so
+// that every rank's shard holds some of both tensors.
+std::string run_sharded(ls::MPIBackend& b, int steps) {
+  Params model{ls::Tensor::full({64 * 1024}, 1.0), ls::Tensor::full({3}, 0.5)};
+  auto opt = ls::DistributedOptimizer(b, ls::Adam{.lr = 1e-3f}, ls::DistributedOptions{.shard_optimizer_state = true});
+  auto state = ls::setup(opt, model);
+  if (!state.sharded()) return "other error: the optimizer state is not sharded";
+  for (int step = 0; step < steps; ++step) {
+    Params grads{ls::Tensor::full({64 * 1024}, 0.01), ls::Tensor::full({3}, 0.02)};
+    ls::update(state, model, grads);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "OK applied=" + std::to_string(state.applied_steps());
+}
+
+// A remote call across hosts: the driver sends a tensor to every other rank and gets it back.
+ls::Tensor fault_echo(ls::Tensor t) { return t; }
+LOCKSTEP_REMOTE(fault_echo)
+
+std::string run_remote(ls::MPIBackend& b, int steps) {
+  const long calls = ls::run_driver(b, [&] {
+    long n = 0;
+    for (int step = 0; step < steps; ++step) {
+      std::vector<ls::Future<ls::Tensor>> out;
+      for (int r = 1; r < b.size(); ++r) out.push_back(ls::remote_async_call(b, r, fault_echo, ls::Tensor::ones({16 * 1024})));
+      n += static_cast<long>(ls::wait_all(out).size());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return n;
+  });
+  return "OK calls=" + std::to_string(calls);
+}
+
 // Cross-host faults (test/multihost/host_faults.sh): `steps` synchronize calls of a 1 MiB model
 // from rank 0, or `steps` collective checkpoint saves to <outdir>/ck.safetensors, each of a model
 // whose every value is the step number (metadata "step"), so that `verify` can tell a file that
@@ -134,6 +173,8 @@ int main(int argc, char** argv) {
     const bool optimizer = argc > 3 && std::string(argv[3]) == "optimizer";
     report(outdir, optimizer                ? run_optimizer(b, steps)
                    : mode == "synchronize" ? run_synchronize(b, steps)
+                   : mode == "sharded"     ? run_sharded(b, steps)
+                   : mode == "remote"      ? run_remote(b, steps)
                    : mode == "checkpoint"  ? run_checkpoint(b, outdir, steps)
                                            : run(b, steps, nonblocking));
   } catch (const ls::MismatchError& e) {
