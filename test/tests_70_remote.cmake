@@ -100,5 +100,5 @@ lockstep_add_trust_test(NAME finalize_driver_in_run SCENARIO driver_in_run MAX 2
   PREFIX remote
   EXPECT "rank 0: finalize: no exception" "rank 0: run_driver: Error: run_driver: the remote session was ended"
          "rank {rank}: ended within 10 s" "rank {rank}: returning"
-         "run_driver: TimeoutError: rank" ": the driver (rank 0) left the remote session"
+         "run_driver: TimeoutError: rank" ": the driver, rank 0 (host " "), left the remote session"
          "!terminate" "!MPI_ABORT" "!exiting improperly" "!ending the job" "!after MPI_FINALIZE")

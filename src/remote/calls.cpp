@@ -21,7 +21,7 @@ std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder
     LOCKSTEP_CHECK_ARG(!e->closing && (!e->close_begun || t_running_calls > 0), "remote call of '", fn.name,
                        "' on a remote session that this rank is closing (only remote functions running during "
                        "the close may still make calls)");
-    if (e->gone[static_cast<std::size_t>(rank)]) throw TimeoutError(Engine::left_text(rank, fn.name) + rank_suffix());
+    if (e->gone[static_cast<std::size_t>(rank)]) throw TimeoutError(e->left_text(rank, fn.name) + rank_suffix());
     e->pending[c->id] = c;
     // Counted before it is posted, under mu: a close that has begun counts every call it let
     // start (close_rounds).
@@ -54,7 +54,7 @@ Decoder call_result(Call& c) {
     while (!c.done) {
       if (Clock::now() >= c.deadline) {
         c.abandoned = true;  // the late reply is received and dropped
-        throw TimeoutError(concat("remote call of '", c.fn, "' on rank ", c.rank, " did not answer within ",
+        throw TimeoutError(concat("remote call of '", c.fn, "' on ", e.rank_text(c.rank), " did not answer within ",
                                   c.timeout, " s", rank_suffix()));
       }
       e.wait_step(lk, active, c.deadline, e.can_help());

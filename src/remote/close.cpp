@@ -137,7 +137,7 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
       if (leave) {
         if (Clock::now() >= deadline) why = concat("not every rank closed it within ", wait, " s");
       } else if (const int s = silent_rank(e, since); s >= 0) {
-        why = concat("rank ", s, " sent nothing for ", e.timeout, " s while this rank waited for every rank to ",
+        why = concat(e.rank_text(s), " sent nothing for ", e.timeout, " s while this rank waited for every rank to ",
                      "close it (rank ", s, " is stopped, hung, or never closes it)");
       } else if (round > 0 && e.a_rank_left.load()) {
         why = "a rank left it without waiting for the calls still owed (it took another rank for silent)";

@@ -73,8 +73,14 @@ void Engine::on_rank_left(int r) {
   cv.notify_all();
 }
 
-std::string Engine::left_text(int r, const std::string& fn) {
-  return concat("remote call of '", fn, "' on rank ", r, ": rank ", r,
+std::string Engine::rank_text(int r) const {
+  const auto i = static_cast<std::size_t>(r);
+  if (r < 0 || i >= hosts.size() || hosts[i].empty()) return concat("rank ", r);
+  return concat("rank ", r, " (host ", hosts[i], ")");
+}
+
+std::string Engine::left_text(int r, const std::string& fn) const {
+  return concat("remote call of '", fn, "' on rank ", r, ": ", rank_text(r),
                 " left the remote session before answering (it finalised Lockstep, or returned from main, with the "
                 "session open, or closed it without waiting)");
 }

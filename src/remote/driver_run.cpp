@@ -190,14 +190,14 @@ Decoder DriverRun::serve_until_done() {
   }
   if (driver_gone) {
     impl_->close(true, std::min(e.timeout > 0 ? e.timeout : 1.0, 1.0));
-    throw TimeoutError(concat("rank ", e.rank, ": the driver (rank 0) left the remote session (it finalised Lockstep, "
+    throw TimeoutError(concat("rank ", e.rank, ": the driver, ", e.rank_text(0), ", left the remote session (it finalised Lockstep, "
                               "or returned from main, with the session open) while this rank served in run_driver",
                               rank_suffix()));
   }
   if (idle_timeout) {
     // The driver is not expected at the closing barrier: a short wait only.
     impl_->close(true, std::min(e.timeout, 1.0));
-    throw TimeoutError(concat("rank ", e.rank, " heard nothing from the driver (rank 0) for ", e.timeout,
+    throw TimeoutError(concat("rank ", e.rank, " heard nothing from the driver, ", e.rank_text(0), ", for ", e.timeout,
                               " s while serving in run_driver", rank_suffix()));
   }
   impl_->close(false);

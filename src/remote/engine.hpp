@@ -172,6 +172,7 @@ struct Engine {
   // Ranks that left the session (k_left: they finalised with it open, or closed it without
   // waiting): calls to them fail at once, as do those still pending (under mu).
   std::vector<char> gone;
+  std::vector<std::string> hosts;  // every rank's host name (MPI_Get_processor_name), agreed at creation
   std::atomic<bool> driver_left{false};  // rank 0 left (a serving rank stops waiting for it)
   std::atomic<bool> ended{false};        // close_engine ran (once per session)
 
@@ -268,7 +269,10 @@ struct Engine {
   /// with a TimeoutError naming it (they used to wait for their deadline, 600 s by default), later
   /// calls to it fail at once (start_call), and a serving rank whose driver left stops serving.
   void on_rank_left(int r);
-  static std::string left_text(int r, const std::string& fn);
+  std::string left_text(int r, const std::string& fn) const;
+  /// "rank R (host H)": a rank with its host, as every error naming a peer says it, so that a
+  /// launcher (and a reader) can tell which machine was lost.
+  std::string rank_text(int r) const;
   /// Queues a request to run. Called with mu held.
   void enqueue(Incoming&& in);
   /// Hands a message whose tensors have all arrived to whoever waits for it. Called with mu

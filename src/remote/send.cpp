@@ -80,13 +80,13 @@ void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64
   if (!wait_polling(reqs, deadline, &before_receive)) {
     std::lock_guard lk(mu);
     orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
-    std::string who = "rank";
+    std::string who;
     if (dests.size() > 1) {
-      who = "one of ranks";
-      for (std::size_t i = 0; i < dests.size() && i < 8; ++i) who += concat(i ? ", " : " ", dests[i]);
+      who = "one of";
+      for (std::size_t i = 0; i < dests.size() && i < 8; ++i) who += concat(i ? ", " : " ", rank_text(dests[i]));
       if (dests.size() > 8) who += ", ...";
     } else {
-      who += concat(" ", dests[0]);
+      who = rank_text(dests[0]);
     }
     throw TimeoutError(concat(what, ": ", who, " did not take the message within ", seconds, " s", rank_suffix()));
   }

@@ -130,7 +130,14 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     std::int32_t level;
     std::int32_t tag_span;
     std::int32_t pad;
-  } mine{e->timeout, o.background ? 1 : 0, level, e->tag_span, 0};
+    char host[64];  // MPI_Get_processor_name, cut to 63 bytes: for the errors that name a rank
+  } mine{e->timeout, o.background ? 1 : 0, level, e->tag_span, 0, {}};
+  {
+    char name[MPI_MAX_PROCESSOR_NAME] = {};
+    int len = 0;
+    if (MPI_Get_processor_name(name, &len) == MPI_SUCCESS)
+      std::memcpy(mine.host, name, std::min<std::size_t>(static_cast<std::size_t>(std::max(len, 0)), sizeof mine.host - 1));
+  }
   std::vector<std::byte> all;
   try {
     all = agree(e->comm, e->size, &mine, sizeof mine, e->timeout, "RemoteSession");
@@ -185,6 +192,11 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->gone.assign(static_cast<std::size_t>(e->size), 0);
+  e->hosts.resize(static_cast<std::size_t>(e->size));
+  for (int i = 0; i < e->size; ++i) {
+    const Mine& m = ms[static_cast<std::size_t>(i)];
+    e->hosts[static_cast<std::size_t>(i)] = std::string(m.host, strnlen(m.host, sizeof m.host));
+  }
   // Found to the backend before its threads start: a call from a rank whose session was ready
   // first can reach this rank at once, and a remote function run by the executor that calls
   // again (a nested call) looks the session up by its backend. Registered after the threads, it

@@ -154,13 +154,14 @@ survivors_name() {
 
 # remote_survivors RANK_RE LOST...: rank 0 (the driver) wrote the remote call's TimeoutError
 # naming a lost rank (RANK_RE), rank 1 (serving, on a surviving host) a TimeoutError; lockstep-run
-# named the host of the lost ranks. (A remote TimeoutError names the rank, not its host: the
-# remote layer has no table of host names; lockstep-run maps it, from mpiexec's placement.)
+# named the host of the lost ranks. RANK_RE matches "rank R (host H)": a remote TimeoutError
+# names the rank and its host.
 remote_survivors() {
   local re=$1 m
   shift
-  # Either the call's deadline ("on rank 2 did not answer within 3 s") or its send's ("rank 2 did
-  # not take the message within 3 s", the link being down before the request left).
+  # Either the call's deadline ("on rank 2 (host H) did not answer within 3 s") or its send's
+  # ("rank 2 (host H) did not take the message within 3 s", the link being down before the
+  # request left).
   if grep -Eq "^TimeoutError: remote call of 'fault_echo'(:| on) $re did not (answer|take the message) within 3 s" out/rank0.txt 2>/dev/null; then
     pass "rank 0 (driver): $(head -c 120 out/rank0.txt)"
     m=$(stat -c %.Y out/rank0.txt)
@@ -232,11 +233,11 @@ case $CASE in
   remote)
     echo "-- (a) 2x2, host 1's link taken down"
     lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
-    remote_survivors "rank [23]" 2 3
+    remote_survivors "rank [23] \\(host $NAME-h1\\)" 2 3
     job_ended
     echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
     lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
-    remote_survivors "rank 2" 2
+    remote_survivors "rank 2 \\(host $NAME-h2\\)" 2
     job_ended
     ;;
   drop-2x2)
