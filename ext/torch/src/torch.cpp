@@ -1013,7 +1013,7 @@ struct DistributedOptimizer::Impl {
         keep_error(j);
       }
     }
-    reducer->ready(slot_views[j]);
+    reducer->grad_ready(slot_views[j]);
     launched[j] = 1;
   }
 
