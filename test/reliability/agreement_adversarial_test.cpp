@@ -402,7 +402,7 @@ TEST_CASE("short cycle: comm_thread with ready reports (the whole ranks launch o
 
 // Was a defect (fixed: without the communication thread host buckets are launched by reduce_bound only, blocking, on every rank). Without the
 // communication thread, the whole ranks' final micro-step launches its buckets from grad_ready
-// as nonblocking allreduces (gradient_reducer.cpp, launch: iallreduce), while the short rank (not
+// as nonblocking allreduces (bucket_collectives.cpp, launch: iallreduce), while the short rank (not
 // at its final micro-step, so grad_ready launches nothing) reduces them in reduce_bound with
 // blocking calls (communicate: allreduce). The blocking and the nonblocking call never match:
 // a stall on every rank (TimeoutError at LOCKSTEP_TIMEOUT, the default deadline otherwise) instead

@@ -579,6 +579,17 @@ TEST_CASE("GradientReducer on its own: ready reports, averages in place, accumul
   CHECK_THROWS_AS(red.grad_ready(g.a), ls::InvalidArgument);
   CHECK(red.reduce());
   CHECK(g.a.data<float>()[0] == Approx(mean_r));
+  // The 0.2 names (deprecated until 0.4) make the same report as grad_ready.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  fill(1);
+  red.ready(g.c);
+  red.mark_ready(g.b);
+  CHECK_THROWS_AS(red.ready(g.b), ls::InvalidArgument);  // reported twice, under either name
+#pragma GCC diagnostic pop
+  CHECK(red.reduce());
+  CHECK(g.a.data<float>()[10] == Approx(mean_r + 10 + 1));
+  CHECK(g.b.data<float>()[3] == Approx(2 * mean_r - 3));
   // Accumulation: the first call only accumulates, the second averages over ranks and calls.
   ls::GradientReducer acc(backend, ptrs, {"a", "b", "c"}, ls::DistributedOptions{.accumulation_steps = 2});
   fill(0);
