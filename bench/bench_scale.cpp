@@ -228,7 +228,7 @@ int main(int argc, char** argv) {
                     ls::detail::ReducerSteps::reduce_bound(s_sh.reducer());
                   },
                   [&] { fill_grads(g_sh, rank); }, [] { return true; }});
-    vs.push_back({"  sharded: parameter gather", [&] { ls::detail::gather_shards(s_sh.reducer(), sh_params); }, [] {},
+    vs.push_back({"  sharded: parameter gather", [&] { ls::detail::ReducerSteps::gather_shards(s_sh.reducer(), sh_params); }, [] {},
                   [&] { return same_everywhere(b, hash_of(m_sh)); }});
     const int reps = opt.quick ? 1 : opt.reps;
     const auto res = bench::interleave(vs, reps, 1);
