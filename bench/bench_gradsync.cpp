@@ -104,8 +104,8 @@ class DistAverage {
   }
   void run() {
     auto& red = state_->reducer();
-    red.bind(ptrs_);
-    red.reduce_bound();
+    ls::detail::ReducerSteps::bind(red, ptrs_);
+    ls::detail::ReducerSteps::reduce_bound(red);
   }
   std::size_t buckets() const { return state_->reducer().bucket_count(); }
 

@@ -224,11 +224,11 @@ int main(int argc, char** argv) {
     auto sh_params = ls::trainable_leaves(m_sh);
     vs.push_back({"  sharded: gradient reduce-scatter", [&] {
                     auto gs = ls::trainable_leaves(*g_sh);
-                    s_sh.reducer().bind(gs);
-                    s_sh.reducer().reduce_bound();
+                    ls::detail::ReducerSteps::bind(s_sh.reducer(), gs);
+                    ls::detail::ReducerSteps::reduce_bound(s_sh.reducer());
                   },
                   [&] { fill_grads(g_sh, rank); }, [] { return true; }});
-    vs.push_back({"  sharded: parameter gather", [&] { ls::detail::gather_shards(s_sh.reducer(), sh_params); }, [] {},
+    vs.push_back({"  sharded: parameter gather", [&] { ls::detail::ReducerSteps::gather_shards(s_sh.reducer(), sh_params); }, [] {},
                   [&] { return same_everywhere(b, hash_of(m_sh)); }});
     const int reps = opt.quick ? 1 : opt.reps;
     const auto res = bench::interleave(vs, reps, 1);

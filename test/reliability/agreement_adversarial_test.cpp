@@ -333,21 +333,21 @@ void short_cycle(ls::DistributedOptions o, bool report_ready, int short_micro) {
   auto mark = [&] {
     if (!report_ready) return;
     if (odd_rank(b))
-      for (auto it = grads.rbegin(); it != grads.rend(); ++it) red.mark_ready(**it);
+      for (auto it = grads.rbegin(); it != grads.rend(); ++it) red.grad_ready(**it);
     else
-      for (auto* g : grads) red.mark_ready(*g);
+      for (auto* g : grads) red.grad_ready(*g);
   };
   const int micro = (r == 0 && n > 1) ? short_micro : k;
   const std::string got = outcome([&] {
     for (int i = 0; i + 1 < micro; ++i) {
       fill_all(1.0f);
-      red.bind(grads);
-      red.accumulate();
+      ls::detail::ReducerSteps::bind(red, grads);
+      ls::detail::ReducerSteps::accumulate(red);
     }
     fill_all(1.0f);
-    red.bind(grads);
+    ls::detail::ReducerSteps::bind(red, grads);
     mark();
-    (void)red.reduce_bound();
+    (void)ls::detail::ReducerSteps::reduce_bound(red);
   });
   bool ok;
   if (n == 1) {
@@ -363,7 +363,7 @@ void short_cycle(ls::DistributedOptions o, bool report_ready, int short_micro) {
       for (int s = 0; s < k; ++s) {
         fill_all(static_cast<float>((r + 1) * (s + 1)));
         if (report_ready) {
-          for (auto* g : grads) red.ready(*g);
+          for (auto* g : grads) red.grad_ready(*g);
         }
         const bool done = red.reduce();
         if (done) {
@@ -401,9 +401,9 @@ TEST_CASE("short cycle: comm_thread with ready reports (the whole ranks launch o
 }
 
 // Was a defect (fixed: without the communication thread host buckets are launched by reduce_bound only, blocking, on every rank). Without the
-// communication thread, the whole ranks' final micro-step launches its buckets from mark_ready
-// as nonblocking allreduces (gradient_reducer.cpp, launch: iallreduce), while the short rank (not
-// at its final micro-step, so mark_ready launches nothing) reduces them in reduce_bound with
+// communication thread, the whole ranks' final micro-step launches its buckets from grad_ready
+// as nonblocking allreduces (bucket_collectives.cpp, launch: iallreduce), while the short rank (not
+// at its final micro-step, so grad_ready launches nothing) reduces them in reduce_bound with
 // blocking calls (communicate: allreduce). The blocking and the nonblocking call never match:
 // a stall on every rank (TimeoutError at LOCKSTEP_TIMEOUT, the default deadline otherwise) instead
 // of the MismatchError on the micro-step counts, which is agreed only after the buckets. Run it
@@ -426,16 +426,16 @@ TEST_CASE("step by step, whole cycles, ready reported in another order on one ra
       for (int cycle = 0; cycle < 2; ++cycle) {
         for (int s = 0; s < 3; ++s) {
           for (std::size_t j = 0; j < grads.size(); ++j) fill(*grads[j], static_cast<float>((r + 1) * (j + 1)));
-          red.bind(grads);
+          ls::detail::ReducerSteps::bind(red, grads);
           std::vector<std::size_t> order{0, 1, 2, 3};
           if (odd_rank(b)) order = {2, 0, 3, 1};
           else if (r == 0) order = {3, 2, 1, 0};
-          for (auto j : order) red.mark_ready(*grads[j]);
-          if (!red.final_micro_step()) {
-            red.accumulate();
+          for (auto j : order) red.grad_ready(*grads[j]);
+          if (!ls::detail::ReducerSteps::final_micro_step(red)) {
+            ls::detail::ReducerSteps::accumulate(red);
             continue;
           }
-          const auto& out = red.reduce_bound();
+          const auto& out = ls::detail::ReducerSteps::reduce_bound(red);
           for (std::size_t j = 0; j < out.size(); ++j) ok = ok && all_equal(*out[j], (n + 1) / 2.0f * (j + 1));
         }
       }
@@ -446,7 +446,7 @@ TEST_CASE("step by step, whole cycles, ready reported in another order on one ra
 }
 
 // One rank reports no gradient ready (a branch of its model that did not run), the others report
-// every one: the others launch their buckets from mark_ready, that rank in reduce_bound.
+// every one: the others launch their buckets from grad_ready, that rank in reduce_bound.
 static void partial_ready(bool thread) {
   ls::MPIBackend& b = backend();
   const int r = b.rank(), n = b.size();
@@ -458,12 +458,12 @@ static void partial_ready(bool thread) {
     const std::string got = outcome([&] {
       fill(g0, r + 1.0f);
       fill(g1, r + 1.0f);
-      red.bind(grads);
+      ls::detail::ReducerSteps::bind(red, grads);
       if (!odd_rank(b)) {
-        red.mark_ready(g1);
-        red.mark_ready(g0);
+        red.grad_ready(g1);
+        red.grad_ready(g0);
       }
-      (void)red.reduce_bound();
+      (void)ls::detail::ReducerSteps::reduce_bound(red);
       ok = all_equal(g0, (n + 1) / 2.0f) && all_equal(g1, (n + 1) / 2.0f);
     });
     const int errs = allreduce(b, got == "no exception" ? 0 : 1, ls::ReduceOp::sum);
@@ -477,7 +477,7 @@ TEST_CASE("ready reported on some ranks only, with the communication thread: rig
 }
 
 // Was a defect (fixed as above): without the communication thread the ranks that reported launched
-// nonblocking allreduces from mark_ready, the rank that did not reduces the same buckets with
+// nonblocking allreduces from grad_ready, the rank that did not reduces the same buckets with
 // blocking allreduces in reduce_bound: they never match, a stall on every rank. Run it with:
 // test_agreement_adversarial "[hang_partial_ready]".
 TEST_CASE("ready reported on some ranks only, without the communication thread", "[hang_partial_ready]") {

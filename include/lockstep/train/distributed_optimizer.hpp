@@ -53,8 +53,8 @@
 namespace lockstep {
 
 namespace detail {
-/// The reducer behind DistributedOptimizer is the public GradientReducer.
-using GradReducer = GradientReducer;
+/// The 0.2 name of the reducer behind DistributedOptimizer, kept for one release.
+using GradReducer [[deprecated("use GradientReducer")]] = GradientReducer;
 
 /// A rule that declares `static constexpr bool elementwise = true` updates every element from
 /// that element alone (SGD, Adam), so it can be applied to any piece of a tensor: what
@@ -78,10 +78,6 @@ std::vector<ShardPiece> shard_pieces(const GradientReducer& red);
 /// to back in that space) into `buf` (to_buf) or out of it.
 void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int64_t>& offsets,
                      std::int64_t begin, std::int64_t n, std::byte* buf, bool to_buf);
-/// Sharded update, last part: every rank's shard of `params` (the tensors the reducer was set
-/// up for) is all-gathered into every rank's params, bucket by bucket
-/// (GradientReducer::gather_shards). Collective.
-void gather_shards(GradientReducer& red, const std::vector<Tensor*>& params);
 /// Sharded checkpoint support: every rank in turn broadcasts its shard of one slot field
 /// (packed: its pieces back to back, shard_numel() elements); root unpacks every rank's into
 /// `full` (the field of every leaf, full size; empty on the other ranks). Collective.
@@ -135,14 +131,14 @@ class DistributedState {
   /// An empty state (no rule state, no reducer), to be assigned one from setup() later; every
   /// use but assignment throws InvalidArgument, as on a moved-from state.
   DistributedState() = default;
-  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer,
+  DistributedState(OptState<R> inner, std::unique_ptr<GradientReducer> reducer,
                    DistributedOptions options = {})
       : inner(std::move(inner)), reducer_(std::move(reducer)), options_(options) {
     LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState: no gradient reducer given");
   }
   /// A sharded state (DistributedOptions::shard_optimizer_state): `inner.slots` holds one slot
   /// per piece of this rank's shard; `shapes` are the shapes of every trainable tensor.
-  DistributedState(OptState<R> inner, std::unique_ptr<detail::GradReducer> reducer, DistributedOptions options,
+  DistributedState(OptState<R> inner, std::unique_ptr<GradientReducer> reducer, DistributedOptions options,
                    std::vector<detail::ShardPiece> pieces, std::vector<Shape> shapes, DType dtype)
       : DistributedState(std::move(inner), std::move(reducer), options) {
     sharded_ = true;
@@ -240,16 +236,16 @@ class DistributedState {
   /// grad_ready(). Optional; without it update() reduces everything itself.
   template <class G>
   void begin_step(G& grads) {
-    live_reducer("begin_step").bind(trainable_leaves(grads));
+    detail::ReducerSteps::bind(live_reducer("begin_step"), trainable_leaves(grads));
   }
   /// Reports that gradient `g` (a tensor of the grads passed to begin_step) is final; a bucket
   /// whose gradients are all final starts reducing at once.
-  void grad_ready(const Tensor& g) { live_reducer("grad_ready").mark_ready(g); }
+  void grad_ready(const Tensor& g) { live_reducer("grad_ready").grad_ready(g); }
 
   /// The gradient reducer (bucket counts, for tests and benchmarks). Throws InvalidArgument on
   /// a moved-from state.
-  const detail::GradReducer& reducer() const { return live_reducer("reducer"); }
-  detail::GradReducer& reducer() { return live_reducer("reducer"); }
+  const GradientReducer& reducer() const { return live_reducer("reducer"); }
+  GradientReducer& reducer() { return live_reducer("reducer"); }
 
   /// The options of the DistributedOptimizer this state was set up with.
   const DistributedOptions& options() const noexcept { return options_; }
@@ -261,7 +257,7 @@ class DistributedState {
   void count_step(bool skipped) noexcept { ++(skipped ? skipped_ : applied_); }
 
  private:
-  detail::GradReducer& live_reducer(const char* what) const {
+  GradientReducer& live_reducer(const char* what) const {
     LOCKSTEP_CHECK_ARG(reducer_ != nullptr, "DistributedState::", what,
                        ": the state is empty: default-constructed (assign it the result of setup()) or "
                        "used after move (its gradient reducer now belongs to the DistributedState it "
@@ -307,7 +303,7 @@ class DistributedState {
     }
   }
 
-  std::unique_ptr<detail::GradReducer> reducer_;
+  std::unique_ptr<GradientReducer> reducer_;
   DistributedOptions options_;
   std::int64_t skipped_ = 0, applied_ = 0;
   bool sharded_ = false;
@@ -355,8 +351,7 @@ DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
   const std::string bad = detail::check_options(options, leaves, paths);
   LOCKSTEP_CHECK_ARG(bad.empty(), "DistributedOptimizer setup: ", bad);
   const DType dtype = leaves.empty() ? DType::f32 : leaves[0].dtype;
-  auto reducer = std::make_unique<detail::GradReducer>(opt.backend(), options,
-                                                       std::move(leaves), std::move(paths));
+  auto reducer = detail::ReducerSteps::make(opt.backend(), options, std::move(leaves), std::move(paths));
   if (!options.shard_optimizer_state)
     return DistributedState<R>(setup(opt.rule(), model), std::move(reducer), options);
   // Sharded: rule state only for this rank's pieces.
@@ -389,9 +384,10 @@ void update(DistributedState<R>& state, M& model, G& grads,
   detail::CallSiteScope site(loc, "update");  // its collectives name this call too
   auto [params, gs] = detail::aligned_leaves("update", model, grads);
   auto& red = state.reducer();
-  if (!red.bound_to(gs)) red.bind(gs);
-  if (!red.final_micro_step()) {
-    red.accumulate();
+  using Steps = detail::ReducerSteps;
+  if (!Steps::bound_to(red, gs)) Steps::bind(red, gs);
+  if (!Steps::final_micro_step(red)) {
+    Steps::accumulate(red);
     return;
   }
   // Reliability (docs/reliability.md): non-finite gradients skip the step on every rank; the
@@ -399,7 +395,7 @@ void update(DistributedState<R>& state, M& model, G& grads,
   const DistributedOptions& o = state.options();
   std::string local_bad;
   if (o.skip_non_finite) local_bad = detail::describe_non_finite(gs, [&] { return detail::trainable_paths(grads); });
-  const auto& reduced = red.reduce_bound();
+  const auto& reduced = Steps::reduce_bound(red);
   if (state.sharded()) {
     // Each rank holds the reduced values of its own shard only: whether to skip is agreed with
     // one small allreduce (a rank with a non-finite local gradient, or an owner that reduced
@@ -439,7 +435,7 @@ void update(DistributedState<R>& state, M& model, G& grads,
       ggp.push_back(&gg[k]);
     }
     detail::apply_all(in.rule, in.slots, ppp, ggp, in.step);
-    detail::gather_shards(red, params);
+    Steps::gather_shards(red, params);
     state.count_step(false);
     if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
       check_replicas(red.backend(), std::tie(model, state.inner.step));
@@ -466,8 +462,8 @@ template <OptimizerRule R, class G>
 void accumulate(DistributedState<R>& state, G& grads) {
   auto gs = trainable_leaves(grads);
   auto& red = state.reducer();
-  if (!red.bound_to(gs)) red.bind(gs);
-  red.accumulate();
+  if (!detail::ReducerSteps::bound_to(red, gs)) detail::ReducerSteps::bind(red, gs);
+  detail::ReducerSteps::accumulate(red);
 }
 
 }  // namespace lockstep

@@ -4,7 +4,7 @@
 //   std::vector<ls::Tensor> grads = ...;                 // or any traversable structure
 //   ls::GradientReducer red(backend, grads);             // collective: ranks must agree
 //   for (...) {
-//     backward(..., [&](ls::Tensor& g) { red.ready(g); });  // optional: overlap with backward
+//     backward(..., [&](ls::Tensor& g) { red.grad_ready(g); });  // optional: overlap with backward
 //     if (red.reduce()) my_optimizer.step(grads);        // grads now hold the average
 //   }
 //
@@ -12,8 +12,8 @@
 // order backward produces them), are grouped into buckets of at most options.bucket_bytes (a
 // tensor larger than that is a bucket of its own, reduced in slices of bucket_bytes, never smaller
 // than kMinSliceBytes; dtype or device changes start a new bucket). Bucket 0 holds the last
-// tensors. Buckets are launched strictly in index order on every rank, whatever order ready()
-// reports come in, so the collectives always match across ranks. A bucket that ready() completes
+// tensors. Buckets are launched strictly in index order on every rank, whatever order grad_ready()
+// reports come in, so the collectives always match across ranks. A bucket that grad_ready() completes
 // starts as nonblocking allreduces (overlapping the rest of backward), or is handed to the
 // reducer's communication thread (DistributedOptions::comm_thread); reduce() launches the rest,
 // blocking, in order.
@@ -42,6 +42,7 @@
 #include <optional>
 #include <source_location>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/backend.hpp"
@@ -164,6 +165,8 @@ std::string describe_leaf(const GradLeaf& l);
 /// The entries the structure check explains a mismatch with: the options, then each leaf.
 std::vector<StructureEntry> reducer_entries(const DistributedOptions& o, const std::vector<GradLeaf>& leaves,
                                             const std::vector<std::string>& names);
+
+struct ReducerSteps;
 }  // namespace detail
 
 /// The bucketed, overlapped gradient reduction (see the top of this file). Not copyable or
@@ -185,46 +188,26 @@ class GradientReducer {
   GradientReducer(Backend& backend, std::vector<Tensor*> grads, std::vector<std::string> names,
                   DistributedOptions options = {},
                   std::source_location loc = std::source_location::current());
-  /// Internal (DistributedOptimizer's setup, which has checked the ranks agree): a reducer for
-  /// gradients of these sizes, bound step by step with bind().
-  GradientReducer(Backend& backend, const DistributedOptions& options,
-                  std::vector<detail::GradLeaf> leaves, std::vector<std::string> paths);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
-  // --- the public cycle (reducers made from gradients) ---------------------------------------
+  // --- the cycle -------------------------------------------------------------------------------
 
   /// Reports gradient `g` (one of the reducer's tensors, the same object) as final for this
   /// step: a bucket whose tensors are all final starts reducing at once, in bucket order.
   /// InvalidArgument for a tensor that is not one of them, or one reported twice in a step.
-  void ready(const Tensor& g);
-  /// Launches what ready() did not, waits for everything, and leaves the reduced values in the
-  /// gradients; returns true. With accumulation_steps = k, the first k-1 calls of a cycle only
+  /// (DistributedState::grad_ready is the same report through an optimizer's state.)
+  void grad_ready(const Tensor& g);
+  /// The 0.2 names of grad_ready, kept for one release.
+  [[deprecated("use grad_ready")]] void ready(const Tensor& g) { grad_ready(g); }
+  [[deprecated("use grad_ready")]] void mark_ready(const Tensor& g) { grad_ready(g); }
+  /// Launches what grad_ready() did not, waits for everything, and leaves the reduced values in
+  /// the gradients; returns true. With accumulation_steps = k, the first k-1 calls of a cycle only
   /// add the gradients into an accumulator (no communication; the gradients are left as they
   /// are) and return false; the k-th reduces the accumulated sum once (divided by k as well as
   /// by the ranks with ReduceOp::avg) and writes it into the gradients. Collective.
   bool reduce();
-
-  // --- step by step (DistributedOptimizer) -----------------------------------------------------
-
-  /// Binds this step's gradients (validated against the plan) and arms ready reports.
-  void bind(const std::vector<Tensor*>& grads);
-  /// True if bind() was called with exactly these tensors and the step is not finished.
-  bool bound_to(const std::vector<Tensor*>& grads) const noexcept;
-  /// Reports a bound gradient as final; may launch buckets.
-  void mark_ready(const Tensor& grad);
-  /// True if the next reduction completes an optimizer step (not an accumulate-only micro-step).
-  bool final_micro_step() const noexcept;
-  /// Adds the bound gradients into the accumulator (no communication) and unbinds.
-  void accumulate();
-  /// Launches what is not yet in flight, waits for everything and returns the reduced
-  /// gradients (the bound tensors, or the accumulator's). Unbinds.
-  const std::vector<Tensor*>& reduce_bound();
-  /// Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, on the
-  /// reducer's device) into every rank's, one bucket at a time. Nothing when not sharded.
-  /// Collective.
-  void gather_shards(const std::vector<Tensor*>& params);
 
   // --- what it did ------------------------------------------------------------------------------
 
@@ -250,9 +233,52 @@ class GradientReducer {
   Backend& backend() const noexcept;
 
  private:
+  // The step-by-step use by DistributedOptimizer and lockstep::torch, through
+  // detail::ReducerSteps (not for users: they call grad_ready and reduce).
+  friend struct detail::ReducerSteps;
+  // A reducer for gradients of these sizes, set up by an optimizer that has checked that the
+  // ranks agree; bound step by step with bind().
+  GradientReducer(Backend& backend, const DistributedOptions& options, std::vector<detail::GradLeaf> leaves,
+                  std::vector<std::string> paths);
+  // Binds this step's gradients (validated against the plan) and arms ready reports.
+  void bind(const std::vector<Tensor*>& grads);
+  // True if bind() was called with exactly these tensors and the step is not finished.
+  bool bound_to(const std::vector<Tensor*>& grads) const noexcept;
+  // True if the next reduction completes an optimizer step (not an accumulate-only micro-step).
+  bool final_micro_step() const noexcept;
+  // Adds the bound gradients into the accumulator (no communication) and unbinds.
+  void accumulate();
+  // Launches what is not yet in flight, waits for everything and returns the reduced
+  // gradients (the bound tensors, or the accumulator's). Unbinds.
+  const std::vector<Tensor*>& reduce_bound();
+  // Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, on the
+  // reducer's device) into every rank's, one bucket at a time. Nothing when not sharded.
+  // Collective.
+  void gather_shards(const std::vector<Tensor*>& params);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::vector<Tensor*> own_;  // the gradients of a reducer made from gradients
 };
+
+namespace detail {
+/// The step-by-step use of a GradientReducer: DistributedOptimizer's setup, update and
+/// accumulate, and lockstep::torch. Not for users, who call grad_ready and reduce.
+struct ReducerSteps {
+  /// A reducer for gradients of these sizes (the caller has checked that the ranks agree).
+  static std::unique_ptr<GradientReducer> make(Backend& backend, const DistributedOptions& options,
+                                               std::vector<GradLeaf> leaves, std::vector<std::string> paths) {
+    return std::unique_ptr<GradientReducer>(new GradientReducer(backend, options, std::move(leaves), std::move(paths)));
+  }
+  static void bind(GradientReducer& r, const std::vector<Tensor*>& grads) { r.bind(grads); }
+  static bool bound_to(const GradientReducer& r, const std::vector<Tensor*>& grads) noexcept {
+    return r.bound_to(grads);
+  }
+  static bool final_micro_step(const GradientReducer& r) noexcept { return r.final_micro_step(); }
+  static void accumulate(GradientReducer& r) { r.accumulate(); }
+  static const std::vector<Tensor*>& reduce_bound(GradientReducer& r) { return r.reduce_bound(); }
+  static void gather_shards(GradientReducer& r, const std::vector<Tensor*>& params) { r.gather_shards(params); }
+};
+}  // namespace detail
 
 }  // namespace lockstep

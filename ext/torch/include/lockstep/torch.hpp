@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "lockstep/backend.hpp"
-#include "lockstep/gradient_reducer.hpp"
+#include "lockstep/train/gradient_reducer.hpp"
 #include "lockstep/tensor.hpp"
 #include "lockstep/torch/join.hpp"
 

@@ -1,0 +1,147 @@
+// GradientReducer::Impl, the state of a gradient reducer, shared by the files that implement it
+// (internal: not installed). Each member function is defined in the file of its job:
+//   gradient_reducer.cpp     the public class: setup, bind, ready reports, accumulate, reduce
+//   bucket_plan.cpp          plan(): the buckets, from the last gradient backwards
+//   shard_layout.cpp         the flat index space and each rank's shard of it (piece, ranges_of)
+//   shard_gather.cpp         gather(): the sharded update's all-gather of the parameters
+//   bucket_staging.cpp       packing a bucket before its reduction, unpacking it after, the accumulator
+//   bucket_collectives.cpp   the collectives of a bucket (communicate, launch), the micro-step check
+//   reducer_thread.cpp       the communication thread (DistributedOptions::comm_thread)
+//   reducer_checkpoint.cpp   gathering and scattering a sharded state's fields for checkpoints
+//   reducer_options.cpp      the options' checks and the ranks' setup signature
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "lockstep/core/device_runtime.hpp"
+#include "lockstep/core/tensor.hpp"
+#include "lockstep/reliability/call_site.hpp"
+#include "lockstep/train/gradient_reducer.hpp"
+
+namespace lockstep {
+
+namespace detail {
+/// Copies n bytes between host or device memory (a device copy is waited for).
+void copy_grad_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t n);
+}  // namespace detail
+
+struct GradientReducer::Impl {
+  struct Bucket {
+    std::size_t first = 0, last = 0;  // leaf indices [first, last), forward order
+    DType dtype = DType::f32;
+    Device device = Device::cpu();
+    std::int64_t numel = 0;
+    std::vector<std::int64_t> offsets;  // element offset of each leaf inside the bucket
+    Tensor work;                        // staging / accumulator, allocated on first need
+    Tensor wire;                        // device buckets with a wire dtype: the 16-bit copy
+    // per step
+    int remaining = 0;  // leaves not yet reported ready
+    bool launched = false;
+    bool staged = false;  // reduced in `work` and unpacked afterwards
+    bool finished = false;  // reduced, and unpacked or scaled
+    // One per slice (host, see launch); a device bucket that reduce_bound sent
+    // with others in one iallreduce_many: the first of them holds the group's request.
+    std::vector<Request> requests;
+    // on the communication thread
+    bool threaded = false;  // handed to the thread this step
+    bool done = false;      // the thread has reduced it (guarded by Impl::wm)
+    TensorView target;      // what the thread reduces, in slices of `slice` elements
+    std::int64_t slice = 0;
+  };
+
+  Backend* backend;
+  DistributedOptions options;
+  std::vector<detail::GradLeaf> leaves;
+  std::vector<std::string> paths;
+  std::vector<Bucket> buckets;  // bucket 0 holds the last leaves
+  std::vector<std::size_t> bucket_of;
+
+  // The flat index space of the leaves (forward order) and this rank's shard of it: piece
+  // `my_rank` of every bucket (see piece()).
+  std::vector<std::int64_t> leaf_off;
+  std::int64_t total = 0, my_numel = 0;
+  std::vector<FlatRange> my_ranges;
+  bool sharded = false;
+  int nranks = 1, my_rank = 0;
+  std::optional<DType> wire;
+  Tensor gather_buf;  // the parameter gather of buckets whose parameters are not back to back
+
+  // per step
+  std::vector<Tensor*> bound;
+  std::unordered_map<const Tensor*, std::size_t> index_of;
+  std::vector<char> ready;
+  bool is_bound = false;
+  std::size_t next_launch = 0;
+  std::size_t zero_copy = 0;
+  std::vector<DeviceCopy> copies;  // scratch of copy_device
+  std::vector<DeviceConvert> convs;  // scratch of the device wire conversions
+
+  // accumulation
+  int accumulated = 0;
+  std::vector<Tensor> accum_views;  // borrow from the buckets' work buffers
+  std::vector<Tensor*> accum_ptrs;
+  std::vector<Tensor*> result;
+  bool owns_grads = false;  // made from gradients (the public constructor): grad_ready binds them
+
+  // The communication thread (DistributedOptions::comm_thread): reduces the host buckets that
+  // ready reports launch, in launch order, with blocking collectives. Started at its first use.
+  bool use_thread = false;
+  bool has_host_bucket = false;  // a bucket of host gradients (set with use_thread)
+  std::thread worker;
+  std::mutex wm;
+  std::condition_variable wcv;
+  std::deque<std::pair<std::size_t, detail::CallSite>> wqueue;
+  std::size_t wpending = 0;  // buckets queued or being reduced
+  bool wstop = false;
+  std::exception_ptr werror;  // the first failure of the thread's collectives, until reported
+
+  // --- the communication thread (reducer_thread.cpp) -------------------------------------------
+  ~Impl();
+  void wait_idle();
+  void worker_loop();
+  void enqueue(std::size_t bi);
+  void start_thread_if_used();
+
+  // --- the plan and the shards (bucket_plan.cpp, shard_layout.cpp, shard_gather.cpp) ----------
+  void plan();
+  void layout();
+  std::pair<std::int64_t, std::int64_t> piece(std::int64_t n, int r) const;
+  std::vector<FlatRange> ranges_of(int r) const;
+  void gather(const std::vector<Tensor*>& params);
+
+  // --- packing and unpacking (bucket_staging.cpp) ----------------------------------------------
+  void ensure_work(Bucket& b);
+  std::byte* leaf_in_work(Bucket& b, std::size_t j);
+  bool contiguous(const Bucket& b) const;
+  void add_bucket(Bucket& b);
+  TensorView prepare(std::size_t bi);
+  TensorView prepare_device_wire(Bucket& b);
+  void finish_device_wire(Bucket& b);
+  void copy_device(Bucket& b, bool to_work, std::int64_t lo = 0, std::int64_t hi = INT64_MAX);
+  void finish(Bucket& b);
+  void make_accum_views();
+
+  // --- the collectives (bucket_collectives.cpp) ------------------------------------------------
+  void communicate(const Bucket& b, TensorView target, std::int64_t step);
+  void launch(std::size_t bi, bool blocking = false);
+  void poke();
+  void launch_ready();
+  void agree_on_micro_steps();
+
+  // --- the step (gradient_reducer.cpp) ---------------------------------------------------------
+  void verify_bound(const Bucket& b) const;
+  void reset_step();
+};
+
+}  // namespace lockstep
