@@ -85,9 +85,9 @@ class HierarchicalAllreduce {
   /// memory leaves local rank j with its machine's sum of the slice of every block owned by a
   /// rank of local rank j; (2) a nonblocking MPI reduce-scatter among the ranks of local rank j
   /// (one per machine) leaves each rank the total of its own block's slice, in recv, while the
-  /// next slice runs its stage 1. Each machine sends each rank's share once over the network,
-  /// (H-1)/H of its 1/L part of the data per rank, where a flat ring sends the whole buffer's
-  /// worth. Any placement of the ranks on the machines (the copy reorders). The sum's order: each
+  /// next slice runs its stage 1. Each machine sends (H-1)/H of the buffer over its link, once,
+  /// where a flat ring over all N ranks sends (N-1)/N of it across each machine boundary. Any
+  /// placement of the ranks on the machines (the copy reorders). The sum's order: each
   /// machine sums its ranks in local rank order (the shared-memory reduce-scatter's order, as the
   /// hierarchical allreduce), then MPI sums the machines: at two machines bitwise the
   /// hierarchical allreduce's result, and within float rounding of the flat path's. The dtypes,
