@@ -400,10 +400,13 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
     const std::size_t c = st.c;
     // Stage 1: the slice of every block, ordered by its owner's local rank, then its machine;
     // local rank j ends with this machine's sums of the H blocks' slices owned by local rank j.
+    // (Open MPI has no progress thread: the previous slice's request is tested between copies.)
     for (std::size_t j = 0; j < L; ++j)
-      for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t h = 0; h < H; ++h) {
         std::memcpy(in + (j * H + h) * c * es,
                     send + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + off) * es, c * es);
+        progress();
+      }
     char* part = scratch(slot_[st.slot], H * c * es);
     if (!shm_->reduce_scatter(in, part, static_cast<std::int64_t>(H * c), dtype, sum_op, true))
       LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(in, part, static_cast<int>(H * c), ops_.type(dtype),
@@ -448,9 +451,11 @@ void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::siz
       LOCKSTEP_MPI_CHECK(guarded_allgather(mine, static_cast<int>(H * c * es), MPI_BYTE, all,
                                           static_cast<int>(H * c * es), MPI_BYTE, node_));
     for (std::size_t j = 0; j < L; ++j)
-      for (std::size_t h = 0; h < H; ++h)
+      for (std::size_t h = 0; h < H; ++h) {
         std::memcpy(recv + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + st.off) * es,
                     all + (j * H + h) * c * es, c * es);
+        progress();  // the next slice's request
+      }
   };
   Stage prev;
   bool have_prev = false;
