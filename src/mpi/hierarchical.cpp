@@ -93,7 +93,9 @@ HierarchicalAllreduce::~HierarchicalAllreduce() {
   MPI_Finalized(&fin);
   // After a wait that threw (a deadline, a stall elsewhere) a request may still be in flight on
   // the communicators: they are left allocated then, as the backend leaves its own.
-  const bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
+  bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
+  for (const auto& slot : p2p_)
+    for (MPI_Request r : slot) busy = busy || r != MPI_REQUEST_NULL;
   if (fin || busy) return;
   if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
@@ -112,6 +114,13 @@ void HierarchicalAllreduce::progress() noexcept {
     const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
   }
+  for (auto& slot : p2p_)
+    for (MPI_Request& r : slot) {
+      if (r == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
+    }
 }
 
 void HierarchicalAllreduce::wait(MPI_Request* req) {
@@ -377,16 +386,27 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
     std::size_t off = 0, c = 0;  // the slice: elements [off, off + c) of every block
     int slot = 0;
   };
+  const std::size_t ps = w16 ? ws : es;  // bytes of an element on the network
+  const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);  // rank in cross_
   auto finish = [&](const Stage& st) {
-    wait(&pending_[st.slot]);
+    for (MPI_Request& r : p2p_[st.slot]) wait(&r);
+    const std::size_t c = st.c;
+    const char* pieces = w16 ? wire_[st.slot].data() : slot_[st.slot].data();
+    char* inbox = inbox_[st.slot].data();
     char* out = recv + st.off * es;
+    // The total of this rank's piece from every machine, in machine order: acc = piece 0, then
+    // acc = piece h op acc (MPI_Reduce_local, the backend's operators: 16-bit ones on the wire).
+    char* acc = w16 ? inbox + me * c * ps : out;  // inbox's own place is free
+    auto piece = [&](std::size_t h) { return h == me ? pieces + me * c * ps : inbox + h * c * ps; };
+    std::memcpy(acc, piece(0), c * ps);
+    for (std::size_t h = 1; h < H; ++h)
+      LOCKSTEP_MPI_CHECK(MPI_Reduce_local(piece(h), acc, static_cast<int>(c), dt, mop));
     if (w16) {
       // The 16-bit total, widened (and divided for avg) into recv.
-      const char* got = wire_[st.slot].data() + H * st.c * ws;
-      detail::from_wire16(wire, got, reinterpret_cast<float*>(out), static_cast<std::int64_t>(st.c),
+      detail::from_wire16(wire, acc, reinterpret_cast<float*>(out), static_cast<std::int64_t>(c),
                           op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
     } else if (op == ReduceOp::avg) {
-      ops_.scale(TensorView{out, static_cast<std::int64_t>(st.c), dtype, Device::cpu()}, size_);
+      ops_.scale(TensorView{out, static_cast<std::int64_t>(c), dtype, Device::cpu()}, size_);
     }
   };
   Stage prev;
@@ -411,16 +431,28 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
     if (!shm_->reduce_scatter(in, part, static_cast<std::int64_t>(H * c), dtype, sum_op, true))
       LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(in, part, static_cast<int>(H * c), ops_.type(dtype),
                                                       ops_.op(sum_op, dtype), node_));
-    // Stage 2, nonblocking: machine h's rank of this local rank gets the total of slice h (its
-    // own block's), while the next slice runs stage 1 (the shared-memory waits test it).
+    // Stage 2, nonblocking: piece h (the slices of the blocks of machine h's rank of this local
+    // rank) goes to that rank, point to point, and this rank receives its piece from every
+    // other machine: each machine sends (H-1)/H of the slice once. (Open MPI's nonblocking
+    // reduce-scatter reduces onto one rank and scatters from it: on two machines one direction
+    // carries twice the bytes.) It runs while the next slice runs stage 1 (its copies and the
+    // shared-memory waits test it); finish() sums the pieces.
+    const char* pieces = part;
     if (w16) {
-      char* wbuf = scratch(wire_[st.slot], (H + 1) * c * ws);
+      char* wbuf = scratch(wire_[st.slot], H * c * ws);
       detail::to_wire16(wire, reinterpret_cast<const float*>(part), wbuf, static_cast<std::int64_t>(H * c));
-      LOCKSTEP_MPI_CHECK(MPI_Ireduce_scatter_block(wbuf, wbuf + H * c * ws, static_cast<int>(c), dt, mop, cross_,
-                                                   &pending_[st.slot]));
-    } else {
-      LOCKSTEP_MPI_CHECK(
-          MPI_Ireduce_scatter_block(part, recv + off * es, static_cast<int>(c), dt, mop, cross_, &pending_[st.slot]));
+      pieces = wbuf;
+    }
+    char* inbox = scratch(inbox_[st.slot], H * c * ps);
+    std::vector<MPI_Request>& reqs = p2p_[st.slot];
+    reqs.assign(2 * (H - 1), MPI_REQUEST_NULL);
+    const int bytes = static_cast<int>(c * ps);
+    for (std::size_t d = 1; d < H; ++d) {
+      const std::size_t from = (me + H - d) % H, to = (me + d) % H;
+      LOCKSTEP_MPI_CHECK(MPI_Irecv(inbox + from * c * ps, bytes, MPI_BYTE, static_cast<int>(from), st.slot, cross_,
+                                   &reqs[2 * (d - 1)]));
+      LOCKSTEP_MPI_CHECK(MPI_Isend(pieces + to * c * ps, bytes, MPI_BYTE, static_cast<int>(to), st.slot, cross_,
+                                   &reqs[2 * (d - 1) + 1]));
     }
     if (have_prev) finish(prev);
     prev = st;

@@ -83,19 +83,21 @@ class HierarchicalAllreduce {
   /// of send in all): (1) each rank copies the slice of every block into a scratch ordered by
   /// the owner's local rank, then by its machine, and a node-local reduce-scatter through shared
   /// memory leaves local rank j with its machine's sum of the slice of every block owned by a
-  /// rank of local rank j; (2) a nonblocking MPI reduce-scatter among the ranks of local rank j
-  /// (one per machine) leaves each rank the total of its own block's slice, in recv, while the
-  /// next slice runs its stage 1. Each machine sends (H-1)/H of the buffer over its link, once,
+  /// rank of local rank j; (2) among the ranks of local rank j (one per machine), point to
+  /// point and nonblocking, each sends every other its piece of those sums and sums the pieces
+  /// it receives (in machine order, MPI_Reduce_local) into its own block's slice in recv, while
+  /// the next slice runs its stage 1. Each machine sends (H-1)/H of the buffer over its link, once,
   /// where a flat ring over all N ranks sends (N-1)/N of it across each machine boundary. Any
   /// placement of the ranks on the machines (the copy reorders). The sum's order: each
   /// machine sums its ranks in local rank order (the shared-memory reduce-scatter's order, as the
-  /// hierarchical allreduce), then MPI sums the machines: at two machines bitwise the
+  /// hierarchical allreduce), then the machines in machine order: at two machines bitwise the
   /// hierarchical allreduce's result, and within float rounding of the flat path's. The dtypes,
   /// ops and sizes of allreduce() (size: of send); false, having done nothing, otherwise.
   bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
   /// The same with a 16-bit wire on the inter-host part only (op: sum or avg; send and recv f32):
   /// the node-local sums stay f32; each machine's sum of a slice is rounded once to `wire`, the
-  /// machines' values are summed in 16-bit by MPI (each addition rounded to `wire`), and the
+  /// machines' values are summed in 16-bit (the backend's operator: each addition rounded to
+  /// `wire`), and the
   /// result is widened into recv (divided by size() for avg). False for calls allreduce() would
   /// send flat by size.
   bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
@@ -146,7 +148,8 @@ class HierarchicalAllreduce {
   std::uint64_t calls_ = 0;
   std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)
   std::vector<int> rank_at_;  // rank_at_[c * local_size_ + j]: the rank of local rank j on machine c
-  std::vector<char> gather_, slot_[2], wire_[2];  // reduce-scatter / all-gather scratch
+  std::vector<char> gather_, slot_[2], wire_[2], inbox_[2];  // reduce-scatter / all-gather scratch
+  std::vector<MPI_Request> p2p_[2];  // the reduce-scatter's inter-host sends and receives, per slot
   // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
   // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
   MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
