@@ -8,8 +8,10 @@
 // the hierarchical order of the sum gives at two machines), the same bits on every rank; ranks
 // or whole machines that disagree about a call get MismatchError on every rank, with no buffer
 // written and the backend still usable. Also: the hierarchical broadcast (every root, every size,
-// a root that differs between machines), the reducer's default bucket size per path, and
-// Lockstep's Open MPI TCP default.
+// a root that differs between machines), the hierarchical reduce-scatter, all-gather and 16-bit
+// wire reduce-scatter (the sharded optimizer's; tagged [hier_rs], which also runs on real hosts
+// at any placement), the reducer's default bucket size per path, and Lockstep's Open MPI TCP
+// default.
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
