@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/wire16.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "mpi/monitor.hpp"
@@ -73,9 +74,12 @@ std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm co
   const int where[2] = {local_rank, cross_rank};
   std::vector<int> all(2 * static_cast<std::size_t>(size));
   LOCKSTEP_MPI_CHECK(MPI_Allgather(where, 2, MPI_INT, all.data(), 2, MPI_INT, comm));
+  self->rank_at_.assign(static_cast<std::size_t>(size), -1);
   for (int r = 0; r < size; ++r) {
     self->local_of_.push_back(all[2 * static_cast<std::size_t>(r)]);
     self->host_of_.push_back(all[2 * static_cast<std::size_t>(r) + 1]);
+    self->rank_at_[static_cast<std::size_t>(self->host_of_.back()) * static_cast<std::size_t>(local_size) +
+                   static_cast<std::size_t>(self->local_of_.back())] = r;
   }
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(self->node_, MPI_ERRORS_RETURN));
   self->shm_ = std::move(shm);
@@ -89,7 +93,9 @@ HierarchicalAllreduce::~HierarchicalAllreduce() {
   MPI_Finalized(&fin);
   // After a wait that threw (a deadline, a stall elsewhere) a request may still be in flight on
   // the communicators: they are left allocated then, as the backend leaves its own.
-  const bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
+  bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
+  for (const auto& slot : p2p_)
+    for (MPI_Request r : slot) busy = busy || r != MPI_REQUEST_NULL;
   if (fin || busy) return;
   if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
@@ -108,6 +114,13 @@ void HierarchicalAllreduce::progress() noexcept {
     const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
   }
+  for (auto& slot : p2p_)
+    for (MPI_Request& r : slot) {
+      if (r == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
+    }
 }
 
 void HierarchicalAllreduce::wait(MPI_Request* req) {
@@ -298,6 +311,199 @@ void HierarchicalAllreduce::run_broadcast(char* buf, std::size_t n, DType dtype,
       LOCKSTEP_MPI_CHECK(MPI_Ibcast(s.p, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_, &pending_[s.slot]));
     if (have_prev) finish(prev);
     prev = s;
+    have_prev = true;
+  }
+  if (have_prev) finish(prev);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce-scatter and all-gather (the sharded optimizer's two collectives)
+// ---------------------------------------------------------------------------------------------
+// The collective is told apart in the agreement's op-or-root field: an allreduce sends its op
+// (small values), a broadcast 1 << 32 | root, these two their own tags.
+namespace {
+constexpr std::int64_t kHierReduceScatterTag = std::int64_t{2} << 32;
+constexpr std::int64_t kHierReduceScatterWireTag = std::int64_t{3} << 32;
+constexpr std::int64_t kHierAllgatherTag = std::int64_t{4} << 32;
+}  // namespace
+
+bool HierarchicalAllreduce::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                                           bool host) {
+  if (numel <= 0 || !handles(numel * size_, dtype, op, host)) return false;
+  agree("reduce_scatter", numel, dtype, kHierReduceScatterTag | static_cast<std::int64_t>(op),
+        concat("op ", name(op)).c_str(), host);
+  try {
+    run_reduce_scatter(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel),
+                       dtype, op, DType::f32);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
+
+bool HierarchicalAllreduce::reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
+                                                  ReduceOp op) {
+  if (!handles_wire16(numel) || (op != ReduceOp::sum && op != ReduceOp::avg)) return false;
+  agree("reduce_scatter_wire16", numel, wire, kHierReduceScatterWireTag | static_cast<std::int64_t>(op),
+        concat("op ", name(op)).c_str(), true);
+  try {
+    run_reduce_scatter(reinterpret_cast<const char*>(send), reinterpret_cast<char*>(recv),
+                       static_cast<std::size_t>(numel), DType::f32, op, wire);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
+
+bool HierarchicalAllreduce::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
+  if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) * static_cast<std::size_t>(size_) < min_bytes_)
+    return false;
+  agree("allgather", numel, dtype, kHierAllgatherTag, "no op", host);
+  try {
+    run_allgather(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
+
+void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std::size_t q, DType dtype, ReduceOp op,
+                                               DType wire) {
+  const bool w16 = wire == DType::bf16 || wire == DType::f16;
+  const std::size_t es = size_of(dtype), ws = w16 ? size_of(wire) : es;
+  const auto L = static_cast<std::size_t>(local_size_), H = static_cast<std::size_t>(hosts_);
+  const auto N = static_cast<std::size_t>(size_);
+  // s elements of every block per slice: about chunk_bytes_ of send in all.
+  const std::size_t s = std::max<std::size_t>(1, chunk_bytes_ / es / N);
+  const ReduceOp sum_op = op == ReduceOp::avg ? ReduceOp::sum : op;
+  const MPI_Datatype dt = ops_.type(w16 ? wire : dtype);
+  const MPI_Op mop = ops_.op(sum_op, w16 ? wire : dtype);
+  char* const in = scratch(gather_, N * s * es);
+  struct Stage {
+    std::size_t off = 0, c = 0;  // the slice: elements [off, off + c) of every block
+    int slot = 0;
+  };
+  const std::size_t ps = w16 ? ws : es;  // bytes of an element on the network
+  const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);  // rank in cross_
+  auto finish = [&](const Stage& st) {
+    for (MPI_Request& r : p2p_[st.slot]) wait(&r);
+    const std::size_t c = st.c;
+    const char* pieces = w16 ? wire_[st.slot].data() : slot_[st.slot].data();
+    char* inbox = inbox_[st.slot].data();
+    char* out = recv + st.off * es;
+    // The total of this rank's piece from every machine, in machine order: acc = piece 0, then
+    // acc = piece h op acc (MPI_Reduce_local, the backend's operators: 16-bit ones on the wire).
+    char* acc = w16 ? inbox + me * c * ps : out;  // inbox's own place is free
+    auto piece = [&](std::size_t h) { return h == me ? pieces + me * c * ps : inbox + h * c * ps; };
+    std::memcpy(acc, piece(0), c * ps);
+    for (std::size_t h = 1; h < H; ++h)
+      LOCKSTEP_MPI_CHECK(MPI_Reduce_local(piece(h), acc, static_cast<int>(c), dt, mop));
+    if (w16) {
+      // The 16-bit total, widened (and divided for avg) into recv.
+      detail::from_wire16(wire, acc, reinterpret_cast<float*>(out), static_cast<std::int64_t>(c),
+                          op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
+    } else if (op == ReduceOp::avg) {
+      ops_.scale(TensorView{out, static_cast<std::int64_t>(c), dtype, Device::cpu()}, size_);
+    }
+  };
+  Stage prev;
+  bool have_prev = false;
+  int k = 0;
+  for (std::size_t off = 0; off < q; off += s, ++k) {
+    Stage st;
+    st.off = off;
+    st.c = std::min(s, q - off);
+    st.slot = k & 1;
+    const std::size_t c = st.c;
+    // Stage 1: the slice of every block, ordered by its owner's local rank, then its machine;
+    // local rank j ends with this machine's sums of the H blocks' slices owned by local rank j.
+    // (Open MPI has no progress thread: the previous slice's request is tested between copies.)
+    for (std::size_t j = 0; j < L; ++j)
+      for (std::size_t h = 0; h < H; ++h) {
+        std::memcpy(in + (j * H + h) * c * es,
+                    send + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + off) * es, c * es);
+        progress();
+      }
+    char* part = scratch(slot_[st.slot], H * c * es);
+    if (!shm_->reduce_scatter(in, part, static_cast<std::int64_t>(H * c), dtype, sum_op, true))
+      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(in, part, static_cast<int>(H * c), ops_.type(dtype),
+                                                      ops_.op(sum_op, dtype), node_));
+    // Stage 2, nonblocking: piece h (the slices of the blocks of machine h's rank of this local
+    // rank) goes to that rank, point to point, and this rank receives its piece from every
+    // other machine: each machine sends (H-1)/H of the slice once. (Open MPI's nonblocking
+    // reduce-scatter reduces onto one rank and scatters from it: on two machines one direction
+    // carries twice the bytes.) It runs while the next slice runs stage 1 (its copies and the
+    // shared-memory waits test it); finish() sums the pieces.
+    const char* pieces = part;
+    if (w16) {
+      char* wbuf = scratch(wire_[st.slot], H * c * ws);
+      detail::to_wire16(wire, reinterpret_cast<const float*>(part), wbuf, static_cast<std::int64_t>(H * c));
+      pieces = wbuf;
+    }
+    char* inbox = scratch(inbox_[st.slot], H * c * ps);
+    std::vector<MPI_Request>& reqs = p2p_[st.slot];
+    reqs.assign(2 * (H - 1), MPI_REQUEST_NULL);
+    const int bytes = static_cast<int>(c * ps);
+    for (std::size_t d = 1; d < H; ++d) {
+      const std::size_t from = (me + H - d) % H, to = (me + d) % H;
+      LOCKSTEP_MPI_CHECK(MPI_Irecv(inbox + from * c * ps, bytes, MPI_BYTE, static_cast<int>(from), st.slot, cross_,
+                                   &reqs[2 * (d - 1)]));
+      LOCKSTEP_MPI_CHECK(MPI_Isend(pieces + to * c * ps, bytes, MPI_BYTE, static_cast<int>(to), st.slot, cross_,
+                                   &reqs[2 * (d - 1) + 1]));
+    }
+    if (have_prev) finish(prev);
+    prev = st;
+    have_prev = true;
+  }
+  if (have_prev) finish(prev);
+}
+
+void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::size_t q, DType dtype) {
+  const std::size_t es = size_of(dtype);
+  const auto L = static_cast<std::size_t>(local_size_), H = static_cast<std::size_t>(hosts_);
+  const auto N = static_cast<std::size_t>(size_);
+  const std::size_t s = std::max<std::size_t>(1, chunk_bytes_ / es / N);
+  // Stage 1 (over the network) sends the slice of send itself: when send lies in recv (in
+  // place) the slices that stage 2 writes there are the same bytes, and a later slice's stage
+  // 1 reads a part of send that no earlier stage 2 wrote.
+  char* const all = scratch(gather_, N * s * es);
+  struct Stage {
+    std::size_t off = 0, c = 0;
+    int slot = 0;
+  };
+  auto finish = [&](const Stage& st) {
+    wait(&pending_[st.slot]);
+    const std::size_t c = st.c;
+    const char* mine = slot_[st.slot].data();  // the slice of every machine's block of this local rank
+    // Stage 2: every local rank's H slices to every rank of this machine, then to their places.
+    if (!shm_->allgather(mine, all, static_cast<std::int64_t>(H * c), dtype, true))
+      LOCKSTEP_MPI_CHECK(guarded_allgather(mine, static_cast<int>(H * c * es), MPI_BYTE, all,
+                                          static_cast<int>(H * c * es), MPI_BYTE, node_));
+    for (std::size_t j = 0; j < L; ++j)
+      for (std::size_t h = 0; h < H; ++h) {
+        std::memcpy(recv + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + st.off) * es,
+                    all + (j * H + h) * c * es, c * es);
+        progress();  // the next slice's request
+      }
+  };
+  Stage prev;
+  bool have_prev = false;
+  int k = 0;
+  for (std::size_t off = 0; off < q; off += s, ++k) {
+    Stage st;
+    st.off = off;
+    st.c = std::min(s, q - off);
+    st.slot = k & 1;
+    char* mine = scratch(slot_[st.slot], H * st.c * es);
+    // Stage 1, nonblocking: the slice of send among the ranks of this local rank (one per
+    // machine), in machine order, while the previous slice is spread on this machine.
+    LOCKSTEP_MPI_CHECK(MPI_Iallgather(send + off * es, static_cast<int>(st.c * es), MPI_BYTE, mine,
+                                      static_cast<int>(st.c * es), MPI_BYTE, cross_, &pending_[st.slot]));
+    if (have_prev) finish(prev);
+    prev = st;
     have_prev = true;
   }
   if (have_prev) finish(prev);

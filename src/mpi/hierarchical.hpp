@@ -1,5 +1,6 @@
-// Allreduce that knows the topology: for communicators whose ranks span several machines with the
-// same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce.
+// Collectives that know the topology: for communicators whose ranks span several machines with
+// the same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce,
+// broadcast, reduce-scatter and all-gather (the last two below; the allreduce described here).
 //
 // Why: between machines every byte of a flat allreduce goes over the network, and Open MPI's
 // algorithms do not tell the ranks on one machine apart from the others. Here a call runs in three
@@ -76,6 +77,42 @@ class HierarchicalAllreduce {
   /// flat (device memory, no elements, fewer than min_bytes()); any dtype.
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 
+  /// Reduce-scatter (the sharded optimizer's gradient step): recv (`numel` elements) = op over
+  /// the ranks of block rank() of send (size() x numel elements); recv may be that very block (in
+  /// place). Slice by slice (a slice is the same part of every rank's block, about chunk_bytes()
+  /// of send in all): (1) each rank copies the slice of every block into a scratch ordered by
+  /// the owner's local rank, then by its machine, and a node-local reduce-scatter through shared
+  /// memory leaves local rank j with its machine's sum of the slice of every block owned by a
+  /// rank of local rank j; (2) among the ranks of local rank j (one per machine), point to
+  /// point and nonblocking, each sends every other its piece of those sums and sums the pieces
+  /// it receives (in machine order, MPI_Reduce_local) into its own block's slice in recv, while
+  /// the next slice runs its stage 1. Each machine sends (H-1)/H of the buffer over its link, once,
+  /// where a flat ring over all N ranks sends (N-1)/N of it across each machine boundary. Any
+  /// placement of the ranks on the machines (the copy reorders). The sum's order: each
+  /// machine sums its ranks in local rank order (the shared-memory reduce-scatter's order, as the
+  /// hierarchical allreduce), then the machines in machine order: at two machines bitwise the
+  /// hierarchical allreduce's result, and within float rounding of the flat path's. The dtypes,
+  /// ops and sizes of allreduce() (size: of send); false, having done nothing, otherwise.
+  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  /// The same with a 16-bit wire on the inter-host part only (op: sum or avg; send and recv f32):
+  /// the node-local sums stay f32; each machine's sum of a slice is rounded once to `wire`, the
+  /// machines' values are summed in 16-bit (the backend's operator: each addition rounded to
+  /// `wire`), and the
+  /// result is widened into recv (divided by size() for avg). False for calls allreduce() would
+  /// send flat by size.
+  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
+  /// Whether reduce_scatter_wire16 takes a call with recv of `numel` f32 (the same answer on
+  /// every rank for the same call): from one element and min_bytes() of send.
+  bool handles_wire16(std::int64_t numel) const noexcept { return handles(numel * size_, DType::f32, ReduceOp::sum, true); }
+  /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
+  /// send in rank order; send may be block rank() of recv (in place). Slice by slice: (1) a
+  /// nonblocking MPI all-gather among the ranks of this local rank (one per machine) of the
+  /// slice of send, (2) a node-local all-gather through shared memory of what those brought,
+  /// copied to its places in recv, while the next slice crosses the network. Each rank's bytes
+  /// cross to each other machine once. Any dtype; host memory; from min_bytes() of recv; false,
+  /// having done nothing, otherwise. Bitwise the flat result (nothing is computed).
+  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+
   int hosts() const noexcept { return hosts_; }
   int ranks_per_host() const noexcept { return local_size_; }
   std::size_t min_bytes() const noexcept { return min_bytes_; }
@@ -93,6 +130,14 @@ class HierarchicalAllreduce {
   void progress() noexcept;
   void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op);
   void run_broadcast(char* buf, std::size_t n, DType dtype, int root);
+  // wire: DType::f32 for the plain form (the dtype is then `dtype`), bf16/f16 for the 16-bit wire.
+  void run_reduce_scatter(const char* send, char* recv, std::size_t q, DType dtype, ReduceOp op, DType wire);
+  void run_allgather(const char* send, char* recv, std::size_t q, DType dtype);
+  // Scratch of the reduce-scatter and all-gather, kept between calls (grown, never shrunk).
+  char* scratch(std::vector<char>& v, std::size_t bytes) {
+    if (v.size() < bytes) v.resize(bytes);
+    return v.data();
+  }
 
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, hosts_ = 1;
@@ -102,6 +147,9 @@ class HierarchicalAllreduce {
   std::size_t min_bytes_ = 0, chunk_bytes_ = 0;
   std::uint64_t calls_ = 0;
   std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)
+  std::vector<int> rank_at_;  // rank_at_[c * local_size_ + j]: the rank of local rank j on machine c
+  std::vector<char> gather_, slot_[2], wire_[2], inbox_[2];  // reduce-scatter / all-gather scratch
+  std::vector<MPI_Request> p2p_[2];  // the reduce-scatter's inter-host sends and receives, per slot
   // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
   // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
   MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};

@@ -666,12 +666,19 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) try {
   // In place (send is this rank's block of recv, which the front end allows): device memory is
   // staged (two host buffers, so nothing aliases there); host memory goes as MPI_IN_PLACE.
   const bool in_place = send.nbytes() > 0 && send.data == static_cast<const char*>(recv.data) + impl_->rank * n * es;
-  const bool host_work = n > kMaxChunk || (in_place && !send.device.is_cpu());  // the large form copies on the host
+  // The large form copies on the host, and so does the hierarchical path.
+  const bool host_work = n > kMaxChunk || (in_place && !send.device.is_cpu()) || impl_->hier;
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);
   const bool host_in_place = in_place && ss.host().data == static_cast<const char*>(rs.host().data) + impl_->rank * n * es;
   if (impl_->shm && impl_->shm->allgather(ss.host().data, rs.host().data, n, send.dtype,
                                           ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
+    rs.copy_out();
+    return;
+  }
+  // Across machines of two or more ranks each: each rank's bytes cross to each machine once.
+  if (impl_->hier && impl_->hier->allgather(ss.host().data, rs.host().data, n, send.dtype,
+                                            ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
     rs.copy_out();
     return;
   }
@@ -700,7 +707,8 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
   const std::size_t es = size_of(send.dtype);
   // In place (recv is this rank's block of send, which the front end allows): as in allgather.
   const bool in_place = recv.nbytes() > 0 && recv.data == static_cast<const char*>(send.data) + impl_->rank * n * es;
-  const bool host_work = op == ReduceOp::avg || !is_mpi_native(send.dtype) || (in_place && !send.device.is_cpu());
+  const bool host_work =
+      op == ReduceOp::avg || !is_mpi_native(send.dtype) || (in_place && !send.device.is_cpu()) || impl_->hier;
   Staged ss(*impl_, send, true, host_work);
   Staged rs(*impl_, recv, false, host_work);
   char* const sh = static_cast<char*>(ss.host().data);
@@ -708,6 +716,13 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
   // The shared-memory path: each rank reduces only its block (avg included).
   if (impl_->shm && impl_->shm->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
                                                ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
+    rs.copy_out();
+    return;
+  }
+  // Across machines of two or more ranks each: node-local reduce-scatter, then among the
+  // machines (avg included).
+  if (impl_->hier && impl_->hier->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
+                                                 ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
     rs.copy_out();
     return;
   }
@@ -762,6 +777,19 @@ void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) tr
 }
 
 void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) try {
+  if (impl_->hier && impl_->hier->handles_wire16(recv.numel)) {
+    // Across machines of two or more ranks each: the node-local sums in f32, only the
+    // inter-host part on the 16-bit wire (hierarchical.hpp).
+    TensorView onwire{send.data, send.numel, wire, Device::cpu()};
+    detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &onwire, recv.numel,
+                                  static_cast<int>(ReduceOp::sum), -1);  // reliability hook
+    if (guard.skipped()) return;
+    const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
+    if (impl_->hier->reduce_scatter_wire16(static_cast<const float*>(send.data), static_cast<float*>(recv.data),
+                                           recv.numel, w, op))
+      return;
+    throw Error("reduce_scatter_wire16: the hierarchical path declined a call it had taken (op must be sum or avg)");
+  }
   if (!impl_->shm || impl_->size == 1 || !impl_->shm->handles_wire16(recv.numel))
     return Backend::do_reduce_scatter_wire16(send, recv, wire, op);
   TensorView onwire{send.data, send.numel, wire, Device::cpu()};

@@ -8,8 +8,10 @@
 // the hierarchical order of the sum gives at two machines), the same bits on every rank; ranks
 // or whole machines that disagree about a call get MismatchError on every rank, with no buffer
 // written and the backend still usable. Also: the hierarchical broadcast (every root, every size,
-// a root that differs between machines), the reducer's default bucket size per path, and
-// Lockstep's Open MPI TCP default.
+// a root that differs between machines), the hierarchical reduce-scatter, all-gather and 16-bit
+// wire reduce-scatter (the sharded optimizer's; tagged [hier_rs], which also runs on real hosts
+// at any placement), the reducer's default bucket size per path, and Lockstep's Open MPI TCP
+// default.
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
@@ -133,11 +135,19 @@ T hier_order(ls::DType t, ls::ReduceOp op, int k, std::int64_t i) {
 // Calls from this many bytes take the hierarchical path (LOCKSTEP_TEST_HIER_MIN_BYTES, default 64 KiB).
 std::size_t hier_min_bytes() { return static_cast<std::size_t>(env_int("LOCKSTEP_TEST_HIER_MIN_BYTES", 64 << 10)); }
 
+// Two machines holding ranks [0,k) and [k,2k) (as LOCKSTEP_TEST_HOST_SIZE and --map-by
+// ppr:k:node place them; round robin does not): where hier_order() is the path's order.
+bool two_contiguous_hosts() {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), k = b.local_size();
+  return b.hierarchical() && k * 2 == n && all_ranks(b.local_rank() == b.rank() % k);
+}
+
 template <class T>
 void check_dtype(ls::DType t, MPI_Datatype dt) {
   ls::MPIBackend& b = backend();
   const int n = b.size(), rank = b.rank();
-  const bool two_hosts = b.hierarchical() && b.local_size() * 2 == n;
+  const bool two_hosts = two_contiguous_hosts();
   const bool integer = t == ls::DType::i32 || t == ls::DType::i64;
   for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::prod, ls::ReduceOp::min, ls::ReduceOp::max,
                           ls::ReduceOp::avg}) {
@@ -438,6 +448,215 @@ TEST_CASE("machines that disagree about a broadcast's root get MismatchError on 
   b.broadcast(x.view(), 1);
   std::int64_t wrong = 0;
   for (std::int64_t i = 0; i < count; ++i) wrong += x.data<float>()[i] == static_cast<float>(1000 + i % 1000) ? 0 : 1;
+  CHECK(all_ranks(wrong == 0));
+}
+
+// Reduce-scatter and all-gather across machines (issue 26 item 3, the sharded optimizer's two
+// collectives): node-local reduce-scatter in shared memory, then among the machines; among the
+// machines, then node-local all-gather. Block counts from one element up to a few slices, in
+// place and out of place. Checked against MPI's own flat reduce-scatter / all-gather over
+// MPI_COMM_WORLD: bitwise for the integers, min and max, and the all-gather; for the floating
+// sums within rounding (8 n eps relative), and at two machines bitwise the hierarchical order
+// (each machine's ranks folded in rank order, then the two machines' values added). At 3 ranks
+// as {0,1},{2} (uneven) the backend takes the flat path, and the same checks hold.
+namespace {
+
+// Block counts: small ones (flat below the threshold), one past the threshold, and one just
+// over a slice (a slice is about the chunk's bytes of send in all) so that two slices overlap;
+// `few`: one below and one past the threshold only (the dtypes other than f32, for the test's time;
+// the slices of those are crossed in the small-chunk configuration).
+std::vector<std::int64_t> block_counts(bool few = false) {
+  const std::int64_t slice = env_int("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 4 << 20) / 4 / backend().size();
+  std::vector<std::int64_t> out = {1, 3, 16411, slice + 3};
+  if (few) out = {3, 16411};
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+template <class T>
+void check_reduce_scatter(ls::DType t, MPI_Datatype dt, bool few) {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const bool two_hosts = two_contiguous_hosts();
+  const bool integer = t == ls::DType::i32 || t == ls::DType::i64;
+  for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::max, ls::ReduceOp::avg}) {
+    if (integer && op == ls::ReduceOp::avg) continue;
+    for (std::int64_t q : block_counts(few)) {
+      for (bool in_place : {true, false}) {
+        const std::int64_t total = q * n;
+        ls::Tensor x(ls::Shape{total}, t);
+        fill<T>(x, t, op, rank);
+        std::vector<T> flat(static_cast<std::size_t>(q));
+        MPI_Reduce_scatter_block(x.data<T>(), flat.data(), static_cast<int>(q), dt,
+                                 op == ls::ReduceOp::max ? MPI_MAX : MPI_SUM, MPI_COMM_WORLD);
+        if (op == ls::ReduceOp::avg)
+          for (auto& v : flat) v = static_cast<T>(v / static_cast<T>(n));
+        ls::Tensor out(ls::Shape{q}, t);
+        const T* got = nullptr;
+        if (in_place) {
+          b.reduce_scatter(x.view(), x.view().slice(rank * q, q), op);
+          got = x.data<T>() + rank * q;
+        } else {
+          b.reduce_scatter(x.view(), out.view(), op);
+          got = out.data<T>();
+          std::int64_t changed = 0;  // send is left as it was
+          for (std::int64_t i = 0; i < total; ++i)
+            changed += x.data<T>()[i] == static_cast<T>(value(t, op, rank, i)) ? 0 : 1;
+          CHECK(changed == 0);
+        }
+        std::int64_t wrong = 0, wrong_order = 0, others = 0;
+        double worst = 0;
+        for (std::int64_t i = 0; i < q; ++i) {
+          const T want = flat[static_cast<std::size_t>(i)];
+          if (integer || op == ls::ReduceOp::max) {
+            wrong += got[i] == want ? 0 : 1;
+          } else {
+            const double err = std::abs(static_cast<double>(got[i]) - static_cast<double>(want)) /
+                               std::max(1.0, std::abs(static_cast<double>(want)));
+            worst = std::max(worst, err);
+            wrong += err <= 8 * n * std::numeric_limits<T>::epsilon() ? 0 : 1;
+            if (two_hosts && static_cast<std::size_t>(total) * sizeof(T) >= hier_min_bytes())
+              wrong_order += got[i] == hier_order<T>(t, op, n / 2, rank * q + i) ? 0 : 1;
+          }
+        }
+        // In place on the hierarchical path, the other blocks of send are left as they were (the
+        // flat path's MPI_IN_PLACE may use them as scratch).
+        if (in_place && b.hierarchical() && static_cast<std::size_t>(total) * sizeof(T) >= hier_min_bytes())
+          for (std::int64_t i = 0; i < total; ++i)
+            if (i < rank * q || i >= (rank + 1) * q) others += x.data<T>()[i] == static_cast<T>(value(t, op, rank, i)) ? 0 : 1;
+        INFO("reduce_scatter " << ls::name(t) << " " << ls::name(op) << " block " << q
+                               << (in_place ? " in place" : " out of place") << " rank " << rank
+                               << ": worst relative error " << worst);
+        CHECK(wrong == 0);
+        CHECK(wrong_order == 0);
+        CHECK(others == 0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("reduce_scatter across machines: the flat result (bitwise where the order allows)", "[hier_rs]") {
+  check_reduce_scatter<float>(ls::DType::f32, MPI_FLOAT, false);
+  check_reduce_scatter<double>(ls::DType::f64, MPI_DOUBLE, true);
+  check_reduce_scatter<std::int32_t>(ls::DType::i32, MPI_INT32_T, true);
+  check_reduce_scatter<std::int64_t>(ls::DType::i64, MPI_INT64_T, true);
+}
+
+TEST_CASE("allgather across machines: every rank's block in rank order, bitwise", "[hier_rs]") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  for (const ls::DType t : {ls::DType::f32, ls::DType::u8, ls::DType::f64}) {
+    const std::size_t es = ls::size_of(t);
+    for (std::int64_t q : block_counts()) {
+      for (bool in_place : {true, false}) {
+        ls::Tensor all(ls::Shape{q * n}, t);
+        ls::Tensor mine(ls::Shape{q}, t);
+        const std::size_t bytes = static_cast<std::size_t>(q) * es;
+        auto pattern = [&](int r, std::size_t i) { return static_cast<unsigned char>((i * 131 + static_cast<std::size_t>(r) * 29 + 7) % 251); };
+        auto* pa = static_cast<unsigned char*>(all.raw_data());
+        auto* pm = static_cast<unsigned char*>(mine.raw_data());
+        for (std::size_t i = 0; i < bytes * static_cast<std::size_t>(n); ++i) pa[i] = 0xEE;
+        for (std::size_t i = 0; i < bytes; ++i) (in_place ? pa + static_cast<std::size_t>(rank) * bytes : pm)[i] = pattern(rank, i);
+        if (in_place)
+          b.allgather(all.view().slice(rank * q, q), all.view());
+        else
+          b.allgather(mine.view(), all.view());
+        std::size_t wrong = 0;
+        for (int r = 0; r < n; ++r)
+          for (std::size_t i = 0; i < bytes; ++i) wrong += pa[static_cast<std::size_t>(r) * bytes + i] == pattern(r, i) ? 0 : 1;
+        INFO("allgather " << ls::name(t) << " block " << q << (in_place ? " in place" : " out of place") << " rank "
+                          << rank);
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}
+
+// The 16-bit wire on the inter-host part only: each machine sums its ranks' f32 values in f32
+// (rank order), rounds that once to the wire dtype, and the machines' values are added in
+// 16-bit (each addition rounded). Bound against the exact sum of the f32 inputs: with u the
+// wire's unit roundoff (2^-8 bf16, 2^-11 f16) and H machines, |error| <= H u sum|x| (plus f32
+// rounding); tested with (H + 1) u. At two machines: bitwise that order, which a 16-bit
+// node-local sum (every rank's value rounded first) would not give.
+TEST_CASE("reduce_scatter_wire16 across machines: node sums in f32, the 16-bit wire between machines", "[hier_rs]") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const bool two_hosts = two_contiguous_hosts();
+  const int hosts = b.hierarchical() ? n / b.local_size() : n;  // flat: every rank's value rounded
+  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+    const double u = w == ls::DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+      for (std::int64_t q : {std::int64_t{5}, std::int64_t{70001}}) {
+        const std::int64_t total = q * n;
+        ls::Tensor x(ls::Shape{total});
+        fill<float>(x, ls::DType::f32, ls::ReduceOp::sum, rank);
+        ls::Tensor out(ls::Shape{q});
+        b.reduce_scatter_wire16(x.view(), out.view(), w, op);
+        std::int64_t wrong = 0, wrong_order = 0;
+        const bool on_path = b.hierarchical() && static_cast<std::size_t>(total) * 4 >= hier_min_bytes();
+        for (std::int64_t i = 0; i < q; ++i) {
+          const std::int64_t e = rank * q + i;
+          double exact = 0, mag = 0;
+          for (int r = 0; r < n; ++r) {
+            const double v = static_cast<float>(value(ls::DType::f32, ls::ReduceOp::sum, r, e));
+            exact += v;
+            mag += std::abs(v);
+          }
+          const double div = op == ls::ReduceOp::avg ? n : 1;
+          const double got = out.data<float>()[i];
+          wrong += std::abs(got - exact / div) <= ((hosts + 1) * u * mag + 1e-6) / div ? 0 : 1;
+          if (two_hosts && on_path) {
+            const int k = n / 2;
+            float p[2] = {0, 0};
+            for (int h = 0; h < 2; ++h) {
+              p[h] = static_cast<float>(value(ls::DType::f32, ls::ReduceOp::sum, h * k, e));
+              for (int r = h * k + 1; r < h * k + k; ++r) p[h] += static_cast<float>(value(ls::DType::f32, ls::ReduceOp::sum, r, e));
+            }
+            float want = round16(w, round16(w, p[0]) + round16(w, p[1]));
+            if (op == ls::ReduceOp::avg) want /= static_cast<float>(n);
+            wrong_order += static_cast<float>(got) == want ? 0 : 1;
+          }
+        }
+        INFO("reduce_scatter_wire16 " << ls::name(w) << " " << ls::name(op) << " block " << q << " rank " << rank);
+        CHECK(wrong == 0);
+        CHECK(wrong_order == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("machines that disagree about reduce_scatter and allgather get MismatchError on every rank", "[hier_rs]") {
+  ls::MPIBackend& b = backend();
+  if (!b.hierarchical()) return;  // the flat path's own checks are tested elsewhere
+  const int n = b.size(), rank = b.rank(), k = b.local_size();
+  const std::int64_t q = (std::int64_t{1} << 16) + 3;
+  ls::Tensor x(ls::Shape{q * n});
+  for (std::int64_t i = 0; i < q * n; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+  std::string text;
+  bool threw = false;
+  try {
+    // The first machine reduce-scatters, the others all-gather the same block count.
+    if (rank < k)
+      b.reduce_scatter(x.view(), x.view().slice(rank * q, q), ls::ReduceOp::sum);
+    else
+      b.allgather(x.view().slice(rank * q, q), x.view());
+  } catch (const ls::MismatchError& e) {
+    threw = true;
+    text = e.what();
+  }
+  INFO("rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+  CHECK(all_ranks(threw));
+  std::int64_t changed = 0;
+  for (std::int64_t i = 0; i < q * n; ++i) changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+  CHECK(all_ranks(changed == 0));
+  // Still in step: a correct call works.
+  b.reduce_scatter(x.view(), x.view().slice(rank * q, q), ls::ReduceOp::max);
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < q; ++i)
+    wrong += x.data<float>()[rank * q + i] == static_cast<float>((n - 1) * 1000 + (rank * q + i) % 1000) ? 0 : 1;
   CHECK(all_ranks(wrong == 0));
 }
 
