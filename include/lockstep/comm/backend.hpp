@@ -92,19 +92,24 @@ class Backend {
 
   using Loc = std::source_location;
 
+  // Roots: every function of the library that takes a root (these, the free collectives,
+  // synchronize, the checkpoint functions) defaults it to 0, the rank that drives
+  // (rank_zero_only, run_driver), and refuses one outside [0, size()) with the same
+  // InvalidArgument on every rank.
+
   /// Copies root's buffer into every rank's buffer.
-  void broadcast(TensorView buf, int root, Loc loc = Loc::current());
+  void broadcast(TensorView buf, int root = 0, Loc loc = Loc::current());
   /// In place: buf becomes the reduction of every rank's buf.
   void allreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Out of place: recv becomes the reduction of every rank's send (same dtype and numel).
   void allreduce(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
   /// In place on root; other ranks' buf is left unchanged. Each rank may call either form of
   /// reduce whatever the others call (both issue the same collectives, verdict broadcast included).
-  void reduce(TensorView buf, ReduceOp op, int root, Loc loc = Loc::current());
+  void reduce(TensorView buf, ReduceOp op, int root = 0, Loc loc = Loc::current());
   /// Out of place; recv is only written on root (other ranks may pass an empty view). Root's
   /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
   /// recv is the same InvalidArgument on every rank and no contribution is left in flight.
-  void reduce(TensorView send, TensorView recv, ReduceOp op, int root, Loc loc = Loc::current());
+  void reduce(TensorView send, TensorView recv, ReduceOp op, int root = 0, Loc loc = Loc::current());
   /// recv (numel = size() * send.numel) receives every rank's send, in rank order. In place:
   /// send is this rank's block of recv (any other overlap is an InvalidArgument).
   void allgather(TensorView send, TensorView recv, Loc loc = Loc::current());
@@ -133,7 +138,7 @@ class Backend {
   /// Nonblocking in-place allreduce; buf must stay alive and untouched until wait().
   Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Nonblocking broadcast.
-  Request ibroadcast(TensorView buf, int root, Loc loc = Loc::current());
+  Request ibroadcast(TensorView buf, int root = 0, Loc loc = Loc::current());
   /// Nonblocking in-place allreduce of several buffers (gradient buckets; any dtypes, buffers
   /// that do not overlap), one Request for all: NCCLBackend issues them in one NCCL group
   /// (ncclGroupStart/End), other backends one iallreduce after another in order.
