@@ -36,8 +36,9 @@ class RequestImpl {
 }  // namespace detail
 
 /// Handle of a nonblocking collective. Move-only; the destructor waits if still pending
-/// (errors there are reported to stderr, never thrown).
-class Request {
+/// (errors there are reported to stderr, never thrown). [[nodiscard]]: a Request dropped where
+/// it is returned waits at once, which makes the nonblocking call a blocking one.
+class [[nodiscard("a dropped Request waits at once in its destructor: keep it, and wait() when the buffer is needed")]] Request {
  public:
   Request() = default;
   explicit Request(std::unique_ptr<detail::RequestImpl> impl) : impl_(std::move(impl)) {}
@@ -52,7 +53,7 @@ class Request {
   /// True if the operation completed (then the buffer may be read); never blocks.
   bool test();
   /// True while the request refers to an operation not yet waited for.
-  bool pending() const noexcept { return static_cast<bool>(impl_); }
+  [[nodiscard]] bool pending() const noexcept { return static_cast<bool>(impl_); }
 
  private:
   std::unique_ptr<detail::RequestImpl> impl_;
@@ -78,12 +79,12 @@ class Backend {
   virtual ~Backend() = default;
 
   /// "mpi", "nccl".
-  virtual std::string name() const = 0;
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
   /// Rank among the processes on this node, and their number.
-  virtual int local_rank() const = 0;
-  virtual int local_size() const = 0;
+  [[nodiscard]] virtual int local_rank() const = 0;
+  [[nodiscard]] virtual int local_size() const = 0;
   /// True if collectives may be called from a thread other than the one that created the
   /// backend (one thread at a time). GradientReducer then reduces the buckets that backward
   /// completes on a communication thread of its own (MPIBackend: when MPI provides

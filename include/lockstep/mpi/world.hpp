@@ -25,12 +25,12 @@ void initialize() {
 }
 /// True once initialize<B>() has run (and finalize<B>() has not).
 template <class B>
-bool initialized() noexcept {
+[[nodiscard]] bool initialized() noexcept {
   return B::initialized_global();
 }
 /// The process-wide backend of type B; throws lockstep::Error if B is not initialised.
 template <class B>
-B& get_distributed_backend() {
+[[nodiscard]] B& get_distributed_backend() {
   return B::global();
 }
 /// Tears down the global backend B (and MPI, if Lockstep initialised it). Also happens at exit.
@@ -103,7 +103,7 @@ inline void barrier(Backend& b, std::source_location loc = std::source_location:
 }
 
 /// True when MPI is initialised, so that a distributed backend can be used.
-bool is_available() noexcept;
+[[nodiscard]] bool is_available() noexcept;
 
 /// Where this process sits in the job.
 struct WorldInfo {
@@ -115,7 +115,7 @@ struct WorldInfo {
 /// World info of MPI_COMM_WORLD; a single-process world {0, 1, 0, 1} when MPI is not initialised.
 /// Local (not a collective) once initialize<MPIBackend>() ran; before that, with MPI initialised
 /// by someone else, it is a collective over MPI_COMM_WORLD (MPI_Comm_split_type).
-WorldInfo world_info();
+[[nodiscard]] WorldInfo world_info();
 
 /// What on_rank & co. return for a void function on a rank that ran it.
 using Done = std::monostate;
