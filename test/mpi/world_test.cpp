@@ -211,14 +211,14 @@ TEST_CASE("the rank helpers given a backend test its rank, not the MPI_COMM_WORL
     CHECK(ls::on_rank(n - 1, [] {}).has_value() == (r == n - 1));
 
     // A rank the backend does not have is bad input, named, on every rank; not a silent no-op.
-    CHECK_THROWS_MATCHES(ls::on_rank(b, {0, n}, [] {}), ls::InvalidArgument,
-                         Catch::Matchers::Contains("on_rank: rank " + std::to_string(n) +
-                                                   " is not a rank of the mpi backend given"));
+    CHECK_THROWS_AS(ls::on_rank(b, {0, n}, [] {}), ls::InvalidArgument);
+    CHECK_THROWS_WITH(ls::on_rank(b, {0, n}, [] {}), Catch::Matchers::Contains("on_rank: rank " + std::to_string(n) +
+                                                                             " is not a rank of the mpi backend given"));
     CHECK_THROWS_AS(ls::not_on_rank(b, -1, [] {}), ls::InvalidArgument);
     int ran = 0;
     ls::MPIBackend moved(std::move(b));
-    CHECK_THROWS_MATCHES(ls::rank_zero_only(b, [&] { ++ran; }), ls::InvalidArgument,
-                         Catch::Matchers::Contains("has no ranks"));
+    CHECK_THROWS_AS(ls::rank_zero_only(b, [&] { ++ran; }), ls::InvalidArgument);
+    CHECK_THROWS_WITH(ls::rank_zero_only(b, [&] { ++ran; }), Catch::Matchers::Contains("has no ranks"));
     CHECK(ran == 0);
   }
   MPI_Comm_free(&reversed);

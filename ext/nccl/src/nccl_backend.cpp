@@ -337,21 +337,21 @@ void NCCLBackend::abort() noexcept { impl_->do_abort(); }
 // ---------------------------------------------------------------------------------------------
 void NCCLBackend::do_broadcast(TensorView buf, int root) {
   if (buf.device.is_cpu()) return impl_->host.broadcast(buf, root);
-  issue(impl_, "broadcast", buf, buf.numel, Wait::blocking, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "broadcast", buf, buf.numel, Wait::blocking, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
     return ncclBroadcast(buf.data, buf.data, count(buf), nccl_type(buf.dtype), root, c, s);
   });
 }
 
 void NCCLBackend::do_allreduce(TensorView buf, ReduceOp op) {
   if (buf.device.is_cpu()) return impl_->host.allreduce(buf, op);
-  issue(impl_, "allreduce", buf, buf.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allreduce", buf, buf.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllReduce(buf.data, buf.data, count(buf), nccl_type(buf.dtype), nccl_op(op), c, s);
   });
 }
 
 void NCCLBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
   if (send.device.is_cpu()) return impl_->host.allreduce(send, recv, op);
-  issue(impl_, "allreduce", send, send.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allreduce", send, send.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllReduce(send.data, recv.data, count(send), nccl_type(send.dtype), nccl_op(op), c, s);
   });
 }
@@ -359,7 +359,7 @@ void NCCLBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
 void NCCLBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
   if (buf.device.is_cpu()) return impl_->host.reduce(buf, op, root);
   // In place on the root; NCCL does not write recvbuff on the other ranks.
-  issue(impl_, "reduce", buf, buf.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "reduce", buf, buf.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclReduce(buf.data, buf.data, count(buf), nccl_type(buf.dtype), nccl_op(op), root, c, s);
   });
 }
@@ -367,7 +367,7 @@ void NCCLBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
 void NCCLBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
   // recv is empty (null) on the ranks other than root.
   if (send.device.is_cpu()) return impl_->host.reduce(send, recv, op, root);
-  issue(impl_, "reduce", send, send.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "reduce", send, send.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclReduce(send.data, rank() == root ? recv.data : nullptr, count(send), nccl_type(send.dtype),
                       nccl_op(op), root, c, s);
   });
@@ -376,7 +376,7 @@ void NCCLBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int r
 void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
   if (send.device.is_cpu()) return impl_->host.allgather(send, recv);
   // In place (send is this rank's block of recv) is NCCL's own in-place form.
-  issue(impl_, "allgather", send, send.numel, Wait::blocking, "ncclAllGather", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allgather", send, send.numel, Wait::blocking, "ncclAllGather", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllGather(send.data, recv.data, count(send), nccl_type(send.dtype), c, s);
   });
 }
@@ -384,7 +384,7 @@ void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
 void NCCLBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   if (send.device.is_cpu()) return impl_->host.reduce_scatter(send, recv, op);
   // In place (recv is this rank's block of send) is NCCL's own in-place form.
-  issue(impl_, "reduce_scatter", send, recv.numel, Wait::blocking, "ncclReduceScatter",
+  (void)issue(impl_, "reduce_scatter", send, recv.numel, Wait::blocking, "ncclReduceScatter",
         [&](ncclComm_t c, cudaStream_t s) {
           return ncclReduceScatter(send.data, recv.data, count(recv), nccl_type(send.dtype), nccl_op(op), c, s);
         });
