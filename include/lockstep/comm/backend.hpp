@@ -95,8 +95,8 @@ class Backend {
 
   // Roots: every function of the library that takes a root (these, the free collectives,
   // synchronize, the checkpoint functions) defaults it to 0, the rank that drives
-  // (rank_zero_only, run_driver), and refuses one outside [0, size()) with the same
-  // InvalidArgument on every rank.
+  // (rank_zero_only, run_driver), and refuses one outside [0, size()) with an InvalidArgument
+  // naming it, before anything is sent.
 
   /// Copies root's buffer into every rank's buffer.
   void broadcast(TensorView buf, int root = 0, Loc loc = Loc::current());
