@@ -19,7 +19,7 @@
 // With --driver it runs in TorchOpt's own form instead: main's work is wrapped by
 // ls::auto_init_rpc (a remote session on every rank), rank 0 holds the meta-model and runs the
 // outer loop (ls::rank_zero_only), and the other ranks return at once and serve, in the session's
-// graceful close, the tasks that come to them as remote calls (ls::parallelize_sync with
+// graceful close, the tasks that come to them as remote calls (ls::remote_parallelize_sync with
 // exclusive_batch_partitioner and mean_reducer over the registered functions meta_task and
 // eval_task; docs/remote.md). Same seed, same result as the SPMD form.
 //
@@ -252,8 +252,8 @@ namespace {
 int outer_loop(const Options& o, ls::Backend& backend) {
   MLP meta = init_mlp(o.seed * 1000);  // what synchronize gives every rank in the SPMD form
   auto state = ls::setup(ls::Adam{.lr = o.meta_lr}, meta);
-  auto meta_batch = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, meta_task);
-  auto evaluate = ls::parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, eval_task);
+  auto meta_batch = ls::remote_parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, meta_task);
+  auto evaluate = ls::remote_parallelize_sync(backend, ls::exclusive_batch_partitioner, ls::mean_reducer, eval_task);
   std::mt19937_64 eval_rng(o.seed ^ 0xE7A1ull);
   const ls::Tensor eval_tasks = sample_tasks(eval_rng, o.eval_tasks);
   std::printf("first-order MAML on sine regression (driver form): %d ranks, %d tasks per meta-batch, "

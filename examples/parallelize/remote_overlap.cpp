@@ -4,7 +4,7 @@
 // with remote_async_call, keeps the futures, and waits for them all with wait_all; the tasks
 // run at the same time on their ranks (the driver's own task runs while it waits), so the whole
 // takes about as long as one task rather than one per rank. Then the same work through
-// parallelize_async with a list of ranks and a user's reducer.
+// remote_parallelize_async with a list of ranks and a user's reducer.
 //
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/parallelize/remote_overlap
@@ -49,11 +49,11 @@ int main() {
     double total = 0;
     for (double v : ls::wait_all(fs)) total += v;
     const double t_all = std::chrono::duration<double>(clock::now() - t0).count();
-    // The same through parallelize_async: every rank gets the whole range; the user's reducer
+    // The same through remote_parallelize_async: every rank gets the whole range; the user's reducer
     // checks that they agree and keeps one.
     auto everyone = std::vector<int>(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) everyone[r] = r;
-    auto same = ls::parallelize_async(b, everyone, [](std::vector<double> v) {
+    auto same = ls::remote_parallelize_async(b, everyone, [](std::vector<double> v) {
       for (double x : v)
         if (x != v[0]) throw ls::Error("the ranks disagree");
       return v[0];

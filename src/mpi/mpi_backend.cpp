@@ -261,7 +261,8 @@ class PinnedPool {
 
 }  // namespace
 
-struct MPIBackend::Impl {
+// MPIBackend's state (its pimpl; declared in mpi_backend.hpp, defined only here).
+struct detail::MPIBackendImpl {
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 1, local_rank = 0, local_size = 1;
   bool cuda_aware = false;
@@ -278,7 +279,7 @@ struct MPIBackend::Impl {
   // otherwise, and whenever shm is set).
   std::unique_ptr<detail::HierarchicalAllreduce> hier;
 
-  ~Impl() {
+  ~MPIBackendImpl() {
     // Reliability hook: after a stall or with requests still pending, MPI may still progress
     // operations on comm (MPI_Finalize does), so it is leaked rather than freed under them.
     const bool keep_comm = monitor && !detail::safe_to_free(*monitor);
@@ -313,7 +314,7 @@ class Staged {
  public:
   /// `host_work`: the call does work of its own on the buffer on the host (the avg division,
   /// the f16/bf16 operators, a local copy), so device memory is staged even with CUDA-aware MPI.
-  Staged(MPIBackend::Impl& impl, TensorView v, bool copy_in, bool host_work = false)
+  Staged(detail::MPIBackendImpl& impl, TensorView v, bool copy_in, bool host_work = false)
       : pool_(impl.pinned_pool), orig_(v), host_(v) {
     if (v.device.is_cpu()) return;
     DeviceRuntime& rt = device_runtime("MPIBackend with a cuda tensor");
@@ -419,7 +420,7 @@ void scale_host_fn(TensorView v, int n) { scale_host(v, n); }
 // ---------------------------------------------------------------------------------------------
 // MPIBackend
 // ---------------------------------------------------------------------------------------------
-MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<Impl>()) {
+MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<detail::MPIBackendImpl>()) {
   int init = 0, fin = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
@@ -522,7 +523,7 @@ namespace {
 // Every collective of MPIBackend is a function-try-block that hands an MpiError to this before
 // it goes on: an MPI error on one rank is told to the others (monitor.hpp, report_mpi_error),
 // which would otherwise wait in the same collective for the default deadline.
-void report_mpi_error(MPIBackend::Impl* impl, const MpiError& e) noexcept {
+void report_mpi_error(detail::MPIBackendImpl* impl, const MpiError& e) noexcept {
   if (impl != nullptr) detail::report_mpi_error(impl->monitor.get(), e.what(), e.code());
 }
 }  // namespace
@@ -911,7 +912,7 @@ std::vector<MPI_Request> issue_chunks(TensorView host, Issue&& issue) {
 
 // For a device buffer: synchronises its device, and unless MPI is CUDA-aware returns a pinned
 // copy of it (with its contents when copy_in) that the request owns.
-std::unique_ptr<OwnedPinned> stage_nonblocking(MPIBackend::Impl& impl, TensorView buf, bool copy_in,
+std::unique_ptr<OwnedPinned> stage_nonblocking(detail::MPIBackendImpl& impl, TensorView buf, bool copy_in,
                                                TensorView& host) {
   host = buf;
   if (buf.device.is_cpu()) return nullptr;

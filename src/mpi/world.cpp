@@ -35,6 +35,14 @@ int detail::world_rank() noexcept {
   return r;
 }
 
+void detail::check_ranks_of(const Backend& b, const std::vector<int>& ranks, const char* what) {
+  const int n = b.size();
+  LOCKSTEP_CHECK_ARG(n > 0, what, ": the ", b.name(), " backend given has no ranks (moved from)");
+  for (const int r : ranks)
+    LOCKSTEP_CHECK_ARG(r >= 0 && r < n, what, ": rank ", r, " is not a rank of the ", b.name(),
+                       " backend given (its ranks are 0 to ", n - 1, ")");
+}
+
 // Declared in core/errors.hpp: every error message of the library names the rank.
 std::string detail::rank_suffix() {
   int init = 0, fin = 0;

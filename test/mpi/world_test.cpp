@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <csignal>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,11 +72,11 @@ TEST_CASE("after initialize a write to a pipe nobody reads fails with EPIPE inst
   CHECK(err == EPIPE);
 }
 
-TEST_CASE("rank, total_workers, local_rank, local_workers and world_info agree with MPI") {
+TEST_CASE("rank, size, local_rank, local_size and world_info agree with MPI") {
   ls::Backend& b = ls::get_distributed_backend<ls::MPIBackend>();
   const int r = mpi_world_rank(), n = mpi_world_size();
   CHECK(ls::rank(b) == r);
-  CHECK(ls::total_workers(b) == n);
+  CHECK(ls::size(b) == n);
 
   // Node-local numbers, independently from MPI_Comm_split_type.
   MPI_Comm node;
@@ -85,8 +86,14 @@ TEST_CASE("rank, total_workers, local_rank, local_workers and world_info agree w
   MPI_Comm_size(node, &ln);
   MPI_Comm_free(&node);
   CHECK(ls::local_rank(b) == lr);
+  CHECK(ls::local_size(b) == ln);
+  CHECK(ls::local_rank(b) < ls::local_size(b));
+  // The 0.2 names forward, deprecated, for one release.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  CHECK(ls::total_workers(b) == n);
   CHECK(ls::local_workers(b) == ln);
-  CHECK(ls::local_rank(b) < ls::local_workers(b));
+#pragma GCC diagnostic pop
 
   const ls::WorldInfo w = ls::world_info();
   CHECK(w.rank == r);
@@ -170,6 +177,51 @@ TEST_CASE("on_rank and not_on_rank with void and non-void functions") {
   bool ok = true;
   if (r == n - 1) ok = ls::on_rank(n - 1, [] { return true; }).value_or(false);
   CHECK(ok);
+}
+
+TEST_CASE("the rank helpers given a backend test its rank, not the MPI_COMM_WORLD rank") {
+  // A backend whose communicator numbers the ranks backwards: its rank 0 is world rank n-1.
+  const int r = mpi_world_rank(), n = mpi_world_size();
+  MPI_Comm reversed = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_split(MPI_COMM_WORLD, 0, n - 1 - r, &reversed) == MPI_SUCCESS);
+  {
+    ls::MPIBackend b(reversed);
+    REQUIRE(b.rank() == n - 1 - r);
+    REQUIRE(ls::size(b) == n);
+
+    int calls = 0;
+    const std::optional<int> z = ls::rank_zero_only(b, [&] {
+      ++calls;
+      return r;
+    });
+    CHECK(z.has_value() == (r == n - 1));
+    if (z) CHECK(*z == n - 1);
+    CHECK(count_ranks(calls == 1) == 1);
+    CHECK(ls::rank_non_zero_only(b, [] {}).has_value() == (r != n - 1));
+
+    // Backend rank 0 and 1 are world ranks n-1 and n-2.
+    const bool in = r == n - 1 || (n > 1 && r == n - 2);
+    CHECK(ls::on_rank(b, {0, n > 1 ? 1 : 0}, [] {}).has_value() == in);
+    CHECK(ls::on_rank(b, std::vector<int>{n - 1}, [] { return 1; }).has_value() == (r == 0));
+    CHECK(ls::not_on_rank(b, 0, [] { return 2; }).has_value() == (r != n - 1));
+    CHECK(ls::not_on_rank(b, {0}, [] {}).has_value() == (r != n - 1));
+
+    // The forms without a backend keep the world's (the global backend's) rank.
+    CHECK(ls::rank_zero_only([] {}).has_value() == (r == 0));
+    CHECK(ls::on_rank(n - 1, [] {}).has_value() == (r == n - 1));
+
+    // A rank the backend does not have is bad input, named, on every rank; not a silent no-op.
+    CHECK_THROWS_AS(ls::on_rank(b, {0, n}, [] {}), ls::InvalidArgument);
+    CHECK_THROWS_WITH(ls::on_rank(b, {0, n}, [] {}), Catch::Matchers::Contains("on_rank: rank " + std::to_string(n) +
+                                                                             " is not a rank of the mpi backend given"));
+    CHECK_THROWS_AS(ls::not_on_rank(b, -1, [] {}), ls::InvalidArgument);
+    int ran = 0;
+    ls::MPIBackend moved(std::move(b));
+    CHECK_THROWS_AS(ls::rank_zero_only(b, [&] { ++ran; }), ls::InvalidArgument);
+    CHECK_THROWS_WITH(ls::rank_zero_only(b, [&] { ++ran; }), Catch::Matchers::Contains("has no ranks"));
+    CHECK(ran == 0);
+  }
+  MPI_Comm_free(&reversed);
 }
 
 TEST_CASE("AutoInit inside an initialised program runs the worker init and owns nothing") {

@@ -610,13 +610,20 @@ TEST_CASE("remote: partitioners and reducers") {
     CHECK(int_tensor.find("remote call: mean_reducer needs floating-point results") != std::string::npos);
     CHECK(int_tensor.find("i32") != std::string::npos);
     CHECK(ls::remote_sync_call(b, ls::batch_partitioner, ls::sum_reducer, row_count_i32, x).data<std::int32_t>()[0] == rows);
-    // parallelize_async / parallelize_sync.
-    auto par = ls::parallelize_async(b, ls::batch_partitioner, ls::mean_reducer, mean_of);
+    // remote_parallelize_async / remote_parallelize_sync.
+    auto par = ls::remote_parallelize_async(b, ls::batch_partitioner, ls::mean_reducer, mean_of);
     ls::Future<double> pf = par(x);
     CHECK(pf.wait() == Approx(full_mean));
-    auto pars = ls::parallelize_sync(b, ls::batch_partitioner, ls::sum_reducer, column_sums);
+    auto pars = ls::remote_parallelize_sync(b, ls::batch_partitioner, ls::sum_reducer, column_sums);
     ls::Tensor pt = pars(x);
     CHECK(pt.data<float>()[0] == Approx(want.data<float>()[0]));
+    // Their 0.2 names forward, deprecated, for one release.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    CHECK(ls::parallelize_async(b, ls::batch_partitioner, ls::mean_reducer, mean_of)(x).wait() == Approx(full_mean));
+    CHECK(ls::parallelize_sync(b, ls::batch_partitioner, ls::sum_reducer, column_sums)(x).data<float>()[0] ==
+          Approx(want.data<float>()[0]));
+#pragma GCC diagnostic pop
     // Bad input to the partitioner: a clear error before anything is sent.
     CHECK_THROWS_AS(ls::remote_sync_call(b, ls::batch_partitioner, ls::sum_reducer, whoami), ls::InvalidArgument);
     CHECK_THROWS_AS(ls::remote_sync_call(b, std::vector<int>{0, world()}, ls::sum_reducer, whoami), ls::InvalidArgument);

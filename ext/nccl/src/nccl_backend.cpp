@@ -80,7 +80,8 @@ int choose_device(int requested, int local_rank, int count, std::string& why) {
 
 }  // namespace
 
-struct NCCLBackend::Impl {
+// NCCLBackend's state (its pimpl; declared in nccl.hpp, defined only here).
+struct detail::NCCLBackendImpl {
   MPIBackend host;
   int device = 0;
   cuda::Stream stream;
@@ -88,9 +89,9 @@ struct NCCLBackend::Impl {
   ncclComm_t comm = nullptr;
   bool aborted = false;
 
-  explicit Impl(MPI_Comm c) : host(c) {}
+  explicit NCCLBackendImpl(MPI_Comm c) : host(c) {}
 
-  ~Impl() {
+  ~NCCLBackendImpl() {
     if (comm == nullptr) return;
     int prev = -1;
     if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
@@ -194,7 +195,7 @@ namespace {
 
 class NcclRequest final : public detail::RequestImpl {
  public:
-  NcclRequest(std::shared_ptr<NCCLBackend::Impl> impl, cuda::Event done)
+  NcclRequest(std::shared_ptr<detail::NCCLBackendImpl> impl, cuda::Event done)
       : impl_(std::move(impl)), done_(std::move(done)) {}
   void wait() override {
     if (finished_) return;
@@ -217,13 +218,13 @@ class NcclRequest final : public detail::RequestImpl {
   }
 
  private:
-  std::shared_ptr<NCCLBackend::Impl> impl_;
+  std::shared_ptr<detail::NCCLBackendImpl> impl_;
   cuda::Event done_;
   bool finished_ = false;
 };
 
 // Records completion of the work queued on NCCL's stream in a fresh event owned by the request.
-Request make_request(const std::shared_ptr<NCCLBackend::Impl>& impl) {
+Request make_request(const std::shared_ptr<detail::NCCLBackendImpl>& impl) {
   cuda::Event done = cuda::Event::create(impl->device);
   done.record(impl->stream.get());
   return Request(std::make_unique<NcclRequest>(impl, std::move(done)));
@@ -238,10 +239,10 @@ enum class Wait { blocking, nonblocking };
 // (polling NCCL's asynchronous errors and the deadline) and returns an empty Request;
 // nonblocking: returns a Request tied to an event recorded after it.
 template <class Call>
-Request issue(const std::shared_ptr<NCCLBackend::Impl>& impl, const char* what, const TensorView& v,
+Request issue(const std::shared_ptr<detail::NCCLBackendImpl>& impl, const char* what, const TensorView& v,
               std::int64_t numel, Wait wait, const char* name, Call&& call,
               const std::source_location& loc = std::source_location::current()) {
-  NCCLBackend::Impl& im = *impl;
+  detail::NCCLBackendImpl& im = *impl;
   im.check_device(v, what);
   if (numel == 0) return Request();
   cuda::DeviceGuard g(im.device);
@@ -259,9 +260,9 @@ std::size_t count(const TensorView& v) { return static_cast<std::size_t>(v.numel
 // ---------------------------------------------------------------------------------------------
 // Construction: the unique id travels over MPI
 // ---------------------------------------------------------------------------------------------
-NCCLBackend::NCCLBackend(MPI_Comm comm, Options options) : impl_(std::make_shared<Impl>(comm)) {
+NCCLBackend::NCCLBackend(MPI_Comm comm, Options options) : impl_(std::make_shared<detail::NCCLBackendImpl>(comm)) {
   cuda::init();
-  Impl& im = *impl_;
+  detail::NCCLBackendImpl& im = *impl_;
   MPI_Comm mc = im.host.comm();
   std::string why;
   const int count = cuda::device_count();
@@ -336,21 +337,21 @@ void NCCLBackend::abort() noexcept { impl_->do_abort(); }
 // ---------------------------------------------------------------------------------------------
 void NCCLBackend::do_broadcast(TensorView buf, int root) {
   if (buf.device.is_cpu()) return impl_->host.broadcast(buf, root);
-  issue(impl_, "broadcast", buf, buf.numel, Wait::blocking, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "broadcast", buf, buf.numel, Wait::blocking, "ncclBroadcast", [&](ncclComm_t c, cudaStream_t s) {
     return ncclBroadcast(buf.data, buf.data, count(buf), nccl_type(buf.dtype), root, c, s);
   });
 }
 
 void NCCLBackend::do_allreduce(TensorView buf, ReduceOp op) {
   if (buf.device.is_cpu()) return impl_->host.allreduce(buf, op);
-  issue(impl_, "allreduce", buf, buf.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allreduce", buf, buf.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllReduce(buf.data, buf.data, count(buf), nccl_type(buf.dtype), nccl_op(op), c, s);
   });
 }
 
 void NCCLBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
   if (send.device.is_cpu()) return impl_->host.allreduce(send, recv, op);
-  issue(impl_, "allreduce", send, send.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allreduce", send, send.numel, Wait::blocking, "ncclAllReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllReduce(send.data, recv.data, count(send), nccl_type(send.dtype), nccl_op(op), c, s);
   });
 }
@@ -358,7 +359,7 @@ void NCCLBackend::do_allreduce(TensorView send, TensorView recv, ReduceOp op) {
 void NCCLBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
   if (buf.device.is_cpu()) return impl_->host.reduce(buf, op, root);
   // In place on the root; NCCL does not write recvbuff on the other ranks.
-  issue(impl_, "reduce", buf, buf.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "reduce", buf, buf.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclReduce(buf.data, buf.data, count(buf), nccl_type(buf.dtype), nccl_op(op), root, c, s);
   });
 }
@@ -366,7 +367,7 @@ void NCCLBackend::do_reduce(TensorView buf, ReduceOp op, int root) {
 void NCCLBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int root) {
   // recv is empty (null) on the ranks other than root.
   if (send.device.is_cpu()) return impl_->host.reduce(send, recv, op, root);
-  issue(impl_, "reduce", send, send.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "reduce", send, send.numel, Wait::blocking, "ncclReduce", [&](ncclComm_t c, cudaStream_t s) {
     return ncclReduce(send.data, rank() == root ? recv.data : nullptr, count(send), nccl_type(send.dtype),
                       nccl_op(op), root, c, s);
   });
@@ -375,7 +376,7 @@ void NCCLBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int r
 void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
   if (send.device.is_cpu()) return impl_->host.allgather(send, recv);
   // In place (send is this rank's block of recv) is NCCL's own in-place form.
-  issue(impl_, "allgather", send, send.numel, Wait::blocking, "ncclAllGather", [&](ncclComm_t c, cudaStream_t s) {
+  (void)issue(impl_, "allgather", send, send.numel, Wait::blocking, "ncclAllGather", [&](ncclComm_t c, cudaStream_t s) {
     return ncclAllGather(send.data, recv.data, count(send), nccl_type(send.dtype), c, s);
   });
 }
@@ -383,7 +384,7 @@ void NCCLBackend::do_allgather(TensorView send, TensorView recv) {
 void NCCLBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op) {
   if (send.device.is_cpu()) return impl_->host.reduce_scatter(send, recv, op);
   // In place (recv is this rank's block of send) is NCCL's own in-place form.
-  issue(impl_, "reduce_scatter", send, recv.numel, Wait::blocking, "ncclReduceScatter",
+  (void)issue(impl_, "reduce_scatter", send, recv.numel, Wait::blocking, "ncclReduceScatter",
         [&](ncclComm_t c, cudaStream_t s) {
           return ncclReduceScatter(send.data, recv.data, count(recv), nccl_type(send.dtype), nccl_op(op), c, s);
         });
@@ -428,7 +429,7 @@ void NCCLBackend::allreduce_many(std::span<const TensorView> bufs, ReduceOp op) 
 }
 
 Request NCCLBackend::do_iallreduce_many(std::span<const TensorView> bufs, ReduceOp op) {
-  Impl& im = *impl_;
+  detail::NCCLBackendImpl& im = *impl_;
   // MPI has no group call; the host requests are issued together and completed together.
   if (all_on_host(bufs, "iallreduce_many")) return im.host.iallreduce_many(bufs, op);
   bool any = false;

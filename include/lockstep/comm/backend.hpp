@@ -36,8 +36,9 @@ class RequestImpl {
 }  // namespace detail
 
 /// Handle of a nonblocking collective. Move-only; the destructor waits if still pending
-/// (errors there are reported to stderr, never thrown).
-class Request {
+/// (errors there are reported to stderr, never thrown). [[nodiscard]]: a Request dropped where
+/// it is returned waits at once, which makes the nonblocking call a blocking one.
+class [[nodiscard("a dropped Request waits at once in its destructor: keep it, and wait() when the buffer is needed")]] Request {
  public:
   Request() = default;
   explicit Request(std::unique_ptr<detail::RequestImpl> impl) : impl_(std::move(impl)) {}
@@ -52,7 +53,7 @@ class Request {
   /// True if the operation completed (then the buffer may be read); never blocks.
   bool test();
   /// True while the request refers to an operation not yet waited for.
-  bool pending() const noexcept { return static_cast<bool>(impl_); }
+  [[nodiscard]] bool pending() const noexcept { return static_cast<bool>(impl_); }
 
  private:
   std::unique_ptr<detail::RequestImpl> impl_;
@@ -78,12 +79,12 @@ class Backend {
   virtual ~Backend() = default;
 
   /// "mpi", "nccl".
-  virtual std::string name() const = 0;
-  virtual int rank() const = 0;
-  virtual int size() const = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
   /// Rank among the processes on this node, and their number.
-  virtual int local_rank() const = 0;
-  virtual int local_size() const = 0;
+  [[nodiscard]] virtual int local_rank() const = 0;
+  [[nodiscard]] virtual int local_size() const = 0;
   /// True if collectives may be called from a thread other than the one that created the
   /// backend (one thread at a time). GradientReducer then reduces the buckets that backward
   /// completes on a communication thread of its own (MPIBackend: when MPI provides
@@ -92,19 +93,24 @@ class Backend {
 
   using Loc = std::source_location;
 
+  // Roots: every function of the library that takes a root (these, the free collectives,
+  // synchronize, the checkpoint functions) defaults it to 0, the rank that drives
+  // (rank_zero_only, run_driver), and refuses one outside [0, size()) with an InvalidArgument
+  // naming it, before anything is sent.
+
   /// Copies root's buffer into every rank's buffer.
-  void broadcast(TensorView buf, int root, Loc loc = Loc::current());
+  void broadcast(TensorView buf, int root = 0, Loc loc = Loc::current());
   /// In place: buf becomes the reduction of every rank's buf.
   void allreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Out of place: recv becomes the reduction of every rank's send (same dtype and numel).
   void allreduce(TensorView send, TensorView recv, ReduceOp op, Loc loc = Loc::current());
   /// In place on root; other ranks' buf is left unchanged. Each rank may call either form of
   /// reduce whatever the others call (both issue the same collectives, verdict broadcast included).
-  void reduce(TensorView buf, ReduceOp op, int root, Loc loc = Loc::current());
+  void reduce(TensorView buf, ReduceOp op, int root = 0, Loc loc = Loc::current());
   /// Out of place; recv is only written on root (other ranks may pass an empty view). Root's
   /// recv is checked on root and the verdict broadcast first (one small broadcast), so a bad
   /// recv is the same InvalidArgument on every rank and no contribution is left in flight.
-  void reduce(TensorView send, TensorView recv, ReduceOp op, int root, Loc loc = Loc::current());
+  void reduce(TensorView send, TensorView recv, ReduceOp op, int root = 0, Loc loc = Loc::current());
   /// recv (numel = size() * send.numel) receives every rank's send, in rank order. In place:
   /// send is this rank's block of recv (any other overlap is an InvalidArgument).
   void allgather(TensorView send, TensorView recv, Loc loc = Loc::current());
@@ -133,7 +139,7 @@ class Backend {
   /// Nonblocking in-place allreduce; buf must stay alive and untouched until wait().
   Request iallreduce(TensorView buf, ReduceOp op, Loc loc = Loc::current());
   /// Nonblocking broadcast.
-  Request ibroadcast(TensorView buf, int root, Loc loc = Loc::current());
+  Request ibroadcast(TensorView buf, int root = 0, Loc loc = Loc::current());
   /// Nonblocking in-place allreduce of several buffers (gradient buckets; any dtypes, buffers
   /// that do not overlap), one Request for all: NCCLBackend issues them in one NCCL group
   /// (ncclGroupStart/End), other backends one iallreduce after another in order.

@@ -22,7 +22,7 @@ struct bfloat16 {
 };
 
 /// Size of one element in bytes.
-constexpr std::size_t size_of(DType t) noexcept {
+[[nodiscard]] constexpr std::size_t size_of(DType t) noexcept {
   switch (t) {
     case DType::f16:
     case DType::bf16: return 2;
@@ -36,12 +36,12 @@ constexpr std::size_t size_of(DType t) noexcept {
 }
 
 /// True for f16, bf16, f32, f64.
-constexpr bool is_floating(DType t) noexcept {
+[[nodiscard]] constexpr bool is_floating(DType t) noexcept {
   return t == DType::f16 || t == DType::bf16 || t == DType::f32 || t == DType::f64;
 }
 
 /// Short name: "f32", "bf16", ...
-const char* name(DType t) noexcept;
+[[nodiscard]] const char* name(DType t) noexcept;
 
 /// dtype_of<T>: the DType for a C++ element type.
 template <class T>
@@ -57,10 +57,10 @@ template <class T>
 inline constexpr DType dtype_of_v = dtype_of<std::remove_cv_t<T>>::value;
 
 /// Conversions between the 16-bit float formats and float (round to nearest even).
-float to_float(half h) noexcept;
-float to_float(bfloat16 b) noexcept;
-half to_half(float f) noexcept;
-bfloat16 to_bfloat16(float f) noexcept;
+[[nodiscard]] float to_float(half h) noexcept;
+[[nodiscard]] float to_float(bfloat16 b) noexcept;
+[[nodiscard]] half to_half(float f) noexcept;
+[[nodiscard]] bfloat16 to_bfloat16(float f) noexcept;
 
 /// Where a tensor's memory lives.
 struct Device {
@@ -76,6 +76,6 @@ struct Device {
 };
 
 /// "cpu" or "cuda:N".
-std::string to_string(Device d);
+[[nodiscard]] std::string to_string(Device d);
 
 }  // namespace lockstep

@@ -20,11 +20,11 @@ using Shape = std::vector<std::int64_t>;
 std::string to_string(const Shape& s);
 /// Product of the extents; throws InvalidArgument on a negative extent or a product that an
 /// int64 cannot hold. A zero extent anywhere gives 0, whatever the other extents.
-std::int64_t numel_of(const Shape& s);
+[[nodiscard]] std::int64_t numel_of(const Shape& s);
 /// numel * size_of(dtype) in bytes; throws InvalidArgument if numel is negative or the size is
 /// more than a pointer difference can hold (PTRDIFF_MAX), so byte sizes and offsets computed
 /// from it never wrap.
-std::size_t nbytes_of(std::int64_t numel, DType dtype);
+[[nodiscard]] std::size_t nbytes_of(std::int64_t numel, DType dtype);
 
 /// Non-owning view of contiguous memory: data, element count, dtype, device.
 struct TensorView {
@@ -44,13 +44,13 @@ struct TensorView {
   }
   /// Elements [offset, offset + count) of this view; throws InvalidArgument unless
   /// 0 <= offset <= numel and 0 <= count <= numel - offset (checked without overflow).
-  TensorView slice(std::int64_t offset, std::int64_t count) const;
+  [[nodiscard]] TensorView slice(std::int64_t offset, std::int64_t count) const;
 
   void check_dtype(DType expected) const;
 };
 
 /// True if a and b lie on the same device and share at least one byte of memory.
-bool memory_overlaps(const TensorView& a, const TensorView& b) noexcept;
+[[nodiscard]] bool memory_overlaps(const TensorView& a, const TensorView& b) noexcept;
 
 /// A view of a typed span on the host.
 template <class T>
@@ -77,35 +77,35 @@ class Tensor {
   Tensor& operator=(const Tensor&) = delete;
   ~Tensor() = default;
 
-  static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
-  static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
-  static Tensor ones(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
+  [[nodiscard]] static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
+  [[nodiscard]] static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
+  [[nodiscard]] static Tensor ones(Shape shape, DType dtype = DType::f32, Device device = Device::cpu());
   /// Every element set to `value` (converted to dtype).
-  static Tensor full(Shape shape, double value, DType dtype = DType::f32,
+  [[nodiscard]] static Tensor full(Shape shape, double value, DType dtype = DType::f32,
                      Device device = Device::cpu());
   /// Copy of `count` elements of host data; numel_of(shape) must equal data.size().
   template <class T>
-  static Tensor from(std::span<const T> data, Shape shape, Device device = Device::cpu()) {
+  [[nodiscard]] static Tensor from(std::span<const T> data, Shape shape, Device device = Device::cpu()) {
     return from_bytes(data.data(), static_cast<std::int64_t>(data.size()), dtype_of_v<T>,
                       std::move(shape), device);
   }
   template <class T>
-  static Tensor from(const std::vector<T>& data, Shape shape) {
+  [[nodiscard]] static Tensor from(const std::vector<T>& data, Shape shape) {
     return from(std::span<const T>(data), std::move(shape));
   }
   template <class T>
-  static Tensor from(const std::vector<T>& data) {
+  [[nodiscard]] static Tensor from(const std::vector<T>& data) {
     return from(std::span<const T>(data), Shape{static_cast<std::int64_t>(data.size())});
   }
   /// Copy of `count` host elements of type dtype at `src`.
-  static Tensor from_bytes(const void* src, std::int64_t count, DType dtype, Shape shape,
+  [[nodiscard]] static Tensor from_bytes(const void* src, std::int64_t count, DType dtype, Shape shape,
                            Device device = Device::cpu());
   /// A tensor that borrows `data` (not freed by the tensor); the caller keeps it alive.
-  static Tensor borrow(void* data, Shape shape, DType dtype, Device device = Device::cpu());
+  [[nodiscard]] static Tensor borrow(void* data, Shape shape, DType dtype, Device device = Device::cpu());
   /// A tensor over `data` whose memory `owner` keeps alive: the tensor and every view of it
   /// share `owner`, whose deleter runs when the last of them is released (for memory with its
   /// own release path, e.g. a pool of buffers). `data` must hold the tensor's bytes.
-  static Tensor adopt(void* data, std::shared_ptr<void> owner, Shape shape, DType dtype,
+  [[nodiscard]] static Tensor adopt(void* data, std::shared_ptr<void> owner, Shape shape, DType dtype,
                       Device device = Device::cpu());
 
   const Shape& shape() const noexcept { return shape_; }
@@ -148,20 +148,20 @@ class Tensor {
   operator TensorView() const noexcept { return view(); }
 
   /// Deep copy on the same device.
-  Tensor clone() const;
+  [[nodiscard]] Tensor clone() const;
   /// Copy on another device (a no-op copy when already there).
-  Tensor to(Device device) const;
+  [[nodiscard]] Tensor to(Device device) const;
   /// Sets every element to zero.
   void zero_();
   /// Copies the contents of `src` (same dtype and numel) into this tensor. Overlapping host
   /// memory is copied as if through a temporary (memmove); a null src with elements is refused.
   void copy_from(const TensorView& src);
   /// Same memory, new shape with the same numel; keeps the memory alive like this tensor does.
-  Tensor reshape_view(Shape shape) const;
+  [[nodiscard]] Tensor reshape_view(Shape shape) const;
   /// Elements [offset, offset + numel_of(shape)) of this tensor, as a tensor of `shape` sharing
   /// this tensor's memory and keeping it alive (a borrowed tensor gives a borrowed view).
   /// Throws InvalidArgument if the range is not inside the tensor (checked without overflow).
-  Tensor slice_view(std::int64_t offset, Shape shape) const;
+  [[nodiscard]] Tensor slice_view(std::int64_t offset, Shape shape) const;
 
  private:
   /// Leaves *this empty (the state of Tensor()); used by the moves.
@@ -176,6 +176,6 @@ class Tensor {
 };
 
 /// Bitwise equality of contents (dtype, shape and bytes).
-bool bitwise_equal(const Tensor& a, const Tensor& b);
+[[nodiscard]] bool bitwise_equal(const Tensor& a, const Tensor& b);
 
 }  // namespace lockstep

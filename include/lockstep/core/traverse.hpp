@@ -319,13 +319,13 @@ void for_each_tensor(X&& x, F&& f) {
 
 /// Pointers to every Tensor reachable from x, in traversal order.
 template <class X>
-std::vector<Tensor*> tensor_leaves(X& x) {
+[[nodiscard]] std::vector<Tensor*> tensor_leaves(X& x) {
   std::vector<Tensor*> out;
   for_each_tensor(x, [&](Tensor& t) { out.push_back(&t); });
   return out;
 }
 template <class X>
-std::vector<const Tensor*> tensor_leaves(const X& x) {
+[[nodiscard]] std::vector<const Tensor*> tensor_leaves(const X& x) {
   std::vector<const Tensor*> out;
   for_each_tensor(x, [&](const Tensor& t) { out.push_back(&t); });
   return out;
@@ -333,7 +333,7 @@ std::vector<const Tensor*> tensor_leaves(const X& x) {
 
 /// Paths of every Tensor reachable from x, in the order of tensor_leaves.
 template <class X>
-std::vector<std::string> tensor_paths(const X& x) {
+[[nodiscard]] std::vector<std::string> tensor_paths(const X& x) {
   std::vector<std::string> out;
   for_each_leaf_with_path(x, [&](const std::string& p, auto& leaf) {
     if constexpr (std::is_same_v<std::remove_cv_t<std::remove_reference_t<decltype(leaf)>>, Tensor>)
@@ -344,7 +344,7 @@ std::vector<std::string> tensor_paths(const X& x) {
 
 /// Number of leaves (tensors and scalars) reachable from x.
 template <class X>
-std::size_t leaf_count(const X& x) {
+[[nodiscard]] std::size_t leaf_count(const X& x) {
   std::size_t n = 0;
   for_each_leaf(x, [&](const auto&) { ++n; });
   return n;
@@ -400,7 +400,7 @@ void build_like(const X& src, X& dst, Make& make) {
 /// A new structure like x whose tensors are zeros of the same shape, dtype and device (scalars
 /// are copied). Each tensor is a separate allocation; see flat_zeros_like for one allocation.
 template <class X>
-X zeros_like(const X& x) {
+[[nodiscard]] X zeros_like(const X& x) {
   static_assert(std::is_default_constructible_v<X>, "lockstep::zeros_like needs a default-constructible type");
   X out{};
   auto make = [](const Tensor& t) { return Tensor::zeros(t.shape(), t.dtype(), t.device()); };
@@ -410,7 +410,7 @@ X zeros_like(const X& x) {
 
 /// A deep copy of x (tensors cloned, scalars copied).
 template <class X>
-X clone_tree(const X& x) {
+[[nodiscard]] X clone_tree(const X& x) {
   static_assert(std::is_default_constructible_v<X>, "lockstep::clone_tree needs a default-constructible type");
   X out{};
   auto make = [](const Tensor& t) { return t.clone(); };
@@ -506,7 +506,7 @@ struct FlatPlanner {
 /// Like zeros_like(x), but all tensors lie back to back in one zeroed allocation per dtype and
 /// device: the layout for gradients that DistributedOptimizer reduces without copying.
 template <class X>
-Flat<X> flat_zeros_like(const X& x) {
+[[nodiscard]] Flat<X> flat_zeros_like(const X& x) {
   detail::FlatPlanner plan;
   for_each_tensor(x, [&](const Tensor& t) { plan.count(t); });
   plan.allocate();
@@ -519,7 +519,7 @@ Flat<X> flat_zeros_like(const X& x) {
 /// Like flat_zeros_like(x), but the tensors hold copies of x's values: parameters in one flat
 /// allocation per dtype and device.
 template <class X>
-Flat<X> flat_copy(const X& x) {
+[[nodiscard]] Flat<X> flat_copy(const X& x) {
   detail::FlatPlanner plan;
   for_each_tensor(x, [&](const Tensor& t) { plan.count(t); });
   plan.allocate();

@@ -103,10 +103,10 @@ struct Checkpoint {
   /// `tensors` since (through add or directly): a name that is there is found in O(1). A name
   /// that is not there costs one scan of `tensors`, so that entries renamed, replaced or
   /// removed in `tensors` directly are still seen (the index is then rebuilt).
-  const Tensor* find(std::string_view name) const noexcept;
+  [[nodiscard]] const Tensor* find(std::string_view name) const noexcept;
   Tensor* find(std::string_view name) noexcept;
   /// The tensor called `name`; throws CheckpointError if there is none.
-  const Tensor& at(std::string_view name) const;
+  [[nodiscard]] const Tensor& at(std::string_view name) const;
   Tensor& at(std::string_view name);
 
  private:
@@ -156,9 +156,9 @@ std::string temporary_file_prefix(const std::filesystem::path& path, long pid);
 }  // namespace detail
 
 /// "F32", "BF16", ...: the safetensors name of a dtype.
-const char* safetensors_dtype_name(DType t) noexcept;
+[[nodiscard]] const char* safetensors_dtype_name(DType t) noexcept;
 /// The dtype for a safetensors name, or nullopt for one Lockstep does not support.
-std::optional<DType> dtype_from_safetensors_name(std::string_view name) noexcept;
+[[nodiscard]] std::optional<DType> dtype_from_safetensors_name(std::string_view name) noexcept;
 
 // ---- Traversable structures (model, optimizer state, scalars) by leaf path ----------------
 //
@@ -543,7 +543,7 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
 // the stem "run/ck"; an existing directory or a path ending in '/' is the stem "DIR/ck".
 
 /// The stem of the rotated checkpoints for `path` (see above).
-std::filesystem::path rotation_stem(const std::filesystem::path& path);
+[[nodiscard]] std::filesystem::path rotation_stem(const std::filesystem::path& path);
 
 /// The newest complete checkpoint of the stem of `path`: the file STEM.latest names, if that
 /// file exists; nullopt if there is no pointer (nothing committed yet, a fresh start). Throws
@@ -569,7 +569,7 @@ class CheckpointRotation {
   const std::filesystem::path& stem() const noexcept { return stem_; }
   int keep() const noexcept { return keep_; }
   /// STEM-NNNNNN.safetensors (at least six digits; step >= 0, InvalidArgument otherwise).
-  std::filesystem::path path_for(std::int64_t step) const;
+  [[nodiscard]] std::filesystem::path path_for(std::int64_t step) const;
   /// STEM.latest.
   std::filesystem::path pointer_path() const;
 

@@ -9,6 +9,10 @@
 
 namespace lockstep {
 
+namespace detail {
+struct MPIBackendImpl;  // MPIBackend's state, defined in the library's source, not a user type
+}  // namespace detail
+
 /// Backend over MPI. The constructor duplicates `comm` (MPI_Comm_dup), sets MPI_ERRORS_RETURN
 /// on the duplicate and frees it in the destructor; the caller keeps ownership of `comm`.
 /// Requires MPI to be initialised (initialize<MPIBackend>() does that). The constructor is a
@@ -45,8 +49,6 @@ class MPIBackend final : public Backend {
   /// neither LOCKSTEP_HIERARCHICAL=0 nor LOCKSTEP_SHM=0 is set. Uneven placements and one rank
   /// per machine use the flat MPI path.
   bool hierarchical() const noexcept;
-
-  struct Impl;
 
   std::string name() const override { return "mpi"; }
   int rank() const override;
@@ -93,7 +95,7 @@ class MPIBackend final : public Backend {
   static void finalize_global();
 
  private:
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<detail::MPIBackendImpl> impl_;
 };
 
 namespace detail {

@@ -1,4 +1,4 @@
-// Flux-style entry points (initialize, get_distributed_backend, rank, total_workers) and the
+// Flux-style entry points (initialize, get_distributed_backend, rank, size) and the
 // TorchOpt-style world vocabulary (world_info, rank_zero_only, on_rank, AutoInit).
 #pragma once
 
@@ -25,12 +25,12 @@ void initialize() {
 }
 /// True once initialize<B>() has run (and finalize<B>() has not).
 template <class B>
-bool initialized() noexcept {
+[[nodiscard]] bool initialized() noexcept {
   return B::initialized_global();
 }
 /// The process-wide backend of type B; throws lockstep::Error if B is not initialised.
 template <class B>
-B& get_distributed_backend() {
+[[nodiscard]] B& get_distributed_backend() {
   return B::global();
 }
 /// Tears down the global backend B (and MPI, if Lockstep initialised it). Also happens at exit.
@@ -42,14 +42,24 @@ void finalize() {
   B::finalize_global();
 }
 
+// One vocabulary for place and count, the one of Backend and WorldInfo: rank, size,
+// local_rank, local_size.
 /// This process's rank in the backend's group.
-inline int rank(const Backend& b) { return b.rank(); }
+[[nodiscard]] inline int rank(const Backend& b) { return b.rank(); }
 /// Number of ranks in the backend's group.
-inline int total_workers(const Backend& b) { return b.size(); }
+[[nodiscard]] inline int size(const Backend& b) { return b.size(); }
 /// Rank among the processes on this node.
-inline int local_rank(const Backend& b) { return b.local_rank(); }
+[[nodiscard]] inline int local_rank(const Backend& b) { return b.local_rank(); }
 /// Number of processes on this node.
-inline int local_workers(const Backend& b) { return b.local_size(); }
+[[nodiscard]] inline int local_size(const Backend& b) { return b.local_size(); }
+/// 0.2 name of size(b) (Flux's); goes in 0.4.
+[[deprecated("use lockstep::size(backend)")]] [[nodiscard]] inline int total_workers(const Backend& b) {
+  return b.size();
+}
+/// 0.2 name of local_size(b); goes in 0.4.
+[[deprecated("use lockstep::local_size(backend)")]] [[nodiscard]] inline int local_workers(const Backend& b) {
+  return b.local_size();
+}
 
 /// Free-function forms of the collectives (backend first, as in Flux). Each passes on its call
 /// site (the defaulted `loc`), which fingerprint mismatches, stall reports and MPI errors name.
@@ -93,7 +103,7 @@ inline void barrier(Backend& b, std::source_location loc = std::source_location:
 }
 
 /// True when MPI is initialised, so that a distributed backend can be used.
-bool is_available() noexcept;
+[[nodiscard]] bool is_available() noexcept;
 
 /// Where this process sits in the job.
 struct WorldInfo {
@@ -105,7 +115,7 @@ struct WorldInfo {
 /// World info of MPI_COMM_WORLD; a single-process world {0, 1, 0, 1} when MPI is not initialised.
 /// Local (not a collective) once initialize<MPIBackend>() ran; before that, with MPI initialised
 /// by someone else, it is a collective over MPI_COMM_WORLD (MPI_Comm_split_type).
-WorldInfo world_info();
+[[nodiscard]] WorldInfo world_info();
 
 /// What on_rank & co. return for a void function on a rank that ran it.
 using Done = std::monostate;
@@ -131,9 +141,62 @@ inline bool contains(const std::vector<int>& ranks, int r) {
 /// Rank in MPI_COMM_WORLD (0 when MPI is not initialised); never a collective, so the rank
 /// helpers below can be called on any subset of ranks.
 int world_rank() noexcept;
+
+/// Checks that every rank listed is a rank of b (InvalidArgument naming the first that is not;
+/// a moved-from backend has none).
+void check_ranks_of(const Backend& b, const std::vector<int>& ranks, const char* what);
 }  // namespace detail
 
-/// Runs f on the ranks listed (world ranks); others get an empty optional. Not a collective.
+// The rank helpers run f where a rank matches and return std::optional of its result (Done for
+// a void f), empty elsewhere. None is a collective: each reads the rank locally, so they may be
+// called on any subset of ranks.
+//
+// The forms taking a backend test that backend's rank (Backend::rank(), the rank in its
+// communicator), which is what a program on a sub-communicator, or on one that orders the ranks
+// differently, means; a rank it does not have is an InvalidArgument. The forms without one test
+// the rank of the global backend (initialize<B>()), which is the MPI_COMM_WORLD rank, also
+// before initialisation and after finalisation; a rank the world does not have matches nobody.
+
+/// Runs f on the ranks listed (ranks of b).
+template <class F>
+auto on_rank(const Backend& b, const std::vector<int>& ranks, F&& f) {
+  detail::check_ranks_of(b, ranks, "on_rank");
+  return detail::run_if(detail::contains(ranks, b.rank()), std::forward<F>(f));
+}
+template <class F>
+auto on_rank(const Backend& b, std::initializer_list<int> ranks, F&& f) {
+  return on_rank(b, std::vector<int>(ranks), std::forward<F>(f));
+}
+template <class F>
+auto on_rank(const Backend& b, int r, F&& f) {
+  return on_rank(b, std::vector<int>{r}, std::forward<F>(f));
+}
+/// Runs f on every rank of b except those listed.
+template <class F>
+auto not_on_rank(const Backend& b, const std::vector<int>& ranks, F&& f) {
+  detail::check_ranks_of(b, ranks, "not_on_rank");
+  return detail::run_if(!detail::contains(ranks, b.rank()), std::forward<F>(f));
+}
+template <class F>
+auto not_on_rank(const Backend& b, std::initializer_list<int> ranks, F&& f) {
+  return not_on_rank(b, std::vector<int>(ranks), std::forward<F>(f));
+}
+template <class F>
+auto not_on_rank(const Backend& b, int r, F&& f) {
+  return not_on_rank(b, std::vector<int>{r}, std::forward<F>(f));
+}
+/// Runs f on rank 0 of b only.
+template <class F>
+auto rank_zero_only(const Backend& b, F&& f) {
+  return on_rank(b, std::vector<int>{0}, std::forward<F>(f));
+}
+/// Runs f on every rank of b but 0.
+template <class F>
+auto rank_non_zero_only(const Backend& b, F&& f) {
+  return not_on_rank(b, std::vector<int>{0}, std::forward<F>(f));
+}
+
+/// Runs f on the ranks listed (ranks of the global backend: MPI_COMM_WORLD ranks).
 template <class F>
 auto on_rank(const std::vector<int>& ranks, F&& f) {
   return detail::run_if(detail::contains(ranks, detail::world_rank()), std::forward<F>(f));
@@ -146,7 +209,7 @@ template <class F>
 auto on_rank(int r, F&& f) {
   return on_rank(std::vector<int>{r}, std::forward<F>(f));
 }
-/// Runs f on every rank except those listed.
+/// Runs f on every rank except those listed (MPI_COMM_WORLD ranks).
 template <class F>
 auto not_on_rank(const std::vector<int>& ranks, F&& f) {
   return detail::run_if(!detail::contains(ranks, detail::world_rank()), std::forward<F>(f));
@@ -155,12 +218,12 @@ template <class F>
 auto not_on_rank(std::initializer_list<int> ranks, F&& f) {
   return not_on_rank(std::vector<int>(ranks), std::forward<F>(f));
 }
-/// Runs f on rank 0 only.
+/// Runs f on MPI_COMM_WORLD rank 0 only.
 template <class F>
 auto rank_zero_only(F&& f) {
   return on_rank(std::vector<int>{0}, std::forward<F>(f));
 }
-/// Runs f on every rank but 0.
+/// Runs f on every MPI_COMM_WORLD rank but 0.
 template <class F>
 auto rank_non_zero_only(F&& f) {
   return not_on_rank(std::vector<int>{0}, std::forward<F>(f));

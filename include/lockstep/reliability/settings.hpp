@@ -42,24 +42,24 @@ enum class TimeoutAction : std::uint8_t {
 /// Sets the fingerprint check level; `first_calls` is N for CheckLevel::first. Same on every rank.
 void set_check_level(CheckLevel level, int first_calls = 3);
 /// The current check level (from LOCKSTEP_CHECK until set_check_level is called; default off).
-CheckLevel check_level();
+[[nodiscard]] CheckLevel check_level();
 /// N of CheckLevel::first: how many calls of each call site are checked.
-int check_first_calls();
+[[nodiscard]] int check_first_calls();
 
 /// Sets the deadline of every blocking collective, in seconds; 0 disables it. Same on every rank.
 void set_timeout(double seconds);
 /// The current deadline in seconds (from LOCKSTEP_TIMEOUT until set_timeout is called; 0 = none).
 /// Without either it is the default, 600 s, which the watchdog enforces by ending the job with
 /// the blame report; a chosen deadline makes collectives poll and throw TimeoutError.
-double timeout();
+[[nodiscard]] double timeout();
 /// True while the deadline is the default one (LOCKSTEP_TIMEOUT unset, set_timeout not called).
-bool timeout_is_default();
+[[nodiscard]] bool timeout_is_default();
 /// Chooses what happens when a deadline passes.
 void set_timeout_action(TimeoutAction action);
 /// The current timeout action (from LOCKSTEP_TIMEOUT_ACTION; default throw_error).
-TimeoutAction timeout_action();
+[[nodiscard]] TimeoutAction timeout_action();
 
 /// "off", "first", "always".
-const char* name(CheckLevel level) noexcept;
+[[nodiscard]] const char* name(CheckLevel level) noexcept;
 
 }  // namespace lockstep

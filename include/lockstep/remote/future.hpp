@@ -14,9 +14,10 @@ namespace lockstep {
 
 /// The result of a remote call (or of a combination of calls), to be waited for. Move-only; a
 /// moved-from or waited-for Future is empty (valid() false; wait/ready/then throw
-/// InvalidArgument). Dropping a pending Future abandons the call (its reply is discarded).
+/// InvalidArgument). Dropping a pending Future abandons the call (its reply is discarded), hence
+/// [[nodiscard]].
 template <class R>
-class Future {
+class [[nodiscard("a dropped Future abandons the call: its result and its error are lost")]] Future {
  public:
   using value_type = R;
   struct State {

@@ -116,22 +116,41 @@ auto remote_sync_call(Backend& b, T&&... t) {
   return remote_async_call(b, std::forward<T>(t)...).wait();
 }
 
-/// TorchOpt's parallelize_async: a callable (args...) -> Future of the reduced result, running
-/// fn on the partitions of its arguments. Distinct from the SPMD ls::parallelize (data.hpp).
+// The driver's parallelize (TorchOpt's parallelize_async / parallelize_sync, where
+// `parallelize` is the sync one) is remote_parallelize_*: a remote call per partition, made by
+// the rank that calls it while the others serve. ls::parallelize (data.hpp) is the SPMD form:
+// every rank calls it with the same batch and runs its own partition; no remote call.
+
+/// A callable (args...) -> Future of the reduced result: remote_async_call(b, o, partitioner,
+/// reducer, fn, args...) for each call.
 template <class P, class Red, class Fn>
   requires detail::remote::FnPtr<Fn>
-auto parallelize_async(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
+[[nodiscard]] auto remote_parallelize_async(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
   return [&b, partitioner, reducer, fn, o](const auto&... args) {
     return remote_async_call(b, o, partitioner, reducer, fn, args...);
   };
 }
-/// TorchOpt's parallelize_sync (= parallelize): the same, waiting for the result.
+/// The same, waiting for the result: a callable (args...) -> the reduced result.
 template <class P, class Red, class Fn>
   requires detail::remote::FnPtr<Fn>
-auto parallelize_sync(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
+[[nodiscard]] auto remote_parallelize_sync(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
   return [&b, partitioner, reducer, fn, o](const auto&... args) {
     return remote_async_call(b, o, partitioner, reducer, fn, args...).wait();
   };
+}
+/// 0.2 name of remote_parallelize_async; goes in 0.4.
+template <class P, class Red, class Fn>
+  requires detail::remote::FnPtr<Fn>
+[[deprecated("use lockstep::remote_parallelize_async (ls::parallelize is the SPMD form)")]] [[nodiscard]] auto
+parallelize_async(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
+  return remote_parallelize_async(b, std::move(partitioner), std::move(reducer), fn, std::move(o));
+}
+/// 0.2 name of remote_parallelize_sync; goes in 0.4.
+template <class P, class Red, class Fn>
+  requires detail::remote::FnPtr<Fn>
+[[deprecated("use lockstep::remote_parallelize_sync (ls::parallelize is the SPMD form)")]] [[nodiscard]] auto
+parallelize_sync(Backend& b, P partitioner, Red reducer, Fn fn, CallOptions o = {}) {
+  return remote_parallelize_sync(b, std::move(partitioner), std::move(reducer), fn, std::move(o));
 }
 
 /// Collective. Rank 0 (the driver) runs f; every other rank serves calls until f returns. Every

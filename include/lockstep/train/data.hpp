@@ -99,7 +99,7 @@ class DistributedDataContainer<void> {
   std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
   /// The same with DataOptions::batch_size, or with DataOptions::global_batch_size this rank's
   /// rows of global batch b (possibly none in a partial last batch with Remainder::uneven).
-  std::span<const std::int64_t> batch(std::int64_t b) const;
+  [[nodiscard]] std::span<const std::int64_t> batch(std::int64_t b) const;
 
   auto begin() const noexcept { return indices_.begin(); }
   auto end() const noexcept { return indices_.end(); }
@@ -210,7 +210,7 @@ struct DimPartitioner {
 };
 
 /// TorchOpt's dim_partitioner(dim, exclusive, keepdim).
-inline DimPartitioner dim_partitioner(int dim = 0, bool exclusive = false, bool keepdim = true) {
+[[nodiscard]] inline DimPartitioner dim_partitioner(int dim = 0, bool exclusive = false, bool keepdim = true) {
   return DimPartitioner{dim, exclusive, keepdim};
 }
 /// Slices along dimension 0, one contiguous slice per rank (TorchOpt's batch_partitioner).
@@ -239,7 +239,7 @@ inline constexpr ConcatReducer concat_reducer{};
 /// Part of tensor t along dimension dim: [start, start + count); keepdim = false removes the
 /// dimension (count must be 1). A zero-copy view when the part is contiguous (dim 0, or only
 /// extents of 1 before dim), which shares t's memory and keeps it alive; a copy otherwise.
-Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
+[[nodiscard]] Tensor slice_along(const Tensor& t, int dim, std::int64_t start, std::int64_t count, bool keepdim);
 
 namespace detail {
 
@@ -431,7 +431,7 @@ void scale_into(R& acc, const R& r, double w, bool first) {
 /// sum_reducer need results of one shape on every partition: a value per sample (a result
 /// shaped by its partition) needs concat_reducer.
 template <class Partitioner, class Reducer, class F>
-auto parallelize(Backend& backend, Partitioner partitioner, Reducer /*reducer: a tag*/, F f) {
+[[nodiscard]] auto parallelize(Backend& backend, Partitioner partitioner, Reducer /*reducer: a tag*/, F f) {
   static_assert(std::is_same_v<Partitioner, DimPartitioner>,
                 "parallelize: the partitioner must be a DimPartitioner (dim_partitioner(...), "
                 "batch_partitioner, exclusive_batch_partitioner)");

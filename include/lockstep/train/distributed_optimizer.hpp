@@ -333,7 +333,7 @@ void lockstep_visit_fields(const DistributedState<R>& s, V&& v) {
 /// State for a DistributedOptimizer: the rule's state plus the bucket plan. Collective: checks
 /// that every rank has the same trainable tensors and options (MismatchError otherwise).
 template <OptimizerRule R, class M>
-DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
+[[nodiscard]] DistributedState<R> setup(const DistributedOptimizer<R>& opt, const M& model) {
   std::vector<detail::GradLeaf> leaves;
   for_each_tensor(model, [&](const Tensor& t) {
     if (is_trainable(t)) leaves.push_back({t.numel(), t.dtype(), t.device(), t.shape()});

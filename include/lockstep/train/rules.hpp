@@ -114,7 +114,7 @@ struct Adam {
 LOCKSTEP_FIELDS(Adam::Slot, exp_avg, exp_avg_sq)
 
 /// AdamW: Adam with decoupled weight decay (PyTorch's default weight_decay 1e-2).
-inline Adam AdamW(float lr = 1e-3f, float weight_decay = 1e-2f) {
+[[nodiscard]] inline Adam AdamW(float lr = 1e-3f, float weight_decay = 1e-2f) {
   return Adam{.lr = lr, .weight_decay = weight_decay, .decoupled_weight_decay = true};
 }
 
@@ -167,7 +167,7 @@ inline bool is_trainable(const Tensor& t) noexcept { return is_floating(t.dtype(
 
 /// Pointers to the trainable tensors of x, in traversal order.
 template <class X>
-std::vector<Tensor*> trainable_leaves(X& x) {
+[[nodiscard]] std::vector<Tensor*> trainable_leaves(X& x) {
   std::vector<Tensor*> out;
   for_each_tensor(x, [&](auto& t) {
     if (is_trainable(t)) out.push_back(const_cast<Tensor*>(&t));
@@ -197,7 +197,7 @@ void check_grads_match(const char* what, const std::vector<Tensor*>& params,
                        const std::vector<std::string>& grad_paths);
 
 template <class X>
-std::vector<std::string> trainable_paths(const X& x) {
+[[nodiscard]] std::vector<std::string> trainable_paths(const X& x) {
   std::vector<std::string> out;
   for_each_leaf_with_path(x, [&](const std::string& p, auto& leaf) {
     if constexpr (std::is_same_v<std::remove_cvref_t<decltype(leaf)>, Tensor>)
@@ -223,7 +223,7 @@ std::pair<std::vector<Tensor*>, std::vector<Tensor*>> aligned_leaves(const char*
 
 /// Optimizer state of `rule` for `model`: step 0 and rule.init(t) for every trainable tensor.
 template <OptimizerRule R, class M>
-OptState<R> setup(const R& rule, const M& model) {
+[[nodiscard]] OptState<R> setup(const R& rule, const M& model) {
   OptState<R> st;
   st.rule = rule;
   for_each_tensor(model, [&](const Tensor& t) {

@@ -28,6 +28,10 @@
 
 namespace lockstep {
 
+namespace detail {
+struct NCCLBackendImpl;  // NCCLBackend's state, defined in the library's source, not a user type
+}  // namespace detail
+
 /// Backend over an NCCL communicator for cuda tensors (cpu tensors go to an internal
 /// MPIBackend). Blocking collectives return once the result is in the buffer; nonblocking ones
 /// return a Request tied to a CUDA event. Every NCCL failure throws NcclError (with NCCL's own
@@ -100,10 +104,8 @@ class NCCLBackend final : public Backend {
   /// Destroys the global backend (MPI stays, see finalize<MPIBackend>()).
   static void finalize_global();
 
-  struct Impl;
-
  private:
-  std::shared_ptr<Impl> impl_;  // shared with pending requests, which may outlive a move
+  std::shared_ptr<detail::NCCLBackendImpl> impl_;  // shared with pending requests, which may outlive a move
 };
 
 }  // namespace lockstep
