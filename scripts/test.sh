@@ -105,7 +105,7 @@ stage_multihost() (
   local cluster=(bash "$ROOT/scripts/cluster.sh")
   local t
   for t in test/test_world test/test_shm_collectives test/test_collective test/test_synchronize \
-    test/test_training test/test_sharded test/test_checkpoint_mpi test/test_remote examples/train/train; do
+    test/test_training test/test_sharded test/test_hierarchical test/test_checkpoint_mpi test/test_remote examples/train/train; do
     [ -x "$bin/$t" ] || { echo "stage multihost: $bin/$t is not built (run stage core first)"; return 1; }
   done
   trap '"${cluster[@]}" down >/dev/null 2>&1' EXIT
@@ -164,6 +164,8 @@ stage_multihost() (
     check "$layout" synchronize "${run[@]}" "$bin/test/test_synchronize"
     check "$layout" training "${run[@]}" "$bin/test/test_training" "$training"
     check "$layout" sharded_wire "${run[@]}" "$bin/test/test_sharded" "$sharded"
+    # The hierarchical reduce-scatter and all-gather of the sharded optimizer (3x1: the flat path).
+    check "$layout" hier_rs "${run[@]}" "$bin/test/test_hierarchical" '[hier_rs]'
     check "$layout" checkpoint "${run[@]}" "$bin/test/test_checkpoint_mpi"
     # At 3x1 all but the concurrent 100 MiB calls (2x2 has them): the stage's time.
     if [ "$layout" = 2x2 ]; then
@@ -178,6 +180,8 @@ stage_multihost() (
   local mpiexec="$logs/mpiexec-2hosts"
   printf '#!/bin/sh\nexec bash %q run --map-by node "$@"\n' "$ROOT/scripts/cluster.sh" >"$mpiexec"
   chmod +x "$mpiexec"
+  # Ranks dealt round robin (hosts do not hold consecutive ranks): the hierarchical paths still right.
+  check 2x2rr hier_rs "${cluster[@]}" run -n 4 --map-by node -- "$bin/test/test_hierarchical" '[hier_rs]'
   for t in train_converges train_resume; do
     check 2h "example_$t" bash "$ROOT/test/examples/$t.sh" "$mpiexec" "$bin/examples/train/train" "$logs/work-$t"
   done
