@@ -1,0 +1,111 @@
+// CommMonitor (monitor_impl.hpp): the fingerprint exchange and the report of a mismatch.
+#include "mpi/monitor_impl.hpp"
+
+namespace lockstep {
+namespace detail {
+
+void CommMonitor::compare_fingerprints(const Fingerprint& fp, const CallSite& site) {
+  // One small allreduce: the maximum of every field and of its bitwise complement, from which
+  // the minimum follows (min x = ~max ~x); the fields agree iff max == min.
+  std::int64_t buf[2 * kFields];
+  fill_check_buffer(fp, buf);
+  run(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, "fingerprint MPI_Allreduce");
+  if (!agree(buf)) report_mismatch(fp, site);
+}
+
+void CommMonitor::fill_check_buffer(const Fingerprint& fp, std::int64_t* buf) {
+  for (int i = 0; i < kFields; ++i) {
+    buf[i] = fp.v[i];
+    buf[kFields + i] = ~fp.v[i];
+  }
+}
+
+bool CommMonitor::agree(const std::int64_t* buf) {
+  bool same = true;
+  for (int i = 0; i < kFields; ++i) same = same && buf[i] == ~buf[kFields + i];
+  return same;
+}
+
+void CommMonitor::finish_deferred(DeferredCheck& d) {
+  if (d.req == MPI_REQUEST_NULL) return;
+  {
+    std::lock_guard lock(mutex_);
+    record_entered(d.fp, d.site, /*checking=*/true, /*waiting=*/true);
+  }
+  check_mpi(wait(&d.req), "fingerprint MPI_Iallreduce");
+  {
+    std::lock_guard lock(mutex_);
+    in_collective_ = waiting_request_ = checking_ = false;
+  }
+  if (agree(d.buf)) return;
+  try {
+    report_mismatch(d.fp, d.site, false);
+  } catch (const MismatchError& e) {
+    mark_unusable(std::string("lockstep: this communicator is unusable after a mismatched nonblocking "
+                              "collective: ") + e.what(), true, false);
+    throw;
+  }
+}
+
+void CommMonitor::start_deferred(const Fingerprint& fp, const CallSite& site) {
+  // A check whose operation failed to be issued (it threw after entering) was never taken by
+  // a request: complete it before its buffer goes.
+  if (deferred_ && deferred_->req != MPI_REQUEST_NULL) MPI_Wait(&deferred_->req, MPI_STATUS_IGNORE);
+  auto d = std::make_unique<DeferredCheck>();
+  d->fp = fp;
+  d->site = site;
+  fill_check_buffer(fp, d->buf);
+  check_mpi(MPI_Iallreduce(MPI_IN_PLACE, d->buf, 2 * kFields, MPI_INT64_T, MPI_MAX, check_, &d->req),
+            "fingerprint MPI_Iallreduce");
+  deferred_ = std::move(d);
+}
+
+[[noreturn]] void CommMonitor::report_mismatch(const Fingerprint& fp, const CallSite& site, bool nothing_moved) {
+  // Slow path, only on a mismatch: gather every rank's fingerprint and description.
+  MismatchMsg mine;
+  mine.fp = fp;
+  copy_text(mine.text, fp.v[6] == 0 ? concat(describe(fp, site), "; its arguments were refused: ", refusal_)
+                                    : describe(fp, site));
+  std::vector<MismatchMsg> all(static_cast<std::size_t>(size_));
+  MPI_Request req;
+  check_mpi(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, check_, &req),
+            "MPI_Iallgather(fingerprints)");
+  check_mpi(wait(&req), "MPI_Iallgather(fingerprints)");
+
+  // Group the ranks by fingerprint; a strict majority tells which ranks are the odd ones out.
+  std::map<std::vector<std::int64_t>, std::vector<int>> groups;
+  for (int r = 0; r < size_; ++r)
+    groups[std::vector<std::int64_t>(all[r].fp.v, all[r].fp.v + kFields)].push_back(r);
+  const std::vector<int>* majority = nullptr;
+  for (auto& [key, ranks] : groups)
+    if (2 * ranks.size() > static_cast<std::size_t>(size_)) majority = &ranks;
+  std::vector<std::string> fields;
+  for (int i = 0; i < kFields; ++i) {
+    bool same = true;
+    for (int r = 1; r < size_; ++r) same = same && all[r].fp.v[i] == all[0].fp.v[i];
+    if (!same) fields.emplace_back(kFieldNames[i]);
+  }
+  std::ostringstream os;
+  os << "lockstep: collective mismatch on a " << size_ << "-rank communicator: the ranks disagree on the ";
+  for (std::size_t i = 0; i < fields.size(); ++i)
+    os << (i == 0 ? "" : i + 1 == fields.size() ? " and " : ", ") << fields[i];
+  os << ". What each rank called:";
+  std::vector<int> odd;
+  for (int r = 0; r < size_; ++r) {
+    bool is_odd = majority != nullptr &&
+                  std::find(majority->begin(), majority->end(), r) == majority->end();
+    if (is_odd) odd.push_back(r);
+    os << "\n  rank " << r << ": " << all[r].text << (is_odd ? "   <-- differs from the majority" : "");
+  }
+  if (!odd.empty()) os << "\nOdd one(s) out: " << rank_list(odd) << ".";
+  os << (nothing_moved ? "\nNo data was exchanged." : "\nThe nonblocking operation was already issued; this backend is unusable now.")
+     << " [reported by rank " << rank_ << "/" << size_ << "]";
+  {
+    std::lock_guard lock(mutex_);
+    in_collective_ = false;
+  }
+  throw MismatchError(os.str());
+}
+
+}  // namespace detail
+}  // namespace lockstep
