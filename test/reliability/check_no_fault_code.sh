@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A build without fault injection has no fault code in the monitor of a collective:
-# src/mpi/monitor.cpp, with the headers it includes, preprocessed with LOCKSTEP_FAULT_INJECTION=0
+# src/mpi/monitor*.cpp (one file including them all), with the headers they include, preprocessed with LOCKSTEP_FAULT_INJECTION=0
 # names none of the fault identifiers, which the same file names with LOCKSTEP_FAULT_INJECTION=1
 # (so that the check can fail). Prints the fast path's test, fast_ok(), as the build without
 # fault injection compiles it.
