@@ -77,9 +77,10 @@ foreach(mode worker driver)
   endif()
   lockstep_add_trust_test(NAME finalize_${mode} SCENARIO ${mode} MAX 25 PROGRAM lockstep_remote_finalize PREFIX remote
     EXPECT "rank ${leaver}: finalize: no exception" "rank ${leaver}: MPI finalised: yes"
-           "rank ${caller}: pending call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} left the remote session"
+           "rank ${caller}: pending call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} (host "
+           ") left the remote session"
            "rank ${caller}: answered within 10 s"
-           "rank ${caller}: later call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} left"
+           "rank ${caller}: later call: TimeoutError: remote call of 'twice' on rank ${leaver}: rank ${leaver} (host "
            "rank ${caller}: close: no exception" "rank {rank}: returning"
            "!terminate" "!MPI_ABORT" "!exiting improperly" "!ending the job")
 endforeach()
