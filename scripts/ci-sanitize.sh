@@ -62,6 +62,6 @@ np1_with_np2=$(cd "$build" && ctest -N | sed -n 's/^ *Test *#[0-9]*: *//p' | awk
   END { for (t in names) { u = t; if (sub(/\.np1/, ".np2", u) && (u in names)) printf "%s|", t } }')
 np1_with_np2=${np1_with_np2%|}
 ctest -L "unit|mpi" -LE "large|nccl|docs" \
-  -E "\\.np[34](\\.tcp)?\$|^adversarial\\.(noshm|slice4k)\\.|^sharded_ckpt_${np1_with_np2:+|^(${np1_with_np2//./\\.})\$}" \
+  -E "\\.np[34](\\.tcp)?\$|\\.tcp\$|^shm_collectives\\.off\\.|^adversarial\\.(noshm|slice4k)\\.|^sharded_ckpt_${np1_with_np2:+|^(${np1_with_np2//./\\.})\$}" \
   --output-on-failure --timeout 600 --parallel "$jobs" "$@"
 ctest -R '^(shm_collectives|collective)\.np3$' --output-on-failure --timeout 600 --parallel "$jobs" "$@"

@@ -4,7 +4,7 @@ lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 1 2 3 4 TIMEOUT 300)
 # Once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME remote TARGET test_remote RANKS 3 TCP TIMEOUT 300)
 # Repeated on real hosts by the multihost stage of scripts/test.sh (see tests_10_foundation.cmake).
-set_property(TEST remote.np4 remote.np3.tcp APPEND PROPERTY LABELS across_hosts)
+set_property(TEST remote.np3 remote.np4 remote.np3.tcp APPEND PROPERTY LABELS across_hosts)
 
 # A rank killed with SIGKILL while remote calls are pending (deadlines off): the job ends within
 # 10 s of the kill, and mpiexec names the dead rank. A worker killed from outside, and the driver
