@@ -155,14 +155,7 @@ std::string CommMonitor::status_lines() {
 }
 
 std::string CommMonitor::ranks_on_hosts(const std::vector<int>& ranks) const {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    const std::string& h = hosts_[static_cast<std::size_t>(ranks[i])];
-    os << (i ? ", " : "") << ranks[i];
-    if (i + 1 == ranks.size() || hosts_[static_cast<std::size_t>(ranks[i + 1])] != h) os << " (host " << h << ")";
-  }
-  return os.str();
+  return ranks_with_hosts(ranks, hosts_);
 }
 
 std::vector<std::string> CommMonitor::lost_hosts(const std::vector<int>& silent) const {
