@@ -217,7 +217,10 @@ stage_multihost() (
     fi
   }
   [ -x "$bin/test/lockstep_fault_program" ] || { echo "stage multihost: $bin/test/lockstep_fault_program is not built"; return 1; }
-  for t in link-2x2 link-3x1 kill-2x2 sharded remote drop-2x2 slow-2x2 train-2x2 train-kill-2x2; do fault "$t"; done
+  for t in link-2x2 link-3x1 link-sync-3x1 kill-2x2 kill-ckpt-2x2 sharded remote drop-2x2 drop-ops-2x2 slow-2x2 \
+    train-2x2 train-kill-2x2; do
+    fault "$t"
+  done
 
   [ "$failures" -eq 0 ] || { echo "stage multihost: $failures run(s) failed; logs in $logs"; return 1; }
 )
