@@ -10,6 +10,11 @@
 #              ends (lockstep-run ends the mpiexec that waits for the lost daemon).
 #   link-3x1   the same with 3 hosts of 1 rank, host 2 cut off while the ranks loop collective
 #              checkpoint saves: ranks 0 and 1 name rank 2; the checkpoint is one save, whole.
+#   link-sync-3x1  host 2 cut off while the ranks loop synchronize calls (1 MiB from rank 0):
+#              ranks 0 and 1 raise TimeoutError naming rank 2 and host <cluster>-h2; the job ends.
+#   kill-ckpt-2x2  every process of host 1 killed while the ranks loop collective checkpoint saves,
+#              mpiexec --enable-recovery (the survivors run on to their deadline): ranks 0 and 1
+#              name ranks 2, 3 and host <cluster>-h1; the job ends; the checkpoint is one save, whole.
 #   kill-2x2   every process of host 1 (its orted too) SIGKILLed during the allreduces:
 #              (a) as mpiexec runs by default: it ends the job about 1 s later, and lockstep-run
 #              names the lost host and its ranks; (b) with --enable-recovery (mpiexec keeps
@@ -23,12 +28,16 @@
 #   remote     remote calls across hosts (fault_program remote: rank 0 drives, calling every other
 #              rank in turn): (a) 2x2, host 1's link taken down; (b) 3x1, host 2 killed
 #              (--enable-recovery). Rank 0's remote call raises TimeoutError naming the lost rank
-#              (not its host: the remote layer does not know host names), rank 1 (serving) a
-#              TimeoutError of the session's close, and the job ends (lockstep-run sees the ranks
-#              leave without MPI_Finalize and ends mpiexec after --per-host-timeout 8).
+#              and its host, rank 1 (serving) a TimeoutError of the session's close; the sessions
+#              that gave up on the silent ranks wrote blame reports accounting for every rank, and
+#              the job ends (lockstep-run ends mpiexec 3 s after that).
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
+#   drop-ops-2x2  the same drop rule during the other operations: test_synchronize (all of it),
+#              the sharded optimizer's equality with the replicated one (Adam, AdamW),
+#              test_checkpoint_mpi (all of it) and remote calls (round trips of every kind,
+#              futures, 10k small calls, run_driver, call order) all pass. Skipped without nft.
 #   slow-2x2   host 1's egress shaped to 1 Mbit/s (tc tbf): the train example's 10 epochs at 2x2
 #              under LOCKSTEP_TIMEOUT=3 finish without a stall; then at 100 kbit/s with
 #              LOCKSTEP_STRAGGLER_WARN=0.2, one epoch: a straggler warning from host 0 names ranks
@@ -173,6 +182,15 @@ remote_survivors() {
     fail "rank 1: no TimeoutError: $(head -c 300 out/rank1.txt 2>/dev/null)"
 }
 
+# remote_blamed: the remote sessions that gave up on the silent ranks wrote blame reports that
+# account for every rank, so lockstep-run ended the job 3 s later (not --per-host-timeout after
+# the ranks left without MPI_Finalize).
+remote_blamed() {
+  grep -q "every rank reported the stall or was named silent" lr.err &&
+    pass "the remote sessions' blame reports accounted for every rank" ||
+    fail "lockstep-run did not see every rank accounted for by blame reports: $(grep lockstep-run lr.err | tail -4)"
+}
+
 job_ended() {  # the job ended, and how long after the fault
   if [ "$lr_rc" -eq 124 ] || [ "$lr_rc" -eq 137 ]; then
     fail "the job did not end within 120 s (lockstep-run exit $lr_rc)"; tail -20 lr.err
@@ -182,6 +200,42 @@ job_ended() {  # the job ended, and how long after the fault
     pass "the job ended $(secs "$t_fault" "$t_end") s after the fault (lockstep-run exit $lr_rc)"
     echo "figures: job ended $(secs "$t_fault" "$t_end") s after the fault"
   fi
+}
+
+# The drop rule: host 1's egress drops 2% of its packets (nftables `numgen random`); skipped
+# (exit 77) without nft. drop_check WHAT NAME PROGRAM [FILTER]: the Catch2 program at 2x2 under
+# the rule passes (every rank), with the packets dropped meanwhile as a figure.
+drop_ns=$NAME-h1
+drop_count() {
+  ip netns exec "$drop_ns" nft list table inet lockstep_drop | sed -n -E 's/.*counter packets ([0-9]+).*/\1/p'
+}
+drop_rule_add() {
+  command -v nft >/dev/null || { echo "skipped: no nft (nftables) here"; exit 77; }
+  up 2 2
+  ip netns exec "$drop_ns" nft add table inet lockstep_drop &&
+    ip netns exec "$drop_ns" nft add chain inet lockstep_drop out '{ type filter hook output priority 0; }' &&
+    ip netns exec "$drop_ns" nft add rule inet lockstep_drop out oifname eth0 numgen random mod 100 '<' 2 counter drop ||
+    { fail "could not add the drop rule"; exit 1; }
+}
+drop_rule_del() { ip netns exec "$drop_ns" nft delete table inet lockstep_drop; }
+drop_check() {
+  local what=$1 name=$2 before after rc t0 t1
+  shift 2
+  before=$(drop_count)
+  t0=$(now)
+  timeout -k 5 120 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -- "$@" >"run-$name.log" 2>&1
+  rc=$? t1=$(now)
+  after=$(drop_count)
+  local dropped=$((${after:-0} - ${before:-0}))
+  # Rank 0 prints the result of every rank (test/main_mpi.cpp); some test case must have run.
+  if [ "$rc" -eq 0 ] && grep -aq 'All tests passed' "run-$name.log" &&
+    ! grep -aq 'No test cases matched' "run-$name.log"; then
+    pass "$what: correct with 2% of host 1's packets dropped ($dropped dropped)"
+  else
+    fail "$what with dropped packets: exit $rc"; tail -20 "run-$name.log"
+  fi
+  [ "$dropped" -gt 0 ] || fail "$what: the rule dropped no packet"
+  echo "figures: $name with 2% drop on host 1: $(secs "$t0" "$t1") s, $dropped packets dropped"
 }
 
 case $CASE in
@@ -198,6 +252,20 @@ case $CASE in
     survivors_name 2 "rank 2" "$NAME-h2"
     job_ended
     # The checkpoint rank 0 was saving, over and over, when host 2 was cut off: one save, whole.
+    v=$("$BIN/test/lockstep_fault_program" "$WORK/out" 0 verify)
+    [[ $v == "OK step="* ]] && pass "the checkpoint is one save, whole ($v)" || fail "the checkpoint: $v"
+    ;;
+  link-sync-3x1)
+    lost_host_fault 3x1 2 link_down synchronize
+    survivors_name 2 "rank 2" "$NAME-h2"
+    job_ended
+    ;;
+  kill-ckpt-2x2)
+    # mpiexec --enable-recovery keeps the survivors running to their deadline (by default it
+    # would end the job itself, as in kill-2x2 (a)).
+    lost_host_fault 2x2 1 kill_host checkpoint --mpiexec-arg --enable-recovery
+    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    job_ended
     v=$("$BIN/test/lockstep_fault_program" "$WORK/out" 0 verify)
     [[ $v == "OK step="* ]] && pass "the checkpoint is one save, whole ($v)" || fail "the checkpoint: $v"
     ;;
@@ -235,32 +303,28 @@ case $CASE in
     lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
     remote_survivors "rank [23] \\(host $NAME-h1\\)" 2 3
     job_ended
+    remote_blamed
     echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
     lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
     remote_survivors "rank 2 \\(host $NAME-h2\\)" 2
     job_ended
+    remote_blamed
     ;;
   drop-2x2)
-    command -v nft >/dev/null || { echo "skipped: no nft (nftables) here"; exit 77; }
-    up 2 2
-    ns=$NAME-h1
-    ip netns exec "$ns" nft add table inet lockstep_drop &&
-      ip netns exec "$ns" nft add chain inet lockstep_drop out '{ type filter hook output priority 0; }' &&
-      ip netns exec "$ns" nft add rule inet lockstep_drop out oifname eth0 numgen random mod 100 '<' 2 counter drop ||
-      { fail "could not add the drop rule"; exit 1; }
-    t0=$(now)
-    timeout -k 5 200 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -- "$BIN/test/test_collective" \
-      'allreduce: every dtype*' >run.log 2>&1
-    rc=$? t1=$(now)
-    dropped=$(ip netns exec "$ns" nft list table inet lockstep_drop | sed -n -E 's/.*counter packets ([0-9]+).*/\1/p')
-    ip netns exec "$ns" nft delete table inet lockstep_drop
-    if [ "$rc" -eq 0 ] && grep -q 'All tests passed' run.log; then
-      pass "collectives correct with 2% of host 1's packets dropped ($dropped dropped)"
-    else
-      fail "collectives with dropped packets: exit $rc"; tail -20 run.log
-    fi
-    [ "${dropped:-0}" -gt 0 ] || fail "the rule dropped no packet"
-    echo "figures: collective tests with 2% drop on host 1: $(secs "$t0" "$t1") s, $dropped packets dropped"
+    drop_rule_add
+    drop_check "the allreduce test (every dtype, op and size)" collective "$BIN/test/test_collective" 'allreduce: every dtype*'
+    drop_rule_del
+    ;;
+  drop-ops-2x2)
+    drop_rule_add
+    drop_check "synchronize (every root, nested structures, optimizer state)" synchronize "$BIN/test/test_synchronize"
+    drop_check "sharded Adam and AdamW steps (equal to the replicated optimizer)" sharded "$BIN/test/test_sharded" \
+      'sharded Adam and AdamW*'
+    drop_check "checkpoint saves and resumes (root saves, every rank resumes bitwise; rotation)" checkpoint \
+      "$BIN/test/test_checkpoint_mpi"
+    drop_check "remote calls (round trips of every kind, futures, 10k small calls, run_driver, order)" remote \
+      "$BIN/test/test_remote" 'remote: arguments and results*,remote: futures*,remote: 10k small*,remote: run_driver returns*,remote: one rank*'
+    drop_rule_del
     ;;
   slow-2x2)
     # (a) Host 1's egress shaped to 1 Mbit/s (a thousandth of the bridge's speed) while the train
