@@ -655,36 +655,52 @@ TEST_CASE("allreduce_wire16 across machines: node sums in f32, the 16-bit wire b
       members[static_cast<std::size_t>(h)][static_cast<std::size_t>(local[static_cast<std::size_t>(r)])] = r;
     }
   const std::int64_t chunk = env_int("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 4 << 20) / 4;
-  std::vector<std::int64_t> counts = {1, 3, 1001, 16411, 65536, chunk + 1, 1700003};
+  // Below and above the threshold, a multiple of the chunk's unit (L x H elements) and not,
+  // and just over one chunk (4 MiB by default; with small chunks, several of them).
+  std::vector<std::int64_t> counts = {1, 3, 1001, 16411, 65536, chunk + 1};
+  if (chunk < 100000) counts.push_back(30 * chunk + 5);
   std::sort(counts.begin(), counts.end());
   counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
   auto v = [](int r, std::int64_t i) { return static_cast<float>(value(ls::DType::f32, ls::ReduceOp::sum, r, i)); };
-  for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
-    const double u = w == ls::DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
-    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
-      for (std::int64_t count : counts) {
+  for (std::int64_t count : counts) {
+    // What does not depend on the wire or the op, once per count: the exact sum of every rank's
+    // value, the sum of their magnitudes, and each machine's f32 sum (local rank order).
+    const auto m = static_cast<std::size_t>(count);
+    std::vector<double> exact(m, 0.0), mag(m, 0.0);
+    std::vector<float> host_sum(b.hierarchical() ? m * static_cast<std::size_t>(H) : 0);
+    for (std::size_t i = 0; i < m; ++i) {
+      const auto e = static_cast<std::int64_t>(i);
+      for (int r = 0; r < n; ++r) {
+        exact[i] += v(r, e);
+        mag[i] += std::abs(v(r, e));
+      }
+      if (b.hierarchical())
+        for (int h = 0; h < H; ++h) {
+          const auto& on = members[static_cast<std::size_t>(h)];
+          float sum = v(on[0], e);
+          for (int j = 1; j < L; ++j) sum += v(on[static_cast<std::size_t>(j)], e);
+          host_sum[i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)] = sum;
+        }
+    }
+    const bool on_path = b.hierarchical() && static_cast<std::size_t>(count) * 4 >= hier_min_bytes();
+    const int terms = on_path ? H : n;  // values rounded to the wire, each a term of the error
+    for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+      const double u = w == ls::DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
+      for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
         ls::Tensor x(ls::Shape{count});
         fill<float>(x, ls::DType::f32, ls::ReduceOp::sum, rank);
         b.allreduce_wire16(x.view(), w, op);
-        const bool on_path = b.hierarchical() && static_cast<std::size_t>(count) * 4 >= hier_min_bytes();
-        const int terms = on_path ? H : n;  // values rounded to the wire, each a term of the error
         const float* got = x.data<float>();
+        const double div = op == ls::ReduceOp::avg ? n : 1;
         std::int64_t wrong = 0, wrong_bits = 0;
-        for (std::int64_t i = 0; i < count; ++i) {
-          double exact = 0, mag = 0;
-          for (int r = 0; r < n; ++r) {
-            exact += v(r, i);
-            mag += std::abs(v(r, i));
-          }
-          const double div = op == ls::ReduceOp::avg ? n : 1;
-          wrong += std::abs(got[i] - exact / div) <= ((terms + 1) * u * mag + 1e-6) / div ? 0 : 1;
+        for (std::size_t i = 0; i < m; ++i) {
+          wrong += std::abs(got[i] - exact[i] / div) <= ((terms + 1) * u * mag[i] + 1e-6) / div ? 0 : 1;
           if (on_path) {
+            // Each machine's sum rounded once, added in 16-bit in machine order, widened, / n.
             float acc = 0;
             for (int h = 0; h < H; ++h) {
-              const auto& m = members[static_cast<std::size_t>(h)];
-              float s = v(m[0], i);
-              for (int j = 1; j < L; ++j) s += v(m[static_cast<std::size_t>(j)], i);
-              acc = h == 0 ? round16(w, s) : round16(w, round16(w, s) + acc);
+              const float r16 = round16(w, host_sum[i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)]);
+              acc = h == 0 ? r16 : round16(w, r16 + acc);
             }
             if (op == ls::ReduceOp::avg) acc /= static_cast<float>(n);
             wrong_bits += std::memcmp(&acc, got + i, 4) == 0 ? 0 : 1;
