@@ -1,6 +1,7 @@
 // Collectives that know the topology: for communicators whose ranks span several machines with
 // the same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce,
-// broadcast, reduce-scatter and all-gather (the last two below; the allreduce described here).
+// broadcast, reduce-scatter, all-gather and the 16-bit wire's allreduce and reduce-scatter (the
+// others below; the allreduce described here).
 //
 // The 16-bit wire allreduce (allreduce_wire16) runs the same three stages with f32 in shared
 // memory and 16-bit values only between the machines (below).
