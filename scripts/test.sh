@@ -164,8 +164,9 @@ stage_multihost() (
     check "$layout" synchronize "${run[@]}" "$bin/test/test_synchronize"
     check "$layout" training "${run[@]}" "$bin/test/test_training" "$training"
     check "$layout" sharded_wire "${run[@]}" "$bin/test/test_sharded" "$sharded"
-    # The hierarchical reduce-scatter and all-gather of the sharded optimizer (3x1: the flat path).
-    check "$layout" hier_rs "${run[@]}" "$bin/test/test_hierarchical" '[hier_rs]'
+    # The hierarchical reduce-scatter and all-gather of the sharded optimizer, and the 16-bit
+    # wire allreduce of the replicated one (3x1: the flat path).
+    check "$layout" hier_rs "${run[@]}" "$bin/test/test_hierarchical" '[hier_rs],[hier_ar16]'
     check "$layout" checkpoint "${run[@]}" "$bin/test/test_checkpoint_mpi"
     # At 3x1 all but the concurrent 100 MiB calls (2x2 has them): the stage's time.
     if [ "$layout" = 2x2 ]; then
@@ -181,7 +182,7 @@ stage_multihost() (
   printf '#!/bin/sh\nexec bash %q run --map-by node "$@"\n' "$ROOT/scripts/cluster.sh" >"$mpiexec"
   chmod +x "$mpiexec"
   # Ranks dealt round robin (hosts do not hold consecutive ranks): the hierarchical paths still right.
-  check 2x2rr hier_rs "${cluster[@]}" run -n 4 --map-by node -- "$bin/test/test_hierarchical" '[hier_rs]'
+  check 2x2rr hier_rs "${cluster[@]}" run -n 4 --map-by node -- "$bin/test/test_hierarchical" '[hier_rs],[hier_ar16]'
   for t in train_converges train_resume; do
     check 2h "example_$t" bash "$ROOT/test/examples/$t.sh" "$mpiexec" "$bin/examples/train/train" "$logs/work-$t"
   done

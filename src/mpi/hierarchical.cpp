@@ -25,6 +25,40 @@ constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
 // slower than flat at 8 B, even at 32 KiB, 1.5x faster at 128 KiB; docs/performance.md).
 constexpr std::size_t kHierarchyMinBytes = std::size_t{64} << 10;
 constexpr int kCheckFields = 5;  // call number, count, dtype, op, memory
+// The collective is told apart in the agreement's op-or-root field: an allreduce sends its op
+// (small values), a broadcast 1 << 32 | root, the others their own tag | op.
+constexpr std::int64_t kHierReduceScatterTag = std::int64_t{2} << 32;
+constexpr std::int64_t kHierReduceScatterWireTag = std::int64_t{3} << 32;
+constexpr std::int64_t kHierAllgatherTag = std::int64_t{4} << 32;
+constexpr std::int64_t kHierAllreduceWireTag = std::int64_t{5} << 32;
+
+// A slice of a pipelined call: elements [off, off + c) (of the buffer, or of every block), and
+// its slot (0 or 1: the scratch and the requests it uses).
+struct Slice {
+  std::size_t off = 0, c = 0;
+  int slot = 0;
+};
+
+// The slice pipeline every hierarchical collective runs: the n elements in slices of `step`,
+// slice k in slot k & 1; start(slice k) (its first stage, and the nonblocking requests that
+// carry it across the machines) runs before finish(slice k - 1) (which waits for k - 1's requests
+// and runs its last stage), so that slice k's network part overlaps slice k - 1's memory work
+// and, when finish waits, slice k's own. At most two slices are in flight: a slot is free again
+// when its slice is finished.
+template <class Start, class Finish>
+void pipeline(std::size_t n, std::size_t step, Start&& start, Finish&& finish) {
+  Slice prev;
+  bool have_prev = false;
+  int k = 0;
+  for (std::size_t off = 0; off < n; off += step, ++k) {
+    const Slice s{off, std::min(step, n - off), k & 1};
+    start(s);
+    if (have_prev) finish(prev);
+    prev = s;
+    have_prev = true;
+  }
+  if (have_prev) finish(prev);
+}
 }  // namespace
 
 std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm comm, MPI_Comm node, bool enabled,
@@ -188,7 +222,8 @@ bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t
   if (!handles(numel, dtype, op, host)) return false;
   agree("allreduce", numel, dtype, static_cast<std::int64_t>(op), concat("op ", name(op)).c_str(), host);
   try {
-    run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op);
+    run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op,
+        DType::f32);
   } catch (...) {
     failed_ = true;
     throw;
@@ -196,74 +231,112 @@ bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t
   return true;
 }
 
-void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op) {
+void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op, DType wire) {
+  const bool w16 = wire == DType::bf16 || wire == DType::f16;
   const std::size_t es = size_of(dtype);
-  const auto L = static_cast<std::size_t>(local_size_);
+  const auto L = static_cast<std::size_t>(local_size_), H = static_cast<std::size_t>(hosts_);
   const auto lr = static_cast<std::size_t>(local_rank_);
-  // Chunks of a multiple of L elements; only the last one may be shorter, and if it is not a
-  // multiple of L it goes through a scratch buffer padded with zeros (whose results are dropped).
-  const std::size_t chunk = std::max<std::size_t>(L, chunk_bytes_ / es / L * L);
+  // Chunks of a multiple of `unit` elements: L blocks, and on the 16-bit wire each block H pieces.
+  // Only the last chunk may be shorter, and if it is not a multiple of `unit` it goes through a
+  // scratch buffer padded with zeros (whose results are dropped).
+  const std::size_t unit = w16 ? L * H : L;
+  const std::size_t chunk = std::max<std::size_t>(unit, chunk_bytes_ / es / unit * unit);
   const ReduceOp sum_op = op == ReduceOp::avg ? ReduceOp::sum : op;
   const MPI_Datatype dt = ops_.type(dtype);
   const MPI_Op mop = ops_.op(sum_op, dtype);
-  std::vector<char> scratch;
+  // The 16-bit wire: what the pieces are summed with between the machines (the backend's
+  // operator, as reduce_scatter_wire16's), and the bytes of a value on the network.
+  const MPI_Datatype wdt = w16 ? ops_.type(wire) : dt;
+  const MPI_Op wop = w16 ? ops_.op(ReduceOp::sum, wire) : mop;
+  const std::size_t ws = w16 ? size_of(wire) : es;
+  std::vector<char> padded;  // the last chunk, when it is not a multiple of unit
 
-  struct Stage {
-    char* work = nullptr;   // the chunk's L blocks (out, or scratch)
-    std::size_t b = 0;      // block length
-    char* copy_to = nullptr;  // where the first `c` elements go at the end (padded chunk), else null
-    std::size_t c = 0;
-    int slot = 0;           // its request in pending_
+  struct Place {
+    char* work = nullptr;     // the chunk's L blocks (out, or scratch)
+    std::size_t b = 0;        // block length
+    char* copy_to = nullptr;  // where the chunk's elements go at the end (padded chunk), else null
   };
-  auto finish = [&](const Stage& s) {
-    wait(&pending_[s.slot]);
-    char* block = s.work + lr * s.b * es;
-    if (op == ReduceOp::avg) ops_.scale(TensorView{block, static_cast<std::int64_t>(s.b), dtype, Device::cpu()}, size_);
-    // Stage 3: every rank's finished block to every rank of this machine (in place).
-    if (!shm_->allgather(block, s.work, static_cast<std::int64_t>(s.b), dtype, true))
-      LOCKSTEP_MPI_CHECK(guarded_allgather(MPI_IN_PLACE, static_cast<int>(s.b), dt, s.work, static_cast<int>(s.b), dt,
-                                           node_));
-    if (s.copy_to != nullptr) std::memcpy(s.copy_to, s.work, s.c * es);
-  };
-
-  Stage prev;
-  bool have_prev = false;
-  int k = 0;
-  for (std::size_t off = 0; off < n; off += chunk, ++k) {
-    const std::size_t c = std::min(chunk, n - off);
-    Stage s;
-    s.slot = k & 1;
-    s.c = c;
-    const char* src = in + off * es;
-    if (c % L == 0) {
-      s.b = c / L;
-      s.work = out + off * es;
+  Place place[2];
+  auto start = [&](const Slice& s) {
+    Place& p = place[s.slot];
+    const char* src = in + s.off * es;
+    p.copy_to = nullptr;
+    if (s.c % unit == 0) {
+      p.b = s.c / L;
+      p.work = out + s.off * es;
     } else {
-      s.b = (c + L - 1) / L;
-      scratch.assign(s.b * L * es, 0);
-      std::memcpy(scratch.data(), src, c * es);
-      src = scratch.data();
-      s.work = scratch.data();
-      s.copy_to = out + off * es;
+      p.b = (s.c + unit - 1) / unit * unit / L;
+      padded.assign(p.b * L * es, 0);
+      std::memcpy(padded.data(), src, s.c * es);
+      src = padded.data();
+      p.work = padded.data();
+      p.copy_to = out + s.off * es;
     }
-    char* block = s.work + lr * s.b * es;
+    char* block = p.work + lr * p.b * es;
     // Stage 1: this machine's sum of block lr of the chunk, into block lr of its place in out
-    // (in place when src is out, which the shared-memory reduce-scatter allows).
-    if (!shm_->reduce_scatter(src, block, static_cast<std::int64_t>(s.b), dtype, sum_op, true)) {
-      std::vector<char> tmp(s.b * es);
-      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(src, tmp.data(), static_cast<int>(s.b), dt, mop, node_));
-      std::memcpy(block, tmp.data(), s.b * es);
+    // (in place when src is out, which the shared-memory reduce-scatter allows). In f32 on the
+    // 16-bit wire too: the ranks of one machine never round.
+    if (!shm_->reduce_scatter(src, block, static_cast<std::int64_t>(p.b), dtype, sum_op, true)) {
+      std::vector<char> tmp(p.b * es);
+      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(src, tmp.data(), static_cast<int>(p.b), dt, mop, node_));
+      std::memcpy(block, tmp.data(), p.b * es);
     }
     // Stage 2, nonblocking: the block among the machines. It runs while the previous chunk's
     // all-gather and the next chunk's reduce-scatter do (their waits test it).
-    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(s.b), dt, mop, cross_, &pending_[s.slot]));
-    if (have_prev) finish(prev);
-    prev = s;
-    have_prev = true;
-  }
-  if (have_prev) finish(prev);
+    if (!w16) {
+      LOCKSTEP_MPI_CHECK(
+          MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(p.b), dt, mop, cross_, &pending_[s.slot]));
+      return;
+    }
+    // The 16-bit wire: the machine's sum rounded once, then the first half of an allreduce among
+    // the machines (a reduce-scatter, point to point: piece h of the block to machine h).
+    char* wbuf = scratch(wire_[s.slot], p.b * ws);
+    detail::to_wire16(wire, reinterpret_cast<const float*>(block), wbuf, static_cast<std::int64_t>(p.b));
+    post_exchange(wbuf, p.b / H, ws, s.slot);
+  };
+  auto finish = [&](const Slice& s) {
+    const Place& p = place[s.slot];
+    char* block = p.work + lr * p.b * es;
+    if (w16) {
+      // This machine's piece of the block summed over the machines (16-bit), then every
+      // machine's piece to every machine (the second half), and the block widened.
+      const std::size_t piece = p.b / H;
+      char* wbuf = wire_[s.slot].data();
+      char* mine = fold_exchange(wbuf, piece, ws, s.slot, wdt, wop, nullptr);  // in inbox_[slot]
+      const int bytes = static_cast<int>(piece * ws);
+      LOCKSTEP_MPI_CHECK(MPI_Iallgather(mine, bytes, MPI_BYTE, wbuf, bytes, MPI_BYTE, cross_, &pending_[s.slot]));
+      wait(&pending_[s.slot]);
+      detail::from_wire16(wire, wbuf, reinterpret_cast<float*>(block), static_cast<std::int64_t>(p.b),
+                          op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
+    } else {
+      wait(&pending_[s.slot]);
+      if (op == ReduceOp::avg) ops_.scale(TensorView{block, static_cast<std::int64_t>(p.b), dtype, Device::cpu()}, size_);
+    }
+    // Stage 3: every rank's finished block to every rank of this machine (in place).
+    if (!shm_->allgather(block, p.work, static_cast<std::int64_t>(p.b), dtype, true))
+      LOCKSTEP_MPI_CHECK(guarded_allgather(MPI_IN_PLACE, static_cast<int>(p.b), dt, p.work, static_cast<int>(p.b), dt,
+                                           node_));
+    if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.work, s.c * es);
+  };
+  pipeline(n, chunk, start, finish);
 }
 
+bool HierarchicalAllreduce::allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) {
+  if (op != ReduceOp::sum && op != ReduceOp::avg) return false;
+  // No test of the count here: the caller took the call by handles_allreduce_wire16() of its own
+  // count, on every rank alike, and a count changed since must reach the agreement.
+  agree("allreduce_wire16", numel, wire, kHierAllreduceWireTag | static_cast<std::int64_t>(op),
+        concat("op ", name(op)).c_str(), true);
+  if (numel <= 0) return true;  // agreed: nothing to move
+  try {
+    run(reinterpret_cast<const char*>(buf), reinterpret_cast<char*>(buf), static_cast<std::size_t>(numel), DType::f32,
+        op, wire);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  return true;
+}
 
 bool HierarchicalAllreduce::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
   if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) < min_bytes_) return false;
@@ -286,46 +359,26 @@ void HierarchicalAllreduce::run_broadcast(char* buf, std::size_t n, DType dtype,
   const int host_root = host_of_[static_cast<std::size_t>(root)];
   const bool carrier = local_rank_ == local_root;  // takes part in the inter-host broadcast
   const std::size_t chunk = std::max<std::size_t>(1, chunk_bytes_ / es);
-  struct Stage {
-    char* p = nullptr;
-    std::size_t c = 0;
-    int slot = 0;
-  };
-  auto finish = [&](const Stage& s) {
-    if (carrier) wait(&pending_[s.slot]);
-    // Within the machine, from the carrier (the root itself on the root's machine).
-    if (!shm_->broadcast(s.p, static_cast<std::int64_t>(s.c), dtype, local_root, true))
-      LOCKSTEP_MPI_CHECK(guarded_bcast(s.p, static_cast<int>(s.c * es), MPI_BYTE, local_root, node_));
-  };
-  Stage prev;
-  bool have_prev = false;
-  int k = 0;
-  for (std::size_t off = 0; off < n; off += chunk, ++k) {
-    Stage s;
-    s.p = buf + off * es;
-    s.c = std::min(chunk, n - off);
-    s.slot = k & 1;
+  auto start = [&](const Slice& s) {
     // Across the machines, nonblocking: it runs while the previous chunk is spread (the shared-
     // memory waits test it).
     if (carrier)
-      LOCKSTEP_MPI_CHECK(MPI_Ibcast(s.p, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_, &pending_[s.slot]));
-    if (have_prev) finish(prev);
-    prev = s;
-    have_prev = true;
-  }
-  if (have_prev) finish(prev);
+      LOCKSTEP_MPI_CHECK(MPI_Ibcast(buf + s.off * es, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_,
+                                    &pending_[s.slot]));
+  };
+  auto finish = [&](const Slice& s) {
+    if (carrier) wait(&pending_[s.slot]);
+    // Within the machine, from the carrier (the root itself on the root's machine).
+    char* p = buf + s.off * es;
+    if (!shm_->broadcast(p, static_cast<std::int64_t>(s.c), dtype, local_root, true))
+      LOCKSTEP_MPI_CHECK(guarded_bcast(p, static_cast<int>(s.c * es), MPI_BYTE, local_root, node_));
+  };
+  pipeline(n, chunk, start, finish);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Reduce-scatter and all-gather (the sharded optimizer's two collectives)
 // ---------------------------------------------------------------------------------------------
-// The collective is told apart in the agreement's op-or-root field: an allreduce sends its op
-// (small values), a broadcast 1 << 32 | root, these two their own tags.
-namespace {
-constexpr std::int64_t kHierReduceScatterTag = std::int64_t{2} << 32;
-constexpr std::int64_t kHierReduceScatterWireTag = std::int64_t{3} << 32;
-constexpr std::int64_t kHierAllgatherTag = std::int64_t{4} << 32;
-}  // namespace
 
 bool HierarchicalAllreduce::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                            bool host) {
@@ -370,6 +423,37 @@ bool HierarchicalAllreduce::allgather(const void* send, void* recv, std::int64_t
   return true;
 }
 
+void HierarchicalAllreduce::post_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot) {
+  const auto H = static_cast<std::size_t>(hosts_);
+  const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);  // rank in cross_
+  char* inbox = scratch(inbox_[slot], H * c * ps);
+  std::vector<MPI_Request>& reqs = p2p_[slot];
+  reqs.assign(2 * (H - 1), MPI_REQUEST_NULL);
+  const int bytes = static_cast<int>(c * ps);
+  for (std::size_t d = 1; d < H; ++d) {
+    const std::size_t from = (me + H - d) % H, to = (me + d) % H;
+    LOCKSTEP_MPI_CHECK(MPI_Irecv(inbox + from * c * ps, bytes, MPI_BYTE, static_cast<int>(from), slot, cross_,
+                                 &reqs[2 * (d - 1)]));
+    LOCKSTEP_MPI_CHECK(MPI_Isend(pieces + to * c * ps, bytes, MPI_BYTE, static_cast<int>(to), slot, cross_,
+                                 &reqs[2 * (d - 1) + 1]));
+  }
+}
+
+char* HierarchicalAllreduce::fold_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot,
+                                           MPI_Datatype dt, MPI_Op mop, char* acc) {
+  for (MPI_Request& r : p2p_[slot]) wait(&r);
+  const auto H = static_cast<std::size_t>(hosts_);
+  const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);
+  char* inbox = inbox_[slot].data();
+  if (acc == nullptr) acc = inbox + me * c * ps;  // inbox's own place is free
+  auto piece = [&](std::size_t h) -> const char* { return h == me ? pieces + me * c * ps : inbox + h * c * ps; };
+  // acc = piece 0, then acc = piece h op acc (MPI_Reduce_local, the backend's operators: the
+  // 16-bit ones on the wire).
+  std::memcpy(acc, piece(0), c * ps);
+  for (std::size_t h = 1; h < H; ++h) LOCKSTEP_MPI_CHECK(MPI_Reduce_local(piece(h), acc, static_cast<int>(c), dt, mop));
+  return acc;
+}
+
 void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std::size_t q, DType dtype, ReduceOp op,
                                                DType wire) {
   const bool w16 = wire == DType::bf16 || wire == DType::f16;
@@ -382,49 +466,15 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
   const MPI_Datatype dt = ops_.type(w16 ? wire : dtype);
   const MPI_Op mop = ops_.op(sum_op, w16 ? wire : dtype);
   char* const in = scratch(gather_, N * s * es);
-  struct Stage {
-    std::size_t off = 0, c = 0;  // the slice: elements [off, off + c) of every block
-    int slot = 0;
-  };
-  const std::size_t ps = w16 ? ws : es;  // bytes of an element on the network
-  const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);  // rank in cross_
-  auto finish = [&](const Stage& st) {
-    for (MPI_Request& r : p2p_[st.slot]) wait(&r);
-    const std::size_t c = st.c;
-    const char* pieces = w16 ? wire_[st.slot].data() : slot_[st.slot].data();
-    char* inbox = inbox_[st.slot].data();
-    char* out = recv + st.off * es;
-    // The total of this rank's piece from every machine, in machine order: acc = piece 0, then
-    // acc = piece h op acc (MPI_Reduce_local, the backend's operators: 16-bit ones on the wire).
-    char* acc = w16 ? inbox + me * c * ps : out;  // inbox's own place is free
-    auto piece = [&](std::size_t h) { return h == me ? pieces + me * c * ps : inbox + h * c * ps; };
-    std::memcpy(acc, piece(0), c * ps);
-    for (std::size_t h = 1; h < H; ++h)
-      LOCKSTEP_MPI_CHECK(MPI_Reduce_local(piece(h), acc, static_cast<int>(c), dt, mop));
-    if (w16) {
-      // The 16-bit total, widened (and divided for avg) into recv.
-      detail::from_wire16(wire, acc, reinterpret_cast<float*>(out), static_cast<std::int64_t>(c),
-                          op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
-    } else if (op == ReduceOp::avg) {
-      ops_.scale(TensorView{out, static_cast<std::int64_t>(c), dtype, Device::cpu()}, size_);
-    }
-  };
-  Stage prev;
-  bool have_prev = false;
-  int k = 0;
-  for (std::size_t off = 0; off < q; off += s, ++k) {
-    Stage st;
-    st.off = off;
-    st.c = std::min(s, q - off);
-    st.slot = k & 1;
+  auto start = [&](const Slice& st) {
     const std::size_t c = st.c;
     // Stage 1: the slice of every block, ordered by its owner's local rank, then its machine;
     // local rank j ends with this machine's sums of the H blocks' slices owned by local rank j.
-    // (Open MPI has no progress thread: the previous slice's request is tested between copies.)
+    // (Open MPI has no progress thread: the previous slice's requests are tested between copies.)
     for (std::size_t j = 0; j < L; ++j)
       for (std::size_t h = 0; h < H; ++h) {
         std::memcpy(in + (j * H + h) * c * es,
-                    send + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + off) * es, c * es);
+                    send + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + st.off) * es, c * es);
         progress();
       }
     char* part = scratch(slot_[st.slot], H * c * es);
@@ -436,29 +486,30 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
     // other machine: each machine sends (H-1)/H of the slice once. (Open MPI's nonblocking
     // reduce-scatter reduces onto one rank and scatters from it: on two machines one direction
     // carries twice the bytes.) It runs while the next slice runs stage 1 (its copies and the
-    // shared-memory waits test it); finish() sums the pieces.
+    // shared-memory waits test it); finish sums the pieces.
     const char* pieces = part;
     if (w16) {
       char* wbuf = scratch(wire_[st.slot], H * c * ws);
       detail::to_wire16(wire, reinterpret_cast<const float*>(part), wbuf, static_cast<std::int64_t>(H * c));
       pieces = wbuf;
     }
-    char* inbox = scratch(inbox_[st.slot], H * c * ps);
-    std::vector<MPI_Request>& reqs = p2p_[st.slot];
-    reqs.assign(2 * (H - 1), MPI_REQUEST_NULL);
-    const int bytes = static_cast<int>(c * ps);
-    for (std::size_t d = 1; d < H; ++d) {
-      const std::size_t from = (me + H - d) % H, to = (me + d) % H;
-      LOCKSTEP_MPI_CHECK(MPI_Irecv(inbox + from * c * ps, bytes, MPI_BYTE, static_cast<int>(from), st.slot, cross_,
-                                   &reqs[2 * (d - 1)]));
-      LOCKSTEP_MPI_CHECK(MPI_Isend(pieces + to * c * ps, bytes, MPI_BYTE, static_cast<int>(to), st.slot, cross_,
-                                   &reqs[2 * (d - 1) + 1]));
+    post_exchange(pieces, c, ws, st.slot);
+  };
+  auto finish = [&](const Slice& st) {
+    const std::size_t c = st.c;
+    const char* pieces = w16 ? wire_[st.slot].data() : slot_[st.slot].data();
+    char* out = recv + st.off * es;
+    // The total of this rank's piece from every machine, in machine order: straight into recv
+    // (f32), or in 16-bit into the inbox's own place and then widened (and divided for avg).
+    char* acc = fold_exchange(pieces, c, ws, st.slot, dt, mop, w16 ? nullptr : out);
+    if (w16) {
+      detail::from_wire16(wire, acc, reinterpret_cast<float*>(out), static_cast<std::int64_t>(c),
+                          op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
+    } else if (op == ReduceOp::avg) {
+      ops_.scale(TensorView{out, static_cast<std::int64_t>(c), dtype, Device::cpu()}, size_);
     }
-    if (have_prev) finish(prev);
-    prev = st;
-    have_prev = true;
-  }
-  if (have_prev) finish(prev);
+  };
+  pipeline(q, s, start, finish);
 }
 
 void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::size_t q, DType dtype) {
@@ -470,11 +521,14 @@ void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::siz
   // place) the slices that stage 2 writes there are the same bytes, and a later slice's stage
   // 1 reads a part of send that no earlier stage 2 wrote.
   char* const all = scratch(gather_, N * s * es);
-  struct Stage {
-    std::size_t off = 0, c = 0;
-    int slot = 0;
+  auto start = [&](const Slice& st) {
+    char* mine = scratch(slot_[st.slot], H * st.c * es);
+    // Stage 1, nonblocking: the slice of send among the ranks of this local rank (one per
+    // machine), in machine order, while the previous slice is spread on this machine.
+    LOCKSTEP_MPI_CHECK(MPI_Iallgather(send + st.off * es, static_cast<int>(st.c * es), MPI_BYTE, mine,
+                                      static_cast<int>(st.c * es), MPI_BYTE, cross_, &pending_[st.slot]));
   };
-  auto finish = [&](const Stage& st) {
+  auto finish = [&](const Slice& st) {
     wait(&pending_[st.slot]);
     const std::size_t c = st.c;
     const char* mine = slot_[st.slot].data();  // the slice of every machine's block of this local rank
@@ -489,24 +543,7 @@ void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::siz
         progress();  // the next slice's request
       }
   };
-  Stage prev;
-  bool have_prev = false;
-  int k = 0;
-  for (std::size_t off = 0; off < q; off += s, ++k) {
-    Stage st;
-    st.off = off;
-    st.c = std::min(s, q - off);
-    st.slot = k & 1;
-    char* mine = scratch(slot_[st.slot], H * st.c * es);
-    // Stage 1, nonblocking: the slice of send among the ranks of this local rank (one per
-    // machine), in machine order, while the previous slice is spread on this machine.
-    LOCKSTEP_MPI_CHECK(MPI_Iallgather(send + off * es, static_cast<int>(st.c * es), MPI_BYTE, mine,
-                                      static_cast<int>(st.c * es), MPI_BYTE, cross_, &pending_[st.slot]));
-    if (have_prev) finish(prev);
-    prev = st;
-    have_prev = true;
-  }
-  if (have_prev) finish(prev);
+  pipeline(q, s, start, finish);
 }
 
 }  // namespace lockstep::detail

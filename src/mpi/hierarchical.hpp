@@ -1,6 +1,10 @@
 // Collectives that know the topology: for communicators whose ranks span several machines with
 // the same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce,
-// broadcast, reduce-scatter and all-gather (the last two below; the allreduce described here).
+// broadcast, reduce-scatter, all-gather and the 16-bit wire's allreduce and reduce-scatter (the
+// others below; the allreduce described here).
+//
+// The 16-bit wire allreduce (allreduce_wire16) runs the same three stages with f32 in shared
+// memory and 16-bit values only between the machines (below).
 //
 // Why: between machines every byte of a flat allreduce goes over the network, and Open MPI's
 // algorithms do not tell the ranks on one machine apart from the others. Here a call runs in three
@@ -104,6 +108,30 @@ class HierarchicalAllreduce {
   /// Whether reduce_scatter_wire16 takes a call with recv of `numel` f32 (the same answer on
   /// every rank for the same call): from one element and min_bytes() of send.
   bool handles_wire16(std::int64_t numel) const noexcept { return handles(numel * size_, DType::f32, ReduceOp::sum, true); }
+  /// Allreduce with the 16-bit wire on the inter-host part only (Backend::allreduce_wire16, the
+  /// replicated optimizer's wire_dtype): buf (`numel` f32, host memory) becomes op (sum or avg)
+  /// over the ranks of buf, in place. Chunk by chunk (about chunk_bytes() of buf, a multiple of
+  /// size() elements): (1) a node-local reduce-scatter in f32 through shared memory leaves local
+  /// rank j with its machine's f32 sum of block j of the chunk, which it rounds once to `wire`;
+  /// (2) among the ranks of local rank j (one per machine), the 16-bit block is reduce-scattered
+  /// point to point as reduce_scatter_wire16's pieces are (each machine's rank sends every
+  /// other the piece it owns and sums the H pieces of its own in machine order with the
+  /// backend's 16-bit operator, each addition rounded to `wire`), then all-gathered
+  /// (MPI_Iallgather), still 16-bit; (3) the block is widened (divided by size() for avg) and
+  /// a node-local all-gather in f32 through shared memory gives every rank of the machine the
+  /// whole chunk. Chunk k+1's stage 1 runs while chunk k's pieces cross the network. The result
+  /// of an element: its machines' f32 sums (local rank order), each rounded once, summed in
+  /// 16-bit in machine order: the same bits on every rank, and bitwise reduce_scatter_wire16's
+  /// block of the same data at any number of machines. The call is agreed like the others
+  /// (MismatchError on every rank). The caller asks handles_allreduce_wire16() first, with the
+  /// call's own count; this agrees on `numel` as given (a count changed since, by an injected
+  /// fault, is a disagreement). False, having done nothing, for an op other than sum and avg.
+  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
+  /// Whether allreduce_wire16 takes a call of `numel` f32 (the same answer on every rank for the
+  /// same call): from one element and min_bytes() of buf.
+  bool handles_allreduce_wire16(std::int64_t numel) const noexcept {
+    return handles(numel, DType::f32, ReduceOp::sum, true);
+  }
   /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
   /// send in rank order; send may be block rank() of recv (in place). Slice by slice: (1) a
   /// nonblocking MPI all-gather among the ranks of this local rank (one per machine) of the
@@ -128,11 +156,22 @@ class HierarchicalAllreduce {
   void agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg, const char* arg_name, bool host);
   void wait(MPI_Request* req);
   void progress() noexcept;
-  void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op);
+  // wire (run, run_reduce_scatter): DType::f32 for the plain form (the dtype is then `dtype`),
+  // bf16/f16 for the 16-bit wire between the machines (dtype f32, op sum or avg).
+  void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op, DType wire);
   void run_broadcast(char* buf, std::size_t n, DType dtype, int root);
-  // wire: DType::f32 for the plain form (the dtype is then `dtype`), bf16/f16 for the 16-bit wire.
   void run_reduce_scatter(const char* send, char* recv, std::size_t q, DType dtype, ReduceOp op, DType wire);
   void run_allgather(const char* send, char* recv, std::size_t q, DType dtype);
+  // The inter-host reduce-scatter of the reduce-scatter and of the 16-bit allreduce, among the
+  // ranks of this local rank, point to point: `pieces` holds H pieces of c elements of `ps`
+  // bytes, piece h for machine h. post_exchange sends each other machine its piece and receives
+  // this machine's piece from every other (into inbox_[slot]; requests in p2p_[slot]);
+  // fold_exchange waits for them and sums the H pieces of this machine in machine order
+  // (acc = piece 0, then acc = piece h op acc, MPI_Reduce_local with dt and mop) into `acc`
+  // (nullptr: the inbox's own place, which is free) and returns it.
+  void post_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot);
+  char* fold_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot, MPI_Datatype dt, MPI_Op mop,
+                      char* acc);
   // Scratch of the reduce-scatter and all-gather, kept between calls (grown, never shrunk).
   char* scratch(std::vector<char>& v, std::size_t bytes) {
     if (v.size() < bytes) v.resize(bytes);
@@ -148,8 +187,8 @@ class HierarchicalAllreduce {
   std::uint64_t calls_ = 0;
   std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)
   std::vector<int> rank_at_;  // rank_at_[c * local_size_ + j]: the rank of local rank j on machine c
-  std::vector<char> gather_, slot_[2], wire_[2], inbox_[2];  // reduce-scatter / all-gather scratch
-  std::vector<MPI_Request> p2p_[2];  // the reduce-scatter's inter-host sends and receives, per slot
+  std::vector<char> gather_, slot_[2], wire_[2], inbox_[2];  // reduce-scatter / all-gather / 16-bit scratch
+  std::vector<MPI_Request> p2p_[2];  // the inter-host sends and receives of post_exchange, per slot
   // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
   // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
   MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};

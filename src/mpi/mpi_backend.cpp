@@ -758,6 +758,17 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
 }
 
 void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) try {
+  if (impl_->hier && impl_->hier->handles_allreduce_wire16(buf.numel)) {
+    // Across machines of two or more ranks each: the node-local sums in f32, only the
+    // inter-host part on the 16-bit wire (hierarchical.hpp). Fingerprinted as below.
+    TensorView onwire{buf.data, buf.numel, wire, Device::cpu()};
+    detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &onwire, onwire.numel,
+                                  static_cast<int>(ReduceOp::sum), -1);  // reliability hook
+    if (guard.skipped()) return;
+    const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
+    if (impl_->hier->allreduce_wire16(static_cast<float*>(buf.data), onwire.numel, w, op)) return;
+    throw Error("allreduce_wire16: the hierarchical path declined a call it had taken (op must be sum or avg)");
+  }
   // Not fused (no shared memory, one rank, no elements, below LOCKSTEP_SHM_MIN_BYTES; the same
   // on every rank for the same call): the three passes, whose allreduce has its own checks.
   if (!impl_->shm || impl_->size == 1 || !impl_->shm->handles_wire16(buf.numel))

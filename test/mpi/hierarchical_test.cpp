@@ -10,8 +10,9 @@
 // written and the backend still usable. Also: the hierarchical broadcast (every root, every size,
 // a root that differs between machines), the hierarchical reduce-scatter, all-gather and 16-bit
 // wire reduce-scatter (the sharded optimizer's; tagged [hier_rs], which also runs on real hosts
-// at any placement), the reducer's default bucket size per path, and Lockstep's Open MPI TCP
-// default.
+// at any placement), the 16-bit wire allreduce (f32 sums within a machine, 16-bit between
+// machines; tagged [hier_ar16], also run on real hosts), the reducer's default bucket size per
+// path, and Lockstep's Open MPI TCP default.
 #include <catch2/catch.hpp>
 
 #include <mpi.h>
@@ -626,6 +627,154 @@ TEST_CASE("reduce_scatter_wire16 across machines: node sums in f32, the 16-bit w
       }
     }
   }
+}
+
+// allreduce_wire16 across machines (the replicated optimizer's wire_dtype; issue 26 item 3): each
+// machine sums its ranks' f32 values in f32 (local rank order), rounds that once to the wire
+// dtype, the machines' values are added in 16-bit in machine order (each addition rounded),
+// the sum is widened and divided for avg. Checked bitwise against that reference at any
+// placement and number of machines (with ppr:k:node, round robin and LOCKSTEP_TEST_HOST_SIZE
+// alike: machine h is the h-th in the order of its ranks of each local rank), at sizes from one
+// element to several MiB, across chunks, in place; against the exact sum within (H + 1) u
+// sum|x| (u: the wire's unit roundoff; the flat three passes: (n + 1) u sum|x|); the same bits
+// on every rank. Tagged [hier_ar16]: the multihost stage runs it on real hosts.
+TEST_CASE("allreduce_wire16 across machines: node sums in f32, the 16-bit wire between machines", "[hier_ar16]") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  // Each rank's machine (its place among the ranks of its local rank, which is its rank in the
+  // path's communicator of that local rank) and the ranks of each machine in local rank order.
+  std::vector<int> local(static_cast<std::size_t>(n));
+  const int mine = b.local_rank();
+  MPI_Allgather(&mine, 1, MPI_INT, local.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  const int L = b.local_size(), H = b.hierarchical() ? n / L : n;
+  std::vector<std::vector<int>> members(static_cast<std::size_t>(H), std::vector<int>(static_cast<std::size_t>(L), -1));
+  if (b.hierarchical())
+    for (int r = 0; r < n; ++r) {
+      int h = 0;
+      for (int q = 0; q < r; ++q) h += local[static_cast<std::size_t>(q)] == local[static_cast<std::size_t>(r)] ? 1 : 0;
+      members[static_cast<std::size_t>(h)][static_cast<std::size_t>(local[static_cast<std::size_t>(r)])] = r;
+    }
+  const std::int64_t chunk = env_int("LOCKSTEP_TEST_HIER_CHUNK_BYTES", 4 << 20) / 4;
+  // Below and above the threshold, a multiple of the chunk's unit (L x H elements) and not,
+  // and just over one chunk (4 MiB by default; with small chunks, several of them).
+  std::vector<std::int64_t> counts = {1, 3, 1001, 16411, 65536, chunk + 1};
+  if (chunk < 100000) counts.push_back(30 * chunk + 5);
+  std::sort(counts.begin(), counts.end());
+  counts.erase(std::unique(counts.begin(), counts.end()), counts.end());
+  auto v = [](int r, std::int64_t i) { return static_cast<float>(value(ls::DType::f32, ls::ReduceOp::sum, r, i)); };
+  for (std::int64_t count : counts) {
+    // What does not depend on the wire or the op, once per count: the exact sum of every rank's
+    // value, the sum of their magnitudes, and each machine's f32 sum (local rank order).
+    const auto m = static_cast<std::size_t>(count);
+    std::vector<double> exact(m, 0.0), mag(m, 0.0);
+    std::vector<float> host_sum(b.hierarchical() ? m * static_cast<std::size_t>(H) : 0);
+    for (std::size_t i = 0; i < m; ++i) {
+      const auto e = static_cast<std::int64_t>(i);
+      for (int r = 0; r < n; ++r) {
+        exact[i] += v(r, e);
+        mag[i] += std::abs(v(r, e));
+      }
+      if (b.hierarchical())
+        for (int h = 0; h < H; ++h) {
+          const auto& on = members[static_cast<std::size_t>(h)];
+          float sum = v(on[0], e);
+          for (int j = 1; j < L; ++j) sum += v(on[static_cast<std::size_t>(j)], e);
+          host_sum[i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)] = sum;
+        }
+    }
+    const bool on_path = b.hierarchical() && static_cast<std::size_t>(count) * 4 >= hier_min_bytes();
+    const int terms = on_path ? H : n;  // values rounded to the wire, each a term of the error
+    for (ls::DType w : {ls::DType::bf16, ls::DType::f16}) {
+      const double u = w == ls::DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
+      for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg}) {
+        ls::Tensor x(ls::Shape{count});
+        fill<float>(x, ls::DType::f32, ls::ReduceOp::sum, rank);
+        b.allreduce_wire16(x.view(), w, op);
+        const float* got = x.data<float>();
+        const double div = op == ls::ReduceOp::avg ? n : 1;
+        std::int64_t wrong = 0, wrong_bits = 0;
+        for (std::size_t i = 0; i < m; ++i) {
+          wrong += std::abs(got[i] - exact[i] / div) <= ((terms + 1) * u * mag[i] + 1e-6) / div ? 0 : 1;
+          if (on_path) {
+            // Each machine's sum rounded once, added in 16-bit in machine order, widened, / n.
+            float acc = 0;
+            for (int h = 0; h < H; ++h) {
+              const float r16 = round16(w, host_sum[i * static_cast<std::size_t>(H) + static_cast<std::size_t>(h)]);
+              acc = h == 0 ? r16 : round16(w, r16 + acc);
+            }
+            if (op == ls::ReduceOp::avg) acc /= static_cast<float>(n);
+            wrong_bits += std::memcmp(&acc, got + i, 4) == 0 ? 0 : 1;
+          }
+        }
+        INFO("allreduce_wire16 " << ls::name(w) << " " << ls::name(op) << " count " << count << " rank " << rank
+                                 << (on_path ? " (hierarchical)" : " (flat)"));
+        CHECK(wrong == 0);
+        CHECK(wrong_bits == 0);
+        CHECK(same_on_every_rank(got, static_cast<std::size_t>(count) * 4));
+      }
+    }
+  }
+}
+
+TEST_CASE("machines that disagree about allreduce_wire16 get MismatchError on every rank", "[hier_ar16]") {
+  ls::MPIBackend& b = backend();
+  if (!b.hierarchical()) return;  // the flat path's own checks are tested elsewhere
+  const int n = b.size(), rank = b.rank();
+  // Machine 0: the ranks whose local rank 0 is the lowest rank (any placement).
+  const bool first = [&] {
+    std::vector<int> local(static_cast<std::size_t>(n));
+    const int lr = b.local_rank();
+    MPI_Allgather(&lr, 1, MPI_INT, local.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    int before = 0;  // ranks below this one with its local rank
+    for (int q = 0; q < rank; ++q) before += local[static_cast<std::size_t>(q)] == lr ? 1 : 0;
+    return before == 0;
+  }();
+  const std::int64_t count = (std::int64_t{1} << 18) + 3;
+  int round = 0;
+  auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
+    ls::Tensor x(ls::Shape{count + 1});
+    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+    std::string text;
+    bool threw = false;
+    try {
+      call(x);
+    } catch (const ls::MismatchError& e) {
+      threw = true;
+      text = e.what();
+    }
+    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+    CHECK(all_ranks(threw));
+    CHECK(all_ranks(text.find(part) != std::string::npos));
+    std::int64_t changed = 0;
+    for (std::int64_t i = 0; i <= count; ++i)
+      changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+    CHECK(all_ranks(changed == 0));
+    // Still in step: a correct call works (small integers: exact on either wire).
+    ls::Tensor y(ls::Shape{count});
+    for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = static_cast<float>(i % 7);
+    b.allreduce_wire16(y.view(), ls::DType::bf16, ls::ReduceOp::sum);
+    std::int64_t wrong = 0;
+    for (std::int64_t i = 0; i < count; ++i) wrong += y.data<float>()[i] == static_cast<float>(n * (i % 7)) ? 0 : 1;
+    CHECK(all_ranks(wrong == 0));
+    ++round;
+  };
+  const auto sum = ls::ReduceOp::sum;
+  expect_mismatch("one machine's wire dtype", "dtype", [&](ls::Tensor& x) {
+    b.allreduce_wire16(x.view().slice(0, count), first ? ls::DType::bf16 : ls::DType::f16, sum);
+  });
+  expect_mismatch("one machine's op", "op", [&](ls::Tensor& x) {
+    b.allreduce_wire16(x.view().slice(0, count), ls::DType::bf16, first ? ls::ReduceOp::sum : ls::ReduceOp::avg);
+  });
+  expect_mismatch("one rank's element count", "element count", [&](ls::Tensor& x) {
+    b.allreduce_wire16(x.view().slice(0, rank == n - 1 ? count + 1 : count), ls::DType::f16, sum);
+  });
+  expect_mismatch("one machine's plain f32 allreduce", "dtype", [&](ls::Tensor& x) {
+    if (first)
+      b.allreduce_wire16(x.view().slice(0, count), ls::DType::bf16, sum);
+    else
+      b.allreduce(x.view().slice(0, count), sum);
+  });
+  CHECK(round == 4);
 }
 
 TEST_CASE("machines that disagree about reduce_scatter and allgather get MismatchError on every rank", "[hier_rs]") {

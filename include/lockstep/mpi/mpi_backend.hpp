@@ -43,7 +43,8 @@ class MPIBackend final : public Backend {
   /// it and then go to MPI. allreduce_wire16 and reduce_scatter_wire16 of f32 host data take
   /// it too, fused (docs/training.md, "Scale"). See docs/architecture.md.
   bool shared_memory() const noexcept;
-  /// Whether blocking host allreduce (f32/f64/i32/i64, bf16/f16 sum and avg, from 64 KiB) goes
+  /// Whether blocking host allreduce (f32/f64/i32/i64, bf16/f16 sum and avg, from 64 KiB; and
+  /// allreduce_wire16, reduce_scatter, reduce_scatter_wire16, allgather and broadcast) goes
   /// hierarchically: shared memory within each machine, MPI between machines (docs/architecture.md, "Hierarchical allreduce"). True when the ranks span
   /// two or more machines with the same number of ranks, at least two, on each (at most 8), and
   /// neither LOCKSTEP_HIERARCHICAL=0 nor LOCKSTEP_SHM=0 is set. Uneven placements and one rank
@@ -71,8 +72,10 @@ class MPIBackend final : public Backend {
   Request do_iallreduce(TensorView buf, ReduceOp op) override;
   Request do_ibroadcast(TensorView buf, int root) override;
   /// On the shared-memory path, fused (ShmCollectives::allreduce_wire16: each rank rounds into
-  /// its slot, sums the slots in f32 and writes f32); otherwise Backend's three passes, whose
-  /// 16-bit allreduce goes to MPI with Lockstep's f16/bf16 operator.
+  /// its slot, sums the slots in f32 and writes f32); on the hierarchical path (from 64 KiB),
+  /// the machines' sums in f32 through shared memory and only the inter-host part in 16-bit
+  /// (HierarchicalAllreduce::allreduce_wire16); otherwise Backend's three passes, whose 16-bit
+  /// allreduce goes to MPI with Lockstep's f16/bf16 operator.
   void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) override;
   void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) override;
   void abandon(const CallInfo& call, const std::exception& error) override;
