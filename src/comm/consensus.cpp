@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 
 namespace lockstep::detail {
@@ -53,12 +54,6 @@ Verdict current_verdict() {
 }
 
 namespace {
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
 [[noreturn]] void throw_of_kind(Verdict::Kind kind, const std::string& msg) {
   switch (kind) {
     case Verdict::Kind::checkpoint: throw CheckpointError(msg);
@@ -84,9 +79,10 @@ bool agree(Backend& backend, const char* what, int root, const Verdict& mine, st
   bool same_root = true;
   for (int r = 1; r < n; ++r) same_root = same_root && at(r, 0) == at(0, 0);
   if (!same_root) {
-    std::string msg = std::string(what) + ": the ranks passed different roots (";
-    for (int r = 0; r < n; ++r) msg += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": " + std::to_string(at(r, 0));
-    msg += "); every rank must pass the same root; " + std::string(consequence);
+    std::vector<std::int64_t> roots;
+    for (int r = 0; r < n; ++r) roots.push_back(at(r, 0));
+    const std::string msg = std::string(what) + ": the ranks passed different roots (" + rank_values(roots) +
+                            "); every rank must pass the same root; " + std::string(consequence);
     throw InvalidArgument(msg);
   }
   if (at(0, 0) < 0 || at(0, 0) >= n)

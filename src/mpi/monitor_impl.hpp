@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/monitor.hpp"
@@ -102,13 +103,6 @@ inline std::string describe(const Fingerprint& f, const CallSite& site) {
     os << ")";
   }
   os << " at " << site_string(site);
-  return os.str();
-}
-
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
   return os.str();
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 
+#include "comm/rank_list.hpp"
 #include "remote/polling.hpp"
 #include "remote/test_hooks.hpp"
 
@@ -76,7 +77,7 @@ void Engine::on_rank_left(int r) {
 std::string Engine::rank_text(int r) const {
   const auto i = static_cast<std::size_t>(r);
   if (r < 0 || i >= hosts.size() || hosts[i].empty()) return concat("rank ", r);
-  return concat("rank ", r, " (host ", hosts[i], ")");
+  return ranks_with_hosts({r}, hosts);
 }
 
 std::string Engine::left_text(int r, const std::string& fn) const {
