@@ -36,6 +36,7 @@
 #include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/deadline.hpp"
 #include "mpi/monitor.hpp"
 #include "mpi/straggler.hpp"
 #include "reliability/settings_state.hpp"
@@ -110,15 +111,6 @@ inline std::string seconds_string(double s) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(1) << s << " s";
   return os.str();
-}
-
-using Clock = std::chrono::steady_clock;
-
-// A deadline's distance as a clock duration. Capped at 10^9 s (about 32 years): a timeout the
-// parser accepts, such as LOCKSTEP_TIMEOUT=1e300, overflowed the clock's 64-bit nanosecond count
-// (the conversion gave a negative duration), so every collective timed out at once.
-inline Clock::duration after_seconds(double s) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
 }
 
 inline constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105, kTagAccepted = 7106,

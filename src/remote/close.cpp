@@ -53,7 +53,7 @@ void settle_orphans(Engine& e) {
 /// of the passes decide, not the clock alone (see LookWatch). Called with e.mu held.
 int silent_rank(const Engine& e, Clock::time_point since) {
   if (e.timeout <= 0) return -1;
-  const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(e.timeout));
+  const auto span = after_seconds(e.timeout);
   const Clock::time_point looked = e.ctrl_looks.through();
   for (int r = 0; r < e.size; ++r)
     if (r != e.rank && looked >= std::max(e.last_heard[static_cast<std::size_t>(r)], since) + span) return r;

@@ -175,8 +175,7 @@ Decoder DriverRun::serve_until_done() {
       const Clock::time_point looked = e.ctrl_looks.through();
       // (Not once the driver's end of run is here: it was alive then, and what is left, the
       // calls it sent before, is this rank's own work; the close after has its own bound.)
-      if (e.timeout > 0 && e.stops.find(impl_->run) == e.stops.end() && looked >= e.last_heard[0] + std::chrono::duration_cast<Clock::duration>(
-                                                               std::chrono::duration<double>(e.timeout))) {
+      if (e.timeout > 0 && e.stops.find(impl_->run) == e.stops.end() && looked >= e.last_heard[0] + after_seconds(e.timeout)) {
         idle_timeout = true;
         break;
       }

@@ -7,11 +7,6 @@ namespace lockstep::detail::remote {
 
 double resolve_timeout(double t) { return t < 0 ? lockstep::timeout() : t; }
 
-Clock::time_point deadline_after(double seconds) {
-  if (seconds <= 0) return Clock::time_point::max();
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
 void backoff(Clock::time_point since_active) {
   const auto idle = Clock::now() - since_active;
   if (idle < std::chrono::milliseconds(2)) std::this_thread::yield();

@@ -14,14 +14,13 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/deadline.hpp"
 #include "remote/wire.hpp"
 
 namespace lockstep::detail::remote {
 
 /// A timeout setting in seconds: < 0 is lockstep::timeout() (LOCKSTEP_TIMEOUT).
 double resolve_timeout(double t);
-/// Now plus `seconds`; no deadline (time_point::max()) for seconds <= 0.
-Clock::time_point deadline_after(double seconds);
 /// A pause between two polls, longer the longer nothing happened since `since_active`.
 void backoff(Clock::time_point since_active);
 /// Keeps `p` reachable for the life of the process.
