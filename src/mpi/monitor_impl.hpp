@@ -37,6 +37,7 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/deadline.hpp"
+#include "mpi/keep_for_process.hpp"
 #include "mpi/monitor.hpp"
 #include "mpi/straggler.hpp"
 #include "reliability/settings_state.hpp"
@@ -148,14 +149,7 @@ inline void copy_text(char (&dst)[kTextBytes], const std::string& s) {
 inline std::atomic<bool> g_any_stall{false};
 // The texts of notices whose sends were never waited for (a rank leaving, or a monitor going
 // while a peer had not received yet): MPI may still read them, so they are kept for the life of
-// the process, reachable from this global (so that leak checkers do not report them).
-inline std::mutex g_kept_texts_mutex;
-inline std::vector<std::unique_ptr<std::string>>* g_kept_texts = nullptr;
-inline void keep_for_process(std::unique_ptr<std::string> text) {
-  std::lock_guard lock(g_kept_texts_mutex);
-  if (!g_kept_texts) g_kept_texts = new std::vector<std::unique_ptr<std::string>>();
-  g_kept_texts->push_back(std::move(text));
-}
+// the process (keep_for_process, mpi/keep_for_process.hpp).
 // CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
 // its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
 // thread_local access is a call); while it is not, collectives take the slow path.

@@ -14,11 +14,6 @@ namespace lockstep::detail::remote {
 
 namespace {
 
-/// Requests still pending when their session ended: never completed, so their memory is never
-/// freed (MPI may still write or read it).
-std::mutex g_leaked_mu;
-std::vector<Engine::Orphan>* g_leaked = nullptr;
-
 /// After the progress thread ended: the receives given up on are cancelled (no later message
 /// can be received on this communicator any more), then everything given up on is waited for
 /// (for at most a second); what is still pending then keeps its memory for ever.
@@ -38,12 +33,10 @@ void settle_orphans(Engine& e) {
     if (e.orphans.empty() || Clock::now() >= until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (!e.orphans.empty()) {
-    std::lock_guard lk2(g_leaked_mu);
-    if (g_leaked == nullptr) g_leaked = new std::vector<Engine::Orphan>();
-    for (auto& o : e.orphans) g_leaked->push_back(std::move(o));
-    e.orphans.clear();
-  }
+  // Requests still pending now are never completed, so their memory is never freed (MPI may
+  // still write or read it).
+  for (auto& o : e.orphans) keep_for_process(std::make_shared<Engine::Orphan>(std::move(o)));
+  e.orphans.clear();
   e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
@@ -79,7 +72,7 @@ void tell_others(Engine& e, Kind kind) {
 
 /// Buffers of a collective that may never complete (a rank gave up waiting for it): kept for
 /// the life of the process, since MPI may still write into them.
-void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_ever(std::shared_ptr<void>(w, [](void* p) { delete static_cast<std::array<std::uint64_t, 6>*>(p); })); }
+void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_process(std::unique_ptr<std::array<std::uint64_t, 6>>(w)); }
 
 /// How a session is closed, on every rank in rounds of one allreduce of [left, requests posted,
 /// requests answered] over the session's communicator (a rank that leaves takes part in the
