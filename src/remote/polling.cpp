@@ -1,7 +1,6 @@
 // Remote calls: a timeout's default and the backoff between polls.
 #include "remote/polling.hpp"
 
-
 namespace lockstep::detail::remote {
 
 double resolve_timeout(double t) { return t < 0 ? lockstep::timeout() : t; }
