@@ -322,9 +322,9 @@ std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c) {
   enum { kError, kArgs, kHave, kResult, kTensors, kFloats, kInts, kPayload };
   const std::int64_t mine[K] = {
       c.error_kind,
-      static_cast<std::int64_t>(fnv1a(args.data(), args.size())),
+      static_cast<std::int64_t>(hash_bytes(args.data(), args.size())),
       c.have ? 1 : 0,
-      static_cast<std::int64_t>(fnv1a(c.result_sig.data(), c.result_sig.size())),
+      static_cast<std::int64_t>(hash_bytes(c.result_sig.data(), c.result_sig.size())),
       c.tensors,
       c.fscalars,
       c.iscalars,

@@ -235,6 +235,13 @@ TEST_CASE("hash_bytes tells apart what differs and agrees on what does not") {
   CHECK(ls::detail::hash_bytes(a, sizeof a) != ls::detail::hash_bytes(b2, sizeof b2));
   CHECK(ls::detail::hash_bytes(a, 3) != ls::detail::hash_bytes(a, 4));
   CHECK(ls::detail::hash_bytes(nullptr, 0) == ls::detail::hash_bytes(a, 0));
+  // The seed chains hashes: seed 0 is the plain hash, another seed another hash, and the order
+  // of the chained parts counts.
+  CHECK(ls::detail::hash_bytes(a, sizeof a, 0) == ls::detail::hash_bytes(a, sizeof a));
+  CHECK(ls::detail::hash_bytes(a, sizeof a, 1) != ls::detail::hash_bytes(a, sizeof a));
+  const auto ab = ls::detail::hash_bytes(b2, sizeof b2, ls::detail::hash_bytes(a, sizeof a));
+  const auto ba = ls::detail::hash_bytes(a, sizeof a, ls::detail::hash_bytes(b2, sizeof b2));
+  CHECK(ab != ba);
 }
 
 TEST_CASE("first_non_finite finds NaN and infinities in every floating dtype, and ignores integers") {
