@@ -39,30 +39,9 @@ std::string current_error_message() {
 Verdict current_verdict() {
   Verdict v;
   v.message = current_error_message();
-  try {
-    throw;
-  } catch (const CheckpointError&) {
-    v.kind = Verdict::Kind::checkpoint;
-  } catch (const InvalidArgument&) {
-    v.kind = Verdict::Kind::invalid_argument;
-  } catch (const MismatchError&) {
-    v.kind = Verdict::Kind::mismatch;
-  } catch (...) {
-    v.kind = Verdict::Kind::other;
-  }
+  v.kind = text_kind(error_record(std::current_exception()).kind);
   return v;
 }
-
-namespace {
-[[noreturn]] void throw_of_kind(Verdict::Kind kind, const std::string& msg) {
-  switch (kind) {
-    case Verdict::Kind::checkpoint: throw CheckpointError(msg);
-    case Verdict::Kind::invalid_argument: throw InvalidArgument(msg);
-    case Verdict::Kind::mismatch: throw MismatchError(msg);
-    default: throw Error(msg);
-  }
-}
-}  // namespace
 
 bool agree(Backend& backend, const char* what, int root, const Verdict& mine, std::uint64_t signature,
            const char* consequence) {
@@ -104,7 +83,10 @@ bool agree(Backend& backend, const char* what, int root, const Verdict& mine, st
   std::string msg = text + " [on " + rank_list({k}) + " of " + std::to_string(n);
   if (failed.size() > 1) msg += "; refused on " + rank_list(failed);
   msg += "; " + std::string(consequence) + "]";
-  throw_of_kind(static_cast<Verdict::Kind>(at(k, 1)), msg);
+  ErrorRecord failure;
+  failure.kind = static_cast<ErrorKind>(at(k, 1));
+  failure.what = msg;
+  throw_error(failure);
 }
 
 }  // namespace lockstep::detail
