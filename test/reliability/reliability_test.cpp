@@ -254,6 +254,7 @@ ls::detail::ErrorRecord round_trip(const ls::detail::ErrorRecord& r) {
   } catch (...) {
     return ls::detail::error_record(std::current_exception());
   }
+  return {};  // not reached: throw_error always throws
 }
 }  // namespace
 
