@@ -64,8 +64,8 @@ void fill_grads(ls::Flat<Model>& g, int rank) {
 }
 
 std::uint64_t hash_of(const Model& m) {
-  std::uint64_t h = 14695981039346656037ull;
-  for (const auto& t : m.params) h = ls::detail::fnv1a(t.raw_data(), t.nbytes(), h);
+  std::uint64_t h = 0;
+  for (const auto& t : m.params) h = ls::detail::hash_bytes(t.raw_data(), t.nbytes(), h);
   return h;
 }
 

@@ -162,13 +162,13 @@ double max_rel_diff(const X& a, const X& b) {
 /// Hash of the bytes of every leaf of x.
 template <class X>
 std::uint64_t content_hash(const X& x) {
-  std::uint64_t h = 14695981039346656037ull;
+  std::uint64_t h = 0;
   ls::for_each_leaf(x, [&](const auto& leaf) {
     using L = std::remove_cvref_t<decltype(leaf)>;
     if constexpr (std::is_same_v<L, ls::Tensor>)
-      h = ls::detail::fnv1a(leaf.raw_data(), leaf.nbytes(), h);
+      h = ls::detail::hash_bytes(leaf.raw_data(), leaf.nbytes(), h);
     else
-      h = ls::detail::fnv1a(&leaf, sizeof(L), h);
+      h = ls::detail::hash_bytes(&leaf, sizeof(L), h);
   });
   return h;
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 
 namespace lockstep::detail {
@@ -38,36 +39,9 @@ std::string current_error_message() {
 Verdict current_verdict() {
   Verdict v;
   v.message = current_error_message();
-  try {
-    throw;
-  } catch (const CheckpointError&) {
-    v.kind = Verdict::Kind::checkpoint;
-  } catch (const InvalidArgument&) {
-    v.kind = Verdict::Kind::invalid_argument;
-  } catch (const MismatchError&) {
-    v.kind = Verdict::Kind::mismatch;
-  } catch (...) {
-    v.kind = Verdict::Kind::other;
-  }
+  v.kind = text_kind(error_record(std::current_exception()).kind);
   return v;
 }
-
-namespace {
-std::string rank_list(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-  return s;
-}
-
-[[noreturn]] void throw_of_kind(Verdict::Kind kind, const std::string& msg) {
-  switch (kind) {
-    case Verdict::Kind::checkpoint: throw CheckpointError(msg);
-    case Verdict::Kind::invalid_argument: throw InvalidArgument(msg);
-    case Verdict::Kind::mismatch: throw MismatchError(msg);
-    default: throw Error(msg);
-  }
-}
-}  // namespace
 
 bool agree(Backend& backend, const char* what, int root, const Verdict& mine, std::uint64_t signature,
            const char* consequence) {
@@ -84,9 +58,10 @@ bool agree(Backend& backend, const char* what, int root, const Verdict& mine, st
   bool same_root = true;
   for (int r = 1; r < n; ++r) same_root = same_root && at(r, 0) == at(0, 0);
   if (!same_root) {
-    std::string msg = std::string(what) + ": the ranks passed different roots (";
-    for (int r = 0; r < n; ++r) msg += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": " + std::to_string(at(r, 0));
-    msg += "); every rank must pass the same root; " + std::string(consequence);
+    std::vector<std::int64_t> roots;
+    for (int r = 0; r < n; ++r) roots.push_back(at(r, 0));
+    const std::string msg = std::string(what) + ": the ranks passed different roots (" + rank_values(roots) +
+                            "); every rank must pass the same root; " + std::string(consequence);
     throw InvalidArgument(msg);
   }
   if (at(0, 0) < 0 || at(0, 0) >= n)
@@ -108,7 +83,10 @@ bool agree(Backend& backend, const char* what, int root, const Verdict& mine, st
   std::string msg = text + " [on " + rank_list({k}) + " of " + std::to_string(n);
   if (failed.size() > 1) msg += "; refused on " + rank_list(failed);
   msg += "; " + std::string(consequence) + "]";
-  throw_of_kind(static_cast<Verdict::Kind>(at(k, 1)), msg);
+  ErrorRecord failure;
+  failure.kind = static_cast<ErrorKind>(at(k, 1));
+  failure.what = msg;
+  throw_error(failure);
 }
 
 }  // namespace lockstep::detail

@@ -53,7 +53,7 @@ const std::string& host_token() {
     if (!rewritten && t.size() <= 32) return t;
     char hex[24];
     std::snprintf(hex, sizeof hex, "%016llx",
-                  static_cast<unsigned long long>(detail::fnv1a(host.data(), host.size())));
+                  static_cast<unsigned long long>(detail::hash_bytes(host.data(), host.size())));
     return t.substr(0, 15) + "~" + hex;
   }();
   return token;
@@ -66,7 +66,7 @@ std::string temp_prefix(const std::filesystem::path& path) {
   const std::string name = path.filename().string();
   if (name.size() <= 150) return "." + name + ".tmp.";
   char hex[24];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(detail::fnv1a(name.data(), name.size())));
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(detail::hash_bytes(name.data(), name.size())));
   return "." + name.substr(0, 100) + "~" + hex + ".tmp.";
 }
 

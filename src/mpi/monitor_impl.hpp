@@ -33,8 +33,11 @@
 #include <utility>
 #include <vector>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/deadline.hpp"
+#include "mpi/keep_for_process.hpp"
 #include "mpi/monitor.hpp"
 #include "mpi/straggler.hpp"
 #include "reliability/settings_state.hpp"
@@ -105,26 +108,10 @@ inline std::string describe(const Fingerprint& f, const CallSite& site) {
   return os.str();
 }
 
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  return os.str();
-}
-
 inline std::string seconds_string(double s) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(1) << s << " s";
   return os.str();
-}
-
-using Clock = std::chrono::steady_clock;
-
-// A deadline's distance as a clock duration. Capped at 10^9 s (about 32 years): a timeout the
-// parser accepts, such as LOCKSTEP_TIMEOUT=1e300, overflowed the clock's 64-bit nanosecond count
-// (the conversion gave a negative duration), so every collective timed out at once.
-inline Clock::duration after_seconds(double s) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(s, 1e9)));
 }
 
 inline constexpr int kTagQuery = 7101, kTagReply = 7102, kTagStall = 7103, kTagRefused = 7104, kTagLeft = 7105, kTagAccepted = 7106,
@@ -162,14 +149,7 @@ inline void copy_text(char (&dst)[kTextBytes], const std::string& s) {
 inline std::atomic<bool> g_any_stall{false};
 // The texts of notices whose sends were never waited for (a rank leaving, or a monitor going
 // while a peer had not received yet): MPI may still read them, so they are kept for the life of
-// the process, reachable from this global (so that leak checkers do not report them).
-inline std::mutex g_kept_texts_mutex;
-inline std::vector<std::unique_ptr<std::string>>* g_kept_texts = nullptr;
-inline void keep_for_process(std::unique_ptr<std::string> text) {
-  std::lock_guard lock(g_kept_texts_mutex);
-  if (!g_kept_texts) g_kept_texts = new std::vector<std::unique_ptr<std::string>>();
-  g_kept_texts->push_back(std::move(text));
-}
+// the process (keep_for_process, mpi/keep_for_process.hpp).
 // CollectiveScopes under a deadline, process-wide. While it is 0 no collective anywhere needs
 // its polled form, which lets guarded_* skip the thread-local lookup (in code compiled as PIC a
 // thread_local access is a call); while it is not, collectives take the slow path.

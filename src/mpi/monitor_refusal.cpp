@@ -139,8 +139,7 @@ void CommMonitor::abandon(Coll coll, std::int64_t count, int dtype, int reduce_o
   // stays usable), or accepted it (then it may be inside it, and this rank's next collective
   // would complete it with the wrong data: the communicator becomes unusable here too).
   const double limit = polled_timeout() > 0 ? polled_timeout() : watchdog_timeout() > 0 ? watchdog_timeout() : 1e9;
-  const auto give_up = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                          std::chrono::duration<double>(std::min(limit, 1e9)));
+  const auto give_up = Clock::now() + after_seconds(limit);
   std::string why;
   urgent_.fetch_add(1);  // the watchdog polls fast while this rank waits for the answers
   struct Calm {

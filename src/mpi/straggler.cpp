@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 #include "reliability/settings_state.hpp"
 
@@ -35,17 +36,6 @@ std::string straggler_secs(double s) {
 }
 
 }  // namespace
-
-std::string ranks_with_hosts(const std::vector<int>& ranks, const std::vector<std::string>& hosts) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) {
-    const std::string& h = hosts[static_cast<std::size_t>(ranks[i])];
-    os << (i ? ", " : "") << ranks[i];
-    if (i + 1 == ranks.size() || hosts[static_cast<std::size_t>(ranks[i + 1])] != h) os << " (host " << h << ")";
-  }
-  return os.str();
-}
 
 double straggler_clock_now() noexcept {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();

@@ -31,10 +31,6 @@ struct PeerAnswer {
 /// Seconds since the epoch on the system clock (what PeerAnswer holds).
 double straggler_clock_now() noexcept;
 
-/// "rank 2 (host b)" / "ranks 2, 3 (host b)" / "ranks 1 (host a), 4 (host b)": ranks with their
-/// hosts (hosts[r] is rank r's), as the stall report and the straggler warning name them.
-std::string ranks_with_hosts(const std::vector<int>& ranks, const std::vector<std::string>& hosts);
-
 class StragglerWatch {
  public:
   StragglerWatch(int rank, std::vector<std::string> hosts);

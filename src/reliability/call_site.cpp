@@ -15,7 +15,7 @@ std::string describe_call_site() {
   return out;
 }
 
-std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept {
+std::uint64_t hash_bytes(const void* data, std::size_t bytes, std::uint64_t seed) noexcept {
   // Word-at-a-time multiply-xorshift; fast enough to hash a model every few steps.
   constexpr std::uint64_t kMul = 0x9E3779B97F4A7C15ull;
   auto mix = [](std::uint64_t x) {
@@ -27,7 +27,7 @@ std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept {
     return x;
   };
   const auto* p = static_cast<const unsigned char*>(data);
-  std::uint64_t h = 0x243F6A8885A308D3ull ^ (bytes * kMul);
+  std::uint64_t h = 0x243F6A8885A308D3ull ^ (bytes * kMul) ^ mix(seed);  // mix(0) == 0
   std::size_t i = 0;
   for (; i + 8 <= bytes; i += 8) {
     std::uint64_t w;

@@ -15,11 +15,6 @@ namespace lockstep::detail::remote {
 
 namespace {
 
-/// Requests still pending when their session ended: never completed, so their memory is never
-/// freed (MPI may still write or read it).
-std::mutex g_leaked_mu;
-std::vector<Engine::Orphan>* g_leaked = nullptr;
-
 /// After the progress thread ended: the receives given up on are cancelled (no later message
 /// can be received on this communicator any more), then everything given up on is waited for
 /// (for at most `seconds`); what is still pending then keeps its memory for ever.
@@ -29,7 +24,7 @@ void settle_orphans(Engine& e, double seconds) {
     if (o.receives)
       for (auto& r : o.reqs)
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  const auto until = deadline_after(seconds);
   while (true) {
     for (auto it = e.orphans.begin(); it != e.orphans.end();) {
       int flag = 0;
@@ -39,12 +34,10 @@ void settle_orphans(Engine& e, double seconds) {
     if (e.orphans.empty() || Clock::now() >= until) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (!e.orphans.empty()) {
-    std::lock_guard lk2(g_leaked_mu);
-    if (g_leaked == nullptr) g_leaked = new std::vector<Engine::Orphan>();
-    for (auto& o : e.orphans) g_leaked->push_back(std::move(o));
-    e.orphans.clear();
-  }
+  // Requests still pending now are never completed, so their memory is never freed (MPI may
+  // still write or read it).
+  for (auto& o : e.orphans) keep_for_process(std::make_shared<Engine::Orphan>(std::move(o)));
+  e.orphans.clear();
   e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
@@ -91,7 +84,7 @@ void tell_others(Engine& e, Kind kind) {
 
 /// Buffers of a collective that may never complete (a rank gave up waiting for it): kept for
 /// the life of the process, since MPI may still write into them.
-void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_ever(std::shared_ptr<void>(w, [](void* p) { delete static_cast<std::array<std::uint64_t, 6>*>(p); })); }
+void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_process(std::unique_ptr<std::array<std::uint64_t, 6>>(w)); }
 
 /// How a session is closed, on every rank in rounds of one allreduce of [left, requests posted,
 /// requests answered] over the session's communicator (a rank that leaves takes part in the

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 
+#include "comm/rank_list.hpp"
 #include "remote/polling.hpp"
 #include "remote/test_hooks.hpp"
 
@@ -76,7 +77,7 @@ void Engine::on_rank_left(int r) {
 std::string Engine::rank_text(int r) const {
   const auto i = static_cast<std::size_t>(r);
   if (r < 0 || i >= hosts.size() || hosts[i].empty()) return concat("rank ", r);
-  return concat("rank ", r, " (host ", hosts[i], ")");
+  return ranks_with_hosts({r}, hosts);
 }
 
 bool Engine::silent(int r) const {
@@ -84,8 +85,7 @@ bool Engine::silent(int r) const {
   const auto i = static_cast<std::size_t>(r);
   if (said_silent[i] >= 0) return true;
   if (timeout <= 0 || watch_since[i] == Clock::time_point::max()) return false;
-  const auto span = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout));
-  return ctrl_looks.through() >= std::max(last_heard[i], watch_since[i]) + span;
+  return ctrl_looks.through() >= std::max(last_heard[i], watch_since[i]) + after_seconds(timeout);
 }
 
 std::vector<int> Engine::silent_ranks() const {

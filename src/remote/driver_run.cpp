@@ -11,12 +11,6 @@
 
 namespace lockstep::detail::remote {
 
-namespace {
-enum ErrCode : std::uint8_t {
-  e_invalid = 1, e_mismatch, e_timeout, e_remote, e_not_compiled, e_mpi, e_error, e_std, e_other
-};
-}
-
 struct DriverRun::Impl {
   std::shared_ptr<Engine> e;
   bool own = false, closed = false;
@@ -126,37 +120,16 @@ void DriverRun::finish_ok(Encoder&& result) {
 void DriverRun::finish_error(std::exception_ptr ep) {
   Engine& e = *impl_->e;
   e.driving = false;
+  // f's exception, as every rank is to throw it (ErrorRecord, core/errors.hpp).
+  ErrorRecord r = error_record(ep);
+  if (r.kind == ErrorKind::unknown) r.what = "the driver's function threw an exception that is not a std::exception";
   Encoder m;
-  std::uint8_t code = e_other;
-  std::string what = "the driver's function threw an exception that is not a std::exception";
-  std::int32_t rrank = -1, mpi_code = 0;
-  std::string rfn, rmsg;
-  try {
-    std::rethrow_exception(ep);
-  } catch (const RemoteError& x) {
-    code = e_remote, what = x.what(), rrank = x.rank(), rfn = x.function(), rmsg = x.message();
-  } catch (const InvalidArgument& x) {
-    code = e_invalid, what = x.what();
-  } catch (const MismatchError& x) {
-    code = e_mismatch, what = x.what();
-  } catch (const TimeoutError& x) {
-    code = e_timeout, what = x.what();
-  } catch (const NotCompiled& x) {
-    code = e_not_compiled, what = x.what();
-  } catch (const MpiError& x) {
-    code = e_mpi, what = x.what(), mpi_code = x.code();
-  } catch (const Error& x) {
-    code = e_error, what = x.what();
-  } catch (const std::exception& x) {
-    code = e_std, what = x.what();
-  } catch (...) {
-  }
-  m.u8(code);
-  encode(m, what);
-  encode(m, rrank);
-  encode(m, rfn);
-  encode(m, rmsg);
-  encode(m, mpi_code);
+  m.u8(static_cast<std::uint8_t>(r.kind));
+  encode(m, r.what);
+  encode(m, static_cast<std::int32_t>(r.rank));
+  encode(m, r.function);
+  encode(m, r.message);
+  encode(m, static_cast<std::int32_t>(r.code));
   try {
     if (e.size > 1 && !e.ended.load() && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
@@ -190,8 +163,7 @@ Decoder DriverRun::serve_until_done() {
       const Clock::time_point looked = e.ctrl_looks.through();
       // (Not once the driver's end of run is here: it was alive then, and what is left, the
       // calls it sent before, is this rank's own work; the close after has its own bound.)
-      if (e.timeout > 0 && e.stops.find(impl_->run) == e.stops.end() && looked >= e.last_heard[0] + std::chrono::duration_cast<Clock::duration>(
-                                                               std::chrono::duration<double>(e.timeout))) {
+      if (e.timeout > 0 && e.stops.find(impl_->run) == e.stops.end() && looked >= e.last_heard[0] + after_seconds(e.timeout)) {
         idle_timeout = true;
         break;
       }
@@ -230,23 +202,17 @@ Decoder DriverRun::serve_until_done() {
   }
   if (s.kind == k_stop_err) {
     Decoder d(s.buf.data() + s.poff, s.plen, nullptr);
-    const auto code = d.u8();
-    std::string what, rfn, rmsg;
-    std::int32_t rrank = 0, mpi_code = 0;
-    decode(d, what);
-    decode(d, rrank);
-    decode(d, rfn);
-    decode(d, rmsg);
-    decode(d, mpi_code);
-    switch (code) {
-      case e_invalid: throw InvalidArgument(what);
-      case e_mismatch: throw MismatchError(what);
-      case e_timeout: throw TimeoutError(what);
-      case e_remote: throw RemoteError(rrank, rfn, rmsg);
-      case e_not_compiled: throw NotCompiled(what);
-      case e_mpi: throw MpiError(what, mpi_code);
-      default: throw Error(what);
-    }
+    ErrorRecord r;
+    r.kind = static_cast<ErrorKind>(d.u8());
+    std::int32_t rank = 0, code = 0;
+    decode(d, r.what);
+    decode(d, rank);
+    decode(d, r.function);
+    decode(d, r.message);
+    decode(d, code);
+    r.rank = rank;
+    r.code = code;
+    throw_error(r);
   }
   return Decoder(s.buf.data() + s.poff, s.plen, &s.segs);
 }

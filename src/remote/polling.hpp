@@ -1,6 +1,6 @@
 // Remote calls, internal: deadlines, polled waits for MPI requests (with something to do between
-// polls), the session's allgather within a deadline, and memory kept for the life of the process
-// (what MPI may still write into after a wait was given up on).
+// polls) and the session's allgather within a deadline. (Deadlines: mpi/deadline.hpp; memory
+// kept for the life of the process: mpi/keep_for_process.hpp.)
 #pragma once
 
 #include <mpi.h>
@@ -14,18 +14,16 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/deadline.hpp"
+#include "mpi/keep_for_process.hpp"
 #include "remote/wire.hpp"
 
 namespace lockstep::detail::remote {
 
 /// A timeout setting in seconds: < 0 is lockstep::timeout() (LOCKSTEP_TIMEOUT).
 double resolve_timeout(double t);
-/// Now plus `seconds`; no deadline (time_point::max()) for seconds <= 0.
-Clock::time_point deadline_after(double seconds);
 /// A pause between two polls, longer the longer nothing happened since `since_active`.
 void backoff(Clock::time_point since_active);
-/// Keeps `p` reachable for the life of the process.
-void keep_for_ever(std::shared_ptr<void> p);
 
 /// Polls the requests until they complete or the deadline passes (returns false then). With
 /// `statuses`, fills one status per request. Between two polls it calls `meanwhile()`, which
@@ -63,7 +61,7 @@ std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, d
   LOCKSTEP_MPI_CHECK(MPI_Iallgather(buf->data(), n, MPI_BYTE, buf->data() + un, n, MPI_BYTE, comm, &r));
   std::vector<MPI_Request> reqs{r};
   if (!wait_requests(reqs, deadline_after(timeout), nullptr, meanwhile)) {
-    keep_for_ever(buf);
+    keep_for_process(buf);
     throw TimeoutError(concat(what, ": not every rank joined within ", timeout, " s", rank_suffix()));
   }
   return std::vector<std::byte>(buf->begin() + static_cast<std::ptrdiff_t>(un), buf->end());

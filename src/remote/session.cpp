@@ -110,7 +110,7 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   LOCKSTEP_MPI_CHECK(MPI_Comm_idup(base, &e->comm, &r));
   std::vector<MPI_Request> reqs{r};
   if (!wait_requests(reqs, deadline_after(e->timeout))) {
-    keep_for_ever(e);  // MPI may still write the new communicator into it
+    keep_for_process(e);  // MPI may still write the new communicator into it
     throw TimeoutError(concat("RemoteSession: not every rank created the session within ", e->timeout, " s", rank_suffix()));
   }
   MPI_Comm_set_errhandler(e->comm, MPI_ERRORS_RETURN);
@@ -214,7 +214,7 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
     forget_engine(e);
     e->stop_progress = true;
     if (e->progress.joinable()) e->progress.join();
-    keep_for_ever(e);  // its communicator is left to MPI
+    keep_for_process(e);  // its communicator is left to MPI
     throw;
   }
   return e;

@@ -2,13 +2,12 @@
 // head of every header message). Never installed.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 
-namespace lockstep::detail::remote {
+#include "mpi/deadline.hpp"  // Clock
 
-using Clock = std::chrono::steady_clock;
+namespace lockstep::detail::remote {
 
 constexpr int kTagReq = 1, kTagRep = 2, kTagCtrl = 3, kDataBase = 16;
 constexpr std::uint32_t kMagic = 0x4C535243;  // "LSRC"

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 
 namespace lockstep {
@@ -131,8 +132,7 @@ void GradientReducer::Impl::agree_on_micro_steps() {
   backend->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
                      TensorView{all.data(), n, DType::i64, Device::cpu()});
   if (std::all_of(all.begin(), all.end(), [&](std::int64_t c) { return c == all[0]; })) return;
-  std::string counts;
-  for (int r = 0; r < n; ++r) counts += concat(r == 0 ? "" : ", ", "rank ", r, ": ", all[static_cast<std::size_t>(r)]);
+  const std::string counts = detail::rank_values(all);
   accumulated = 0;
   reset_step();
   throw MismatchError(concat("GradientReducer: the ranks reduced different numbers of micro-steps (", counts,

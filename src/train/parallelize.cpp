@@ -264,19 +264,11 @@ void ResultDescriber::key(const std::string& /*path*/, const std::string& k) {
 
 void ParallelCall::fail(std::exception_ptr e) {
   error = e;
-  try {
-    std::rethrow_exception(e);
-  } catch (const InvalidArgument& x) {
-    error_kind = 1, error_text = x.what();
-  } catch (const MismatchError& x) {
-    error_kind = 2, error_text = x.what();
-  } catch (const Error& x) {
-    error_kind = 3, error_text = x.what();
-  } catch (const std::exception& x) {
-    error_kind = 4, error_text = concat("f threw: ", x.what());
-  } catch (...) {
-    error_kind = 4, error_text = "f threw an exception that is not a std::exception";
-  }
+  const ErrorRecord r = error_record(e);
+  error_kind = text_kind(r.kind);
+  error_text = r.kind == ErrorKind::std_exception ? concat("f threw: ", r.what)
+               : r.kind == ErrorKind::unknown     ? std::string("f threw an exception that is not a std::exception")
+                                                  : r.what;
 }
 
 void ParallelCall::describe_arg(const Tensor* t) {
@@ -321,10 +313,10 @@ std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c) {
   constexpr std::size_t K = 8;
   enum { kError, kArgs, kHave, kResult, kTensors, kFloats, kInts, kPayload };
   const std::int64_t mine[K] = {
-      c.error_kind,
-      static_cast<std::int64_t>(fnv1a(args.data(), args.size())),
+      static_cast<std::int64_t>(c.error_kind),
+      static_cast<std::int64_t>(hash_bytes(args.data(), args.size())),
       c.have ? 1 : 0,
-      static_cast<std::int64_t>(fnv1a(c.result_sig.data(), c.result_sig.size())),
+      static_cast<std::int64_t>(hash_bytes(c.result_sig.data(), c.result_sig.size())),
       c.tensors,
       c.fscalars,
       c.iscalars,
@@ -335,22 +327,23 @@ std::vector<std::int64_t> agree_on_call(Backend& b, const ParallelCall& c) {
   auto at = [&](int r, int k) { return all[static_cast<std::size_t>(r) * K + static_cast<std::size_t>(k)]; };
 
   // Every rank sees the same table, so every rank takes the same branch below.
-  // 1. A rank threw (f, or a check of its own): every rank throws.
-  int first_failed = -1, type = 0;
+  // 1. A rank threw (f, or a check of its own): every rank throws, of the kind of the first
+  // rank that threw a Lockstep error (Error when none did).
+  int first_failed = -1;
+  ErrorRecord failure;
   for (int r = 0; r < n; ++r) {
-    if (at(r, kError) == 0) continue;
+    const auto k = static_cast<ErrorKind>(at(r, kError));
+    if (k == ErrorKind::none) continue;
     if (first_failed < 0) first_failed = r;
-    if (type == 0 && at(r, kError) <= 3) type = static_cast<int>(at(r, kError));
+    if (failure.kind == ErrorKind::none && !foreign_kind(k)) failure.kind = k;
   }
   if (first_failed >= 0) {
     const auto texts = allgather_strings(b, c.error_text);
-    if (c.error_kind == 4) std::rethrow_exception(c.error);  // the user's own exception, as it was
-    const std::string msg =
+    if (foreign_kind(c.error_kind)) std::rethrow_exception(c.error);  // the user's own exception, as it was
+    failure.what =
         concat("parallelize: the call failed before the results were combined, so it fails on every rank:",
                list_ranks(texts, [&](int r) { return at(r, kError) != 0; }), rank_suffix());
-    if (type == 1) throw InvalidArgument(msg);
-    if (type == 2) throw MismatchError(msg);
-    throw Error(msg);
+    throw_error(failure);
   }
   // 2. Different arguments (batch size, feature shapes, dtypes), partitioner or reducer.
   bool same_args = true;

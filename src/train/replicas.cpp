@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 
 namespace lockstep::detail {
@@ -24,13 +25,6 @@ void copy_text(char (&dst)[kTextBytes], const std::string& s) {
   std::size_t n = std::min(s.size(), static_cast<std::size_t>(kTextBytes - 1));
   std::memcpy(dst, s.data(), n);
   dst[n] = '\0';
-}
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  return os.str();
 }
 
 }  // namespace

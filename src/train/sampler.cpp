@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "comm/rank_list.hpp"
 #include "lockstep/train/synchronize.hpp"
 
 namespace lockstep {
@@ -140,11 +141,8 @@ void DistributedDataContainer<void>::set_epoch(std::int64_t e) {
   backend_->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
                       TensorView{all.data(), n, DType::i64, Device::cpu()});
   if (std::any_of(all.begin(), all.end(), [&](std::int64_t v) { return v != all[0]; })) {
-    std::string msg = "DistributedDataContainer::set_epoch: the ranks passed different epochs:";
-    for (int r = 0; r < n && r < 8; ++r)
-      msg += concat(r == 0 ? " " : ", ", "rank ", r, ": ", all[static_cast<std::size_t>(r)]);
-    if (n > 8) msg += ", ...";
-    throw MismatchError(msg + detail::rank_suffix());
+    throw MismatchError("DistributedDataContainer::set_epoch: the ranks passed different epochs: " +
+                        detail::rank_values(all, 8) + detail::rank_suffix());
   }
   epoch_ = e;
   rebuild();

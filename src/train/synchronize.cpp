@@ -126,15 +126,6 @@ std::vector<Run> runs_of(const std::vector<SyncLeaf>& leaves, bool use_runs) {
 }
 }  // namespace
 
-std::uint64_t fnv1a(const void* data, std::size_t bytes, std::uint64_t h) noexcept {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 void StructureWriter::add(const std::string& path, const std::string& desc) {
   sig_ += desc;
   sig_ += '|';
@@ -171,7 +162,7 @@ bool check_same_structure(Backend& b, const std::string& signature, std::uint64_
                           const char* what,
                           const std::function<std::vector<StructureEntry>()>& entries) {
   const int n = b.size();
-  std::uint64_t mine[2] = {fnv1a(signature.data(), signature.size()), layout};
+  std::uint64_t mine[2] = {hash_bytes(signature.data(), signature.size()), layout};
   std::vector<std::uint64_t> all(2 * static_cast<std::size_t>(n));
   b.allgather(TensorView{mine, 2, DType::i64, Device::cpu()},
               TensorView{all.data(), 2 * n, DType::i64, Device::cpu()});
@@ -217,10 +208,10 @@ bool check_same_structure(Backend& b, const std::string& signature, std::uint64_
 }
 
 std::uint64_t layout_of(const std::vector<SyncLeaf>& leaves) {
-  std::uint64_t h = fnv1a("layout", 6);
+  std::uint64_t h = hash_bytes("layout", 6);
   for (const auto& r : runs_of(leaves, true)) {
     std::uint64_t v[3] = {r.first, r.last, r.in_place ? 1u : 0u};
-    h = fnv1a(v, sizeof v, h);
+    h = hash_bytes(v, sizeof v, h);
   }
   return h;
 }

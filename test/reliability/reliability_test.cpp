@@ -5,8 +5,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -235,6 +237,64 @@ TEST_CASE("hash_bytes tells apart what differs and agrees on what does not") {
   CHECK(ls::detail::hash_bytes(a, sizeof a) != ls::detail::hash_bytes(b2, sizeof b2));
   CHECK(ls::detail::hash_bytes(a, 3) != ls::detail::hash_bytes(a, 4));
   CHECK(ls::detail::hash_bytes(nullptr, 0) == ls::detail::hash_bytes(a, 0));
+  // The seed chains hashes: seed 0 is the plain hash, another seed another hash, and the order
+  // of the chained parts counts.
+  CHECK(ls::detail::hash_bytes(a, sizeof a, 0) == ls::detail::hash_bytes(a, sizeof a));
+  CHECK(ls::detail::hash_bytes(a, sizeof a, 1) != ls::detail::hash_bytes(a, sizeof a));
+  const auto ab = ls::detail::hash_bytes(b2, sizeof b2, ls::detail::hash_bytes(a, sizeof a));
+  const auto ba = ls::detail::hash_bytes(a, sizeof a, ls::detail::hash_bytes(b2, sizeof b2));
+  CHECK(ab != ba);
+}
+
+namespace {
+// The exception that error_record records and throw_error throws again, as a record itself.
+ls::detail::ErrorRecord round_trip(const ls::detail::ErrorRecord& r) {
+  try {
+    ls::detail::throw_error(r);
+  } catch (...) {
+    return ls::detail::error_record(std::current_exception());
+  }
+  return {};  // not reached: throw_error always throws
+}
+}  // namespace
+
+TEST_CASE("error_record and throw_error carry every kind of exception, with its code or remote call") {
+  using ls::detail::ErrorKind;
+  using ls::detail::error_record;
+  auto record = [](auto&& x) { return error_record(std::make_exception_ptr(x)); };
+  CHECK(error_record(nullptr).kind == ErrorKind::none);
+  CHECK(record(ls::InvalidArgument("a")).kind == ErrorKind::invalid_argument);
+  CHECK(record(ls::MismatchError("a")).kind == ErrorKind::mismatch);
+  CHECK(record(ls::TimeoutError("a")).kind == ErrorKind::timeout);
+  CHECK(record(ls::CheckpointError("a")).kind == ErrorKind::checkpoint);
+  CHECK(record(ls::NotCompiled("a")).kind == ErrorKind::not_compiled);
+  CHECK(record(ls::Error("a")).kind == ErrorKind::error);
+  CHECK(record(std::runtime_error("a")).kind == ErrorKind::std_exception);
+  CHECK(record(42).kind == ErrorKind::unknown);
+  for (const auto& x : {record(ls::MpiError("m", 13)), record(ls::CudaError("c", 2)), record(ls::NcclError("n", 3))}) {
+    const auto back = round_trip(x);
+    CHECK((back.kind == x.kind && back.what == x.what && back.code == x.code && x.code != 0));
+  }
+  const auto remote = record(ls::RemoteError(2, "f", "boom"));
+  const auto back = round_trip(remote);
+  CHECK((back.kind == ErrorKind::remote && back.rank == 2 && back.function == "f" && back.message == "boom" &&
+         back.what == remote.what));
+  for (auto k : {ErrorKind::invalid_argument, ErrorKind::mismatch, ErrorKind::timeout, ErrorKind::checkpoint,
+                 ErrorKind::not_compiled, ErrorKind::error}) {
+    ls::detail::ErrorRecord r;
+    r.kind = k;
+    r.what = "text";
+    const auto b = round_trip(r);
+    CHECK((b.kind == k && b.what == "text"));
+  }
+  // What a transport of a kind and a text alone sends: the kinds with more travel as Error.
+  CHECK(ls::detail::text_kind(ErrorKind::mpi) == ErrorKind::error);
+  CHECK(ls::detail::text_kind(ErrorKind::remote) == ErrorKind::error);
+  CHECK(ls::detail::text_kind(ErrorKind::timeout) == ErrorKind::timeout);
+  ls::detail::ErrorRecord foreign;
+  foreign.kind = ErrorKind::std_exception;
+  foreign.what = "f";
+  CHECK(round_trip(foreign).kind == ErrorKind::error);
 }
 
 TEST_CASE("first_non_finite finds NaN and infinities in every floating dtype, and ignores integers") {

@@ -42,25 +42,18 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "remote_test_support.hpp"
 
 namespace ls = lockstep;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-int g_rank = 0;
-int g_failures = 0;
+using remote_test::Clock;
+using remote_test::since;
+using namespace remote_test::program;
 Clock::time_point g_stopped_driver_at{};
 int g_driver_pid = 0;
 
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++g_failures;
-    std::cerr << "[rank " << g_rank << "] FAIL: " << what << std::endl;
-  }
-}
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 void say(const std::string& s) { std::cout << "[rank " << g_rank << "] " << s << std::endl; }
 
 // Waits (up to 5 s) until the process is stopped (state T in /proc/<pid>/stat): the signal has

@@ -1,11 +1,13 @@
 // What the remote tests (test/remote/) share: the backend and the rank, a clock, the tensor
 // patterns that show a tensor arrived whole and unmixed, an exception described by its kind, a
-// session's close timed, and the engine's test hooks (src/remote/test_hooks.hpp, not installed).
+// session's close timed, the engine's test hooks (src/remote/test_hooks.hpp, not installed), and
+// the failure count of the programs that run without Catch.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <iostream>
 #include <string>
 #include <thread>
 
@@ -79,5 +81,19 @@ inline Closed close_session(ls::RemoteSession& s) {
   }
   return Closed{error, since(t0)};
 }
+
+/// For the remote programs that run without Catch (remote_stall.cpp, remote_thread_level.cpp):
+/// each failure counted and printed with this rank, main's verdict from the count.
+namespace program {
+inline int g_rank = 0;
+inline int g_failures = 0;
+inline void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++g_failures;
+    std::cerr << "[rank " << g_rank << "] FAIL: " << what << std::endl;
+  }
+}
+inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+}  // namespace program
 
 }  // namespace remote_test

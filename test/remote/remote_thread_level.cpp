@@ -16,6 +16,7 @@
 #include <string>
 
 #include "lockstep/lockstep.hpp"
+#include "remote_test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -23,17 +24,7 @@ namespace {
 int add(int a, int b) { return a + b; }
 LOCKSTEP_REMOTE(add)
 
-int g_rank = 0;
-int g_failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    ++g_failures;
-    std::cerr << "[rank " << g_rank << "] FAIL: " << what << std::endl;
-  }
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using namespace remote_test::program;
 
 // Runs f, which must throw lockstep::Error (and nothing more specific than that is asked) with
 // every one of `parts` in its message, within 10 s.

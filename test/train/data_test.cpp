@@ -25,8 +25,8 @@ std::vector<std::int64_t> gather_indices(ls::Backend& b, const std::vector<std::
   return all;
 }
 
-std::uint64_t fnv_of(const std::vector<std::int64_t>& v) {
-  return ls::detail::fnv1a(v.data(), v.size() * sizeof(std::int64_t));
+std::uint64_t hash_of(const std::vector<std::int64_t>& v) {
+  return ls::detail::hash_bytes(v.data(), v.size() * sizeof(std::int64_t));
 }
 
 // Runs f; "" if it returns, else the exception's kind and message ("MismatchError: ...").
@@ -104,7 +104,7 @@ TEST_CASE("DistributedDataContainer gives every rank the same number of samples"
           c.set_epoch(0);
           if (gather_indices(b, c.indices()) != e0) ok = false, why = tag + ": set_epoch(0) not reproducible";
         }
-        if (!same_on_all_ranks(b, fnv_of(all))) ok = false, why = tag + ": ranks see different permutations";
+        if (!same_on_all_ranks(b, hash_of(all))) ok = false, why = tag + ": ranks see different permutations";
       }
     }
   }
@@ -594,7 +594,7 @@ TEST_CASE("DistributedDataContainer: ranks deciding alone get the error on every
     if (!has(err, "rank 0: 1") || !has(err, "rank " + std::to_string(n - 1) + ": 2")) ok = false, why = "epoch names: " + err;
   }
   shuffled.set_epoch(3);
-  ok = ok && shuffled.epoch() == 3 && same_on_all_ranks(b, fnv_of(gather_indices(b, shuffled.indices())));
+  ok = ok && shuffled.epoch() == 3 && same_on_all_ranks(b, hash_of(gather_indices(b, shuffled.indices())));
   // Sizes near the int64 limit: no overflow.
   constexpr auto kMax = std::numeric_limits<std::int64_t>::max();
   if (c.num_batches(kMax) != 1 || c.num_batches(kMax, true) != 0) ok = false, why = "num_batches(max)";
@@ -643,7 +643,7 @@ TEST_CASE("batch arithmetic does not overflow with huge batch sizes, batches and
   bool in_range = true;
   for (auto i : c.indices()) in_range = in_range && i >= 0 && i < 10;
   CHECK(in_range);
-  CHECK(all_ranks(b, in_range && same_on_all_ranks(b, fnv_of(gather_indices(b, c.indices())))));
+  CHECK(all_ranks(b, in_range && same_on_all_ranks(b, hash_of(gather_indices(b, c.indices())))));
 }
 
 TEST_CASE("a moved-from DistributedDataContainer holds no samples; self-move keeps it", "[data][move]") {

@@ -8,14 +8,16 @@
 #include <string>
 
 #include "lockstep/comm/backend.hpp"
+#include "lockstep/core/errors.hpp"
 
 namespace lockstep::detail {
 
 /// Message of the exception being handled, for broadcasting (never empty).
 std::string current_error_message();
-/// One rank's verdict on a collective's inputs: the error it would throw (kind none: fine).
+/// One rank's verdict on a collective's inputs: the error it would throw (kind none: fine), of a
+/// kind that travels with its text alone (text_kind, core/errors.hpp).
 struct Verdict {
-  enum class Kind : std::int32_t { none = 0, checkpoint = 1, invalid_argument = 2, mismatch = 3, other = 4 };
+  using Kind = ErrorKind;
   Kind kind = Kind::none;
   std::string message;
 };

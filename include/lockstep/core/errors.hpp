@@ -1,6 +1,8 @@
 // Lockstep's exception hierarchy and the check macros used throughout the library.
 #pragma once
 
+#include <cstdint>
+#include <exception>
 #include <source_location>
 #include <sstream>
 #include <stdexcept>
@@ -115,6 +117,56 @@ std::string concat(const Parts&... parts) {
 
 [[noreturn]] void throw_invalid(const std::string& msg,
                                 const std::source_location& loc = std::source_location::current());
+
+/// The kind of an exception, as one rank tells the others which exception to throw: the one
+/// numbering of the consensus helpers (Verdict), parallelize and run_driver, with one
+/// classification (error_record) and one rethrow (throw_error).
+enum class ErrorKind : std::int32_t {
+  none = 0,
+  invalid_argument,
+  mismatch,
+  timeout,
+  checkpoint,
+  not_compiled,
+  mpi,            // carries a code
+  cuda,           // carries a code
+  nccl,           // carries a code
+  remote,         // carries the call's rank, function and message
+  error,          // another lockstep::Error
+  std_exception,  // a std::exception that is not a lockstep::Error (a user's own)
+  unknown         // not a std::exception
+};
+
+/// An exception as it travels between ranks: its kind and what(), and what its kind carries
+/// beyond the text.
+struct ErrorRecord {
+  ErrorKind kind = ErrorKind::none;
+  std::string what;  // empty for unknown
+  int code = 0;      // mpi, cuda, nccl
+  int rank = -1;     // remote: the rank that ran the call, its function and that rank's text
+  std::string function, message;
+};
+
+/// The record of exception `e` (kind none when `e` is null).
+ErrorRecord error_record(const std::exception_ptr& e);
+
+/// A transport that carries only a kind and a text (the consensus helpers, parallelize): the
+/// kinds that carry more (mpi, cuda, nccl, remote) travel as error.
+constexpr ErrorKind text_kind(ErrorKind k) noexcept {
+  return k == ErrorKind::mpi || k == ErrorKind::cuda || k == ErrorKind::nccl || k == ErrorKind::remote
+             ? ErrorKind::error
+             : k;
+}
+
+/// Whether `k` is the kind of an exception Lockstep did not throw (std_exception, unknown).
+constexpr bool foreign_kind(ErrorKind k) noexcept {
+  return k == ErrorKind::std_exception || k == ErrorKind::unknown;
+}
+
+/// Throws, on this rank, the exception that `r` describes: the class of its kind with r.what
+/// (and its code, or the remote call's rank, function and message); Error for error,
+/// std_exception, unknown and none.
+[[noreturn]] void throw_error(const ErrorRecord& r);
 
 }  // namespace detail
 }  // namespace lockstep

@@ -390,11 +390,11 @@ namespace detail {
 /// Throws CheckpointError(msg) on every rank, saying on non-root ranks that root reported it.
 [[noreturn]] void throw_root_error(const Backend& backend, const std::string& msg, int root);
 
-/// fnv1a of x's structure signature (what synchronize compares).
+/// hash_bytes of x's structure signature (what synchronize compares).
 template <class X>
 std::uint64_t structure_hash(const X& x) {
   const auto sig = describe(x, false);
-  return fnv1a(sig.signature().data(), sig.signature().size());
+  return hash_bytes(sig.signature().data(), sig.signature().size());
 }
 
 /// Every rank: the structure check synchronize makes (the ranks' structures differ: some rank's

@@ -55,7 +55,9 @@ class CallSiteScope {
 /// site of this thread; "a collective" when none is recorded.
 std::string describe_call_site();
 
-/// 64-bit hash of `bytes` bytes (not cryptographic; equal inputs give equal hashes on every rank).
-std::uint64_t hash_bytes(const void* data, std::size_t bytes) noexcept;
+/// 64-bit hash of `bytes` bytes (not cryptographic; equal inputs give equal hashes on every rank):
+/// Lockstep's one hash (fingerprints, replicas, structure signatures, file names). `seed` chains
+/// hashes: hash_bytes(b, nb, hash_bytes(a, na)) hashes a then b.
+std::uint64_t hash_bytes(const void* data, std::size_t bytes, std::uint64_t seed = 0) noexcept;
 
 }  // namespace lockstep::detail

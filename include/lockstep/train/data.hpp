@@ -311,7 +311,7 @@ struct ParallelCall {
   std::vector<std::int64_t> extents;  // concat: per local partition, per tensor leaf
   std::vector<std::byte> bytes;       // concat: those pieces, back to back
   std::exception_ptr error;           // what this rank threw, if anything
-  int error_kind = 0;                 // 0 none, 1 InvalidArgument, 2 MismatchError, 3 Error, 4 other
+  ErrorKind error_kind = ErrorKind::none;  // its kind, as the ranks send it (text_kind)
   std::string error_text;
 
   /// Records the exception in flight (call from a catch block).

@@ -89,10 +89,6 @@ std::uint64_t layout_of(const std::vector<SyncLeaf>& leaves);
 /// into one buffer; without, everything on the host is packed (device tensors go one by one).
 void broadcast_leaves(Backend& b, const std::vector<SyncLeaf>& leaves, int root, bool use_runs);
 
-/// 64-bit FNV-1a hash.
-std::uint64_t fnv1a(const void* data, std::size_t bytes,
-                    std::uint64_t h = 14695981039346656037ull) noexcept;
-
 /// Validates root against the backend's size; throws InvalidArgument.
 void check_root(const Backend& b, int root, const char* what);
 
