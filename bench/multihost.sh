@@ -66,7 +66,7 @@ while [ $# -gt 0 ]; do
 done
 export LOCKSTEP_CLUSTER=${LOCKSTEP_CLUSTER:-lockstep-bench}
 [ "$YIELD" = 1 ] && export OMPI_MCA_mpi_yield_when_idle=1
-# Two TCP connections per pair of processes, as MPIBackend sets by default (mpi_backend.cpp):
+# Two TCP connections per pair of processes, as MPIBackend sets by default (mpi_backend_global.cpp):
 # with one, a rendezvous acknowledgement queues behind the bulk data going the other way in the
 # same connection, and traffic both ways at once (an allreduce's) gets about half the rate per
 # direction. Set here too because bench_link is plain MPI.

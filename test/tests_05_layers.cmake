@@ -64,11 +64,15 @@ endforeach()
 add_library(lockstep_headers_installed OBJECT ${_tus})
 target_link_libraries(lockstep_headers_installed PRIVATE lockstep::core lockstep_build_flags)
 set_target_properties(lockstep_headers_installed PROPERTIES UNITY_BUILD OFF)
-# What the install rules put under include/ holds no test hook (TestHooks, test_hooks(),
-# *_for_test): the tests' hooks live in src/ (src/remote/test_hooks.hpp). The check installs into
-# a scratch prefix, so it sees what a user gets; the self-test plants a hook and sees it refused.
+# No header a user gets holds a test hook (TestHooks, test_hooks(), *_for_test, a `testing`
+# namespace, fail_next_*): the tests' hooks live in headers that are not installed
+# (src/remote/test_hooks.hpp, ext/torch/src/test_hooks.hpp). The check installs into a scratch
+# prefix, so it sees what a user gets of lockstep::core and of the components this build has, and
+# reads every component's ext/*/include as well (those this build leaves out: lockstep::nccl
+# without CUDA); the self-test plants hooks and sees them refused.
 add_test(NAME headers.installed
-  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_installed_headers.sh ${PROJECT_BINARY_DIR})
+  COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_installed_headers.sh ${PROJECT_BINARY_DIR}
+          ${PROJECT_SOURCE_DIR})
 set_tests_properties(headers.installed PROPERTIES LABELS unit PASS_REGULAR_EXPRESSION "installed headers: OK")
 add_test(NAME headers.installed_self_test
   COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/layers/check_installed_headers.sh --self-test)

@@ -1,6 +1,7 @@
-// Internal: the MPI side of reliability (lockstep/reliability/settings.hpp), used by
-// mpi_backend.cpp. One CommMonitor per MPIBackend communicator numbers its collectives, compares
-// fingerprints, enforces deadlines and answers other ranks' status queries from a watchdog thread.
+// Internal: the MPI side of reliability (lockstep/reliability/settings.hpp), used by MPIBackend
+// (src/mpi/mpi_backend*.cpp). One CommMonitor per MPIBackend communicator numbers its
+// collectives, compares fingerprints, enforces deadlines and answers other ranks' status queries
+// from a watchdog thread.
 #pragma once
 
 #include <mpi.h>

@@ -2,6 +2,7 @@
 #include "lockstep/nccl.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "comm/global_backend.hpp"  // the lifecycle of initialize<NCCLBackend>() (internal)
 
 // cuda_bf16.h before nccl.h: older nccl.h headers declare ncclBfloat16 only when the bf16 types
 // are already defined (__CUDA_BF16_TYPES_EXIST__).
@@ -18,7 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -458,10 +459,7 @@ Request NCCLBackend::do_iallreduce_many(std::span<const TensorView> bufs, Reduce
 // The global backend behind initialize<NCCLBackend>()
 // ---------------------------------------------------------------------------------------------
 namespace {
-std::mutex g_mutex;
-std::unique_ptr<NCCLBackend> g_backend;
-bool g_atexit_registered = false;
-void finalize_at_exit() { NCCLBackend::finalize_global(); }
+constinit detail::GlobalBackend<NCCLBackend> g_global{"NCCLBackend", "NCCL"};
 }  // namespace
 
 void NCCLBackend::initialize_global() {
@@ -469,32 +467,13 @@ void NCCLBackend::initialize_global() {
   // at exit ours runs first, destroying the NCCL communicator while MPI is still alive.
   MPIBackend::initialize_global();
   cuda::init();
-  std::lock_guard lock(g_mutex);
-  if (g_backend) return;
-  g_backend = std::make_unique<NCCLBackend>(MPI_COMM_WORLD);
-  if (!g_atexit_registered) {
-    std::atexit(finalize_at_exit);
-    g_atexit_registered = true;
-  }
+  g_global.initialize([] { return std::make_unique<NCCLBackend>(MPI_COMM_WORLD); });
 }
 
-bool NCCLBackend::initialized_global() noexcept {
-  std::lock_guard lock(g_mutex);
-  return static_cast<bool>(g_backend);
-}
+bool NCCLBackend::initialized_global() noexcept { return g_global.initialized(); }
 
-NCCLBackend& NCCLBackend::global() {
-  std::lock_guard lock(g_mutex);
-  if (!g_backend)
-    throw Error(
-        "get_distributed_backend<NCCLBackend>: the NCCL backend is not initialised; call "
-        "lockstep::initialize<lockstep::NCCLBackend>() first");
-  return *g_backend;
-}
+NCCLBackend& NCCLBackend::global() { return g_global.get(); }
 
-void NCCLBackend::finalize_global() {
-  std::lock_guard lock(g_mutex);
-  g_backend.reset();
-}
+void NCCLBackend::finalize_global() { g_global.finalize(); }
 
 }  // namespace lockstep

@@ -3,6 +3,7 @@
 // accumulation, unused parameters, skipped steps, and the sharded step (each parameter's state on
 // one rank, the updated parameters broadcast).
 #include "internal.hpp"
+#include "test_hooks.hpp"
 
 #include <torch/torch.h>
 
@@ -63,7 +64,8 @@ bool holds(const at::Tensor& g, const at::Tensor& slot) {
   return g.defined() && g.layout() == c10::kStrided && g.data_ptr() == slot.data_ptr();
 }
 
-// testing::fail_next_gradient: the next gradient hook in this process fails.
+// testing::fail_next_gradient (test_hooks.hpp, not installed): the next gradient hook in this
+// process fails.
 std::mutex g_fail_mutex;
 std::atomic<bool> g_fail_next{false};
 std::string g_fail_message;

@@ -17,6 +17,7 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/torch.hpp"
+#include "../src/test_hooks.hpp"  // lt::testing::fail_next_gradient (not installed)
 
 namespace ls = lockstep;
 namespace lt = lockstep::torch;

@@ -176,13 +176,6 @@ class DistributedOptimizer {
 /// save() archive). Not collective.
 std::int64_t state_bytes(::torch::optim::Optimizer& optimizer);
 
-namespace testing {
-/// For tests: the next gradient hook of a DistributedOptimizer in this process fails with
-/// InvalidArgument(message), as a hook whose gradient cannot be taken would. The step that ends
-/// the cycle then throws that error on every rank.
-void fail_next_gradient(std::string message);
-}  // namespace testing
-
 /// Collective: root writes the module's parameters and buffers (names as the module names
 /// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
 /// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
