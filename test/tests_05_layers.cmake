@@ -64,6 +64,21 @@ endforeach()
 add_library(lockstep_headers_installed OBJECT ${_tus})
 target_link_libraries(lockstep_headers_installed PRIVATE lockstep::core lockstep_build_flags)
 set_target_properties(lockstep_headers_installed PROPERTIES UNITY_BUILD OFF)
+# The torch component's installed headers compile alone as well, where this build has it:
+# torch.hpp and torch/join.hpp need nothing of LibTorch, torch/sync_batchnorm.hpp includes the
+# LibTorch headers it uses.
+if(TARGET lockstep_torch)
+  set(_torch_tus "")
+  foreach(h IN ITEMS torch.hpp torch/join.hpp torch/sync_batchnorm.hpp)
+    string(REPLACE "/" "_" _name "${h}")
+    set(_tu ${CMAKE_CURRENT_BINARY_DIR}/layers/installed/component_${_name}.cpp)
+    file(CONFIGURE OUTPUT ${_tu} CONTENT "#include \"lockstep/${h}\"\n")
+    list(APPEND _torch_tus ${_tu})
+  endforeach()
+  add_library(lockstep_headers_installed_torch OBJECT ${_torch_tus})
+  target_link_libraries(lockstep_headers_installed_torch PRIVATE lockstep_torch lockstep_build_flags)
+  set_target_properties(lockstep_headers_installed_torch PROPERTIES UNITY_BUILD OFF)
+endif()
 # No header a user gets holds a test hook (TestHooks, test_hooks(), *_for_test, a `testing`
 # namespace, fail_next_*): the tests' hooks live in headers that are not installed
 # (src/remote/test_hooks.hpp, ext/torch/src/test_hooks.hpp). The check installs into a scratch
