@@ -194,6 +194,29 @@ void check_dtype(ls::DType t, MPI_Datatype dt) {
   }
 }
 
+// `call` on x (count + 1 floats, rank * 1000 + i % 1000) must end in MismatchError on every rank,
+// its text naming `part`, with x untouched.
+template <class Call>
+void refused_untouched(int rank, std::int64_t count, const char* what, const char* part, Call&& call) {
+  ls::Tensor x(ls::Shape{count + 1});
+  for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
+  std::string text;
+  bool threw = false;
+  try {
+    call(x);
+  } catch (const ls::MismatchError& e) {
+    threw = true;
+    text = e.what();
+  }
+  INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
+  CHECK(all_ranks(threw));
+  CHECK(all_ranks(text.find(part) != std::string::npos));
+  std::int64_t changed = 0;
+  for (std::int64_t i = 0; i <= count; ++i)
+    changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
+  CHECK(all_ranks(changed == 0));
+}
+
 }  // namespace
 
 TEST_CASE("the hierarchical path is on exactly where the placement allows it") {
@@ -288,23 +311,7 @@ TEST_CASE("ranks or whole machines that disagree about an allreduce get Mismatch
   const std::int64_t count = (std::int64_t{1} << 18) + 3;
   int round = 0;
   auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
-    ls::Tensor x(ls::Shape{count + 1});
-    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
-    std::string text;
-    bool threw = false;
-    try {
-      call(x);
-    } catch (const ls::MismatchError& e) {
-      threw = true;
-      text = e.what();
-    }
-    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
-    CHECK(all_ranks(threw));
-    CHECK(all_ranks(text.find(part) != std::string::npos));
-    std::int64_t changed = 0;
-    for (std::int64_t i = 0; i <= count; ++i)
-      changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
-    CHECK(all_ranks(changed == 0));
+    refused_untouched(rank, count, what, part, call);
     // Still in step: a correct call works.
     ls::Tensor y(ls::Shape{count});
     for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = 1.0f;
@@ -732,23 +739,7 @@ TEST_CASE("machines that disagree about allreduce_wire16 get MismatchError on ev
   const std::int64_t count = (std::int64_t{1} << 18) + 3;
   int round = 0;
   auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
-    ls::Tensor x(ls::Shape{count + 1});
-    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
-    std::string text;
-    bool threw = false;
-    try {
-      call(x);
-    } catch (const ls::MismatchError& e) {
-      threw = true;
-      text = e.what();
-    }
-    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
-    CHECK(all_ranks(threw));
-    CHECK(all_ranks(text.find(part) != std::string::npos));
-    std::int64_t changed = 0;
-    for (std::int64_t i = 0; i <= count; ++i)
-      changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
-    CHECK(all_ranks(changed == 0));
+    refused_untouched(rank, count, what, part, call);
     // Still in step: a correct call works (small integers: exact on either wire).
     ls::Tensor y(ls::Shape{count});
     for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = static_cast<float>(i % 7);
