@@ -11,6 +11,8 @@
 #include <vector>
 #include <cstring>
 #include <iostream>
+#include <memory>
+#include <new>
 
 #include "lockstep/core/device_runtime.hpp"
 #include "lockstep/core/errors.hpp"
@@ -349,6 +351,26 @@ void Backend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType w
                     ReduceOp::sum);
   detail::from_wire16(wire, mine, static_cast<float*>(recv.data), n,
                       op == ReduceOp::avg ? static_cast<float>(size()) : 1.0f);
+}
+
+std::shared_ptr<void> Backend::allocate_reduce_buffer(std::size_t bytes, Loc loc) {
+  detail::CallSiteScope site(loc, "allocate_reduce_buffer");
+  check_usable();
+  // Every rank learns the smallest and the largest size asked for before anything is made, so
+  // a disagreement is the same error everywhere.
+  std::int64_t range[2] = {static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(bytes)};
+  if (size() > 1) allreduce(TensorView{range, 2, DType::i64, Device::cpu()}, ReduceOp::max);
+  LOCKSTEP_CHECK_ARG(range[0] == -range[1], "allocate_reduce_buffer: the ranks asked for different sizes (from ",
+                     -range[1], " to ", range[0], " bytes); every rank must ask for the same");
+  if (bytes == 0) return nullptr;
+  return do_allocate_reduce_buffer(bytes);
+}
+
+std::shared_ptr<void> Backend::do_allocate_reduce_buffer(std::size_t bytes) {
+  constexpr std::align_val_t kAlign{64};
+  void* p = ::operator new(bytes, kAlign);
+  std::memset(p, 0, bytes);
+  return std::shared_ptr<void>(p, [](void* q) { ::operator delete(q, kAlign); });
 }
 
 void Backend::barrier(Loc loc) {

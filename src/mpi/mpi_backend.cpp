@@ -149,6 +149,9 @@ void MPIBackend::set_cuda_aware(bool on) noexcept {
   if (impl_) impl_->cuda_aware = on;
 }
 bool MPIBackend::shared_memory() const noexcept { return impl_ && impl_->shm != nullptr; }
+std::uint64_t MPIBackend::in_place_allreduces() const noexcept {
+  return impl_ && impl_->shm ? impl_->shm->in_place_calls() : 0;
+}
 bool MPIBackend::hierarchical() const noexcept { return impl_ && impl_->hier != nullptr; }
 bool MPIBackend::usable() const noexcept { return impl_ && detail::monitor_usable(*impl_->monitor); }
 

@@ -585,3 +585,86 @@ TEST_CASE("allreduce_wire16 and reduce_scatter_wire16 refuse what they cannot co
   for (std::int64_t i = 0; i < 8 * n; ++i) wrong += f32.data<float>()[i] == static_cast<float>(n) ? 0 : 1;
   CHECK(all_ranks(wrong == 0));
 }
+
+TEST_CASE("allocate_reduce_buffer: in-place allreduces of it reduce the buffers where they lie, the same bits",
+          "[shm]") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const std::int64_t slice = static_cast<std::int64_t>(env_size("LOCKSTEP_SHM_SLICE_BYTES", 1 << 20)) / 4;
+  const std::int64_t count = std::max<std::int64_t>(3 * slice + 5, 70000);  // above the 64 KiB floor
+  const std::int64_t pad = 16;
+  std::shared_ptr<void> mem = b.allocate_reduce_buffer(static_cast<std::size_t>(count + 2 * pad) * 4);
+  REQUIRE(mem != nullptr);
+  CHECK(reinterpret_cast<std::uintptr_t>(mem.get()) % 64 == 0);
+  auto* base = static_cast<float*>(mem.get());
+  std::int64_t nonzero = 0;
+  for (std::int64_t i = 0; i < count + 2 * pad; ++i) nonzero += base[i] != 0.0f ? 1 : 0;
+  CHECK(nonzero == 0);  // zeroed
+  const std::uint64_t before = b.in_place_allreduces();
+  // Offsets and placements: the same offset on every rank (in place), a different offset on the
+  // ranks above 0, and rank 0 with an ordinary buffer (both through the slots, same bits).
+  enum class Where { same, shifted, rank0_plain };
+  std::vector<std::string> bad;
+  std::uint64_t expect_in_place = 0;
+  for (Where where : {Where::same, Where::shifted, Where::rank0_plain}) {
+    for (std::int64_t offset : {std::int64_t{0}, pad}) {
+      for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg, ls::ReduceOp::max}) {
+        std::vector<float> plain(static_cast<std::size_t>(count + 2 * pad), -7.0f);
+        std::int64_t off = offset;
+        if (where == Where::shifted && rank > 0) off = offset == 0 ? pad : 0;
+        float* buf = where == Where::rank0_plain && rank == 0 ? plain.data() + off : base + off;
+        float* whole = where == Where::rank0_plain && rank == 0 ? plain.data() : base;
+        for (std::int64_t i = 0; i < count + 2 * pad; ++i) whole[i] = -7.0f;  // what must stay
+        for (std::int64_t i = 0; i < count; ++i) buf[i] = input(rank, i);
+        b.allreduce(ls::TensorView{buf, count, ls::DType::f32, ls::Device::cpu()}, op);
+        std::int64_t wrong = 0;
+        for (std::int64_t i = 0; i < count; ++i) {
+          const float want = fold(op, n, i);
+          wrong += std::memcmp(&buf[i], &want, 4) == 0 ? 0 : 1;
+        }
+        std::int64_t touched = 0;
+        for (std::int64_t i = 0; i < count + 2 * pad; ++i)
+          if (whole + i < buf || whole + i >= buf + count) touched += whole[i] == -7.0f ? 0 : 1;
+        if (where == Where::same && b.shared_memory()) ++expect_in_place;
+        if (!all_ranks(wrong == 0 && touched == 0))
+          bad.push_back(ls::detail::concat(ls::name(op), " offset ", offset, " placement ", static_cast<int>(where),
+                                           ": ", wrong, " wrong elements, ", touched, " written outside"));
+      }
+    }
+  }
+  INFO(ls::detail::concat(bad.size(), " failing cases, first: ", bad.empty() ? "" : bad.front()));
+  CHECK(bad.empty());
+  // Only the calls with the same offset of the same allocation on every rank went in place.
+  CHECK(b.in_place_allreduces() - before == expect_in_place);
+  // Integers and doubles too, and below the floor (through the slots, still right).
+  {
+    auto* d = static_cast<double*>(mem.get());
+    const std::int64_t dc = (count + 2 * pad) / 2;
+    for (std::int64_t i = 0; i < dc; ++i) d[i] = 0.5 * static_cast<double>(i % 77) + rank;
+    b.allreduce(ls::TensorView{d, dc, ls::DType::f64, ls::Device::cpu()}, ls::ReduceOp::sum);
+    std::int64_t wrong = 0;
+    for (std::int64_t i = 0; i < dc; ++i)
+      wrong += d[i] == n * 0.5 * static_cast<double>(i % 77) + n * (n - 1) / 2.0 ? 0 : 1;
+    auto* k = static_cast<std::int32_t*>(mem.get());
+    for (std::int64_t i = 0; i < 100; ++i) k[i] = static_cast<std::int32_t>(i) - rank;
+    b.allreduce(ls::TensorView{k, 100, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
+    for (std::int64_t i = 0; i < 100; ++i) wrong += k[i] == static_cast<std::int32_t>(i) - (n - 1) ? 0 : 1;
+    CHECK(all_ranks(wrong == 0));
+  }
+}
+
+TEST_CASE("allocate_reduce_buffer: ranks that ask for different sizes get InvalidArgument on every rank") {
+  ls::MPIBackend& b = backend();
+  if (b.size() < 2) return;
+  std::string what;
+  try {
+    (void)b.allocate_reduce_buffer(b.rank() == 0 ? 4096 : 8192);
+  } catch (const ls::InvalidArgument& e) {
+    what = e.what();
+  }
+  CHECK(what.find("different sizes (from 4096 to 8192 bytes)") != std::string::npos);
+  // Usable afterwards, and the memory outlives its use: a later allocation works.
+  std::shared_ptr<void> m = b.allocate_reduce_buffer(1 << 20);
+  CHECK(m != nullptr);
+  CHECK(b.allocate_reduce_buffer(0) == nullptr);
+}

@@ -379,7 +379,13 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
       while (j < n && m.params[j].p.scalar_type() == m.params[i].p.scalar_type() &&
              m.params[j].p.device() == m.params[i].p.device())
         total += m.params[j++].p.numel();
-      at::Tensor buf = at::zeros({total}, m.params[i].p.options().requires_grad(false));
+      // From the backend's reduce buffers (collective: the ranks' runs were compared above, so
+      // every rank asks for the same sizes in the same order): on one machine MPIBackend then
+      // reduces each bucket where it lies, with no copy through its shared-memory slots.
+      const auto opts = m.params[i].p.options().requires_grad(false);
+      const std::size_t nbytes = static_cast<std::size_t>(total) * c10::elementSize(m.params[i].p.scalar_type());
+      std::shared_ptr<void> mem = backend.allocate_reduce_buffer(nbytes, loc);
+      at::Tensor buf = mem ? at::from_blob(mem.get(), {total}, [mem](void*) {}, opts) : at::zeros({total}, opts);
       std::int64_t off = 0;
       for (std::size_t k = i; k < j; ++k) {
         const at::Tensor& p = m.params[k].p;

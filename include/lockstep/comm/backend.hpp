@@ -145,6 +145,18 @@ class Backend {
   /// (ncclGroupStart/End), other backends one iallreduce after another in order.
   Request iallreduce_many(std::span<const TensorView> bufs, ReduceOp op, Loc loc = Loc::current());
 
+  /// Collective: `bytes` of zeroed host memory (64-byte aligned) for a buffer that is reduced in
+  /// place again and again, such as gradient buckets. Every rank calls it with the same `bytes`,
+  /// in the same order (an InvalidArgument on every rank names the sizes when they differ).
+  /// MPIBackend with its shared-memory path (every rank on one machine) returns memory that
+  /// every rank maps: an in-place allreduce of a buffer at the same offset of such an allocation
+  /// on every rank then reads the peers' buffers where they lie, each rank reducing its share of
+  /// the elements into every rank's buffer, instead of copying every buffer through the path's
+  /// slots (the same bits; about half the memory traffic). Otherwise, and by default, ordinary
+  /// memory. The memory lives as long as the returned pointer, which may outlive the backend;
+  /// 0 bytes gives an empty pointer.
+  std::shared_ptr<void> allocate_reduce_buffer(std::size_t bytes, Loc loc = Loc::current());
+
  protected:
   // The hooks a backend implements; the front end above has validated the arguments.
   virtual void do_broadcast(TensorView buf, int root) = 0;
@@ -167,6 +179,9 @@ class Backend {
   /// host views, wire is bf16 or f16, op sum or avg (checked by the front end).
   virtual void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op);
   virtual void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op);
+  /// `bytes` > 0, the same on every rank (checked by the front end). The default: ordinary
+  /// zeroed memory, 64-byte aligned.
+  virtual std::shared_ptr<void> do_allocate_reduce_buffer(std::size_t bytes);
 
   /// What a collective is, for abandon(): the operation's name and what must agree.
   struct CallInfo {

@@ -43,6 +43,10 @@ class MPIBackend final : public Backend {
   /// it and then go to MPI. allreduce_wire16 and reduce_scatter_wire16 of f32 host data take
   /// it too, fused (docs/training.md, "Scale"). See docs/architecture.md.
   bool shared_memory() const noexcept;
+  /// In-place allreduces so far whose buffers, from allocate_reduce_buffer on every rank, were
+  /// reduced where they lie instead of through the shared-memory path's slots (0 without that
+  /// path): what tells a program its gradient buffers take the fast way.
+  std::uint64_t in_place_allreduces() const noexcept;
   /// Whether blocking host allreduce (f32/f64/i32/i64, bf16/f16 sum and avg, from 64 KiB; and
   /// allreduce_wire16, reduce_scatter, reduce_scatter_wire16, allgather and broadcast) goes
   /// hierarchically: shared memory within each machine, MPI between machines (docs/architecture.md, "Hierarchical allreduce"). True when the ranks span
@@ -78,6 +82,10 @@ class MPIBackend final : public Backend {
   /// allreduce goes to MPI with Lockstep's f16/bf16 operator.
   void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) override;
   void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) override;
+  /// On the shared-memory path: a segment of this rank's that every rank maps (see
+  /// Backend::allocate_reduce_buffer); ordinary memory otherwise, or when a segment cannot be
+  /// made or mapped on some rank (every rank then falls back alike).
+  std::shared_ptr<void> do_allocate_reduce_buffer(std::size_t bytes) override;
   void abandon(const CallInfo& call, const std::exception& error) override;
   void check_usable() const override;
 

@@ -35,6 +35,9 @@ constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // Every size: a call that goes to MPI instead must first agree on it with the other ranks (one
 // more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
 constexpr std::size_t kShmMinBytes = 0;
+// From here up an in-place allreduce of a registered buffer reads the peers' buffers in place:
+// below it the second rendezvous costs more than the copies it saves.
+constexpr std::size_t kInPlaceMinBytes = std::size_t{64} << 10;
 
 enum class Kind : std::uint32_t {
   allreduce = 1,
@@ -314,6 +317,10 @@ struct ShmCollectives::SliceHeader {
   std::uint32_t dtype;    // DType
   std::int32_t op_root;   // ReduceOp for allreduce, root for broadcast
   std::uint32_t host;     // 1: host memory; 0: device memory handed to MPI directly
+  // An in-place allreduce of a buffer in a registered region: its id and the buffer's offset
+  // in it (-1: none). Not compared: ranks whose buffers differ here take the slots instead.
+  std::int64_t region = -1;
+  std::uint64_t offset = 0;
 };
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
@@ -329,6 +336,7 @@ std::unique_ptr<ShmCollectives> ShmCollectives::create(MPI_Comm comm, int node_s
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size));
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
   if (size == 1) return nullptr;
+  static_assert(sizeof(SliceHeader) <= kHeaderBytes, "a slice header fits in its cache line");
 
   // Every rank must agree: on one machine, within the rank limit, enabled everywhere; the slice
   // size and threshold are rank 0's.
@@ -522,13 +530,31 @@ void ShmCollectives::agree(const SliceHeader& mine, const char* what) {
 bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                bool host) {
   const std::size_t es = size_of(dtype);
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
-                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
+                   static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
   if (!handles_allreduce(numel, dtype, op, host)) {
     agree(mine, "allreduce");
     return false;
   }
+  // In place on a buffer of a registered region: the first slice's header says where, and
+  // carries no data. Once every rank's header is there, every rank knows whether all of them
+  // hold the buffer at the same offset of the same region (then each reduces its share of the
+  // elements straight from the peers' buffers into every buffer, no slot copy), or not (then
+  // the call runs through the slots from its first slice, like any other).
+  std::shared_ptr<Region> region;
+  if (send == recv && static_cast<std::size_t>(numel) * es >= kInPlaceMinBytes) {
+    std::size_t offset = 0;
+    region = find_region(recv, static_cast<std::size_t>(numel) * es, &offset);
+    if (region) {
+      mine.region = static_cast<std::int64_t>(region->id);
+      mine.offset = offset;
+    }
+  }
+  const std::size_t per = slice_bytes_ / es;
+  const std::size_t first = std::min(per, static_cast<std::size_t>(numel));
+  enum class Mode { slots, in_place, slots_again } mode = Mode::slots;
   auto fill = [&](char* dst, std::size_t off, std::size_t m) {
+    if (mode != Mode::slots || (off == 0 && mine.region >= 0)) return;  // the probe carries no data
     copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
   };
   auto use = [&](std::size_t off, std::size_t m) {
@@ -542,8 +568,62 @@ bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
     if (rank_ < 2 || send != recv) slots[rank_] = static_cast<const char*>(send) + off * es;
     reduce_any(dtype, op, static_cast<char*>(recv) + off * es, slots, size_, m);
   };
-  run(mine, static_cast<std::size_t>(numel), slice_bytes_ / es, "allreduce", fill, use);
+  // The first slice decides: every header is there when `use` runs.
+  run(mine, first, per, "allreduce", fill, [&](std::size_t off, std::size_t m) {
+    bool all = true, any = false;
+    for (int p = 0; p < size_; ++p) {
+      const SliceHeader& h = p == rank_ ? mine : *header(p, next_);
+      any = any || h.region >= 0;
+      all = all && h.region >= 0 && h.region == mine.region && h.offset == mine.offset;
+    }
+    if (all) mode = Mode::in_place;
+    else if (any) mode = Mode::slots_again;
+    else use(off, m);
+  });
+  if (mode == Mode::in_place) {
+    reduce_in_place_share(*region, mine.offset, numel, dtype, op);
+    // Every rank's share is written (into every buffer) when every rank has passed this.
+    agree(mine, "allreduce");
+    in_place_calls_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  std::size_t from = first;
+  if (mode == Mode::slots_again) {
+    mode = Mode::slots;
+    mine.region = -1;
+    from = 0;
+  }
+  if (from < static_cast<std::size_t>(numel))
+    run(mine, static_cast<std::size_t>(numel) - from, per, "allreduce",
+        [&](char* dst, std::size_t off, std::size_t m) { fill(dst, off + from, m); },
+        [&](std::size_t off, std::size_t m) { use(off + from, m); });
   return true;
+}
+
+// This rank's share of an in-place allreduce over a registered region: elements
+// [rank * q, (rank + 1) * q) (q rounded up to a cache line of elements), block by block: the
+// block is reduced from every rank's buffer, in rank order, into rank 0's buffer (which the
+// first pass reads element by element before writing it, and later passes only read as the sum
+// so far: the same bits as the slots' reduction), then copied into the other ranks' buffers
+// while it is in cache.
+void ShmCollectives::reduce_in_place_share(const Region& r, std::size_t offset, std::int64_t numel, DType dtype,
+                                           ReduceOp op) {
+  const std::size_t es = size_of(dtype);
+  const std::size_t n = static_cast<std::size_t>(numel);
+  const std::size_t line = kLine / es;
+  const std::size_t q = ((n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_) + line - 1) /
+                        line * line;
+  const std::size_t begin = std::min(n, q * static_cast<std::size_t>(rank_));
+  const std::size_t end = std::min(n, begin + q);
+  const std::size_t block = std::max<std::size_t>(line, (std::size_t{64} << 10) / es);
+  for (std::size_t b = begin; b < end; b += block) {
+    const std::size_t m = std::min(block, end - b);
+    const void* in[kMaxRanks];
+    for (int p = 0; p < size_; ++p) in[p] = r.base[p] + offset + b * es;
+    char* out = r.base[0] + offset + b * es;
+    reduce_any(dtype, op, out, in, size_, m);
+    for (int p = 1; p < size_; ++p) std::memcpy(r.base[p] + offset + b * es, out, m * es);
+  }
 }
 
 bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,

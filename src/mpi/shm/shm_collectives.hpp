@@ -28,7 +28,9 @@
 #include <cstdint>
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
@@ -99,6 +101,35 @@ class ShmCollectives {
   /// reduces its own block: the same bits as allreduce_wire16 of the whole of send.
   bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
 
+  /// Memory every rank of this machine maps (MPIBackend::allocate_reduce_buffer): region
+  /// `id` is the `id`-th allocation on this communicator (allocations are collective, so the
+  /// same index on every rank), `base[p]` rank p's segment as mapped into this process. The
+  /// segments are unmapped when the last shared_ptr goes: the buffer handed to the caller
+  /// holds one, the registry only a weak one, so memory may outlive the communicator.
+  struct Region {
+    std::uint64_t id = 0;
+    std::size_t bytes = 0;
+    int size = 0;
+    char* base[kMaxRanks] = {};
+    ~Region();
+  };
+  /// Creates this rank's segment of `bytes` (zeroed, page-aligned) and writes its name into
+  /// `name` (kSegmentNameBytes); nullptr (and an empty name) when it cannot be made. Local.
+  static constexpr std::size_t kSegmentNameBytes = 48;
+  static char* create_segment(std::size_t bytes, char* name);
+  /// Maps the peers' segments named in `names` (size() names of kSegmentNameBytes, in rank
+  /// order; this rank's own is `own`, already mapped). Local: the caller exchanged the names and
+  /// agrees with the peers on the outcome. nullptr when one cannot be mapped (`own` is then
+  /// unmapped too). The region's id is the next one; the caller registers it with add_region
+  /// once every rank has mapped everything.
+  std::shared_ptr<Region> map_region(char* own, std::size_t bytes, const char* names);
+  /// Registers a region mapped on every rank: from now on an in-place allreduce of a buffer at
+  /// the same offset of it on every rank reduces the buffers where they lie.
+  void add_region(const std::shared_ptr<Region>& region);
+  /// In-place allreduces that read the peers' buffers in place (no copy through the slots), so
+  /// far: what the tests check the path by.
+  std::uint64_t in_place_calls() const noexcept { return in_place_calls_.load(std::memory_order_relaxed); }
+
   /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
   /// (the communicator is then unusable, which the hook's owner knows).
   void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
@@ -124,6 +155,19 @@ class ShmCollectives {
   void run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what, Fill&& fill,
            Use&& use);
 
+  // The registered region holding [p, p + bytes) on this rank (kept alive by the returned
+  // pointer), and p's offset in it; null when none does.
+  std::shared_ptr<Region> find_region(const void* p, std::size_t bytes, std::size_t* offset);
+  // The in-place allreduce over registered regions: this rank's share of the elements, reduced
+  // from every rank's buffer and written into every rank's buffer.
+  void reduce_in_place_share(const Region& r, std::size_t offset, std::int64_t numel, DType dtype,
+                             ReduceOp op);
+
+  std::mutex regions_mutex_;
+  std::vector<std::weak_ptr<Region>> regions_;  // registered, in order of id
+  std::atomic<bool> any_region_{false};
+  std::uint64_t next_region_ = 0;   // regions allocated so far, the same on every rank
+  std::atomic<std::uint64_t> in_place_calls_{0};
   void* map_ = nullptr;
   std::size_t map_bytes_ = 0;
   int rank_ = 0, size_ = 1;
