@@ -149,6 +149,17 @@ int main(int argc, char** argv) {
     const ls::TensorView flat_all = g.flat.view();
     float* flat = g.flat.data<float>();
     float* staging = g.staging.get();
+    // The same flat layout in memory from allocate_reduce_buffer (collective: every rank).
+    std::shared_ptr<void> rmem = be.allocate_reduce_buffer(g.bytes());
+    std::vector<ls::TensorView> rviews;
+    {
+      std::int64_t off = 0;
+      for (auto& p : g.params) {
+        rviews.push_back(ls::TensorView{static_cast<float*>(rmem.get()) + off, p.numel, ls::DType::f32, ls::Device::cpu()});
+        off += p.numel;
+      }
+    }
+    std::span<const ls::TensorView> rv(rviews);
     if (rank == 0)
       std::printf("\n# Gradient averaging: %s, %zu tensors, %s f32, %d ranks\n", list.c_str(),
                   g.params.size(), bench::human_bytes(static_cast<double>(g.bytes())).c_str(), n);
@@ -205,6 +216,16 @@ int main(int argc, char** argv) {
             ls::set_check_level(base);
           }));
         }
+      }
+      // The flat gradients again, in memory from allocate_reduce_buffer: on the shared-memory
+      // path each bucket is reduced where it lies on every rank (no copy through the slots).
+      if (is_flat && be.shared_memory()) {
+        const std::size_t dflt = ls::host_bucket_bytes({}, be);
+        auto rdist = std::make_shared<DistAverage>(be, rv, std::nullopt);
+        vs.push_back(bench::Variant{"lockstep: reduce buffer, DistributedOptimizer (" + size_label(dflt) + " buckets, " +
+                                        std::to_string(rdist->buckets()) + ")",
+                                    [rdist] { rdist->run(); }, [&] { fill(rv, rank); },
+                                    [&] { return verify(rv, n); }});
       }
       const std::string chunk_name = "lockstep: chunked " + size_label(default_chunk) + " (MPIBackend)";
       if (!is_flat)

@@ -330,8 +330,9 @@ int run(const Options& o, ls::Backend& backend) {
   auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr}, dopt);
   auto state = ls::setup(opt, model);
   ls::synchronize(backend, state, 0);
-  // Gradients in one flat buffer: the optimizer reduces it without copying.
-  auto grads = ls::flat_zeros_like(model);
+  // Gradients in one flat buffer from the backend's reduce buffers: the optimizer reduces it
+  // without copying, and on one machine where it lies on every rank.
+  auto grads = ls::flat_zeros_like(backend, model);
 
   std::int64_t epoch = 0;
   std::vector<double> losses;

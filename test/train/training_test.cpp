@@ -646,3 +646,39 @@ TEST_CASE("a default-constructed DistributedState is empty until assigned; avg a
     ::munmap(mem, static_cast<std::size_t>(page));
   }
 }
+
+TEST_CASE("gradients in reduce buffers (flat_zeros_like(backend, x)): the same steps, reduced where they lie",
+          "[training]") {
+  auto& backend = ls::get_distributed_backend<ls::MPIBackend>();
+  const int rank = backend.rank();
+  // Two large tensors and a small one: buckets above the in-place floor (64 KiB).
+  std::vector<ls::Tensor> params;
+  params.push_back(ls::Tensor::zeros({300, 100}));
+  params.push_back(ls::Tensor::zeros({7}));
+  params.push_back(ls::Tensor::zeros({50000}));
+  for (auto& p : params)
+    for (std::int64_t i = 0; i < p.numel(); ++i) p.data<float>()[i] = static_cast<float>(noise(1, i, p.numel()));
+  std::vector<ls::Tensor> plain_model = ls::clone_tree(params), shared_model = ls::clone_tree(params);
+  auto opt = ls::DistributedOptimizer(backend, ls::SGD{.lr = 0.1f, .momentum = 0.9f});
+  auto plain_state = ls::setup(opt, plain_model);
+  auto shared_state = ls::setup(opt, shared_model);
+  ls::Flat<std::vector<ls::Tensor>> plain = ls::flat_zeros_like(params);
+  ls::Flat<std::vector<ls::Tensor>> shared = ls::flat_zeros_like(backend, params);
+  const std::uint64_t before = backend.in_place_allreduces();
+  for (int step = 0; step < 3; ++step) {
+    for (auto* g : {&*plain, &*shared})
+      for (std::size_t t = 0; t < g->size(); ++t)
+        for (std::int64_t i = 0; i < (*g)[t].numel(); ++i)
+          (*g)[t].data<float>()[i] = static_cast<float>(noise(static_cast<std::uint64_t>(rank) + 7, i, t + 10 * step));
+    ls::update(plain_state, plain_model, *plain);
+    ls::update(shared_state, shared_model, *shared);
+  }
+  bool same = true;
+  for (std::size_t t = 0; t < params.size(); ++t)
+    same = same && std::memcmp(plain_model[t].raw_data(), shared_model[t].raw_data(), plain_model[t].nbytes()) == 0;
+  CHECK(all_ranks(backend, same));  // bit for bit
+  CHECK(same_on_all_ranks(backend, content_hash(shared_model)));
+  // On the shared-memory path the reduce buffers' buckets went in place (the plain ones never do).
+  if (backend.shared_memory()) CHECK(backend.in_place_allreduces() > before);
+  else CHECK(backend.in_place_allreduces() == before);
+}

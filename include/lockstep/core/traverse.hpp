@@ -488,9 +488,14 @@ struct FlatPlanner {
     g.numel += t.numel();
   }
   void allocate() {
+    allocate([](const Group& g) { return Tensor::zeros({g.numel}, g.dtype, g.device); });
+  }
+  /// Each group's buffer from `make(group)`: a zeroed 1-D tensor of group.numel elements.
+  template <class Make>
+  void allocate(Make&& make) {
     for (auto& g : groups) {
       g.buffer = buffers.size();
-      buffers.push_back(Tensor::zeros({g.numel}, g.dtype, g.device));
+      buffers.push_back(make(static_cast<const Group&>(g)));
     }
   }
   /// The next t.numel() elements of t's buffer, shaped like t; shares (and keeps alive) the buffer.

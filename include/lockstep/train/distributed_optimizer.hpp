@@ -458,6 +458,29 @@ void update(DistributedState<R>& state, M& model, G& grads,
 
 /// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
 /// no_sync); the next update() reduces the accumulated sum with its own gradients.
+/// Like flat_zeros_like(x), but the host buffers come from backend.allocate_reduce_buffer: on
+/// one machine MPIBackend's shared-memory path then reduces such gradients where they lie on
+/// every rank, without copying them through its slots (about twice as fast for ResNet-50's
+/// gradients, docs/performance.md). Collective: every rank calls it for the same structure (the
+/// buffers' sizes are compared; an InvalidArgument names them on every rank otherwise). Device
+/// tensors get ordinary device buffers.
+template <class X>
+[[nodiscard]] Flat<X> flat_zeros_like(Backend& backend, const X& x, std::source_location loc = std::source_location::current()) {
+  detail::FlatPlanner plan;
+  for_each_tensor(x, [&](const Tensor& t) { plan.count(t); });
+  plan.allocate([&](const detail::FlatPlanner::Group& g) {
+    if (!g.device.is_cpu()) return Tensor::zeros({g.numel}, g.dtype, g.device);
+    std::shared_ptr<void> mem = backend.allocate_reduce_buffer(static_cast<std::size_t>(g.numel) * size_of(g.dtype), loc);
+    if (!mem) return Tensor::zeros({g.numel}, g.dtype, g.device);  // no elements
+    void* data = mem.get();
+    return Tensor::adopt(data, std::move(mem), {g.numel}, g.dtype, g.device);
+  });
+  X out{};
+  auto make = [&](const Tensor& t) { return plan.take(t); };
+  detail::build_like(x, out, make);
+  return Flat<X>(std::move(plan.buffers), std::move(out));
+}
+
 template <OptimizerRule R, class G>
 void accumulate(DistributedState<R>& state, G& grads) {
   auto gs = trainable_leaves(grads);
