@@ -59,6 +59,10 @@ set_property(TARGET test_shm_collectives PROPERTY COMPILE_OPTIONS "")
 lockstep_add_mpi_test(NAME shm_collectives TARGET test_shm_collectives RANKS 2 3 4 TIMEOUT 300)
 lockstep_add_mpi_test(NAME shm_collectives.small_slices TARGET test_shm_collectives RANKS 2 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)
+# A rank that cannot make its segment for a reduce buffer (/dev/shm full): every rank gets
+# ordinary memory, the results stay right and nothing goes in place.
+lockstep_add_mpi_test(NAME shm_collectives.no_segment TARGET test_shm_collectives RANKS 3
+                      ARGS "*allocate_reduce_buffer*" ENV LOCKSTEP_FAULT=rank=1,kind=no_segment TIMEOUT 120)
 lockstep_add_mpi_test(NAME shm_collectives.off TARGET test_shm_collectives RANKS 1 2 3
                       ARGS "~[shm]" ENV LOCKSTEP_SHM=0 TIMEOUT 300)
 lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 2 3

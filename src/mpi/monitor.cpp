@@ -109,7 +109,7 @@ CommMonitor::CommMonitor(MPI_Comm comm) {
   straggler_ = std::make_unique<StragglerWatch>(rank_, hosts_);
 #if LOCKSTEP_FAULT_INJECTION
   const FaultSpec& f = fault_spec();
-  fault_pending_ = f.kind != FaultKind::none && f.rank == rank_;
+  fault_pending_ = f.kind != FaultKind::none && f.kind != FaultKind::no_segment && f.rank == rank_;
 #endif
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);

@@ -2,9 +2,13 @@
 // shared-memory allreduce reduces in place (ShmCollectives::Region).
 #include <sys/mman.h>
 
+#include <iostream>
 #include <vector>
 
 #include "mpi/mpi_backend_impl.hpp"
+#if LOCKSTEP_FAULT_INJECTION
+#include "reliability/fault.hpp"
+#endif
 
 namespace lockstep {
 
@@ -19,6 +23,16 @@ std::shared_ptr<void> MPIBackend::do_allocate_reduce_buffer(std::size_t bytes) {
   // region or none does (then every rank hands out ordinary memory).
   char name[kName];
   char* own = ShmCollectives::create_segment(bytes, name);
+#if LOCKSTEP_FAULT_INJECTION
+  if (own != nullptr && detail::fault_no_segment(impl_->rank)) {  // as if /dev/shm were full here
+    std::cerr << "lockstep: injecting fault kind=no_segment on rank " << impl_->rank << " (allocate_reduce_buffer)"
+              << std::endl;
+    munmap(own, bytes);
+    shm_unlink(name);
+    own = nullptr;
+    name[0] = '\0';
+  }
+#endif
   std::vector<char> names(kName * static_cast<std::size_t>(impl_->size));
   std::shared_ptr<ShmCollectives::Region> region;
   std::int32_t ok = 0;

@@ -24,7 +24,7 @@ FaultSpec parse_fault(const char* env) {
   std::string item;
   auto bad = [&](const std::string& why) {
     return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
-                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan|kill[,after=N][,seconds=S])"));
+                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan|kill|no_segment[,after=N][,seconds=S])"));
   };
   while (std::getline(ss, item, ',')) {
     auto eq = item.find('=');
@@ -47,6 +47,7 @@ FaultSpec parse_fault(const char* env) {
       else if (value == "dtype") f.kind = FaultKind::dtype;
       else if (value == "nan") f.kind = FaultKind::nan;
       else if (value == "kill") f.kind = FaultKind::kill;
+      else if (value == "no_segment") f.kind = FaultKind::no_segment;
       else throw bad("unknown kind '" + value + "'");
     } else {
       throw bad("unknown key '" + key + "'");
@@ -66,6 +67,7 @@ const char* fault_name(FaultKind k) {
     case FaultKind::dtype: return "dtype";
     case FaultKind::nan: return "nan";
     case FaultKind::kill: return "kill";
+    case FaultKind::no_segment: return "no_segment";
   }
   return "?";
 }
@@ -130,6 +132,7 @@ bool inject_fault(const FaultSpec& f, int rank, std::int64_t seq, const char* wh
       // The hardest way to die: no destructor, no MPI_Finalize, no message.
       std::raise(SIGKILL);
       break;
+    case FaultKind::no_segment:  // not a collective's fault: allocate_reduce_buffer asks fault_no_segment
     case FaultKind::none: break;
   }
   return true;

@@ -15,7 +15,7 @@
 
 namespace lockstep::detail {
 
-enum class FaultKind { none, delay, skip, shape, dtype, nan, kill };
+enum class FaultKind { none, delay, skip, shape, dtype, nan, kill, no_segment };
 
 struct FaultSpec {
   FaultKind kind = FaultKind::none;
@@ -29,6 +29,12 @@ struct FaultSpec {
 /// that every rank throws it together).
 const FaultSpec& fault_spec();
 
+/// Whether rank `rank` must fail to make its shared-memory segment for a reduce buffer
+/// (kind=no_segment: every allocate_reduce_buffer of that rank, whatever `after`).
+inline bool fault_no_segment(int rank) {
+  const FaultSpec& f = fault_spec();
+  return f.kind == FaultKind::no_segment && f.rank == rank;
+}
 /// Injects `f` into collective #seq (`what`: its name) that `rank` is entering: sleeps (delay),
 /// shortens the view and count (shape), changes the dtype to one of the same size (dtype), writes
 /// a NaN into the first element of a floating host view (nan) or ends the process with SIGKILL

@@ -601,6 +601,10 @@ TEST_CASE("allocate_reduce_buffer: in-place allreduces of it reduce the buffers 
   for (std::int64_t i = 0; i < count + 2 * pad; ++i) nonzero += base[i] != 0.0f ? 1 : 0;
   CHECK(nonzero == 0);  // zeroed
   const std::uint64_t before = b.in_place_allreduces();
+  // LOCKSTEP_FAULT=rank=R,kind=no_segment (ctest shm_collectives.no_segment): rank R could not
+  // make its segment, so every rank got ordinary memory and nothing goes in place.
+  const char* fault = std::getenv("LOCKSTEP_FAULT");
+  const bool no_segment = fault != nullptr && std::string(fault).find("kind=no_segment") != std::string::npos;
   // Offsets and placements: the same offset on every rank (in place), a different offset on the
   // ranks above 0, and rank 0 with an ordinary buffer (both through the slots, same bits).
   enum class Where { same, shifted, rank0_plain };
@@ -625,7 +629,7 @@ TEST_CASE("allocate_reduce_buffer: in-place allreduces of it reduce the buffers 
         std::int64_t touched = 0;
         for (std::int64_t i = 0; i < count + 2 * pad; ++i)
           if (whole + i < buf || whole + i >= buf + count) touched += whole[i] == -7.0f ? 0 : 1;
-        if (where == Where::same && b.shared_memory()) ++expect_in_place;
+        if (where == Where::same && b.shared_memory() && !no_segment) ++expect_in_place;
         if (!all_ranks(wrong == 0 && touched == 0))
           bad.push_back(ls::detail::concat(ls::name(op), " offset ", offset, " placement ", static_cast<int>(where),
                                            ": ", wrong, " wrong elements, ", touched, " written outside"));
