@@ -64,10 +64,17 @@ const std::string& host_token() {
 /// within the 255 bytes a file name may have wherever NAME itself does.
 std::string temp_prefix(const std::filesystem::path& path) {
   const std::string name = path.filename().string();
-  if (name.size() <= 150) return "." + name + ".tmp.";
-  char hex[24];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(detail::hash_bytes(name.data(), name.size())));
-  return "." + name.substr(0, 100) + "~" + hex + ".tmp.";
+  // Appended piece by piece: GCC 12 warns (-Wrestrict, a false positive) about "." + name.
+  std::string out(1, '.');
+  if (name.size() <= 150) {
+    out.append(name);
+  } else {
+    char hex[24];
+    std::snprintf(hex, sizeof hex, "%016llx",
+                  static_cast<unsigned long long>(detail::hash_bytes(name.data(), name.size())));
+    out.append(name, 0, 100).append(1, '~').append(hex);
+  }
+  return out.append(".tmp.");
 }
 
 /// Whether `rest` (a temporary file name after temp_prefix) is "PID.HOST.XXXXXX" of a process of

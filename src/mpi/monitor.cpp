@@ -96,7 +96,8 @@ CommMonitor::CommMonitor(MPI_Comm comm) {
     char name_buf[MPI_MAX_PROCESSOR_NAME] = {};
     int len = 0;
     if (MPI_Get_processor_name(name_buf, &len) != MPI_SUCCESS || len <= 0) std::strcpy(name_buf, "unknown");
-    std::strncpy(mine, name_buf, kSlot - 1);
+    // At most kSlot - 1 characters, the rest of `mine` stays zero (a longer name is cut).
+    std::memcpy(mine, name_buf, std::min<std::size_t>(strnlen(name_buf, sizeof name_buf), kSlot - 1));
     std::vector<char> all(static_cast<std::size_t>(kSlot) * static_cast<std::size_t>(size_));
     check_mpi(MPI_Allgather(mine, kSlot, MPI_CHAR, all.data(), kSlot, MPI_CHAR, ctrl_),
               "MPI_Allgather(host names)");
