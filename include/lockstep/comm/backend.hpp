@@ -155,7 +155,7 @@ class Backend {
   /// slots (the same bits; about half the memory traffic). Otherwise, and by default, ordinary
   /// memory. The memory lives as long as the returned pointer, which may outlive the backend;
   /// 0 bytes gives an empty pointer.
-  std::shared_ptr<void> allocate_reduce_buffer(std::size_t bytes, Loc loc = Loc::current());
+  [[nodiscard]] std::shared_ptr<void> allocate_reduce_buffer(std::size_t bytes, Loc loc = Loc::current());
 
  protected:
   // The hooks a backend implements; the front end above has validated the arguments.
