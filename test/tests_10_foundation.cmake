@@ -65,6 +65,14 @@ lockstep_add_mpi_test(NAME shm_collectives.no_segment TARGET test_shm_collective
                       ARGS "*allocate_reduce_buffer*" ENV LOCKSTEP_FAULT=rank=1,kind=no_segment TIMEOUT 120)
 lockstep_add_mpi_test(NAME shm_collectives.off TARGET test_shm_collectives RANKS 1 2 3
                       ARGS "~[shm]" ENV LOCKSTEP_SHM=0 TIMEOUT 300)
+# Reduce buffers (allocate_reduce_buffer) against mixed placements, every dtype and op, mismatched
+# calls, freed allocations, the reducer's thread and a backend that is gone: at 2-4 ranks, with
+# 4 KiB slices, without the shared-memory path, and at one rank.
+lockstep_test_executable(test_reduce_buffers mpi/reduce_buffers_test.cpp)
+lockstep_add_mpi_test(NAME reduce_buffers TARGET test_reduce_buffers RANKS 2 3 4 TIMEOUT 120)
+lockstep_add_mpi_test(NAME reduce_buffers.small_slices TARGET test_reduce_buffers RANKS 3
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4096 TIMEOUT 120)
+lockstep_add_mpi_test(NAME reduce_buffers.off TARGET test_reduce_buffers RANKS 3 ENV LOCKSTEP_SHM=0 TIMEOUT 120)
 lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 2 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)
 
