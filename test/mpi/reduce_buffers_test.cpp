@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -58,6 +59,18 @@ int leftover_segments() {
     while (dirent* e = readdir(d)) found += std::string(e->d_name).rfind(prefix, 0) == 0 ? 1 : 0;
     closedir(d);
   }
+  return found;
+}
+
+// Mappings of reduce-buffer segments in this process (/proc/self/maps names them, deleted):
+// every one must go when the last pointer into its allocation does.
+int mapped_segments() {
+  std::FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return -1;
+  int found = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof line, f) != nullptr) found += std::strstr(line, "/lockstep-buf-") != nullptr ? 1 : 0;
+  std::fclose(f);
   return found;
 }
 
@@ -240,8 +253,9 @@ TEST_CASE("reduce buffers: a buffer that runs past the end of its allocation is 
   auto* whole = static_cast<char*>(mem.get());
   // Exactly to the end: in place.
   f.add(check_call(b, Place{whole, bytes, 100}, ls::DType::f32, ls::ReduceOp::sum, (64 << 10) / 4, can, 1));
-  if (b.shared_memory()) {
-    // 64 bytes past the end on every rank (within the segment's last page): the slots.
+  if (can) {
+    // 64 bytes past the end on every rank (within the segment's last page; ordinary memory
+    // has no such room): the slots.
     const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
     const std::size_t mapped = (bytes + page - 1) / page * page;
     REQUIRE(mapped >= bytes + 64);
@@ -266,6 +280,7 @@ TEST_CASE("reduce buffers: allocations freed on one rank, new ones made, ids nev
   if (rank == n - 1) a.reset();
   std::shared_ptr<void> c = b.allocate_reduce_buffer(cap);
   std::shared_ptr<void> d = b.allocate_reduce_buffer(cap);
+  if (can) CHECK(all_ranks(mapped_segments() >= 2 * n));  // c and d: every rank's segment of each
   // The last rank in the new allocation, the others in the old one (same offset): the slots.
   {
     char* w = static_cast<char*>(rank == n - 1 ? c.get() : a.get());
@@ -283,6 +298,36 @@ TEST_CASE("reduce buffers: allocations freed on one rank, new ones made, ids nev
     f.add(check_call(b, Place{static_cast<char*>(e.get()), cap, 0}, ls::DType::f32, ls::ReduceOp::sum, numel, can,
                      10 + static_cast<std::uint64_t>(round)));
   }
+  f.check();
+  CHECK(all_ranks(leftover_segments() == 0));
+  // Nothing of them is mapped any more (each allocation maps every rank's segment).
+  CHECK(all_ranks(mapped_segments() == 0));
+}
+
+TEST_CASE("reduce buffers: another backend's allocations, and a communicator with the ranks reversed") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const std::int64_t numel = 30001;
+  const std::size_t cap = 4 * static_cast<std::size_t>(numel) + 64;
+  Failures f;
+  MPI_Comm reversed;
+  MPI_Comm_split(MPI_COMM_WORLD, 0, n - 1 - rank, &reversed);
+  {
+    ls::MPIBackend r(reversed);
+    const bool can_r = r.shared_memory() && !no_segment_fault();
+    REQUIRE(r.rank() == n - 1 - rank);
+    std::shared_ptr<void> mine = b.allocate_reduce_buffer(cap);
+    std::shared_ptr<void> theirs = r.allocate_reduce_buffer(cap);
+    // The other backend's allocation, the same offset on every rank: not in place, right.
+    f.add(check_call(b, Place{static_cast<char*>(theirs.get()), cap, 0}, ls::DType::f32, ls::ReduceOp::sum, numel,
+                     false, 1));
+    f.add(check_call(r, Place{static_cast<char*>(mine.get()), cap, 0}, ls::DType::f32, ls::ReduceOp::sum, numel,
+                     false, 2));
+    // Its own, with the ranks in the other order: in place, the same bits as its slots.
+    for (ls::ReduceOp op : {ls::ReduceOp::sum, ls::ReduceOp::avg, ls::ReduceOp::min})
+      f.add(check_call(r, Place{static_cast<char*>(theirs.get()), cap, 0}, ls::DType::f32, op, numel, can_r, 3));
+  }
+  MPI_Comm_free(&reversed);
   f.check();
   CHECK(all_ranks(leftover_segments() == 0));
 }
