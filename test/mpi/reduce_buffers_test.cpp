@@ -512,6 +512,35 @@ TEST_CASE("reduce buffers: without the shared-memory path, ordinary zeroed memor
   CHECK(all_ranks(leftover_segments() == 0));
 }
 
+TEST_CASE("reduce buffers: back-to-back calls, each buffer rewritten the moment its call returns") {
+  // A rank that returned while a peer still wrote its share into that rank's buffer (or read it)
+  // would see its next input changed, or give the peer a wrong one: the sums would be off.
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const std::int64_t numel = 20000;  // 80 KB, above the floor
+  std::shared_ptr<void> mem = b.allocate_reduce_buffer(4 * static_cast<std::size_t>(numel) * 2);
+  REQUIRE(mem != nullptr);
+  auto* p = static_cast<std::int32_t*>(mem.get());
+  std::vector<std::int32_t> plain(static_cast<std::size_t>(numel));
+  std::int64_t wrong = 0;
+  const std::uint64_t before = b.in_place_allreduces();
+  int in_place = 0;
+  for (int it = 0; it < 150; ++it) {
+    // Mostly in place; every fifth call rank 0 in ordinary memory, every seventh at another offset.
+    const bool odd_plain = it % 5 == 4 && rank == 0, odd_shift = it % 7 == 6 && rank == n - 1;
+    std::int32_t* buf = odd_plain ? plain.data() : p + (odd_shift ? 16 : 0);
+    in_place += it % 5 == 4 || it % 7 == 6 ? 0 : 1;
+    for (std::int64_t i = 0; i < numel; ++i) buf[i] = static_cast<std::int32_t>(rank * 1000 + it + i);
+    b.allreduce(ls::TensorView{buf, numel, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::sum);
+    for (std::int64_t i = 0; i < numel; ++i)
+      wrong += buf[i] == static_cast<std::int32_t>(1000 * n * (n - 1) / 2 + n * (it + i)) ? 0 : 1;
+    for (std::int64_t i = 0; i < numel; ++i) buf[i] = -1;  // at once
+  }
+  INFO("rank " << rank << ": " << wrong << " wrong elements");
+  CHECK(all_ranks(wrong == 0));
+  if (in_place_possible(b)) CHECK(b.in_place_allreduces() - before == static_cast<std::uint64_t>(in_place));
+}
+
 // Run by ctest with LOCKSTEP_TIMEOUT and a delayed rank (LOCKSTEP_FAULT=rank=1,kind=delay,after=3:
 // collectives 0-2 are allocate_reduce_buffer's, 3 the in-place allreduce of its memory). Every
 // rank must get a TimeoutError (none hangs), and no peer may write into a rank's buffer after
