@@ -512,6 +512,32 @@ TEST_CASE("reduce buffers: without the shared-memory path, ordinary zeroed memor
   CHECK(all_ranks(leftover_segments() == 0));
 }
 
+TEST_CASE("reduce buffers: sizes no allocation can have are an InvalidArgument on every rank, naming them") {
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank();
+  constexpr std::size_t kHuge = ~std::size_t{0};
+  for (int odd : {-1, 0, b.size() - 1}) {
+    // Every rank, or only one, asks for more bytes than an i64 holds (sizes that turned negative
+    // in the exchange before: "different sizes (from -1 to 4096 bytes)", or std::bad_alloc).
+    const std::size_t bytes = odd < 0 || rank == odd ? kHuge - static_cast<std::size_t>(rank) : 4096;
+    std::string what;
+    try {
+      (void)b.allocate_reduce_buffer(bytes);
+    } catch (const ls::InvalidArgument& e) {
+      what = e.what();
+    } catch (const std::exception& e) {
+      what = std::string("other: ") + e.what();
+    }
+    INFO("rank " << rank << ": " << what);
+    CHECK(all_ranks(what.find("asked for more than 9223372036854775807 bytes") != std::string::npos));
+    CHECK(all_ranks(what.find("-") == std::string::npos));
+  }
+  // Still usable.
+  std::shared_ptr<void> m = b.allocate_reduce_buffer(1 << 16);
+  CHECK(all_ranks(m != nullptr));
+  CHECK(all_ranks(leftover_segments() == 0));
+}
+
 TEST_CASE("reduce buffers: back-to-back calls, each buffer rewritten the moment its call returns") {
   // A rank that returned while a peer still wrote its share into that rank's buffer (or read it)
   // would see its next input changed, or give the peer a wrong one: the sums would be off.
