@@ -165,7 +165,8 @@ struct Failures {
 
 }  // namespace
 
-TEST_CASE("reduce buffers: every dtype and op, sizes just above the floor and not divisible by the ranks, odd offsets") {
+TEST_CASE("reduce buffers: every dtype and op, sizes just above the floor and not divisible by the ranks, odd offsets",
+          "[dtypes]") {
   ls::MPIBackend& b = backend();
   const int n = b.size();
   const bool can = in_place_possible(b);
