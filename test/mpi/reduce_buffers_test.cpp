@@ -416,7 +416,7 @@ TEST_CASE("reduce buffers: mismatched calls give MismatchError on every rank, an
   CHECK(all_ranks(leftover_segments() == 0));
 }
 
-TEST_CASE("reduce buffers: the gradient reducer's communication thread, then other collectives from the main thread") {
+TEST_CASE("reduce buffers: the gradient reducer (communication thread or nonblocking) and the main thread's collectives") {
   ls::MPIBackend& b = backend();
   const int rank = b.rank();
   const bool can = in_place_possible(b);
@@ -427,13 +427,15 @@ TEST_CASE("reduce buffers: the gradient reducer's communication thread, then oth
   shapes.push_back(ls::Tensor::zeros({40000}, ls::DType::f64));
   ls::Flat<std::vector<ls::Tensor>> grads = ls::flat_zeros_like(b, shapes);
   ls::Flat<std::vector<ls::Tensor>> plain = ls::flat_zeros_like(shapes);
+  std::shared_ptr<void> other = b.allocate_reduce_buffer(1 << 20);
+  Failures f;
+  for (bool thread : {true, false}) {
   ls::DistributedOptions opts;
   opts.bucket_bytes = 128 << 10;
   opts.op = ls::ReduceOp::avg;
+  opts.comm_thread = thread;  // false: nonblocking MPI collectives on the shared memory
   ls::GradientReducer red(b, *grads, opts);
   ls::GradientReducer red_plain(b, *plain, opts);
-  std::shared_ptr<void> other = b.allocate_reduce_buffer(1 << 20);
-  Failures f;
   for (int step = 0; step < 4; ++step) {
     for (auto* g : {&*grads, &*plain})
       for (std::size_t t = 0; t < g->size(); ++t)
@@ -441,6 +443,12 @@ TEST_CASE("reduce buffers: the gradient reducer's communication thread, then oth
                    static_cast<std::uint64_t>(step * 10) + t);
     const std::uint64_t before = b.in_place_allreduces();
     for (std::size_t t = grads->size(); t-- > 0;) red.grad_ready((*grads)[t]);
+    if (step % 2 == 1) {
+      // A collective of the main thread while the buckets are in flight (it waits for them).
+      std::vector<float> y(70000, 1.0f);
+      b.allreduce(ls::TensorView{y.data(), 70000, ls::DType::f32, ls::Device::cpu()}, ls::ReduceOp::sum);
+      f.add(y[69999] == static_cast<float>(b.size()) ? std::string() : "main-thread allreduce wrong");
+    }
     CHECK(red.reduce());
     const std::uint64_t went = b.in_place_allreduces() - before;
     CHECK(red_plain.reduce());
@@ -448,13 +456,14 @@ TEST_CASE("reduce buffers: the gradient reducer's communication thread, then oth
     for (std::size_t t = 0; t < grads->size(); ++t)
       same = same && std::memcmp((*grads)[t].raw_data(), (*plain)[t].raw_data(), (*grads)[t].nbytes()) == 0;
     f.add(same ? std::string() : ls::detail::concat("rank ", rank, " step ", step, ": reduced gradients differ"));
-    f.add(!can || went > 0 ? std::string() : ls::detail::concat("rank ", rank, " step ", step, ": nothing in place"));
+    f.add(!can || !thread || went > 0 ? std::string() : ls::detail::concat("rank ", rank, " step ", step, ": nothing in place"));
     // The main thread's own collectives right after: in place on another allocation, a broadcast.
     f.add(check_call(b, Place{static_cast<char*>(other.get()), 1 << 20, 64}, ls::DType::f32, ls::ReduceOp::sum, 100000,
                      can, 500 + static_cast<std::uint64_t>(step)));
     std::vector<float> x(1000, static_cast<float>(rank));
     b.broadcast(ls::TensorView{x.data(), 1000, ls::DType::f32, ls::Device::cpu()}, step % b.size());
     f.add(x[999] == static_cast<float>(step % b.size()) ? std::string() : "broadcast wrong");
+  }
   }
   f.check();
 }
