@@ -72,7 +72,7 @@ lockstep_test_executable(test_reduce_buffers mpi/reduce_buffers_test.cpp)
 lockstep_add_mpi_test(NAME reduce_buffers TARGET test_reduce_buffers RANKS 2 3 4 TIMEOUT 120)
 lockstep_add_mpi_test(NAME reduce_buffers.small_slices TARGET test_reduce_buffers RANKS 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 TIMEOUT 120)
-lockstep_add_mpi_test(NAME reduce_buffers.off TARGET test_reduce_buffers RANKS 2 ARGS "~[dtypes]~[.deadline]" ENV LOCKSTEP_SHM=0
+lockstep_add_mpi_test(NAME reduce_buffers.off TARGET test_reduce_buffers RANKS 2 ARGS "~[dtypes]~[shm]~[.deadline]" ENV LOCKSTEP_SHM=0
                       TIMEOUT 120)
 # A rank 2.5 s late for an in-place allreduce of a reduce buffer, the others giving up after 1 s:
 # TimeoutError on every rank, and nobody writes a rank's buffer after its call threw. After a

@@ -9,8 +9,9 @@
 // ordinary memory, the bytes around each buffer must stay as they were, and the in-place count
 // (MPIBackend::in_place_allreduces) must move exactly when every rank holds its buffer at the
 // same offset of the same allocation. No /dev/shm/lockstep-buf-* name may be left behind.
-// ctest runs it at 2, 3 and 4 ranks, with 4 KiB slices, with LOCKSTEP_SHM=0, at 1 rank, and with
-// a delayed rank under a deadline (the [.deadline] case).
+// ctest runs it at 2, 3 and 4 ranks, with 4 KiB slices, with LOCKSTEP_SHM=0 (not the [dtypes] and
+// [shm] cases), and with a delayed rank under a deadline (the [.deadline] case); one rank is a
+// backend over MPI_COMM_SELF inside the runs.
 #include <catch2/catch.hpp>
 
 #include <dirent.h>
@@ -363,9 +364,9 @@ TEST_CASE("reduce buffers: out-of-place allreduces with send or recv in an alloc
   CHECK(all_ranks(ok));
 }
 
-TEST_CASE("reduce buffers: mismatched calls give MismatchError on every rank, and the backend goes on") {
+TEST_CASE("reduce buffers: mismatched calls give MismatchError on every rank, and the backend goes on", "[shm]") {
   ls::MPIBackend& b = backend();
-  if (!b.shared_memory()) return;  // the disagreements below are seen by the shared-memory path
+  REQUIRE(b.shared_memory());  // the disagreements below are seen by the shared-memory path (not run without it)
   const int n = b.size(), rank = b.rank();
   const bool can = in_place_possible(b);
   const std::int64_t numel = 60000;
