@@ -616,3 +616,30 @@ TEST_CASE("reduce buffers: a delayed rank under a deadline", "[.deadline]") {
   CHECK(leftover_segments() == 0);
   CHECK(mapped_segments() == 0);
 }
+
+TEST_CASE("reduce buffers: flat_zeros_like(backend, x) of structures that differ between ranks is an InvalidArgument "
+          "on every rank") {
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank();
+  for (int odd : {0, b.size() - 1}) {
+    // The odd rank has one more group (an f64 tensor): as many allocations as groups, so the
+    // sizes alone do not tell.
+    std::vector<ls::Tensor> x;
+    x.push_back(ls::Tensor::zeros({70000}));
+    if (rank == odd) x.push_back(ls::Tensor::zeros({10}, ls::DType::f64));
+    std::string what;
+    try {
+      auto g = ls::flat_zeros_like(b, x);
+    } catch (const ls::InvalidArgument& e) {
+      what = e.what();
+    } catch (const std::exception& e) {
+      what = std::string("other: ") + e.what();
+    }
+    INFO("rank " << rank << ": " << what);
+    CHECK(all_ranks(what.find("flat_zeros_like") != std::string::npos));
+    // Usable afterwards.
+    std::vector<float> y(70000, 1.0f);
+    b.allreduce(ls::TensorView{y.data(), 70000, ls::DType::f32, ls::Device::cpu()}, ls::ReduceOp::sum);
+    CHECK(all_ranks(y[0] == static_cast<float>(b.size())));
+  }
+}
