@@ -456,13 +456,12 @@ void update(DistributedState<R>& state, M& model, G& grads,
     check_replicas(red.backend(), std::tie(model, state.inner));
 }
 
-/// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
-/// no_sync); the next update() reduces the accumulated sum with its own gradients.
 /// Like flat_zeros_like(x), but the host buffers come from backend.allocate_reduce_buffer: on
 /// one machine MPIBackend's shared-memory path then reduces such gradients where they lie on
 /// every rank, without copying them through its slots (about twice as fast for ResNet-50's
 /// gradients, docs/performance.md). Collective: every rank calls it for the same structure (the
-/// buffers' sizes are compared; an InvalidArgument names them on every rank otherwise). Device
+/// host buffers' number, dtypes and sizes are compared; an InvalidArgument on every rank says
+/// when they differ). Device
 /// tensors get ordinary device buffers.
 template <class X>
 [[nodiscard]] Flat<X> flat_zeros_like(Backend& backend, const X& x, std::source_location loc = std::source_location::current()) {
@@ -501,6 +500,8 @@ template <class X>
   return Flat<X>(std::move(plan.buffers), std::move(out));
 }
 
+/// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
+/// no_sync); the next update() reduces the accumulated sum with its own gradients.
 template <OptimizerRule R, class G>
 void accumulate(DistributedState<R>& state, G& grads) {
   auto gs = trainable_leaves(grads);
