@@ -65,6 +65,25 @@ lockstep_add_mpi_test(NAME shm_collectives.no_segment TARGET test_shm_collective
                       ARGS "*allocate_reduce_buffer*" ENV LOCKSTEP_FAULT=rank=1,kind=no_segment TIMEOUT 120)
 lockstep_add_mpi_test(NAME shm_collectives.off TARGET test_shm_collectives RANKS 1 2 3
                       ARGS "~[shm]" ENV LOCKSTEP_SHM=0 TIMEOUT 300)
+# Reduce buffers (allocate_reduce_buffer) against mixed placements, every dtype and op, mismatched
+# calls, freed allocations, the reducer's thread and a backend that is gone: at 2-4 ranks, with
+# 4 KiB slices, without the shared-memory path, and at one rank.
+lockstep_test_executable(test_reduce_buffers mpi/reduce_buffers_test.cpp)
+lockstep_add_mpi_test(NAME reduce_buffers TARGET test_reduce_buffers RANKS 2 3 4 TIMEOUT 120)
+lockstep_add_mpi_test(NAME reduce_buffers.small_slices TARGET test_reduce_buffers RANKS 3
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4096 TIMEOUT 120)
+lockstep_add_mpi_test(NAME reduce_buffers.off TARGET test_reduce_buffers RANKS 2 ARGS "~[dtypes]~[shm]~[.deadline]" ENV LOCKSTEP_SHM=0
+                      TIMEOUT 120)
+# A rank 2.5 s late for an in-place allreduce of a reduce buffer, the others giving up after 1 s:
+# TimeoutError on every rank, and nobody writes a rank's buffer after its call threw. After a
+# stall the ranks skip MPI_Finalize (the job then ends "improperly"), so the verdict is Catch2's
+# report: rank 0's combined one, and no rank's failure report.
+if(LOCKSTEP_FAULT_INJECTION)
+  lockstep_add_mpi_test(NAME reduce_buffers.deadline TARGET test_reduce_buffers RANKS 3 ARGS "[.deadline]"
+                        ENV LOCKSTEP_TIMEOUT=1 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=2.5" TIMEOUT 60)
+  set_tests_properties(reduce_buffers.deadline.np3 PROPERTIES PASS_REGULAR_EXPRESSION "All tests passed"
+                       FAIL_REGULAR_EXPRESSION "\\(failed\\);FAILED")
+endif()
 lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 2 3
                       ENV LOCKSTEP_SHM_SLICE_BYTES=4096 LOCKSTEP_SHM_MIN_BYTES=1 TIMEOUT 300)
 

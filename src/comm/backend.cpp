@@ -11,6 +11,7 @@
 #include <vector>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <new>
 
@@ -356,10 +357,16 @@ void Backend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType w
 std::shared_ptr<void> Backend::allocate_reduce_buffer(std::size_t bytes, Loc loc) {
   detail::CallSiteScope site(loc, "allocate_reduce_buffer");
   check_usable();
-  // Every rank learns the smallest and the largest size asked for before anything is made, so
-  // a disagreement is the same error everywhere.
-  std::int64_t range[2] = {static_cast<std::int64_t>(bytes), -static_cast<std::int64_t>(bytes)};
-  if (size() > 1) allreduce(TensorView{range, 2, DType::i64, Device::cpu()}, ReduceOp::max);
+  // Every rank learns the smallest and the largest size asked for, and whether any rank asked
+  // for more than an allocation can hold (more than an i64 holds: such a size would turn
+  // negative in the exchange), before anything is made, so each is the same error everywhere.
+  constexpr auto kMaxBytes = static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max());
+  const bool huge = bytes > kMaxBytes;
+  const std::int64_t asked = huge ? 0 : static_cast<std::int64_t>(bytes);
+  std::int64_t range[3] = {asked, -asked, huge ? 1 : 0};
+  if (size() > 1) allreduce(TensorView{range, 3, DType::i64, Device::cpu()}, ReduceOp::max);
+  LOCKSTEP_CHECK_ARG(range[2] == 0, "allocate_reduce_buffer: ", huge ? "this rank" : "another rank",
+                     " asked for more than ", kMaxBytes, " bytes (this rank: ", bytes, ")");
   LOCKSTEP_CHECK_ARG(range[0] == -range[1], "allocate_reduce_buffer: the ranks asked for different sizes (from ",
                      -range[1], " to ", range[0], " bytes); every rank must ask for the same");
   if (bytes == 0) return nullptr;

@@ -456,18 +456,37 @@ void update(DistributedState<R>& state, M& model, G& grads,
     check_replicas(red.backend(), std::tie(model, state.inner));
 }
 
-/// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
-/// no_sync); the next update() reduces the accumulated sum with its own gradients.
 /// Like flat_zeros_like(x), but the host buffers come from backend.allocate_reduce_buffer: on
 /// one machine MPIBackend's shared-memory path then reduces such gradients where they lie on
 /// every rank, without copying them through its slots (about twice as fast for ResNet-50's
 /// gradients, docs/performance.md). Collective: every rank calls it for the same structure (the
-/// buffers' sizes are compared; an InvalidArgument names them on every rank otherwise). Device
+/// host buffers' number, dtypes and sizes are compared; an InvalidArgument on every rank says
+/// when they differ). Device
 /// tensors get ordinary device buffers.
 template <class X>
 [[nodiscard]] Flat<X> flat_zeros_like(Backend& backend, const X& x, std::source_location loc = std::source_location::current()) {
   detail::FlatPlanner plan;
   for_each_tensor(x, [&](const Tensor& t) { plan.count(t); });
+  // One allocation per host group: the ranks first compare how many there are and of what
+  // (dtype and size), since a rank with one group more would otherwise make one collective more
+  // than its peers, which no size comparison sees.
+  if (backend.size() > 1) {
+    std::int64_t count = 0;
+    std::uint64_t h = 1469598103934665603ull;
+    for (const auto& g : plan.groups) {
+      if (!g.device.is_cpu()) continue;
+      ++count;
+      h = (h ^ static_cast<std::uint64_t>(g.dtype)) * 1099511628211ull;
+      h = (h ^ static_cast<std::uint64_t>(g.numel)) * 1099511628211ull;
+    }
+    const auto hash = static_cast<std::int64_t>(h >> 2);  // non-negative, so it can be negated
+    std::int64_t range[4] = {count, -count, hash, -hash};
+    backend.allreduce(TensorView{range, 4, DType::i64, Device::cpu()}, ReduceOp::max, loc);
+    LOCKSTEP_CHECK_ARG(range[0] == -range[1] && range[2] == -range[3],
+                       "flat_zeros_like(backend, x): the ranks' structures differ (from ", -range[1], " to ",
+                       range[0], " host buffers, by dtype and size; this rank: ", count,
+                       "); every rank must pass the same structure");
+  }
   plan.allocate([&](const detail::FlatPlanner::Group& g) {
     if (!g.device.is_cpu()) return Tensor::zeros({g.numel}, g.dtype, g.device);
     std::shared_ptr<void> mem = backend.allocate_reduce_buffer(static_cast<std::size_t>(g.numel) * size_of(g.dtype), loc);
@@ -481,6 +500,8 @@ template <class X>
   return Flat<X>(std::move(plan.buffers), std::move(out));
 }
 
+/// Adds grads into the state's accumulator without communicating or stepping (PyTorch's
+/// no_sync); the next update() reduces the accumulated sum with its own gradients.
 template <OptimizerRule R, class G>
 void accumulate(DistributedState<R>& state, G& grads) {
   auto gs = trainable_leaves(grads);
