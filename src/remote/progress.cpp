@@ -36,13 +36,15 @@ void Engine::housekeeping() {
     MPI_Testall(static_cast<int>(hb_reqs.size()), hb_reqs.data(), &flag, MPI_STATUSES_IGNORE);
     if (flag) hb_reqs.clear();
   }
-  // Heartbeats: from the driver to every rank while it drives, and from every rank to the
-  // ranks closing the session (they wait for the others while serving).
+  // Heartbeats: from the driver to every rank while it drives, from a serving rank to the
+  // driver while it serves in a run (so that the driver can tell a lost rank from a busy one when
+  // the run ends), and from every rank to the ranks closing the session (they wait for the
+  // others while serving).
   if (!hb_over && hb_reqs.empty() && Clock::now() >= next_hb) {
-    const bool drive = driving.load();
+    const bool drive = driving.load(), to_driver = hb_driver.load();
     for (int r = 0; r < size; ++r) {
       const auto i = static_cast<std::size_t>(r);
-      if (r == rank || left_ranks[i] || !((drive && r != 0) || closing_ranks[i])) continue;
+      if (r == rank || left_ranks[i] || !((drive && r != 0) || (to_driver && r == 0) || closing_ranks[i])) continue;
       hb_reqs.emplace_back();
       MPI_Isend(&heartbeat_head(), static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
     }

@@ -192,6 +192,8 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->gone.assign(static_cast<std::size_t>(e->size), 0);
+  e->watch_since.assign(static_cast<std::size_t>(e->size), Clock::time_point::max());
+  e->said_silent.assign(static_cast<std::size_t>(e->size), -1);
   e->hosts.resize(static_cast<std::size_t>(e->size));
   for (int i = 0; i < e->size; ++i) {
     const Mine& m = ms[static_cast<std::size_t>(i)];

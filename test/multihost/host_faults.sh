@@ -28,9 +28,9 @@
 #   remote     remote calls across hosts (fault_program remote: rank 0 drives, calling every other
 #              rank in turn): (a) 2x2, host 1's link taken down; (b) 3x1, host 2 killed
 #              (--enable-recovery). Rank 0's remote call raises TimeoutError naming the lost rank
-#              and its host, rank 1 (serving) a
-#              TimeoutError of the session's close, and the job ends (lockstep-run sees the ranks
-#              leave without MPI_Finalize and ends mpiexec after --per-host-timeout 8).
+#              and its host, rank 1 (serving) a TimeoutError of the session's close; the sessions
+#              that gave up on the silent ranks wrote blame reports accounting for every rank, and
+#              the job ends (lockstep-run ends mpiexec 3 s after that).
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
@@ -182,6 +182,15 @@ remote_survivors() {
     fail "rank 1: no TimeoutError: $(head -c 300 out/rank1.txt 2>/dev/null)"
 }
 
+# remote_blamed: the remote sessions that gave up on the silent ranks wrote blame reports that
+# account for every rank, so lockstep-run ended the job 3 s later (not --per-host-timeout after
+# the ranks left without MPI_Finalize).
+remote_blamed() {
+  grep -q "every rank reported the stall or was named silent" lr.err &&
+    pass "the remote sessions' blame reports accounted for every rank" ||
+    fail "lockstep-run did not see every rank accounted for by blame reports: $(grep lockstep-run lr.err | tail -4)"
+}
+
 job_ended() {  # the job ended, and how long after the fault
   if [ "$lr_rc" -eq 124 ] || [ "$lr_rc" -eq 137 ]; then
     fail "the job did not end within 120 s (lockstep-run exit $lr_rc)"; tail -20 lr.err
@@ -294,10 +303,12 @@ case $CASE in
     lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
     remote_survivors "rank [23] \\(host $NAME-h1\\)" 2 3
     job_ended
+    remote_blamed
     echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
     lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
     remote_survivors "rank 2 \\(host $NAME-h2\\)" 2
     job_ended
+    remote_blamed
     ;;
   drop-2x2)
     drop_rule_add
