@@ -17,21 +17,20 @@ namespace {
 
 /// After the progress thread ended: the receives given up on are cancelled (no later message
 /// can be received on this communicator any more), then everything given up on is waited for
-/// (for at most `seconds`); what is still pending then keeps its memory for ever.
-void settle_orphans(Engine& e, double seconds) {
+/// until `until` at most; what is still pending then keeps its memory for ever.
+void settle_orphans(Engine& e, Bound until) {
   std::lock_guard lk(e.mu);
   for (auto& o : e.orphans)
     if (o.receives)
       for (auto& r : o.reqs)
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-  const auto until = deadline_after(seconds);
   while (true) {
     for (auto it = e.orphans.begin(); it != e.orphans.end();) {
       int flag = 0;
       MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
       it = flag ? e.orphans.erase(it) : it + 1;
     }
-    if (e.orphans.empty() || Clock::now() >= until) break;
+    if (e.orphans.empty() || until.passed()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // Requests still pending now are never completed, so their memory is never freed (MPI may
@@ -47,11 +46,11 @@ void settle_orphans(Engine& e, double seconds) {
 /// run, or named silent by a rank that left; as for the driver's silence, the looks of the
 /// passes decide, not the clock alone). Called with e.mu held.
 std::string close_blocked(const Engine& e) {
-  for (int r = 0; r < e.size; ++r)
-    if (e.silent(r))
-      return concat(e.silent_text(r), " while this rank waited for every rank to close it (rank ", r,
-                    " is stopped, hung, cut off, or never closes it)");
-  return std::string();
+  const std::vector<int> lost = e.silent_ranks();
+  if (lost.empty()) return std::string();
+  return concat(e.silent_text(lost), " while this rank waited for every rank to close it (",
+                lost.size() == 1 ? "it is" : "they are", " stopped, hung, cut off, or never ",
+                lost.size() == 1 ? "closes" : "close", " it)");
 }
 
 /// Tells every other rank, without waiting long, that this rank is closing (k_closing) or left
@@ -75,7 +74,7 @@ void tell_others(Engine& e, Kind kind) {
   }
   const double wait = e.timeout > 0 ? std::min(e.timeout, 1.0) : 1.0;
   try {
-    e.send(dests, kTagCtrl, kind, e.next_id.fetch_add(1), 0, std::string(), m, deadline_after(wait), wait,
+    e.send(dests, kTagCtrl, kind, e.next_id.fetch_add(1), 0, std::string(), m, Bound::within(wait).at(), wait,
            "closing the remote session", 0, nullptr, /*spare_silent=*/true);
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";
@@ -116,7 +115,7 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
   tell_others(e, leave ? k_left : k_closing);
   auto* wave = new std::array<std::uint64_t, 6>{};  // [left, posted, answered] in, their sums out
   std::uint64_t prev_sent = ~std::uint64_t{0}, prev_done = ~std::uint64_t{0};
-  const auto deadline = deadline_after(wait);
+  const Bound deadline = Bound::within(wait);  // (leaving only)
   std::optional<Engine::Waiting> w;
   if (!leave) w.emplace(e);  // this thread takes the passes
   std::unique_lock lk(e.mu);
@@ -144,7 +143,7 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
       std::string why = close_blocked(e);
       if (!why.empty()) {
       } else if (leave) {
-        if (Clock::now() >= deadline) why = concat("not every rank closed it within ", wait, " s");
+        if (deadline.passed()) why = concat("not every rank closed it within ", wait, " s");
       } else if (round > 0 && e.a_rank_left.load()) {
         why = "a rank left it without waiting for the calls still owed (it took another rank for silent)";
       }
@@ -174,7 +173,7 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
       MPI_Request b = MPI_REQUEST_NULL;
       LOCKSTEP_MPI_CHECK(MPI_Ibarrier(e.comm, &b));
       std::vector<MPI_Request> reqs{b};
-      if (!wait_requests(reqs, deadline_after(e.timeout), nullptr, [&] { return e.try_pass() == 1; }))
+      if (!wait_requests(reqs, deadline_or_none(e.timeout), nullptr, [&] { return e.try_pass() == 1; }))
         return concat("not every rank reached its last barrier within ", e.timeout, " s");
       return std::string();
     }
@@ -229,6 +228,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
     std::lock_guard pl(e->poll_mu);
     e->hb_over = true;
   }
+  e->drain_seconds = ok ? 1.0 : 0.0;
   e->stop_progress = true;
   if (e->progress.joinable()) e->progress.join();
   {
@@ -238,7 +238,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
   }
   // After a failed close the communicator stays allocated, and what is still pending keeps its
   // memory anyway: no wait (it was a second more, after the deadline that made the close fail).
-  settle_orphans(*e, ok ? 1.0 : 0.0);
+  settle_orphans(*e, Bound::within(ok ? 1.0 : 0.0));
   {
     std::lock_guard lk(e->mu);
     for (auto& [id, c] : e->pending) {
@@ -252,7 +252,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
   e->cache->close();
   e->cv.notify_all();
   if (ok) {
-    if (!e->hb_reqs.empty()) wait_requests(e->hb_reqs, deadline_after(1.0));
+    wait_requests(e->hb_reqs, Bound::within(1.0).at());  // (what is still pending is left to MPI)
     MPI_Comm_free(&e->comm);
     return;
   }

@@ -95,10 +95,16 @@ std::vector<int> Engine::silent_ranks() const {
   return out;
 }
 
-std::string Engine::silent_text(int r) const {
-  const int by = r >= 0 && r < size ? said_silent[static_cast<std::size_t>(r)] : -1;
-  std::string s = concat(rank_text(r), " sent nothing for ", timeout, " s");
-  if (by >= 0 && by != rank) s += concat(" (found so by rank ", by, ", which then left the remote session)");
+std::string Engine::silent_text(const std::vector<int>& rs) const {
+  bool named = !rs.empty();
+  for (int r : rs) named = named && r >= 0 && r < size && !hosts[static_cast<std::size_t>(r)].empty();
+  std::string s = concat(named ? ranks_with_hosts(rs, hosts) : rank_list(rs), " sent nothing for ", timeout, " s");
+  std::vector<int> by;  // the other ranks whose notices of leaving named them
+  for (int r : rs) {
+    const int b = r >= 0 && r < size ? said_silent[static_cast<std::size_t>(r)] : -1;
+    if (b >= 0 && b != rank && std::find(by.begin(), by.end(), b) == by.end()) by.push_back(b);
+  }
+  if (!by.empty()) s += concat(" (found so by ", rank_list(by), ", which then left the remote session)");
   return s;
 }
 

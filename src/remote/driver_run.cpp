@@ -112,7 +112,7 @@ void DriverRun::finish_ok(Encoder&& result) {
   impl_->stop_sent = true;
   if (e.size > 1)
     e.send(others(e), kTagReq, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-           deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f returned)", 0, nullptr,
+           deadline_or_none(e.timeout), e.timeout, "run_driver (telling the workers that f returned)", 0, nullptr,
            /*spare_silent=*/true);
   impl_->close(false);
 }
@@ -133,7 +133,7 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   try {
     if (e.size > 1 && !e.ended.load() && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-             deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)", 0, nullptr,
+             deadline_or_none(e.timeout), e.timeout, "run_driver (telling the workers that f threw)", 0, nullptr,
              /*spare_silent=*/true);
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";

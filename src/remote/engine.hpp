@@ -161,7 +161,13 @@ struct Engine {
   std::thread progress, executor;
   std::thread::id executor_id;
   std::atomic<bool> stop_progress{false};
+  // How long the progress thread's last drain may take once stopped (close_engine sets it
+  // before it stops the thread: a second after a close that completed, none after one that
+  // failed, whose communicator is never used again).
+  std::atomic<double> drain_seconds{1.0};
   std::atomic<bool> driving{false};
+  // Per rank: the heartbeat last sent to it, MPI_REQUEST_NULL once taken (under poll_mu). A
+  // rank gets its next one only when it took the last.
   std::vector<MPI_Request> hb_reqs;
   Clock::time_point next_hb = Clock::now();
   // Ranks closing the session, which this rank sends heartbeats to (so that they can tell a rank
@@ -289,9 +295,9 @@ struct Engine {
   bool silent(int r) const;
   /// The other ranks known silent, in order. Called with mu held.
   std::vector<int> silent_ranks() const;
-  /// "rank r (host h) sent nothing for T s", and who found it so when another rank did. Called
-  /// with mu held.
-  std::string silent_text(int r) const;
+  /// "rank r (host h) sent nothing for T s" ("ranks 2, 3 (host h) ..." for several), and who
+  /// found them so when another rank did. Called with mu held.
+  std::string silent_text(const std::vector<int>& rs) const;
   /// "rank R (host H)": a rank with its host, as every error naming a peer says it, so that a
   /// launcher (and a reader) can tell which machine was lost.
   std::string rank_text(int r) const;

@@ -210,7 +210,7 @@ void Engine::receive(MPI_Message& msg, MPI_Status& st) {
   }
   a.in = std::move(in);
   a.sts.resize(a.reqs.size());
-  a.deadline = deadline_after(data_timeout);
+  a.deadline = deadline_or_none(data_timeout);
   arriving.push_back(std::move(a));
 }
 

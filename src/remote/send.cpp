@@ -115,10 +115,7 @@ void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64
     std::lock_guard lk(mu);
     orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
     if (!silent_left.empty()) {
-      std::string who;
-      for (std::size_t i = 0; i < silent_left.size() && i < 8; ++i) who += concat(i ? "; " : "", silent_text(silent_left[i]));
-      if (silent_left.size() > 8) who += "; ...";
-      throw TimeoutError(concat(what, ": ", who, ", and did not take the message", rank_suffix()));
+      throw TimeoutError(concat(what, ": ", silent_text(silent_left), ", and did not take the message", rank_suffix()));
     }
     std::string who;
     if (dests.size() > 1) {

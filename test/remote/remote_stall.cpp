@@ -19,10 +19,13 @@
 //           timeout (3 s) later, not hang. Rank 0 then resumes rank 1, whose close must end with
 //           an error too, within seconds (the others left), and the backend works after.
 //   lost:   run_driver on a session of its own (it creates and closes it), session timeout 3 s,
-//           3 ranks or more: the driver stops rank 1 with SIGSTOP and calls it. The call's
-//           TimeoutError comes at its deadline; the rest of run_driver (telling the workers that
-//           f threw, closing the session) must not wait for rank 1 again, it has been silent for
-//           the deadline already: the driver's run_driver throws the call's error, and every
+//           3 ranks or more: the driver stops rank 1 with SIGSTOP and calls it with a 64 KiB
+//           tensor (whose send the stopped rank never takes: it stays pending, as a send to a
+//           lost host does). The call's TimeoutError comes at its deadline; the rest of
+//           run_driver (telling the workers that f threw, closing the session, settling the
+//           pending send) must not wait for rank 1 again, it has been silent for the deadline
+//           already, and must end (a failed close once waited for ever for that send, which
+//           only rank 1 could complete): the driver's run_driver throws the call's error, and every
 //           other serving rank a TimeoutError of the close naming rank 1 (or of the driver's
 //           leaving, should that notice come first), each less than twice
 //           the timeout after the stop (each step used to wait afresh: the deadline, then the
@@ -254,7 +257,7 @@ void lost_worker(ls::Backend& b) {
       ::kill(static_cast<pid_t>(pid1), SIGSTOP);
       check(wait_stopped(pid1), "rank 1 did not stop");
       say("stopped rank 1 (pid " + std::to_string(pid1) + ")");
-      (void)ls::remote_sync_call(b, 1, add, 1, 2);
+      (void)ls::remote_sync_call(b, 1, echo, ls::Tensor::ones({16 * 1024}));
       check(false, "a call to the stopped rank 1 returned");
     });
     check(false, "run_driver returned although rank 1 was stopped");
@@ -268,7 +271,8 @@ void lost_worker(ls::Backend& b) {
   const double s = rank == 0 ? since(stopped_at) : 0.0;
   if (rank == 0) {
     say("run_driver: " + err + " after " + std::to_string(s) + " s");
-    check(contains(err, "remote call of 'add' on rank 1 (host ") && contains(err, "did not answer within 3 s"),
+    // (Its send's deadline: the tensor is never taken.)
+    check(contains(err, "remote call of 'echo'") && contains(err, "rank 1 (host ") && contains(err, "within 3 s"),
           "the driver's error is its call's, naming rank 1 and its host");
     check(s < 2 * kSessionTimeout - 0.5, "the driver's run_driver ended " + std::to_string(s) + " s after the stop");
     ::kill(static_cast<pid_t>(pid1), SIGCONT);
