@@ -44,6 +44,12 @@ lockstep_add_mpi_test(NAME remote.stopped_driver TARGET lockstep_remote_stall RA
 # A rank stopped before it closes the session: the graceful closes of the others end in a
 # TimeoutError naming it after the session's timeout; resumed, its own close ends in an error.
 lockstep_add_mpi_test(NAME remote.stopped_closing TARGET lockstep_remote_stall RANKS 2 3 ARGS closing LABELS reliability TIMEOUT 90)
+# A worker lost (stopped) during run_driver on a session of its own, called with a tensor whose
+# send it never takes: the call's TimeoutError at its deadline, and the end of the run and the
+# close do not wait for the silent rank again (the driver and the other serving ranks end within
+# twice the timeout of the stop, not the deadline plus a fresh one per step), nor for the send
+# left pending (a failed close once settled it "for 0 s", which meant for ever).
+lockstep_add_mpi_test(NAME remote.lost_worker TARGET lockstep_remote_stall RANKS 3 ARGS lost LABELS reliability TIMEOUT 90)
 
 # The arrival path of a message's tensors, attacked: sessions closing while tensors are owed,
 # concurrent calls of mixed sizes from several threads, late replies, data deadlines expiring.

@@ -158,6 +158,45 @@ int pending_requests(const CommMonitor& m) noexcept { return m.pending(); }
 bool safe_to_free(const CommMonitor& m) noexcept { return !m.stalled_for_real() && m.pending() == 0; }
 bool monitor_usable(const CommMonitor& m) noexcept { return !m.stalled(); }
 bool any_stall() noexcept { return g_any_stall.load(); }
+void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std::vector<int>& behind,
+                        const std::string& msg) noexcept {
+  try {
+    const char* dir = std::getenv("LOCKSTEP_REPORT_DIR");
+    if (dir == nullptr || *dir == '\0') return;
+    MPI_Group group, world;
+    MPI_Comm_group(comm, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    auto to_world = [&](const std::vector<int>& ranks) {
+      std::vector<int> out(ranks.size(), MPI_UNDEFINED);
+      if (!ranks.empty())
+        MPI_Group_translate_ranks(group, static_cast<int>(ranks.size()), ranks.data(), world, out.data());
+      std::string line;
+      for (int r : out) {
+        line.push_back(' ');
+        line.append(r == MPI_UNDEFINED ? std::string("?") : std::to_string(r));
+      }
+      return line;
+    };
+    const std::string silent_line = to_world(silent), behind_line = to_world(behind);
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    int me = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "unknown");
+    std::string first = msg.substr(0, msg.find('\n'));
+    const std::string text = concat("rank ", me, "\nhost ", host, "\nsilent", silent_line, "\nbehind", behind_line,
+                                    "\nmessage ", first, "\n");
+    const std::string path = concat(dir, "/blame.", me);
+    const std::string tmp = concat(path, ".tmp.", ::getpid());
+    FILE* f = std::fopen(tmp.c_str(), "w");
+    if (f == nullptr) return;
+    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) std::remove(tmp.c_str());
+  } catch (...) {
+  }
+}
+
 void announce_leaving(CommMonitor& m) noexcept {
   try {
     m.announce_leaving();

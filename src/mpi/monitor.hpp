@@ -13,6 +13,7 @@
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/reliability/settings.hpp"
+#include "mpi/blame_report.hpp"
 
 // Whether this build injects the faults of LOCKSTEP_FAULT (CMake option of the same name; the
 // layers that need it get it as a compile definition): required, so that no file of the layer

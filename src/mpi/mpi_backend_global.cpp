@@ -43,7 +43,7 @@ void finalize_after_failed_init() {
   MPI_Request req = MPI_REQUEST_NULL;
   int done = 0;
   if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
-    const auto deadline = detail::deadline_after(kFailedInitBarrierSeconds);
+    const auto deadline = detail::Bound::within(kFailedInitBarrierSeconds).at();
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && detail::Clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -223,7 +223,7 @@ void MPIBackend::finalize_global() {
         if (!had_backend && g_failed_init_atexit) limit = std::min(limit, kFailedInitBarrierSeconds);
         MPI_Request req = MPI_REQUEST_NULL;
         if (MPI_Ibarrier(MPI_COMM_WORLD, &req) == MPI_SUCCESS) {
-          const auto deadline = detail::deadline_after(limit);
+          const auto deadline = detail::deadline_or_none(limit);
           int done = 0;
           while (!done) {
             if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;

@@ -15,7 +15,7 @@ std::shared_ptr<Call> start_call(Backend& b, int rank, const FnInfo& fn, Encoder
   c->rank = rank;
   c->fn = fn.name;
   c->timeout = opts.timeout < 0 ? e->timeout : opts.timeout;
-  c->deadline = deadline_after(c->timeout);
+  c->deadline = deadline_or_none(c->timeout);
   {
     std::lock_guard lk(e->mu);
     LOCKSTEP_CHECK_ARG(!e->closing && (!e->close_begun || t_running_calls > 0), "remote call of '", fn.name,

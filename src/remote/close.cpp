@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 
+#include "mpi/blame_report.hpp"
 #include "remote/engine.hpp"
 #include "remote/polling.hpp"
 #include "remote/session.hpp"
@@ -16,21 +17,20 @@ namespace {
 
 /// After the progress thread ended: the receives given up on are cancelled (no later message
 /// can be received on this communicator any more), then everything given up on is waited for
-/// (for at most a second); what is still pending then keeps its memory for ever.
-void settle_orphans(Engine& e) {
+/// until `until` at most; what is still pending then keeps its memory for ever.
+void settle_orphans(Engine& e, Bound until) {
   std::lock_guard lk(e.mu);
   for (auto& o : e.orphans)
     if (o.receives)
       for (auto& r : o.reqs)
         if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-  const auto until = Clock::now() + std::chrono::seconds(1);
   while (true) {
     for (auto it = e.orphans.begin(); it != e.orphans.end();) {
       int flag = 0;
       MPI_Testall(static_cast<int>(it->reqs.size()), it->reqs.data(), &flag, MPI_STATUSES_IGNORE);
       it = flag ? e.orphans.erase(it) : it + 1;
     }
-    if (e.orphans.empty() || Clock::now() >= until) break;
+    if (e.orphans.empty() || until.passed()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // Requests still pending now are never completed, so their memory is never freed (MPI may
@@ -40,31 +40,42 @@ void settle_orphans(Engine& e) {
   e.owed.clear();  // the communicator ends: nothing can take them any more
 }
 
-/// The rank (other than this one; ranks that left count too: their round-0 part may never come)
-/// that this rank has heard nothing
-/// from for the session's timeout since `since`, or -1. As for the driver's silence, the looks
-/// of the passes decide, not the clock alone (see LookWatch). Called with e.mu held.
-int silent_rank(const Engine& e, Clock::time_point since) {
-  if (e.timeout <= 0) return -1;
-  const auto span = after_seconds(e.timeout);
-  const Clock::time_point looked = e.ctrl_looks.through();
-  for (int r = 0; r < e.size; ++r)
-    if (r != e.rank && looked >= std::max(e.last_heard[static_cast<std::size_t>(r)], since) + span) return r;
-  return -1;
+/// Why the close cannot complete any more, or "": a rank (other than this one; ranks that left
+/// count too: their round-0 part may never come) known silent (Engine::silent: every rank is
+/// watched from the start of the close, the serving ranks by the driver from the start of its
+/// run, or named silent by a rank that left; as for the driver's silence, the looks of the
+/// passes decide, not the clock alone). Called with e.mu held.
+std::string close_blocked(const Engine& e) {
+  const std::vector<int> lost = e.silent_ranks();
+  if (lost.empty()) return std::string();
+  return concat(e.silent_text(lost), " while this rank waited for every rank to close it (",
+                lost.size() == 1 ? "it is" : "they are", " stopped, hung, cut off, or never ",
+                lost.size() == 1 ? "closes" : "close", " it)");
 }
 
 /// Tells every other rank, without waiting long, that this rank is closing (k_closing) or left
-/// (k_left). Errors are printed, not thrown: a rank that cannot be told times out by itself.
+/// (k_left; with the ranks this one found silent, so that the others' closes stop waiting for
+/// them). A rank known silent is not waited for. Errors are printed, not thrown: a rank that
+/// cannot be told times out by itself.
 void tell_others(Engine& e, Kind kind) {
   if (e.size < 2) return;
   std::vector<int> dests;
   for (int r = 0; r < e.size; ++r)
     if (r != e.rank) dests.push_back(r);
   Encoder m;
+  if (kind == k_left) {
+    std::vector<int> lost;
+    {
+      std::lock_guard lk(e.mu);
+      lost = e.silent_ranks();
+    }
+    m.u32(static_cast<std::uint32_t>(lost.size()));
+    for (int r : lost) m.u32(static_cast<std::uint32_t>(r));
+  }
   const double wait = e.timeout > 0 ? std::min(e.timeout, 1.0) : 1.0;
   try {
-    e.send(dests, kTagCtrl, kind, e.next_id.fetch_add(1), 0, std::string(), m, deadline_after(wait), wait,
-           "closing the remote session");
+    e.send(dests, kTagCtrl, kind, e.next_id.fetch_add(1), 0, std::string(), m, Bound::within(wait).at(), wait,
+           "closing the remote session", 0, nullptr, /*spare_silent=*/true);
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";
   }
@@ -92,16 +103,19 @@ void leak_wave(std::array<std::uint64_t, 6>* w) { keep_for_process(std::unique_p
 ///
 /// Returns "" when the rounds completed (the communicator may be freed), else why not.
 std::string close_rounds(Engine& e, bool leave, double wait) {
-  const auto since = Clock::now();
   e.driving = false;
   {
     std::lock_guard lk(e.mu);
     e.close_begun = true;
+    // Every rank is watched from now on (every rank sends heartbeats to a closing one), and
+    // those the driver watched through its run from the start of it.
+    const auto now = Clock::now();
+    for (auto& w : e.watch_since) w = std::min(w, now);
   }
   tell_others(e, leave ? k_left : k_closing);
   auto* wave = new std::array<std::uint64_t, 6>{};  // [left, posted, answered] in, their sums out
   std::uint64_t prev_sent = ~std::uint64_t{0}, prev_done = ~std::uint64_t{0};
-  const auto deadline = deadline_after(wait);
+  const Bound deadline = Bound::within(wait);  // (leaving only)
   std::optional<Engine::Waiting> w;
   if (!leave) w.emplace(e);  // this thread takes the passes
   std::unique_lock lk(e.mu);
@@ -126,12 +140,10 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
                       "): the ranks were not all closing the session (another collective of it on some rank)");
       }
       if (flag) break;
-      std::string why;
-      if (leave) {
-        if (Clock::now() >= deadline) why = concat("not every rank closed it within ", wait, " s");
-      } else if (const int s = silent_rank(e, since); s >= 0) {
-        why = concat(e.rank_text(s), " sent nothing for ", e.timeout, " s while this rank waited for every rank to ",
-                     "close it (rank ", s, " is stopped, hung, or never closes it)");
+      std::string why = close_blocked(e);
+      if (!why.empty()) {
+      } else if (leave) {
+        if (deadline.passed()) why = concat("not every rank closed it within ", wait, " s");
       } else if (round > 0 && e.a_rank_left.load()) {
         why = "a rank left it without waiting for the calls still owed (it took another rank for silent)";
       }
@@ -161,7 +173,7 @@ std::string close_rounds(Engine& e, bool leave, double wait) {
       MPI_Request b = MPI_REQUEST_NULL;
       LOCKSTEP_MPI_CHECK(MPI_Ibarrier(e.comm, &b));
       std::vector<MPI_Request> reqs{b};
-      if (!wait_requests(reqs, deadline_after(e.timeout), nullptr, [&] { return e.try_pass() == 1; }))
+      if (!wait_requests(reqs, deadline_or_none(e.timeout), nullptr, [&] { return e.try_pass() == 1; }))
         return concat("not every rank reached its last barrier within ", e.timeout, " s");
       return std::string();
     }
@@ -197,7 +209,13 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
     failed = x.what();
   }
   const bool ok = failed.empty();
-  if (!ok && !leave) tell_others(*e, k_left);
+  // The ranks this close gave up on as silent (found so here, or by a rank that told this one).
+  std::vector<int> lost;
+  {
+    std::lock_guard lk(e->mu);
+    lost = e->silent_ranks();
+  }
+  if (!ok && !leave) tell_others(*e, k_left);  // (a leaving rank told them at the start)
   forget_engine(e);
   {
     std::lock_guard lk(e->mu);
@@ -210,6 +228,7 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
     std::lock_guard pl(e->poll_mu);
     e->hb_over = true;
   }
+  e->drain_seconds = ok ? 1.0 : 0.0;
   e->stop_progress = true;
   if (e->progress.joinable()) e->progress.join();
   {
@@ -217,7 +236,9 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
     e->passes_over = true;
     e->orphan_arrivals();  // what such a thread's last pass began to receive
   }
-  settle_orphans(*e);
+  // After a failed close the communicator stays allocated, and what is still pending keeps its
+  // memory anyway: no wait (it was a second more, after the deadline that made the close fail).
+  settle_orphans(*e, Bound::within(ok ? 1.0 : 0.0));
   {
     std::lock_guard lk(e->mu);
     for (auto& [id, c] : e->pending) {
@@ -231,11 +252,13 @@ void close_engine(const std::shared_ptr<Engine>& e, bool quiet, double wait) {
   e->cache->close();
   e->cv.notify_all();
   if (ok) {
-    if (!e->hb_reqs.empty()) wait_requests(e->hb_reqs, deadline_after(1.0));
+    wait_requests(e->hb_reqs, Bound::within(1.0).at());  // (what is still pending is left to MPI)
     MPI_Comm_free(&e->comm);
     return;
   }
   const std::string what = concat("closing the remote session: ", failed, rank_suffix());
+  // A stall, as the monitor's: the launcher (lockstep-run) reads which ranks are lost.
+  if (!lost.empty()) write_blame_report(e->comm, lost, {}, what);
   if (quiet) std::cerr << "lockstep remote: " << what << "\n";
   else throw TimeoutError(what);
 }

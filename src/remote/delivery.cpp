@@ -80,6 +80,34 @@ std::string Engine::rank_text(int r) const {
   return ranks_with_hosts({r}, hosts);
 }
 
+bool Engine::silent(int r) const {
+  if (r == rank || r < 0 || r >= size) return false;
+  const auto i = static_cast<std::size_t>(r);
+  if (said_silent[i] >= 0) return true;
+  if (timeout <= 0 || watch_since[i] == Clock::time_point::max()) return false;
+  return ctrl_looks.through() >= std::max(last_heard[i], watch_since[i]) + after_seconds(timeout);
+}
+
+std::vector<int> Engine::silent_ranks() const {
+  std::vector<int> out;
+  for (int r = 0; r < size; ++r)
+    if (silent(r)) out.push_back(r);
+  return out;
+}
+
+std::string Engine::silent_text(const std::vector<int>& rs) const {
+  bool named = !rs.empty();
+  for (int r : rs) named = named && r >= 0 && r < size && !hosts[static_cast<std::size_t>(r)].empty();
+  std::string s = concat(named ? ranks_with_hosts(rs, hosts) : rank_list(rs), " sent nothing for ", timeout, " s");
+  std::vector<int> by;  // the other ranks whose notices of leaving named them
+  for (int r : rs) {
+    const int b = r >= 0 && r < size ? said_silent[static_cast<std::size_t>(r)] : -1;
+    if (b >= 0 && b != rank && std::find(by.begin(), by.end(), b) == by.end()) by.push_back(b);
+  }
+  if (!by.empty()) s += concat(" (found so by ", rank_list(by), ", which then left the remote session)");
+  return s;
+}
+
 std::string Engine::left_text(int r, const std::string& fn) const {
   return concat("remote call of '", fn, "' on rank ", r, ": ", rank_text(r),
                 " left the remote session before answering (it finalised Lockstep, or returned from main, with the "

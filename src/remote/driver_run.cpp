@@ -63,14 +63,27 @@ DriverRun::DriverRun(Backend& b, bool serve_only, const std::string& result_sig)
   driver_ = e.rank == 0;
   {
     std::lock_guard lk(e.mu);
-    e.last_heard[0] = Clock::now();
+    const auto now = Clock::now();
+    e.last_heard[0] = now;
+    // The driver watches the serving ranks from now on (they send it heartbeats while they
+    // serve): when the run ends, a rank it has heard nothing from for the session's timeout is
+    // not waited for again (the end of the run, the close).
+    if (driver_)
+      for (int r = 1; r < e.size; ++r) e.watch_since[static_cast<std::size_t>(r)] = now;
   }
   if (driver_) e.driving = true;
+  else e.hb_driver = true;
 }
 
 DriverRun::~DriverRun() {
   if (impl_) {
     impl_->e->driving = false;
+    impl_->e->hb_driver = false;
+    if (!impl_->own) {
+      // A session that goes on (an explicit RemoteSession): nobody is watched between runs.
+      std::lock_guard lk(impl_->e->mu);
+      for (auto& w : impl_->e->watch_since) w = Clock::time_point::max();
+    }
     try {
       impl_->close(true);
     } catch (...) {
@@ -99,7 +112,8 @@ void DriverRun::finish_ok(Encoder&& result) {
   impl_->stop_sent = true;
   if (e.size > 1)
     e.send(others(e), kTagReq, k_stop_ok, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-           deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f returned)");
+           deadline_or_none(e.timeout), e.timeout, "run_driver (telling the workers that f returned)", 0, nullptr,
+           /*spare_silent=*/true);
   impl_->close(false);
 }
 
@@ -119,7 +133,8 @@ void DriverRun::finish_error(std::exception_ptr ep) {
   try {
     if (e.size > 1 && !e.ended.load() && !std::exchange(impl_->stop_sent, true))
       e.send(others(e), kTagReq, k_stop_err, e.next_id.fetch_add(1), impl_->run, std::string(), m,
-             deadline_after(e.timeout), e.timeout, "run_driver (telling the workers that f threw)");
+             deadline_or_none(e.timeout), e.timeout, "run_driver (telling the workers that f threw)", 0, nullptr,
+             /*spare_silent=*/true);
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: " << x.what() << "\n";
   }
@@ -167,7 +182,13 @@ Decoder DriverRun::serve_until_done() {
                               rank_suffix()));
   }
   if (idle_timeout) {
-    // The driver is not expected at the closing barrier: a short wait only.
+    // The driver is not expected at the closing barrier: a short wait only, none when this run
+    // closes the session (the driver is taken for silent: the rank leaves at once, and tells the
+    // others, which then wait for it no more either).
+    if (impl_->own) {
+      std::lock_guard lk(e.mu);
+      if (e.said_silent[0] < 0) e.said_silent[0] = e.rank;
+    }
     impl_->close(true, std::min(e.timeout, 1.0));
     throw TimeoutError(concat("rank ", e.rank, " heard nothing from the driver, ", e.rank_text(0), ", for ", e.timeout,
                               " s while serving in run_driver", rank_suffix()));

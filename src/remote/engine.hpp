@@ -161,7 +161,13 @@ struct Engine {
   std::thread progress, executor;
   std::thread::id executor_id;
   std::atomic<bool> stop_progress{false};
+  // How long the progress thread's last drain may take once stopped (close_engine sets it
+  // before it stops the thread: a second after a close that completed, none after one that
+  // failed, whose communicator is never used again).
+  std::atomic<double> drain_seconds{1.0};
   std::atomic<bool> driving{false};
+  // Per rank: the heartbeat last sent to it, MPI_REQUEST_NULL once taken (under poll_mu). A
+  // rank gets its next one only when it took the last.
   std::vector<MPI_Request> hb_reqs;
   Clock::time_point next_hb = Clock::now();
   // Ranks closing the session, which this rank sends heartbeats to (so that they can tell a rank
@@ -173,6 +179,16 @@ struct Engine {
   // waiting): calls to them fail at once, as do those still pending (under mu).
   std::vector<char> gone;
   std::vector<std::string> hosts;  // every rank's host name (MPI_Get_processor_name), agreed at creation
+  // Liveness, so that a wait for a rank that is lost ends once, not once per wait (a remote
+  // call's deadline, then the end of run_driver, then each step of the close). watch_since[r]:
+  // since when r sends this rank something at least every heartbeat period (max(): not
+  // watched): the driver watches the serving ranks from the start of a run (they send it
+  // heartbeats while they serve, hb_driver), a closing rank every rank from its close on.
+  // said_silent[r]: the rank that found r silent (this one, or one whose notice of leaving
+  // named r), -1 if none. Under mu.
+  std::vector<Clock::time_point> watch_since;
+  std::vector<int> said_silent;
+  std::atomic<bool> hb_driver{false};  // a serving rank: send heartbeats to the driver (rank 0)
   std::atomic<bool> driver_left{false};  // rank 0 left (a serving rank stops waiting for it)
   std::atomic<bool> ended{false};        // close_engine ran (once per session)
 
@@ -226,10 +242,13 @@ struct Engine {
   // ---- send.cpp ----
   /// Sends message m to every rank of dests (returns when sent); TimeoutError past the deadline
   /// (`seconds` after the start, for the message). `tensor_delay` (a test hook) holds the tensor
-  /// messages back for that long after the header.
+  /// messages back for that long after the header. `spare_silent` (the end of a run, the notices
+  /// of a close): the wait also ends, in a TimeoutError naming them, once every rank that has
+  /// not taken the message yet is known silent (silent()): the deadline of the wait that found
+  /// them so is not waited for again.
   void send(const std::vector<int>& dests, int tag, Kind kind, std::uint64_t id, std::uint64_t run,
             const std::string& name, Encoder& m, Clock::time_point deadline, double seconds, const std::string& what,
-            double tensor_delay = 0, bool* header_posted = nullptr);
+            double tensor_delay = 0, bool* header_posted = nullptr, bool spare_silent = false);
 
   // ---- receive.cpp ----
   void receive(MPI_Message& msg, MPI_Status& st);
@@ -270,6 +289,15 @@ struct Engine {
   /// calls to it fail at once (start_call), and a serving rank whose driver left stops serving.
   void on_rank_left(int r);
   std::string left_text(int r, const std::string& fn) const;
+  /// Whether r (another rank) is known silent: named so (said_silent), or watched and not heard
+  /// from in the passes' looks (LookWatch) since the session's timeout after the later of its
+  /// last message and the start of the watch. Called with mu held.
+  bool silent(int r) const;
+  /// The other ranks known silent, in order. Called with mu held.
+  std::vector<int> silent_ranks() const;
+  /// "rank r (host h) sent nothing for T s" ("ranks 2, 3 (host h) ..." for several), and who
+  /// found them so when another rank did. Called with mu held.
+  std::string silent_text(const std::vector<int>& rs) const;
   /// "rank R (host H)": a rank with its host, as every error naming a peer says it, so that a
   /// launcher (and a reader) can tell which machine was lost.
   std::string rank_text(int r) const;

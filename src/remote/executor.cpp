@@ -54,7 +54,7 @@ void Engine::execute(Incoming& in) {
   t_reply_tensor_delay = 0;
   bool posted = false;
   try {
-    send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_after(timeout), timeout,
+    send({in.source}, kTagRep, k, in.id, 0, std::string(), out, deadline_or_none(timeout), timeout,
          concat("the reply to rank ", in.source), delay, &posted);
   } catch (const std::exception& x) {
     std::cerr << "lockstep remote: the reply to rank " << in.source << " was not sent: " << x.what() << "\n";
@@ -64,7 +64,7 @@ void Engine::execute(Incoming& in) {
       err.u8(1);
       encode(err, concat("the reply could not be sent from rank ", rank, ": ", x.what()));
       try {
-        send({in.source}, kTagRep, k_rep_err, in.id, 0, std::string(), err, deadline_after(timeout), timeout,
+        send({in.source}, kTagRep, k_rep_err, in.id, 0, std::string(), err, deadline_or_none(timeout), timeout,
              concat("the error reply to rank ", in.source), 0, &posted);
       } catch (const std::exception&) {
       }

@@ -60,7 +60,7 @@ std::vector<std::byte> agree(MPI_Comm comm, int size, const void* mine, int n, d
   MPI_Request r;
   LOCKSTEP_MPI_CHECK(MPI_Iallgather(buf->data(), n, MPI_BYTE, buf->data() + un, n, MPI_BYTE, comm, &r));
   std::vector<MPI_Request> reqs{r};
-  if (!wait_requests(reqs, deadline_after(timeout), nullptr, meanwhile)) {
+  if (!wait_requests(reqs, deadline_or_none(timeout), nullptr, meanwhile)) {
     keep_for_process(buf);
     throw TimeoutError(concat(what, ": not every rank joined within ", timeout, " s", rank_suffix()));
   }

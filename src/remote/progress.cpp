@@ -31,23 +31,27 @@ bool Engine::poll_once(bool* ctrl_empty, const std::function<void()>* before_rec
 }
 
 void Engine::housekeeping() {
-  if (!hb_reqs.empty()) {
-    int flag = 0;
-    MPI_Testall(static_cast<int>(hb_reqs.size()), hb_reqs.data(), &flag, MPI_STATUSES_IGNORE);
-    if (flag) hb_reqs.clear();
-  }
-  // Heartbeats: from the driver to every rank while it drives, and from every rank to the
-  // ranks closing the session (they wait for the others while serving).
-  if (!hb_over && hb_reqs.empty() && Clock::now() >= next_hb) {
-    const bool drive = driving.load();
+  // Heartbeats: from the driver to every rank while it drives, from a serving rank to the
+  // driver while it serves in a run (so that the driver can tell a lost rank from a busy one when
+  // the run ends), and from every rank to the ranks closing the session (they wait for the
+  // others while serving). Each destination has its own request: a rank that takes no more
+  // messages (a lost host) holds up its own heartbeats only. (With one set for all, a heartbeat
+  // stuck to a lost rank held back every later one, and the live ranks took this one for silent.)
+  if (!hb_over && Clock::now() >= next_hb) {
+    const bool drive = driving.load(), to_driver = hb_driver.load();
     for (int r = 0; r < size; ++r) {
       const auto i = static_cast<std::size_t>(r);
-      if (r == rank || left_ranks[i] || !((drive && r != 0) || closing_ranks[i])) continue;
-      hb_reqs.emplace_back();
-      MPI_Isend(&heartbeat_head(), static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &hb_reqs.back());
+      if (r == rank || left_ranks[i] || !((drive && r != 0) || (to_driver && r == 0) || closing_ranks[i])) continue;
+      MPI_Request& q = hb_reqs[i];
+      if (q != MPI_REQUEST_NULL) {
+        int flag = 0;
+        MPI_Test(&q, &flag, MPI_STATUS_IGNORE);
+        if (!flag) continue;  // its last one is still not taken
+      }
+      MPI_Isend(&heartbeat_head(), static_cast<int>(kHead), MPI_BYTE, r, kTagCtrl, comm, &q);
     }
     const double every = timeout > 0 ? std::clamp(timeout / 5, 0.02, 1.0) : 1.0;
-    next_hb = deadline_after(every);
+    next_hb = Bound::within(every).at();
   }
   std::lock_guard lk(mu);
   for (auto it = orphans.begin(); it != orphans.end();) {
@@ -124,17 +128,19 @@ void Engine::progress_loop() {
     if (try_pass() == 1) active = Clock::now();
     else backoff(active);
   }
-  // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped;
-  // tensors still arriving get at most a second more (then their receives are left to
-  // settle_orphans, which cancels them). Not once MPI is finalised (see ~Engine).
+  // Whatever arrived meanwhile (late replies of abandoned calls) is received and dropped, and
+  // tensors still arriving are finished, all within drain_seconds (a second; none after a
+  // failed close: then their receives are left to settle_orphans, which cancels them). Bounded
+  // as a whole: messages that keep coming (heartbeats), or tensors that never come from a lost
+  // rank, cannot hold it. Not once MPI is finalised (see ~Engine).
   int fin = 0;
   MPI_Finalized(&fin);
   if (fin) return;
+  const Bound drain = Bound::within(drain_seconds.load());
   std::lock_guard pl(poll_mu);
   for (int i = 0; i < 3; ++i)
-    while (poll_once()) {}
-  const auto until = Clock::now() + std::chrono::seconds(1);
-  while (!arriving.empty() && Clock::now() < until)
+    while (!drain.passed() && poll_once()) {}
+  while (!arriving.empty() && !drain.passed())
     if (!advance_arrivals()) std::this_thread::yield();
   orphan_arrivals();
 }

@@ -99,6 +99,20 @@ void Engine::receive(MPI_Message& msg, MPI_Status& st) {
       auto& v = in.kind == k_closing ? closing_ranks : left_ranks;
       v[static_cast<std::size_t>(in.source)] = 1;
       if (in.kind == k_left) {
+        // The ranks the sender found silent, if it left because of them ([u32 n][i32 rank]...
+        // after the head; nothing from a rank that left for another reason): this rank's close
+        // and its notices wait for them no more (Engine::silent).
+        std::uint32_t n = 0;
+        if (h.payload_len >= 4) std::memcpy(&n, in.buf.data() + kHead, 4);
+        if (n > 0 && h.payload_len >= 4 + 4 * std::uint64_t{n}) {
+          std::lock_guard lk(mu);
+          for (std::uint32_t k = 0; k < n; ++k) {
+            std::int32_t r = -1;
+            std::memcpy(&r, in.buf.data() + kHead + 4 + 4 * std::size_t{k}, 4);
+            if (r >= 0 && r < size && said_silent[static_cast<std::size_t>(r)] < 0)
+              said_silent[static_cast<std::size_t>(r)] = in.source;
+          }
+        }
         a_rank_left = true;
         on_rank_left(in.source);
       }
@@ -196,7 +210,7 @@ void Engine::receive(MPI_Message& msg, MPI_Status& st) {
   }
   a.in = std::move(in);
   a.sts.resize(a.reqs.size());
-  a.deadline = deadline_after(data_timeout);
+  a.deadline = deadline_or_none(data_timeout);
   arriving.push_back(std::move(a));
 }
 

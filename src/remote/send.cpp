@@ -13,7 +13,7 @@ namespace lockstep::detail::remote {
 
 void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64_t id, std::uint64_t run,
           const std::string& name, Encoder& m, Clock::time_point deadline, double seconds, const std::string& what,
-          double tensor_delay, bool* header_posted) {
+          double tensor_delay, bool* header_posted, bool spare_silent) {
   auto& bytes = m.bytes();
   auto& tensors = m.tensors();
   Head h{};
@@ -43,11 +43,13 @@ void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64
                      " (send large arrays as Tensors)");
   const bool reply = is_reply(kind);
   std::vector<MPI_Request> reqs;
+  std::vector<std::size_t> first_req;  // per destination: the index of its first request
   // One message's header and tensors are posted together, never interleaved with another
   // message's: a receiver posts its tensor receives in the order of the headers, so that when
   // the data tags have wrapped, two messages of the same tag still match in order.
   std::unique_lock post(send_mu);
   for (int dest : dests) {
+    first_req.push_back(reqs.size());
     reqs.emplace_back();
     LOCKSTEP_MPI_CHECK(MPI_Isend(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, dest, tag, comm, &reqs.back()));
     if (header_posted != nullptr) *header_posted = true;
@@ -62,6 +64,7 @@ void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64
       }
     }
   }
+  first_req.push_back(reqs.size());
   post.unlock();
   // Once sent, the message's tensors are let go before this thread receives anything more:
   // a received tensor of the same size then reuses their buffer (a worker that echoes a
@@ -77,9 +80,43 @@ void Engine::send(const std::vector<int>& dests, int tag, Kind kind, std::uint64
       released = true;
     }
   };
-  if (!wait_polling(reqs, deadline, &before_receive)) {
+  // With spare_silent: the ranks known silent that have not taken the message when every other
+  // rank has (then the wait ends).
+  std::vector<int> silent_left;
+  const auto wait_sparing_silent = [&] {
+    Waiting w(*this);
+    auto active = Clock::now();
+    while (true) {
+      bool live_left = false;
+      silent_left.clear();
+      for (std::size_t d = 0; d < dests.size(); ++d) {
+        int flag = 0;
+        LOCKSTEP_MPI_CHECK(MPI_Testall(static_cast<int>(first_req[d + 1] - first_req[d]), reqs.data() + first_req[d],
+                                       &flag, MPI_STATUSES_IGNORE));
+        if (flag) continue;
+        bool s = false;
+        {
+          std::lock_guard lk(mu);
+          s = silent(dests[d]);
+        }
+        if (s) silent_left.push_back(dests[d]);
+        else live_left = true;
+      }
+      if (!live_left) return silent_left.empty();
+      if (Clock::now() >= deadline) {
+        silent_left.clear();
+        return false;
+      }
+      if (try_pass(&before_receive) == 1) active = Clock::now();
+      else backoff(active);
+    }
+  };
+  if (!(spare_silent ? wait_sparing_silent() : wait_polling(reqs, deadline, &before_receive))) {
     std::lock_guard lk(mu);
     orphans.push_back(Orphan{std::move(reqs), std::move(m), {}, false});
+    if (!silent_left.empty()) {
+      throw TimeoutError(concat(what, ": ", silent_text(silent_left), ", and did not take the message", rank_suffix()));
+    }
     std::string who;
     if (dests.size() > 1) {
       who = "one of";

@@ -109,7 +109,7 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   MPI_Request r;
   LOCKSTEP_MPI_CHECK(MPI_Comm_idup(base, &e->comm, &r));
   std::vector<MPI_Request> reqs{r};
-  if (!wait_requests(reqs, deadline_after(e->timeout))) {
+  if (!wait_requests(reqs, deadline_or_none(e->timeout))) {
     keep_for_process(e);  // MPI may still write the new communicator into it
     throw TimeoutError(concat("RemoteSession: not every rank created the session within ", e->timeout, " s", rank_suffix()));
   }
@@ -192,6 +192,9 @@ std::shared_ptr<Engine> create_engine(Backend& b, const RemoteOptions& o) {
   e->closing_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->left_ranks.assign(static_cast<std::size_t>(e->size), 0);
   e->gone.assign(static_cast<std::size_t>(e->size), 0);
+  e->hb_reqs.assign(static_cast<std::size_t>(e->size), MPI_REQUEST_NULL);
+  e->watch_since.assign(static_cast<std::size_t>(e->size), Clock::time_point::max());
+  e->said_silent.assign(static_cast<std::size_t>(e->size), -1);
   e->hosts.resize(static_cast<std::size_t>(e->size));
   for (int i = 0; i < e->size; ++i) {
     const Mine& m = ms[static_cast<std::size_t>(i)];

@@ -15,7 +15,8 @@ constexpr std::size_t kChunk = std::size_t{1} << 30;
 
 // k_closing: the sender is closing the session and serves until every rank has closed it (the
 // receiver sends it heartbeats meanwhile); k_left: the sender closed it without waiting for the
-// calls still owed (after it took another rank for silent).
+// calls still owed (after it took another rank for silent; its payload, [u32 n][i32 rank] x n,
+// names the ranks it found silent, n = 0 when it left for another reason).
 enum Kind : std::uint8_t { k_req = 1, k_rep_ok, k_rep_err, k_stop_ok, k_stop_err, k_heartbeat, k_closing, k_left };
 
 constexpr bool is_reply(Kind k) { return k == k_rep_ok || k == k_rep_err; }

@@ -28,9 +28,11 @@
 #   remote     remote calls across hosts (fault_program remote: rank 0 drives, calling every other
 #              rank in turn): (a) 2x2, host 1's link taken down; (b) 3x1, host 2 killed
 #              (--enable-recovery). Rank 0's remote call raises TimeoutError naming the lost rank
-#              and its host, rank 1 (serving) a
-#              TimeoutError of the session's close, and the job ends (lockstep-run sees the ranks
-#              leave without MPI_Finalize and ends mpiexec after --per-host-timeout 8).
+#              and its host, rank 1 (serving) a TimeoutError of the session's close naming the
+#              lost host; the sessions that gave up on the silent ranks wrote blame reports
+#              accounting for every rank, and the job ends (lockstep-run ends mpiexec 3 s after
+#              that). A hang here (a driver that never returned from run_driver) fails the case
+#              at its 120 s bound.
 #   drop-2x2   host 1's link drops 2% of its packets (nftables `numgen random`): the collective
 #              allreduce test (every dtype, op and size) still passes. Skipped (exit 77)
 #              without nft.
@@ -161,13 +163,13 @@ survivors_name() {
   [ -n "$t_first" ] && echo "figures: rank 0 reported $(secs "$t_fault" "$t_first") s after the fault (LOCKSTEP_TIMEOUT=3)"
 }
 
-# remote_survivors RANK_RE LOST...: rank 0 (the driver) wrote the remote call's TimeoutError
-# naming a lost rank (RANK_RE), rank 1 (serving, on a surviving host) a TimeoutError; lockstep-run
-# named the host of the lost ranks. RANK_RE matches "rank R (host H)": a remote TimeoutError
-# names the rank and its host.
+# remote_survivors RANK_RE HOST: rank 0 (the driver) wrote the remote call's TimeoutError naming
+# a lost rank (RANK_RE), rank 1 (serving, on a surviving host) a TimeoutError naming the lost
+# host HOST (its close's: "ranks 2, 3 (host H) sent nothing for 3 s ..."). RANK_RE matches
+# "rank R (host H)": a remote TimeoutError names the rank and its host. Figures: when each wrote
+# it, after the fault.
 remote_survivors() {
-  local re=$1 m
-  shift
+  local re=$1 host=$2 m
   # Either the call's deadline ("on rank 2 (host H) did not answer within 3 s") or its send's
   # ("rank 2 (host H) did not take the message within 3 s", the link being down before the
   # request left).
@@ -178,8 +180,22 @@ remote_survivors() {
   else
     fail "rank 0: no TimeoutError naming $re: $(head -c 300 out/rank0.txt 2>/dev/null)"
   fi
-  grep -q "^TimeoutError: " out/rank1.txt 2>/dev/null && pass "rank 1 (serving): $(head -c 160 out/rank1.txt)" ||
-    fail "rank 1: no TimeoutError: $(head -c 300 out/rank1.txt 2>/dev/null)"
+  if grep -q "^TimeoutError: .*(host $host)" out/rank1.txt 2>/dev/null; then
+    pass "rank 1 (serving): $(head -c 200 out/rank1.txt)"
+    m=$(stat -c %.Y out/rank1.txt)
+    echo "figures: rank 1 reported $(secs "$t_fault" "$m") s after the fault"
+  else
+    fail "rank 1: no TimeoutError naming host $host: $(head -c 300 out/rank1.txt 2>/dev/null)"
+  fi
+}
+
+# remote_blamed: the remote sessions that gave up on the silent ranks wrote blame reports that
+# account for every rank, so lockstep-run ended the job 3 s later (not --per-host-timeout after
+# the ranks left without MPI_Finalize).
+remote_blamed() {
+  grep -q "every rank reported the stall or was named silent" lr.err &&
+    pass "the remote sessions' blame reports accounted for every rank" ||
+    fail "lockstep-run did not see every rank accounted for by blame reports: $(grep lockstep-run lr.err | tail -4)"
 }
 
 job_ended() {  # the job ended, and how long after the fault
@@ -292,12 +308,14 @@ case $CASE in
   remote)
     echo "-- (a) 2x2, host 1's link taken down"
     lost_host_fault 2x2 1 link_down remote --per-host-timeout 8
-    remote_survivors "rank [23] \\(host $NAME-h1\\)" 2 3
+    remote_survivors "rank [23] \\(host $NAME-h1\\)" "$NAME-h1"
     job_ended
+    remote_blamed
     echo "-- (b) 3x1, every process of host 2 killed (--enable-recovery)"
     lost_host_fault 3x1 2 kill_host remote --mpiexec-arg --enable-recovery --per-host-timeout 8
-    remote_survivors "rank 2 \\(host $NAME-h2\\)" 2
+    remote_survivors "rank 2 \\(host $NAME-h2\\)" "$NAME-h2"
     job_ended
+    remote_blamed
     ;;
   drop-2x2)
     drop_rule_add

@@ -1,7 +1,7 @@
 // A rank that stops answering without dying (SIGSTOP, as a debugger, a swapped-out node or a
 // frozen container would leave it), issue 15, item 4.
 //
-// Usage: remote_stall <worker|driver|closing>   (2 ranks or more; 1 rank: skipped, 77)
+// Usage: remote_stall <worker|driver|closing|lost>   (2 ranks or more; 1 rank: skipped, 77)
 //   worker: the driver stops rank 1 with SIGSTOP. A call to it must end in a TimeoutError naming
 //           rank 1 within its per-call timeout (1 s), both a small call (its reply never comes)
 //           and one with a 16 MiB tensor (its data is never taken); calls to the other ranks go
@@ -18,6 +18,19 @@
 //           heartbeats): each must throw a TimeoutError naming rank 1 about the session's
 //           timeout (3 s) later, not hang. Rank 0 then resumes rank 1, whose close must end with
 //           an error too, within seconds (the others left), and the backend works after.
+//   lost:   run_driver on a session of its own (it creates and closes it), session timeout 3 s,
+//           3 ranks or more: the driver stops rank 1 with SIGSTOP and calls it with a 64 KiB
+//           tensor (whose send the stopped rank never takes: it stays pending, as a send to a
+//           lost host does). The call's TimeoutError comes at its deadline; the rest of
+//           run_driver (telling the workers that f threw, closing the session, settling the
+//           pending send) must not wait for rank 1 again, it has been silent for the deadline
+//           already, and must end (a failed close once waited for ever for that send, which
+//           only rank 1 could complete): the driver's run_driver throws the call's error, and every
+//           other serving rank a TimeoutError of the close naming rank 1 (or of the driver's
+//           leaving, should that notice come first), each less than twice
+//           the timeout after the stop (each step used to wait afresh: the deadline, then the
+//           close's own timeout for the silent rank, about 6 s and more). Rank 1, resumed, gets
+//           an error from its run_driver too.
 // Exit status 0 when every rank saw what it should, 1 otherwise.
 #include <mpi.h>
 #include <signal.h>
@@ -226,12 +239,69 @@ void stopped_closing(ls::Backend& b) {
   }
 }
 
+void lost_worker(ls::Backend& b) {
+  const int rank = b.rank();
+  if (b.size() < 3) {
+    if (rank == 0) say("lost: needs 3 ranks or more (a second serving rank); nothing to do");
+    return;
+  }
+  ls::set_timeout(kSessionTimeout);  // the session run_driver makes takes lockstep::timeout()
+  Clock::time_point stopped_at{};
+  int pid1 = 0;
+  std::string err;
+  try {
+    ls::run_driver(b, [&] {
+      pid1 = ls::remote_sync_call(b, 1, pid_of);
+      (void)ls::remote_sync_call(b, 2, add, 1, 1);  // rank 2 answers (and so is heard from)
+      stopped_at = Clock::now();
+      ::kill(static_cast<pid_t>(pid1), SIGSTOP);
+      check(wait_stopped(pid1), "rank 1 did not stop");
+      say("stopped rank 1 (pid " + std::to_string(pid1) + ")");
+      (void)ls::remote_sync_call(b, 1, echo, ls::Tensor::ones({16 * 1024}));
+      check(false, "a call to the stopped rank 1 returned");
+    });
+    check(false, "run_driver returned although rank 1 was stopped");
+  } catch (const ls::TimeoutError& e) {
+    err = e.what();
+  } catch (const std::exception& e) {
+    check(false, std::string("run_driver threw another error: ") + e.what());
+  }
+  // Rank 0 tells the others when it stopped rank 1 (on its clock: the ranks share the machine).
+  std::int64_t at = rank == 0 ? std::chrono::duration_cast<std::chrono::microseconds>(stopped_at.time_since_epoch()).count() : 0;
+  const double s = rank == 0 ? since(stopped_at) : 0.0;
+  if (rank == 0) {
+    say("run_driver: " + err + " after " + std::to_string(s) + " s");
+    // (Its send's deadline: the tensor is never taken.)
+    check(contains(err, "remote call of 'echo'") && contains(err, "rank 1 (host ") && contains(err, "within 3 s"),
+          "the driver's error is its call's, naming rank 1 and its host");
+    check(s < 2 * kSessionTimeout - 0.5, "the driver's run_driver ended " + std::to_string(s) + " s after the stop");
+    ::kill(static_cast<pid_t>(pid1), SIGCONT);
+    say("resumed rank 1");
+    for (int r = 2; r < b.size(); ++r) MPI_Send(&at, 1, MPI_INT64_T, r, 78, MPI_COMM_WORLD);
+  } else if (rank >= 2) {
+    const auto now_us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
+    MPI_Recv(&at, 1, MPI_INT64_T, 0, 78, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    const double after = static_cast<double>(now_us - at) / 1e6;
+    say("run_driver: " + err + " " + std::to_string(after) + " s after the stop");
+    // Its close names rank 1 (as rank 0 found it), or, should rank 0's notice of leaving come
+    // before its end of run, the driver's leaving.
+    check((contains(err, "closing the remote session: rank 1 (host ") && contains(err, ") sent nothing for 3 s")) ||
+              contains(err, "left the remote session"),
+          "a serving rank's error names rank 1 and its host (or the driver's leaving)");
+    check(after < 2 * kSessionTimeout - 0.5, "the serving rank's run_driver ended " + std::to_string(after) +
+                                                 " s after the stop");
+  } else {
+    say("rank 1, resumed: " + err);
+    check(!err.empty(), "rank 1, resumed, gets a TimeoutError from its run_driver");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode != "worker" && mode != "driver" && mode != "closing") {
-    std::cerr << "usage: remote_stall <worker|driver|closing>\n";
+  if (mode != "worker" && mode != "driver" && mode != "closing" && mode != "lost") {
+    std::cerr << "usage: remote_stall <worker|driver|closing|lost>\n";
     return 2;
   }
   ls::initialize<ls::MPIBackend>();
@@ -244,6 +314,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "worker") stopped_worker(b);
   else if (mode == "driver") stopped_driver(b);
+  else if (mode == "lost") lost_worker(b);
   else stopped_closing(b);
   int failures = g_failures, any = 0;
   MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

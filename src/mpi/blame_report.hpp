@@ -1,0 +1,24 @@
+// The blame report a launcher reads (LOCKSTEP_REPORT_DIR): written by the communicator monitor
+// when it detects a stall, and by a remote session whose close gave up on silent ranks. Apart
+// from monitor.hpp so that the remote layer can include it (monitor.hpp needs the mpi layer's
+// LOCKSTEP_FAULT_INJECTION definition). Defined in monitor.cpp.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+#include <vector>
+
+namespace lockstep::detail {
+
+/// LOCKSTEP_REPORT_DIR (set by lockstep-run): the rank that detects a stall writes
+/// DIR/blame.WORLDRANK there, a few lines a launcher reads to find the lost hosts:
+///   rank W / host H / silent R... / behind R... / message TEXT
+/// (`silent` and `behind` are ranks of comm, written as ranks of MPI_COMM_WORLD). Written to a
+/// temporary name and renamed: a reader sees all of it or nothing. Best effort: a failure to
+/// write it changes nothing else. Nothing is written when the variable is unset. Used by the
+/// monitor (a stall) and by remote sessions (a close that gave up on silent ranks).
+void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std::vector<int>& behind,
+                        const std::string& msg) noexcept;
+
+}  // namespace lockstep::detail
