@@ -86,7 +86,11 @@ void fill_input(void* p, ls::DType t, std::int64_t n, int r, ls::ReduceOp op, st
       case ls::DType::f32: static_cast<float*>(p)[i] = static_cast<float>(x); break;
       case ls::DType::f64: static_cast<double*>(p)[i] = x * 1.000001; break;
       case ls::DType::i32: static_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(std::lround(x * 3)); break;
-      case ls::DType::i64: static_cast<std::int64_t*>(p)[i] = std::llround(x * 3) * 1000000007LL; break;
+      // Large values for the sums, but not for prod: their product would overflow (signed
+      // overflow in the reduction is undefined; the sanitizer stage stops at it).
+      case ls::DType::i64:
+        static_cast<std::int64_t*>(p)[i] = op == ls::ReduceOp::prod ? std::llround(x) : std::llround(x * 3) * 1000000007LL;
+        break;
       case ls::DType::bf16: static_cast<std::uint16_t*>(p)[i] = ls::to_bfloat16(static_cast<float>(x)).bits; break;
       case ls::DType::f16: static_cast<std::uint16_t*>(p)[i] = ls::to_half(static_cast<float>(x)).bits; break;
       default: FAIL("unexpected dtype");
@@ -131,8 +135,10 @@ std::string check_call(ls::MPIBackend& b, Place where, ls::DType t, ls::ReduceOp
     bad += ls::detail::concat(count, " elements differ from ordinary memory's result (first ", first, "); ");
   }
   const std::vector<char> guard(std::max(where.offset, where.bytes - where.offset - bytes), static_cast<char>(kGuard));
-  if (std::memcmp(where.whole, guard.data(), where.offset) != 0 ||
-      std::memcmp(where.whole + where.offset + bytes, guard.data(), where.bytes - where.offset - bytes) != 0)
+  // memcmp of 0 bytes still needs valid pointers (the guard may be empty: no data()).
+  auto same = [](const char* a, const char* g, std::size_t n) { return n == 0 || std::memcmp(a, g, n) == 0; };
+  if (!same(where.whole, guard.data(), where.offset) ||
+      !same(where.whole + where.offset + bytes, guard.data(), where.bytes - where.offset - bytes))
     bad += "bytes written outside the buffer; ";
   if (went != (in_place ? 1u : 0u)) bad += ls::detail::concat("in place ", went, " times, expected ", in_place ? 1 : 0, "; ");
   if (!bad.empty())
