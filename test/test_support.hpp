@@ -73,6 +73,28 @@ std::string error_message(F&& f) {
   return caught<E>(std::forward<F>(f)).value_or("");
 }
 
+/// What a call that the ranks must refuse did to its buffer: `call(x)` on x, count + 1 floats
+/// holding rank * 1000 + i % 1000; whether it threw MismatchError, its text, and how many
+/// elements of x changed (none may: the disagreement is seen before anything is written).
+struct Refusal {
+  bool threw = false;
+  std::string text;
+  std::int64_t changed = 0;
+};
+template <class Call>
+Refusal refusal_on_marked_buffer(int rank, std::int64_t count, Call&& call) {
+  ls::Tensor x(ls::Shape{count + 1});
+  auto mark = [rank](std::int64_t i) { return static_cast<float>(rank * 1000 + i % 1000); };
+  for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = mark(i);
+  Refusal r;
+  if (auto m = caught<ls::MismatchError>([&] { call(x); })) {
+    r.threw = true;
+    r.text = *m;
+  }
+  for (std::int64_t i = 0; i <= count; ++i) r.changed += x.data<float>()[i] == mark(i) ? 0 : 1;
+  return r;
+}
+
 /// Whether s contains part.
 inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -198,23 +199,11 @@ void check_dtype(ls::DType t, MPI_Datatype dt) {
 // its text naming `part`, with x untouched.
 template <class Call>
 void refused_untouched(int rank, std::int64_t count, const char* what, const char* part, Call&& call) {
-  ls::Tensor x(ls::Shape{count + 1});
-  for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
-  std::string text;
-  bool threw = false;
-  try {
-    call(x);
-  } catch (const ls::MismatchError& e) {
-    threw = true;
-    text = e.what();
-  }
-  INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
-  CHECK(all_ranks(threw));
-  CHECK(all_ranks(text.find(part) != std::string::npos));
-  std::int64_t changed = 0;
-  for (std::int64_t i = 0; i <= count; ++i)
-    changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
-  CHECK(all_ranks(changed == 0));
+  const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, call);
+  INFO(what << ": rank " << rank << " got: " << (r.threw ? r.text : std::string("no exception")));
+  CHECK(all_ranks(r.threw));
+  CHECK(all_ranks(r.text.find(part) != std::string::npos));
+  CHECK(all_ranks(r.changed == 0));
 }
 
 }  // namespace

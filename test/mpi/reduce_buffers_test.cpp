@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -538,14 +539,7 @@ TEST_CASE("reduce buffers: sizes no allocation can have are an InvalidArgument o
     // Every rank, or only one, asks for more bytes than an i64 holds (sizes that turned negative
     // in the exchange before: "different sizes (from -1 to 4096 bytes)", or std::bad_alloc).
     const std::size_t bytes = odd < 0 || rank == odd ? kHuge - static_cast<std::size_t>(rank) : 4096;
-    std::string what;
-    try {
-      (void)b.allocate_reduce_buffer(bytes);
-    } catch (const ls::InvalidArgument& e) {
-      what = e.what();
-    } catch (const std::exception& e) {
-      what = std::string("other: ") + e.what();
-    }
+    const std::string what = lstest::expect_throw<ls::InvalidArgument>([&] { (void)b.allocate_reduce_buffer(bytes); });
     INFO("rank " << rank << ": " << what);
     CHECK(all_ranks(what.find("asked for more than 9223372036854775807 bytes") != std::string::npos));
     CHECK(all_ranks(what.find("-") == std::string::npos));
@@ -634,14 +628,7 @@ TEST_CASE("reduce buffers: flat_zeros_like(backend, x) of structures that differ
     std::vector<ls::Tensor> x;
     x.push_back(ls::Tensor::zeros({70000}));
     if (rank == odd) x.push_back(ls::Tensor::zeros({10}, ls::DType::f64));
-    std::string what;
-    try {
-      auto g = ls::flat_zeros_like(b, x);
-    } catch (const ls::InvalidArgument& e) {
-      what = e.what();
-    } catch (const std::exception& e) {
-      what = std::string("other: ") + e.what();
-    }
+    const std::string what = lstest::expect_throw<ls::InvalidArgument>([&] { (void)ls::flat_zeros_like(b, x); });
     INFO("rank " << rank << ": " << what);
     CHECK(all_ranks(what.find("flat_zeros_like") != std::string::npos));
     // Usable afterwards.

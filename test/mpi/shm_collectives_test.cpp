@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace ls = lockstep;
 
@@ -262,24 +263,13 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   const std::int64_t count = std::int64_t{1} << 18;
   int round = 0;
   auto expect_mismatch = [&](const char* what, const char* part, auto&& call) {
-    ls::Tensor x(ls::Shape{count + 1});
-    for (std::int64_t i = 0; i <= count; ++i) x.data<float>()[i] = static_cast<float>(rank * 1000 + i % 1000);
-    std::string text;
-    bool threw = false;
-    try {
-      call(x);
-    } catch (const ls::MismatchError& e) {
-      threw = true;
-      text = e.what();
-    }
-    INFO(what << ": rank " << rank << " got: " << (threw ? text : std::string("no exception")));
-    CHECK(all_ranks(threw));
-    CHECK(all_ranks(text.find(part) != std::string::npos));
-    CHECK(all_ranks(text.find("rank") != std::string::npos));
+    const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, call);
+    INFO(what << ": rank " << rank << " got: " << (r.threw ? r.text : std::string("no exception")));
+    CHECK(all_ranks(r.threw));
+    CHECK(all_ranks(r.text.find(part) != std::string::npos));
+    CHECK(all_ranks(r.text.find("rank") != std::string::npos));
     // The buffer is as it was: nothing was written before the disagreement was seen.
-    std::int64_t changed = 0;
-    for (std::int64_t i = 0; i <= count; ++i) changed += x.data<float>()[i] == static_cast<float>(rank * 1000 + i % 1000) ? 0 : 1;
-    CHECK(all_ranks(changed == 0));
+    CHECK(all_ranks(r.changed == 0));
     // And the backend is still in step: a correct call works.
     ls::Tensor y(ls::Shape{count});
     for (std::int64_t i = 0; i < count; ++i) y.data<float>()[i] = 1.0f;

@@ -554,7 +554,7 @@ bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
   const std::size_t first = std::min(per, static_cast<std::size_t>(numel));
   enum class Mode { slots, in_place, slots_again } mode = Mode::slots;
   auto fill = [&](char* dst, std::size_t off, std::size_t m) {
-    if (mode != Mode::slots || (off == 0 && mine.region >= 0)) return;  // the probe carries no data
+    if (off == 0 && mine.region >= 0) return;  // the probe carries no data
     copy_to_slot(dst, static_cast<const char*>(send) + off * es, m * es);
   };
   auto use = [&](std::size_t off, std::size_t m) {
@@ -589,8 +589,7 @@ bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel,
   }
   std::size_t from = first;
   if (mode == Mode::slots_again) {
-    mode = Mode::slots;
-    mine.region = -1;
+    mine.region = -1;  // the slices that follow carry data
     from = 0;
   }
   if (from < static_cast<std::size_t>(numel))
