@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -32,13 +33,44 @@ namespace ls = lockstep;
 
 namespace {
 
+std::string report_path(const std::string& outdir, int rank) {
+  return outdir + "/rank" + std::to_string(rank) + ".txt";
+}
+
+// Writes the rank's report whole (a temporary file renamed into place), so a rank that sees a
+// peer's file sees all of it.
 void report(const std::string& outdir, const std::string& text) {
   int rank = 0, init = 0;
   MPI_Initialized(&init);
   if (init) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  std::ofstream out(outdir + "/rank" + std::to_string(rank) + ".txt");
-  out << text << "\n";
+  const std::string path = report_path(outdir, rank);
+  {
+    std::ofstream out(path + ".part");
+    out << text << "\n";
+  }
+  std::rename((path + ".part").c_str(), path.c_str());
   std::cerr << "[rank " << rank << "] " << text << "\n";
+}
+
+// After an error that leaves the backend unusable, a rank ends without MPI_Finalize and mpiexec
+// then ends the whole job at once: a rank that exited first would take with it a peer that had
+// not yet written its own report. So under run_fault.sh (FAULT_PROGRAM_AWAIT_REPORTS=1) a failing
+// rank waits, at most 10 s, until every other rank has written its report, except the one the
+// job ends while it is stalled (FAULT_PROGRAM_ENDED_RANK). The reports share one directory.
+void await_peer_reports(const std::string& outdir) {
+  int init = 0, size = 1;
+  MPI_Initialized(&init);
+  const char* await = std::getenv("FAULT_PROGRAM_AWAIT_REPORTS");
+  if (!init || await == nullptr || std::string(await) != "1") return;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const char* ended = std::getenv("FAULT_PROGRAM_ENDED_RANK");
+  const int stalled = ended != nullptr && *ended != '\0' ? std::atoi(ended) : -1;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (int r = 0; r < size; ++r) {
+    if (r == stalled) continue;
+    while (!std::ifstream(report_path(outdir, r)) && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 // The work: `steps` allreduces at one call site (a training loop), a broadcast, a barrier.
@@ -190,6 +222,7 @@ int main(int argc, char** argv) {
     report(outdir, std::string("other error: ") + e.what());
     code = 6;
   }
+  if (code != 0) await_peer_reports(outdir);
   ls::finalize<ls::MPIBackend>();
   return code;
 }

@@ -93,7 +93,8 @@ if [ "$rc" -eq 0 ] && grep -q 'failure seen: a rank reported a stall (blame\.' e
   [ -n "$resumed" ] && [ $((reached - resumed)) -le "$K" ] && less "$(final_loss)" 1e-3; then
   pass "frozen rank: named silent in the blame reports, restarted, resumed from epoch $resumed (reached $reached), final loss $(final_loss)"
 else
-  fail "frozen rank: exit $rc, resumed '$resumed', reached $reached"
+  fail "frozen rank: exit $rc, resumed '$resumed', reached $reached, final loss '$(final_loss)'; lockstep-run said:"
+  grep 'lockstep-run' err.txt | tail -n 12
 fi
 t_stop=$(sed -n 's/^test: SIGSTOP rank 1 at unix time //p' err.txt)
 awk -v t0="$t0" -v stop="$t_stop" -v seen="$(stamp 'failure seen')" -v failed="$(stamp 'attempt 1 failed')" \

@@ -37,6 +37,8 @@ outdir=$(mktemp -d /tmp/lockstep-fault.XXXXXX)
 trap 'rm -rf "$outdir"' EXIT
 mpiexec_cmd=${MPIEXEC:-mpiexec}
 start=$(date +%s%N)
+# A rank that fails waits for the others' reports before it exits (see fault_program.cpp).
+export FAULT_PROGRAM_AWAIT_REPORTS=1 FAULT_PROGRAM_ENDED_RANK=$ended_rank
 "$mpiexec_cmd" -n "$nprocs" --oversubscribe --bind-to none "$program" "$outdir" "$steps" "$mode" >"$outdir/mpiexec.log" 2>&1
 rc=$?
 end=$(date +%s%N)
