@@ -108,4 +108,8 @@ if(LOCKSTEP_FAULT_INJECTION)
                             LOCKSTEP_TEST_HIER_CHUNK_BYTES=65536 TIMEOUT 300)
   lockstep_add_mpi_test(NAME collective.hierarchical TARGET test_collective RANKS 4
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 TIMEOUT 300)
+  # The reducer's split of a bucket's large tensors across machines, on one machine (no
+  # LOCKSTEP_TEST_HOST_SIZE): nothing is split there.
+  lockstep_add_mpi_test(NAME hierarchical.reducer_one_machine TARGET test_hierarchical RANKS 3
+                        ARGS "[reducer_split]" TIMEOUT 120)
 endif()

@@ -59,10 +59,10 @@ void GradientReducer::Impl::communicate(const Bucket& /*b*/, TensorView target, 
 void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
   Bucket& b = buckets[bi];
   b.requests.clear();
-  const TensorView target = prepare(bi);
-  if (target.numel == 0) return;
   const ReduceOp op = options.op;
   if (!b.device.is_cpu()) {
+    const TensorView target = prepare(bi);
+    if (target.numel == 0) return;
     detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
     if (sharded) {
       // Reduce-scatter (and the tail), blocking: the Backend has no nonblocking form of it.
@@ -73,18 +73,13 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
     b.requests.push_back(backend->iallreduce(target, wire ? ReduceOp::sum : op));
     return;
   }
-  // A bucket larger than bucket_bytes (one large tensor) is reduced in slices of bucket_bytes:
-  // each slice's reduction then works in cache, which one large reduction does not. Never in
-  // slices below kMinSliceBytes: the number of collectives would grow with the tensor over a
-  // tiny bucket_bytes (12 bytes: a 4 MiB tensor in 349,526 allreduces a step, each a round
-  // trip between the ranks), which looks like a hang over MPI, and smaller slices gain no
-  // cache. bucket_bytes == 0 (one bucket per tensor) keeps each tensor whole.
-  const std::int64_t step =
-      *options.bucket_bytes == 0
-          ? target.numel
-          : static_cast<std::int64_t>(std::max(*options.bucket_bytes, kMinSliceBytes) / size_of(b.dtype));
+  // A host bucket is one view (packed, or in place), or across machines, where a bucket holds
+  // tensors of 1 MiB or more among others, several parts (prepare_parts): each is reduced as a
+  // bucket of its own would be, in the same order on every rank.
+  prepare_parts(bi);
+  if (b.parts.empty()) return;
+  const std::int64_t step = slice_elements(b);
   if (!blocking && use_thread) {
-    b.target = target;
     b.slice = step;
     enqueue(bi);
     return;
@@ -92,12 +87,25 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
   if (blocking || sharded || wire) {
     // Sharded, or a wire dtype: these collectives have no nonblocking form, so without the
     // thread they run here.
-    communicate(b, target, step);
+    for (const TensorView& t : b.parts) communicate(b, t, step);
     return;
   }
-  for (std::int64_t off = 0; off < target.numel; off += step)
-    b.requests.push_back(
-        backend->iallreduce(target.slice(off, std::min(step, target.numel - off)), op));
+  for (const TensorView& t : b.parts)
+    for (std::int64_t off = 0; off < t.numel; off += step)
+      b.requests.push_back(backend->iallreduce(t.slice(off, std::min(step, t.numel - off)), op));
+}
+
+// The slice a host bucket's views are reduced in, in elements. A bucket larger than
+// bucket_bytes (one large tensor) is reduced in slices of bucket_bytes: each slice's reduction
+// then works in cache, which one large reduction does not. Never in slices below
+// kMinSliceBytes: the number of collectives would grow with the tensor over a tiny bucket_bytes
+// (12 bytes: a 4 MiB tensor in 349,526 allreduces a step, each a round trip between the ranks),
+// which looks like a hang over MPI, and smaller slices gain no cache. bucket_bytes == 0 (one
+// bucket per tensor) keeps each tensor whole (the largest bucket's count is enough).
+std::int64_t GradientReducer::Impl::slice_elements(const Bucket& b) const {
+  return *options.bucket_bytes == 0
+             ? std::max<std::int64_t>(b.numel, 1)
+             : static_cast<std::int64_t>(std::max(*options.bucket_bytes, kMinSliceBytes) / size_of(b.dtype));
 }
 
 // Gives MPI a chance to progress the requests in flight (no progress thread in Open MPI).

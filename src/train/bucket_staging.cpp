@@ -101,6 +101,57 @@ TensorView GradientReducer::Impl::prepare(std::size_t bi) {
   return b.work.view();
 }
 
+// Where gradient j of bucket b is reduced: in the accumulator when micro-steps were
+// accumulated, else where the bound gradient lies.
+std::byte* GradientReducer::Impl::leaf_to_reduce(Bucket& b, std::size_t j) {
+  return accumulated > 0 ? leaf_in_work(b, j) : static_cast<std::byte*>(bound[j]->raw_data());
+}
+
+// Fills the parts of host bucket bi (b.parts), what launch reduces, in order: the bucket's one view
+// (prepare), or, for a bucket split across machines (b.large not empty, bucket_plan.cpp), its
+// small tensors packed together into b.pack, then each large tensor where it lies (in the
+// accumulator with accumulation). The parts are the same on every rank whatever the memory
+// layout: a split bucket whose gradients lie back to back still packs its small tensors.
+void GradientReducer::Impl::prepare_parts(std::size_t bi) {
+  Bucket& b = buckets[bi];
+  b.parts.clear();
+  if (b.large.empty()) {
+    const TensorView t = prepare(bi);
+    if (t.numel > 0) b.parts.push_back(t);
+    return;
+  }
+  b.launched = true;
+  if (accumulated > 0) add_bucket(b);  // this micro-step into the accumulator, reduced there
+  const std::size_t es = size_of(b.dtype);
+  if (b.small_numel > 0) {
+    if (b.pack.numel() != b.small_numel) b.pack = Tensor::zeros({b.small_numel}, b.dtype, b.device);
+    auto* p = static_cast<std::byte*>(b.pack.raw_data());
+    for (std::size_t j : b.small) {
+      const std::size_t n = static_cast<std::size_t>(leaves[j].numel) * es;
+      detail::copy_grad_bytes(p, b.device, leaf_to_reduce(b, j), b.device, n);
+      p += n;
+    }
+    b.parts.push_back(b.pack.view());
+  } else if (accumulated == 0) {
+    ++zero_copy;  // every tensor of the bucket reduced where it lies
+  }
+  for (std::size_t j : b.large)
+    b.parts.push_back(TensorView{leaf_to_reduce(b, j), leaves[j].numel, b.dtype, b.device});
+}
+
+// A split bucket after its reduction: the packed small tensors back where they were taken from
+// (the gradients, or the accumulator). The large ones were reduced where they lie.
+void GradientReducer::Impl::unpack_small(Bucket& b) {
+  if (b.small_numel == 0) return;
+  const std::size_t es = size_of(b.dtype);
+  const auto* p = static_cast<const std::byte*>(b.pack.raw_data());
+  for (std::size_t j : b.small) {
+    const std::size_t n = static_cast<std::size_t>(leaves[j].numel) * es;
+    detail::copy_grad_bytes(leaf_to_reduce(b, j), b.device, p, b.device, n);
+    p += n;
+  }
+}
+
 // Device gradients on the wire: rounded into the bucket's wire buffer (kept across steps) with
 // one conversion launch on the current stream (DeviceRuntime::convert_many), not waited for.
 // The whole bucket, sharded or not (the reduce-scatter reads all of it).
@@ -167,6 +218,9 @@ void GradientReducer::Impl::finish(Bucket& b) {
     if (b.staged) finish_device_wire(b);  // (not staged: one rank, nothing was sent)
     return;
   }
+  // A split bucket (across machines): its small tensors back from the pack, first, so that the
+  // accumulator's division below sees their reduced values.
+  if (!b.large.empty()) unpack_small(b);
   if (accumulated > 0) {
     if (options.op == ReduceOp::avg) {
       const int k = accumulated + 1;
@@ -177,7 +231,7 @@ void GradientReducer::Impl::finish(Bucket& b) {
     }
     return;
   }
-  if (!b.staged) return;
+  if (!b.large.empty() || !b.staged) return;
   if (!b.device.is_cpu()) {
     // One launch; later work on the stream sees it done. Sharded: this rank's piece only.
     if (sharded) {

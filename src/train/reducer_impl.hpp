@@ -32,6 +32,12 @@
 namespace lockstep {
 
 namespace detail {
+/// Across machines, a host bucket's tensors of at least this size are reduced where they lie,
+/// one call each, and only its smaller tensors are packed (bucket_plan.cpp). 1 MiB: on one
+/// machine the default buckets are 1 MiB, so every tensor this large is already a bucket of its
+/// own there and is reduced in place.
+inline constexpr std::size_t kInPlaceTensorBytes = std::size_t{1} << 20;
+
 /// Copies n bytes between host or device memory (a device copy is waited for).
 void copy_grad_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t n);
 }  // namespace detail
@@ -45,6 +51,16 @@ struct GradientReducer::Impl {
     std::vector<std::int64_t> offsets;  // element offset of each leaf inside the bucket
     Tensor work;                        // staging / accumulator, allocated on first need
     Tensor wire;                        // device buckets with a wire dtype: the 16-bit copy
+    // Across machines only (see split_across_hosts in bucket_plan.cpp): a host bucket of two or
+    // more tensors, at least one of kInPlaceTensorBytes or more, is reduced in parts. `large`
+    // lists its tensors of kInPlaceTensorBytes or more (leaf indices, forward order), each
+    // reduced where it lies (or in the accumulator) with calls of its own; `small` lists the
+    // others, packed together into `pack` (small_numel elements) and reduced with one call. Both
+    // follow from the tensors' sizes alone, so every rank makes the same calls. `large` empty:
+    // the bucket is reduced whole, as always on one machine.
+    std::vector<std::size_t> large, small;
+    std::int64_t small_numel = 0;
+    Tensor pack;  // the small tensors, packed (allocated on first need)
     // per step
     int remaining = 0;  // leaves not yet reported ready
     bool launched = false;
@@ -56,7 +72,10 @@ struct GradientReducer::Impl {
     // on the communication thread
     bool threaded = false;  // handed to the thread this step
     bool done = false;      // the thread has reduced it (guarded by Impl::wm)
-    TensorView target;      // what the thread reduces, in slices of `slice` elements
+    // What this step reduces, in order, each in slices of `slice` elements (host buckets, set by
+    // launch): the bucket's one view, or a split bucket's parts (the packed small tensors, then
+    // each large tensor in place). The communication thread reduces these.
+    std::vector<TensorView> parts;
     std::int64_t slice = 0;
   };
 
@@ -73,6 +92,7 @@ struct GradientReducer::Impl {
   std::int64_t total = 0, my_numel = 0;
   std::vector<FlatRange> my_ranges;
   bool sharded = false;
+  bool across_hosts = false;  // the ranks span machines (local_size() < size()), set by plan()
   int nranks = 1, my_rank = 0;
   std::optional<DType> wire;
   Tensor gather_buf;  // the parameter gather of buckets whose parameters are not back to back
@@ -115,6 +135,7 @@ struct GradientReducer::Impl {
 
   // --- the plan and the shards (bucket_plan.cpp, shard_layout.cpp, shard_gather.cpp) ----------
   void plan();
+  void split_across_hosts(Bucket& b) const;
   void layout();
   std::pair<std::int64_t, std::int64_t> piece(std::int64_t n, int r) const;
   std::vector<FlatRange> ranges_of(int r) const;
@@ -126,6 +147,9 @@ struct GradientReducer::Impl {
   bool contiguous(const Bucket& b) const;
   void add_bucket(Bucket& b);
   TensorView prepare(std::size_t bi);
+  void prepare_parts(std::size_t bi);
+  std::byte* leaf_to_reduce(Bucket& b, std::size_t j);
+  void unpack_small(Bucket& b);
   TensorView prepare_device_wire(Bucket& b);
   void finish_device_wire(Bucket& b);
   void copy_device(Bucket& b, bool to_work, std::int64_t lo = 0, std::int64_t hi = INT64_MAX);
@@ -134,6 +158,7 @@ struct GradientReducer::Impl {
 
   // --- the collectives (bucket_collectives.cpp) ------------------------------------------------
   void communicate(const Bucket& b, TensorView target, std::int64_t step);
+  std::int64_t slice_elements(const Bucket& b) const;
   void launch(std::size_t bi, bool blocking = false);
   void poke();
   void launch_ready();

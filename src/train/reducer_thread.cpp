@@ -43,7 +43,7 @@ void GradientReducer::Impl::worker_loop() {
       try {
         detail::t_call_site = site;  // the collectives name the call that launched them
         Bucket& b = buckets[bi];
-        communicate(b, b.target, b.slice);
+        for (const TensorView& t : b.parts) communicate(b, t, b.slice);
       } catch (...) {
         err = std::current_exception();
       }

@@ -18,7 +18,11 @@
 // reducer's communication thread (DistributedOptions::comm_thread); reduce() launches the rest,
 // blocking, in order.
 // A bucket whose tensors lie back to back in memory is reduced in place (zero copy); otherwise
-// it is packed into a staging buffer and unpacked after its reduction.
+// it is packed into a staging buffer and unpacked after its reduction. When the ranks span
+// machines (Backend::local_size() < size()), a host bucket of several tensors that holds tensors
+// of 1 MiB or more reduces each of those where it lies, with calls of its own, and packs only its
+// smaller tensors, together, into one call, whatever the memory layout (the calls follow from the
+// tensors' sizes alone, so that every rank makes the same ones).
 //
 // Device (cuda) gradients: buckets of options.device_bucket_bytes (25 MiB), packed and unpacked
 // with one copy launch per bucket (DeviceRuntime::copy_many), never sliced; the buckets reduce()
