@@ -78,7 +78,7 @@ struct DistributedOptions {
   /// is always used as given. Unset (the default), the size follows the path
   /// (host_bucket_bytes): kDefaultBucketBytes (1 MiB, the shared-memory path's best) while every
   /// rank is on one machine, kDefaultNetworkBucketBytes (16 MiB) when the ranks span machines.
-  std::optional<std::size_t> bucket_bytes;
+  std::optional<std::size_t> bucket_bytes = std::nullopt;
   /// Largest bucket of device (cuda) gradients, in bytes (DDP's 25 MiB by default; a larger
   /// tensor is a bucket of its own, reduced whole). 0: one bucket per tensor. The device
   /// buckets that update() reduces go to the backend together, in one iallreduce_many (one
