@@ -19,85 +19,110 @@ namespace {
 using ::torch::autograd::AutogradContext;
 using ::torch::autograd::variable_list;
 
-// The per-channel reduction dims of an (N, C, ...) input, and the shape that broadcasts a
-// per-channel vector over it.
-std::vector<std::int64_t> reduce_dims(const at::Tensor& x) {
-  std::vector<std::int64_t> dims{0};
-  for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
-  return dims;
-}
+// The shape that broadcasts a per-channel vector over an (N, C, ...) input.
 std::vector<std::int64_t> channel_shape(const at::Tensor& x) {
   std::vector<std::int64_t> s(static_cast<std::size_t>(x.dim()), 1);
   s[1] = x.size(1);
   return s;
 }
 
+// The dtype the fused CPU kernels compute an input of type t in: f64 stays, everything else
+// (f32, and f16 / bf16, which LibTorch 1.13's CPU batch-norm kernels do not all take) goes in f32.
+at::ScalarType kernel_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
 // Normalises with the global batch's statistics. Outputs: y, then the global mean and the
 // unbiased global variance (f64, not differentiable) for the running statistics.
+//
+// The per-element work goes through LibTorch's own fused CPU batch-norm kernels, as
+// torch::nn::BatchNorm2d's does: this rank's mean and variance per channel in one call
+// (batch_norm_update_stats), the normalisation as an evaluation-mode batch norm with the global
+// statistics (native_batch_norm), and backward's two sums per channel as an evaluation-mode
+// batch-norm backward (native_batch_norm_backward). An earlier version composed them from
+// elementwise operations and sums (seven passes over the input forward, nine backward, each
+// with a temporary): 8-16x BatchNorm2d's time (docs/performance.md). f16 inputs, which these
+// CPU kernels do not take in LibTorch 1.13, are computed in f32 and the results rounded back.
 struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias, Backend* backend, double eps) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight_in,
+                               const at::Tensor& bias_in, Backend* backend, double eps) {
+    const bool widen = kernel_type(input.scalar_type()) != input.scalar_type();
+    const auto x = widen ? input.to(at::kFloat) : input;
+    const auto weight = weight_in.to(x.scalar_type()), bias = bias_in.to(x.scalar_type());
     const std::int64_t c = x.size(1);
-    const auto dims = reduce_dims(x);
-    // One collective: [count, sum(x) per channel, sum(x * x) per channel], in f64.
-    auto stats = at::empty({1 + 2 * c}, x.options().dtype(at::kDouble));
-    stats[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
+    // One collective: every rank's [count, mean per channel, biased variance per channel], in
+    // f64, gathered; every rank then combines them in rank order (the same bits everywhere) by
+    // Chan's parallel formula, which needs no sum of squares and so loses nothing to
+    // cancellation when the mean is large against the spread.
+    auto mine = at::zeros({1 + 2 * c}, x.options().dtype(at::kDouble));
+    mine[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
     if (x.numel() > 0) {
-      stats.narrow(0, 1, c).copy_(at::sum(x, dims, false, at::kDouble));
-      stats.narrow(0, 1 + c, c).copy_(at::sum(x * x, dims, false, at::kDouble));
-    } else {
-      stats.narrow(0, 1, 2 * c).zero_();
+      const auto [m, v] = at::batch_norm_update_stats(x, c10::nullopt, c10::nullopt, 0.0);
+      mine.narrow(0, 1, c).copy_(m);
+      mine.narrow(0, 1 + c, c).copy_(v);
     }
-    backend->allreduce(view(stats), ReduceOp::sum);
-    const double n = stats[0].item<double>();
+    const int ranks = backend->size();
+    auto all = at::empty({ranks, 1 + 2 * c}, mine.options());
+    backend->allgather(view(mine), view(all));
+    const auto counts = all.select(1, 0).unsqueeze(1);  // [ranks, 1]
+    const double n = all.select(1, 0).sum().item<double>();
     LOCKSTEP_CHECK_ARG(n > 1, "lockstep::torch::SyncBatchNorm: expected more than 1 value per channel in the global "
-                              "batch when training, got ", n, " (input ", x.sizes(), " on rank ", backend->rank(), ")");
-    const auto mean = stats.narrow(0, 1, c) / n;
-    const auto var = (stats.narrow(0, 1 + c, c) / n - mean * mean).clamp_min(0);  // biased
-    const auto invstd = (var + eps).rsqrt();
-    const auto shape = channel_shape(x);
-    const auto mean_x = mean.to(x.scalar_type()).view(shape), invstd_x = invstd.to(x.scalar_type()).view(shape);
-    auto y = (x - mean_x) * invstd_x;
-    if (weight.defined()) y = y * weight.view(shape);
-    if (bias.defined()) y = y + bias.view(shape);
-    ctx->save_for_backward({x, weight, mean_x, invstd_x});
+                              "batch when training, got ", n, " (input ", input.sizes(), " on rank ", backend->rank(),
+                       ")");
+    const auto means = all.narrow(1, 1, c), vars = all.narrow(1, 1 + c, c);
+    const auto mean = (means * counts).sum(0) / n;
+    const auto var = ((vars + (means - mean).square()) * counts).sum(0) / n;  // biased
+    const auto mean_x = mean.to(x.scalar_type()), var_x = var.to(x.scalar_type());
+    // (LibTorch's CPU kernel divides by the batch size: a rank with 0 rows skips it.)
+    auto y = x.numel() == 0 ? at::empty_like(x)
+                            : std::get<0>(at::native_batch_norm(x, weight, bias, mean_x, var_x, /*training=*/false,
+                                                                0.0, eps));
+    ctx->save_for_backward({x, weight, mean_x, var_x});
     ctx->saved_data["backend"] = reinterpret_cast<std::int64_t>(backend);
     ctx->saved_data["n"] = n;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["weight_type"] = static_cast<std::int64_t>(weight_in.scalar_type());
+    ctx->saved_data["bias_type"] = static_cast<std::int64_t>(bias_in.scalar_type());
     const auto unbiased = var * (n / (n - 1));
     ctx->mark_non_differentiable({mean, unbiased});
-    return {y, mean, unbiased};
+    return {widen ? y.to(input.scalar_type()) : y, mean, unbiased};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &invstd = saved[3];
+    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &var = saved[3];
     auto* backend = reinterpret_cast<Backend*>(ctx->saved_data["backend"].toInt());
-    const double n = ctx->saved_data["n"].toDouble();
-    at::Tensor dy = grad_outputs[0];
-    if (!dy.defined()) dy = at::zeros_like(x);
+    const double n = ctx->saved_data["n"].toDouble(), eps = ctx->saved_data["eps"].toDouble();
+    const auto in_type = grad_outputs[0].defined() ? grad_outputs[0].scalar_type() : x.scalar_type();
+    at::Tensor dy = grad_outputs[0].defined() ? grad_outputs[0].to(x.scalar_type()) : at::zeros_like(x);
     const std::int64_t c = x.size(1);
-    const auto dims = reduce_dims(x);
-    const auto shape = channel_shape(x);
-    const auto xhat = (x - mean) * invstd;
-    // This rank's sums: the gradients of bias and weight (the optimizer averages them).
-    auto sums = at::empty({2 * c}, x.options().dtype(at::kDouble));
+    // This rank's sums per channel: of dy (the gradient of bias) and of dy * xhat (of weight),
+    // xhat = (x - mean) / sqrt(var + eps) with the global statistics; the optimizer averages
+    // them.
+    auto sums = at::zeros({2 * c}, x.options().dtype(at::kDouble));
     if (x.numel() > 0) {
-      sums.narrow(0, 0, c).copy_(at::sum(dy, dims, false, at::kDouble));
-      sums.narrow(0, c, c).copy_(at::sum(dy * xhat, dims, false, at::kDouble));
-    } else {
-      sums.zero_();
+      const auto g = at::native_batch_norm_backward(dy, x, weight, mean, var, at::Tensor(), at::Tensor(),
+                                                    /*train=*/false, eps, {false, true, true});
+      sums.narrow(0, 0, c).copy_(std::get<2>(g));
+      sums.narrow(0, c, c).copy_(std::get<1>(g));
     }
     at::Tensor grad_weight, grad_bias, grad_x;
-    if (weight.defined() && ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight.scalar_type());
-    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(x.scalar_type());
+    const auto weight_type = static_cast<at::ScalarType>(ctx->saved_data["weight_type"].toInt());
+    const auto bias_type = static_cast<at::ScalarType>(ctx->saved_data["bias_type"].toInt());
+    if (ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight_type);
+    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(bias_type);
     if (ctx->needs_input_grad(0)) {
-      // One collective: the global batch's sums of dy and dy * xhat per channel.
+      // One collective: the global batch's sums of dy and dy * xhat per channel. Then
+      // grad_x = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight, per channel an affine
+      // function of dy and x: k * dy + a * x + b, with the coefficients in f64.
       backend->allreduce(view(sums), ReduceOp::sum);
-      const auto mean_dy = (sums.narrow(0, 0, c) / n).to(x.scalar_type()).view(shape);
-      const auto mean_dy_xhat = (sums.narrow(0, c, c) / n).to(x.scalar_type()).view(shape);
-      auto scale = invstd;
-      if (weight.defined()) scale = scale * weight.view(shape);
-      grad_x = (dy - mean_dy - xhat * mean_dy_xhat) * scale;
+      const auto invstd = (var.to(at::kDouble) + eps).rsqrt();
+      const auto mean_dy = sums.narrow(0, 0, c) / n, mean_dy_xhat = sums.narrow(0, c, c) / n;
+      const auto k = invstd * weight.to(at::kDouble);
+      const auto a = -k * invstd * mean_dy_xhat;
+      const auto b = -k * mean_dy - a * mean.to(at::kDouble);
+      const auto shape = channel_shape(x);
+      grad_x = at::addcmul(b.to(x.scalar_type()).view(shape), x, a.to(x.scalar_type()).view(shape));
+      grad_x.addcmul_(dy, k.to(x.scalar_type()).view(shape));
+      if (grad_x.scalar_type() != in_type) grad_x = grad_x.to(in_type);
     }
     return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
   }
