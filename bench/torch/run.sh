@@ -10,7 +10,7 @@
 #   - Python (/usr/bin/python3): torch DistributedDataParallel with gloo at NP processes, and
 #     the same model without DDP;
 #   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank) and, unless
-#   --no-resnet, ResNet-50 at 64x64 (torchvision, traced to TorchScript by export_resnet50.py,
+#   --no-resnet, ResNet-50 at 64x64 (torchvision: Debian's python3-torchvision; traced to TorchScript by export_resnet50.py,
 #   loaded by both sides; batch RESNET_BATCH per rank); and lt::SyncBatchNorm2d against
 #   torch::nn::BatchNorm2d, forward+backward at NP ranks (input [BN_BATCH, 64, 16, 16] per rank).
 # One thread per rank: torch::set_num_threads(1) / torch.set_num_threads(1), and
@@ -87,7 +87,12 @@ echo "== mlp with Adam: C++, $np ranks (replicated, sharded, bf16 wire)" >&2
   --variants lockstep,lockstep-sharded,lockstep-bf16,local --batch "$batch" --steps "$steps" --warmup "$warmup" \
   | tee "$results/mlp_adam_cpp.md"
 echo "== SyncBatchNorm2d against BatchNorm2d: C++, $np ranks" >&2
-"$mpiexec" -n "$np" "${mpiflags[@]}" "$exe" --json "$results/bn_cpp.json" --model bn --batch "$bnbatch" \
+# glibc's allocator thresholds fixed for this one: otherwise the interleaved modules' 2 MiB
+# temporaries are mapped and unmapped, page fault by page fault, and which of the two pays for
+# it depends on the other's allocations (docs/performance.md, "SyncBatchNorm: the allocator").
+MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=268435456 \
+  "$mpiexec" -n "$np" "${mpiflags[@]}" -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ "$exe" \
+  --json "$results/bn_cpp.json" --model bn --batch "$bnbatch" \
   --channels 64 --image-size 16 --steps "$steps" --warmup "$warmup" | tee "$results/bn_cpp.md"
 if [ "$resnet" = 1 ]; then
   pt=$build/bench/resnet50_64.pt  # 100 MB: kept out of the results
