@@ -37,8 +37,9 @@ namespace lockstep::torch {
 /// Training mode: the input is normalised with the mean and (biased) variance of the global
 /// batch, every rank's rows, weighted by each rank's row count (a rank may have 0 rows). Forward
 /// makes one collective (an allgather of every rank's count and per-channel mean and biased
-/// variance, f64, which every rank combines in rank order), backward one (the per-channel sums of dy and dy * xhat, f64; none when the input needs
-/// no gradient, the same on every rank for the same model); the gradient of the input
+/// variance, f64, which every rank combines in rank order), backward one (the per-channel sums
+/// of dy and dy * xhat, f64; none when the input needs no gradient, the same on every rank for
+/// the same model); the gradient of the input
 /// is that of the global batch, the gradients of weight and bias are this rank's share (the
 /// optimizer's average over ranks makes them the global batch's mean). running_mean and
 /// running_var are updated with the global mean and unbiased variance (momentum, or a
