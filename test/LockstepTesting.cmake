@@ -21,8 +21,13 @@
 #   a bash script that starts its own mpiexec runs, called as
 #   `script MPIEXEC $<TARGET_FILE:target> WORKDIR`, gated by DIST_TEST_MPI.
 
+# odls_base_sigkill_timeout=0: when a rank exits with an error, mpiexec signals the others and
+# then waits odls_base_sigkill_timeout seconds (default 1) before it exits itself, even when
+# every process has already ended; the many tests that end a job with an error (bad flags,
+# injected faults) then paid 1-2 s each for nothing. No test process handles SIGTERM.
 set(LOCKSTEP_TEST_ENV
-  "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1")
+  "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMPI_MCA_rmaps_base_oversubscribe=1"
+  "OMPI_MCA_odls_base_sigkill_timeout=0")
 
 # What goes before the command of a test that needs fault injection (FAULTS) or its absence
 # (NO_FAULTS): nothing where the build has what the test needs, or gate.sh reporting it skipped.
