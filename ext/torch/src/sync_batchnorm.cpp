@@ -107,8 +107,10 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
     at::Tensor grad_weight, grad_bias, grad_x;
     const auto weight_type = static_cast<at::ScalarType>(ctx->saved_data["weight_type"].toInt());
     const auto bias_type = static_cast<at::ScalarType>(ctx->saved_data["bias_type"].toInt());
-    if (ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight_type);
-    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(bias_type);
+    // Copies (copy=true): an f64 weight would otherwise be a view of `sums`, which the allreduce
+    // below turns into the global sums, every rank's share counted on every rank.
+    if (ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight_type, false, /*copy=*/true);
+    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(bias_type, false, /*copy=*/true);
     if (ctx->needs_input_grad(0)) {
       // One collective: the global batch's sums of dy and dy * xhat per channel. Then
       // grad_x = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight, per channel an affine

@@ -442,3 +442,102 @@ TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part wi
     CHECK_NOTHROW(ls::check_replicas(b, t));
   }
 }
+
+namespace {
+// Sums a tensor over the ranks (f64): a SyncBatchNorm's weight and bias gradients are each
+// rank's share of the global batch's.
+torch::Tensor sum_over_ranks(const torch::Tensor& t) {
+  auto d = t.to(torch::kDouble).contiguous().clone();
+  backend().allreduce(lt::view(d), ls::ReduceOp::sum);
+  return d;
+}
+
+// One training step of SyncBatchNorm2d on this rank's rows of a global batch [total, C, 3, 3]
+// (`prep` turns this rank's rows into the input it is given: another dtype, channels_last,
+// non-contiguous) against torch::nn::BatchNorm2d on the whole batch in f64: the output, the input
+// gradient, the summed weight and bias gradients and the running statistics. Returns the
+// largest relative difference.
+double step_against_reference(const torch::nn::BatchNormOptions& opts, const std::vector<std::int64_t>& rows,
+                              const std::function<torch::Tensor(const torch::Tensor&)>& prep,
+                              torch::Dtype module_type = torch::kFloat, bool input_grad = true) {
+  auto& b = backend();
+  std::int64_t total = 0, lo = 0;
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    if (static_cast<int>(r) < b.rank()) lo += rows[r];
+    total += rows[r];
+  }
+  const std::int64_t mine = rows[static_cast<std::size_t>(b.rank())];
+  const std::int64_t c = opts.num_features();
+  torch::manual_seed(77);
+  auto x = torch::randn({total, c, 3, 3}, torch::kDouble) * 3 + 2;
+  auto w = torch::randn({total, c, 3, 3}, torch::kDouble);
+  torch::nn::BatchNorm2d ref(opts);
+  ref->to(torch::kDouble);
+  lt::SyncBatchNorm2d sync(b, opts);
+  sync->to(module_type);
+  if (opts.affine()) {
+    torch::NoGradGuard no_grad;
+    ref->weight.uniform_(0.5, 1.5);
+    ref->bias.uniform_(-1, 1);
+    sync->weight.copy_(ref->weight);
+    sync->bias.copy_(ref->bias);
+  }
+  auto xr = x.clone().requires_grad_(true);
+  auto yr = ref->forward(xr);
+  (yr * w).sum().backward();
+  auto xs = prep(x.narrow(0, lo, mine)).detach().requires_grad_(input_grad);
+  auto y = sync->forward(xs);
+  (y * prep(w.narrow(0, lo, mine))).sum().backward();
+  double d = diff(y, yr.narrow(0, lo, mine));
+  CHECK(y.scalar_type() == xs.scalar_type());
+  if (input_grad) {
+    d = std::max(d, diff(xs.grad(), xr.grad().narrow(0, lo, mine)));
+    CHECK(xs.grad().scalar_type() == xs.scalar_type());
+  }
+  UNSCOPED_INFO("output/input gradient difference " << d << ", output " << y.scalar_type());
+  if (opts.affine()) {
+    const double dw = diff(sum_over_ranks(sync->weight.grad()), ref->weight.grad());
+    const double db = diff(sum_over_ranks(sync->bias.grad()), ref->bias.grad());
+    UNSCOPED_INFO("weight and bias gradient differences " << dw << ", " << db);
+    d = std::max({d, dw, db});
+  }
+  if (opts.track_running_stats()) {
+    const double dm = diff(sync->running_mean, ref->running_mean), dv = diff(sync->running_var, ref->running_var);
+    UNSCOPED_INFO("running mean and variance differences " << dm << ", " << dv);
+    d = std::max({d, dm, dv});
+  }
+  return d;
+}
+}  // namespace
+
+TEST_CASE("SyncBatchNorm2d: f64, f16 and bf16, channels_last and non-contiguous inputs equal BatchNorm2d on the "
+          "global batch (output, gradients, running statistics)",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  const int n = backend().size();
+  std::vector<std::int64_t> rows;
+  for (int r = 0; r < n; ++r) rows.push_back(n == 1 ? 5 : (r == 1 ? 0 : 2 + r));
+  const auto opts = torch::nn::BatchNorm2dOptions(3).momentum(0.3);
+  auto as = [](torch::Dtype t) { return [t](const torch::Tensor& x) { return x.to(t); }; };
+  SECTION("f64 input, f64 module") {
+    CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kDouble), torch::kDouble) < 1e-10));
+  }
+  SECTION("f64 input, f32 module") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kDouble)) < 1e-5)); }
+  SECTION("f32") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kFloat)) < 1e-5)); }
+  SECTION("f16") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kHalf)) < 1e-2)); }
+  SECTION("bf16") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kBFloat16)) < 5e-2)); }
+  SECTION("channels_last") {
+    CHECK(all_ranks(step_against_reference(opts, rows, [](const torch::Tensor& x) {
+                      return x.to(torch::kFloat).contiguous(torch::MemoryFormat::ChannelsLast);
+                    }) < 1e-5));
+  }
+  SECTION("non-contiguous (a transposed view)") {
+    CHECK(all_ranks(step_against_reference(opts, rows, [](const torch::Tensor& x) {
+                      return x.to(torch::kFloat).transpose(2, 3).contiguous().transpose(2, 3);
+                    }) < 1e-5));
+  }
+  SECTION("no affine, cumulative average") {
+    CHECK(all_ranks(step_against_reference(torch::nn::BatchNorm2dOptions(3).affine(false).momentum(c10::nullopt), rows,
+                                           as(torch::kFloat)) < 1e-5));
+  }
+}
