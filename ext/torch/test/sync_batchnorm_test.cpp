@@ -3,7 +3,9 @@
 // converted), uneven batches (one rank with 0 rows), BatchNorm1d without affine or running
 // statistics, collectives per forward/backward (none in eval), convert refusing a BatchNorm held
 // by a custom module's member on every rank, and BatchNorm's state_dict names and checkpoints;
-// lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part).
+// lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part); f64, f16,
+// bf16, channels_last and non-contiguous inputs; one rank's refused input (dimensionality,
+// channels, dtype) an InvalidArgument on every rank; an input needing a gradient on some ranks.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
@@ -540,4 +542,54 @@ TEST_CASE("SyncBatchNorm2d: f64, f16 and bf16, channels_last and non-contiguous 
     CHECK(all_ranks(step_against_reference(torch::nn::BatchNorm2dOptions(3).affine(false).momentum(c10::nullopt), rows,
                                            as(torch::kFloat)) < 1e-5));
   }
+}
+
+TEST_CASE("SyncBatchNorm: a rank's refused input (wrong dimensionality, channels or dtype) is an InvalidArgument on "
+          "every rank naming the rank; 0 rows on every rank too",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int last = b.size() - 1;
+  const bool bad = b.rank() == last;
+  lt::SyncBatchNorm2d bn(b, torch::nn::BatchNorm2dOptions(3));
+  const auto good = torch::randn({2, 3, 2, 2});
+  const std::vector<std::pair<torch::Tensor, std::string>> cases{
+      {torch::randn({2, 4, 2, 2}), "channels"}, {torch::randn({2, 3, 2}), "4D input"},
+      {torch::ones({2, 3, 2, 2}, torch::kLong), "Long"}};
+  for (const auto& [input, what] : cases) {
+    INFO("rank " << last << ": " << what);
+    const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(bad ? input : good); });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank " + std::to_string(last))));
+    CHECK(all_ranks(mentions(e, what)));
+    CHECK(all_ranks(!mentions(e, "other: ")));
+  }
+  if (b.size() >= 3) {
+    // Every rank but 0 refuses: every rank names the lowest, and the others.
+    const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(b.rank() == 0 ? good : cases[0].first); });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank 1's input has 4 channels, the module 3 (also rank")));
+    CHECK(all_ranks(mentions(e, std::to_string(last) + ")")));
+  }
+  // The module still works, and counted no batch.
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 0);
+  bn->forward(good).sum().backward();
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  // Every rank with 0 rows.
+  const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(torch::randn({0, 3, 2, 2})); });
+  UNSCOPED_INFO(e);
+  CHECK(all_ranks(mentions(e, "more than 1 value per channel")));
+}
+
+TEST_CASE("SyncBatchNorm: an input that needs a gradient on some ranks only; backward on every rank gives each "
+          "the global batch's gradient",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const std::vector<std::int64_t> rows(static_cast<std::size_t>(b.size()), 2);
+  // Rank 0's input needs a gradient, the others' do not; the weights are trained everywhere.
+  const double d = step_against_reference(
+      torch::nn::BatchNorm2dOptions(3), rows, [&](const torch::Tensor& x) { return x.to(torch::kFloat); },
+      torch::kFloat, /*input_grad=*/b.rank() == 0);
+  CHECK(all_ranks(d < 1e-5));
 }
