@@ -536,3 +536,31 @@ TEST_CASE("sharded: fewer trained tensors than ranks, one huge tensor, frozen pa
   }
   if (b.rank() == 0) std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("wire_dtype with shard_optimizer_state: fewer trained tensors than ranks, a huge tensor, frozen "
+          "parameters (an f64 one among them: only trained ones must be f32) train as the replicated wire",
+          "[torch][mpi][wire][sharded]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  for (int model = 0; model < 2; ++model) {
+    auto make = model == 0 ? one_tensor : huge_and_frozen;
+    INFO((model == 0 ? "one tensor" : "a huge tensor and frozen parameters"));
+    torch::manual_seed(31);
+    auto rep = make(), sh = make();
+    copy_params(*rep, *sh);
+    lt::synchronize(b, *rep, 0);
+    lt::synchronize(b, *sh, 0);
+    // A frozen f64 tensor the optimizer holds too (a table the forward does not use).
+    auto frozen_rep = rep->register_parameter("table", torch::ones({5}, torch::kDouble), /*requires_grad=*/false);
+    auto frozen_sh = sh->register_parameter("table", torch::ones({5}, torch::kDouble), /*requires_grad=*/false);
+    torch::optim::Adam ra(rep->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam sa(sh->parameters(), torch::optim::AdamOptions(1e-2));
+    lt::DistributedOptimizer ro(b, ra, {.wire_dtype = ls::DType::bf16});
+    lt::DistributedOptimizer so(b, sa, {.shard_optimizer_state = true, .wire_dtype = ls::DType::bf16});
+    train(b, *rep, ro, 0, 3);
+    train(b, *sh, so, 0, 3);
+    CHECK(all_ranks(max_abs_diff(*rep, *sh) <= 1e-6f));
+    CHECK(replicas_equal(b, *sh));
+    CHECK(torch::equal(frozen_sh, torch::ones({5}, torch::kDouble)));
+  }
+}
