@@ -593,3 +593,45 @@ TEST_CASE("SyncBatchNorm: an input that needs a gradient on some ranks only; bac
       torch::kFloat, /*input_grad=*/b.rank() == 0);
   CHECK(all_ranks(d < 1e-5));
 }
+
+TEST_CASE("Join: a SyncBatchNorm error on one rank inside the loop is thrown on every rank; caught, the ranks "
+          "stay in step and the loop ends everywhere",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size(), last = n - 1;
+  const std::int64_t mine = 2 + (b.rank() == last ? 2 : 0);  // the last rank has 2 extra batches
+  torch::manual_seed(3);
+  Mlp net;
+  lt::synchronize(b, *net, 0);
+  CHECK(lt::convert_sync_batchnorm(b, *net) == 1);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  lt::DistributedOptimizer opt(b, sgd);
+  lt::Join join(b);
+  std::int64_t i = 0;
+  int caught = 0;
+  for (; join.next(i < mine); ++i) {
+    torch::manual_seed(900 + static_cast<int>(i) + 10 * b.rank());
+    const std::int64_t k = i < mine ? 3 : 0;
+    auto x = torch::randn({k, 4});
+    try {
+      opt.zero_grad();
+      auto h = net->fc1->forward(x);
+      // Step 1: the last rank's batch reaches the SyncBatchNorm with 5 features instead of 6.
+      if (i == 1 && b.rank() == last) h = torch::cat({h, h}, 1).narrow(1, 0, 5);
+      net->fc2->forward(torch::relu(net->bn->forward(h))).pow(2).mean().backward();
+      opt.step();
+    } catch (const ls::InvalidArgument& e) {
+      ++caught;
+      UNSCOPED_INFO(e.what());
+      CHECK(mentions(e.what(), "rank " + std::to_string(last) + "'s input has 5 channels, the module 6"));
+    }
+  }
+  CHECK(all_ranks(caught == 1));
+  CHECK(i == 4);
+  CHECK(join.steps() == 4);
+  std::map<std::string, ls::Tensor> t;
+  for (const auto& p : net->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
+  for (const auto& x : net->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
+  CHECK_NOTHROW(ls::check_replicas(b, t));
+}
