@@ -47,20 +47,26 @@ struct InputVerdict {
   std::string message;   // this rank's own text (Refusal::failed)
 };
 
-// Collective (one allgather). Each rank's share: [count, input needs a gradient, mean per
-// channel, biased variance per channel], or, from a rank that refuses its input,
+// What a rank's forward means for backward's collective: no autograd graph (under no_grad, or
+// nothing needs a gradient: this rank's backward will not run), a graph whose input needs no
+// gradient, or an input that needs one.
+enum class GradState : int { no_graph = 0, graph = 1, input_grad = 2 };
+
+// Collective (one allgather). Each rank's share: [count, its GradState, mean per channel,
+// biased variance per channel], or, from a rank that refuses its input,
 // [-1 - refusal, what it got, ...]. Every rank combines the shares in rank order (the same bits
 // everywhere) by Chan's parallel formula, which needs no sum of squares and so loses nothing to
 // cancellation when the mean is large against the spread. Throws the same InvalidArgument on
-// every rank when a rank refused its input or the global batch has fewer than 2 values per
-// channel.
+// every rank when a rank refused its input, when some rank's input needs a gradient and another
+// rank records no graph (backward's allreduce would wait for it), or when the global batch has
+// fewer than 2 values per channel.
 GlobalStats gather_stats(Backend& backend, const std::string& who, const std::string& expected_dims,
-                         std::int64_t c, const at::Tensor& x, bool input_grad, InputVerdict verdict) {
+                         std::int64_t c, const at::Tensor& x, GradState grad, InputVerdict verdict) {
   auto mine = at::zeros({2 + 2 * c}, at::TensorOptions().dtype(at::kDouble));
   if (verdict.refusal == Refusal::none) {
     try {
       mine[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
-      mine[1].fill_(input_grad ? 1.0 : 0.0);
+      mine[1].fill_(static_cast<double>(grad));
       if (x.numel() > 0) {
         const auto [m, v] = at::batch_norm_update_stats(x, c10::nullopt, c10::nullopt, 0.0);
         mine.narrow(0, 2, c).copy_(m);
@@ -110,7 +116,19 @@ GlobalStats gather_stats(Backend& backend, const std::string& who, const std::st
   GlobalStats g;
   const auto counts = status.unsqueeze(1);  // [ranks, 1]
   g.n = status.sum().item<double>();
-  g.input_grad = all.select(1, 1).max().item<double>() > 0;
+  const auto grads = all.select(1, 1).contiguous();
+  const double* gs = grads.data_ptr<double>();
+  int needs = -1, none = -1;  // the lowest rank whose input needs a gradient; that records no graph
+  for (int r = ranks - 1; r >= 0; --r) {
+    if (gs[r] == static_cast<double>(GradState::input_grad)) needs = r;
+    if (gs[r] == static_cast<double>(GradState::no_graph)) none = r;
+  }
+  g.input_grad = needs >= 0;
+  LOCKSTEP_CHECK_ARG(needs < 0 || none < 0, who, ": rank ", needs, "'s input needs a gradient, but rank ", none,
+                     "'s forward records no autograd graph (under no_grad, or neither its input nor the weight and "
+                     "bias need a gradient), so rank ", needs, "'s backward would wait for rank ", none,
+                     " in its allreduce; run the training forward the same way on every rank (the batch was not "
+                     "counted)");
   LOCKSTEP_CHECK_ARG(g.n > 1, who, ": expected more than 1 value per channel in the global batch when training, got ",
                      g.n, " (input ", x.sizes(), " on rank ", backend.rank(), ")");
   const auto means = all.narrow(1, 2, c), vars = all.narrow(1, 2 + c, c);
@@ -309,8 +327,11 @@ at::Tensor SyncBatchNormImpl<D>::forward(const at::Tensor& input) {
     verdict = {Refusal::dtype, static_cast<double>(static_cast<int>(input.scalar_type())), {}};
   const bool fine = verdict.refusal == Refusal::none;
   const auto x = fine ? input.to(kernel_type(input.scalar_type())) : at::Tensor();
-  const bool input_grad = fine && ::torch::GradMode::is_enabled() && input.requires_grad();
-  const auto g = gather_stats(*backend_, who, expected_dims, c, x, input_grad, verdict);
+  const auto needs = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  const GradState grad = !::torch::GradMode::is_enabled() || !(needs(input) || needs(weight) || needs(bias))
+                             ? GradState::no_graph
+                             : needs(input) ? GradState::input_grad : GradState::graph;
+  const auto g = gather_stats(*backend_, who, expected_dims, c, x, grad, verdict);
   // LibTorch's autograd Function takes no undefined inputs: without affine, a constant 1 and 0.
   const auto w = weight.defined() ? weight : at::ones({c}, input.options());
   const auto b = bias.defined() ? bias : at::zeros({c}, input.options());

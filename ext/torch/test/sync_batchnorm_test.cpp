@@ -582,7 +582,7 @@ TEST_CASE("SyncBatchNorm: a rank's refused input (wrong dimensionality, channels
 }
 
 TEST_CASE("SyncBatchNorm: an input that needs a gradient on some ranks only; backward on every rank gives each "
-          "the global batch's gradient",
+          "the global batch's gradient; a rank whose forward records no graph then is an error on every rank",
           "[torch][mpi]") {
   torch::set_num_threads(1);
   auto& b = backend();
@@ -592,6 +592,31 @@ TEST_CASE("SyncBatchNorm: an input that needs a gradient on some ranks only; bac
       torch::nn::BatchNorm2dOptions(3), rows, [&](const torch::Tensor& x) { return x.to(torch::kFloat); },
       torch::kFloat, /*input_grad=*/b.rank() == 0);
   CHECK(all_ranks(d < 1e-5));
+  // A training forward under no_grad on every rank: no graph anywhere, the statistics counted.
+  lt::SyncBatchNorm2d bn(b, torch::nn::BatchNorm2dOptions(3));
+  const auto x = torch::randn({2, 3, 2, 2}, torch::requires_grad());
+  {
+    torch::NoGradGuard no_grad;
+    CHECK_FALSE(bn->forward(x).requires_grad());
+  }
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  if (b.size() > 1) {
+    // Rank 0's input needs a gradient, the last rank's forward records no graph: its backward
+    // would never run while rank 0's waits for it. An error in forward, on every rank.
+    const int last = b.size() - 1;
+    const std::string e = error_of<ls::InvalidArgument>([&] {
+      if (b.rank() == last) {
+        torch::NoGradGuard no_grad;
+        bn->forward(x);
+      } else {
+        bn->forward(x);
+      }
+    });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank 0's input needs a gradient, but rank " + std::to_string(last) +
+                                    "'s forward records no autograd graph")));
+    CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  }
 }
 
 TEST_CASE("Join: a SyncBatchNorm error on one rank inside the loop is thrown on every rank; caught, the ranks "

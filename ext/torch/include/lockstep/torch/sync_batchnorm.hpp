@@ -48,7 +48,9 @@ namespace lockstep::torch {
 /// only leaves them waiting for the others (until the deadline). Fewer than 2 values per channel
 /// in the global batch, or an input one rank refuses (its dimensionality, channels or a
 /// non-floating dtype), is an InvalidArgument on every rank naming the rank, before any rank
-/// normalises or counts the batch.
+/// normalises or counts the batch; so is a forward that records no autograd graph on one rank
+/// (no_grad, or nothing there needs a gradient) while another rank's input needs a gradient
+/// (that rank's backward would wait for it).
 ///
 /// Eval mode: the running statistics, no collective. With track_running_stats(false), eval
 /// mode normalises with this rank's own batch (no collective), as PyTorch's SyncBatchNorm does.
