@@ -103,15 +103,18 @@ GlobalStats gather_stats(Backend& backend, const std::string& who, const std::st
                       ", expected a floating-point input (f16, bf16, f32 or f64)");
         break;
       default:
-        what = r == backend.rank() ? concat(": computing the batch statistics failed: ", verdict.message)
-                                   : std::string(": computing the batch statistics failed (that rank's error says why)");
+        what = r == backend.rank()
+                   ? concat(": computing the batch statistics failed: ", verdict.message)
+                   : std::string(": computing the batch statistics failed (that rank's error says why)");
         break;
     }
     std::string others;
-    for (std::size_t i = 1; i < refused.size(); ++i) others += concat(i == 1 ? "" : ", ", refused[i]);
-    detail::throw_invalid(concat(who, ": rank ", r, what,
-                                 refused.size() > 1 ? concat(" (also rank", refused.size() > 2 ? "s " : " ", others, ")") : std::string(),
-                                 "; the training forward was not run on any rank"));
+    if (refused.size() > 1) {
+      others = refused.size() > 2 ? " (also ranks " : " (also rank ";
+      for (std::size_t i = 1; i < refused.size(); ++i) others += concat(i == 1 ? "" : ", ", refused[i]);
+      others += ")";
+    }
+    detail::throw_invalid(concat(who, ": rank ", r, what, others, "; the training forward was not run on any rank"));
   }
   GlobalStats g;
   const auto counts = status.unsqueeze(1);  // [ranks, 1]

@@ -462,7 +462,9 @@ TEST_CASE("wire_dtype: gradients travel as bf16 or f16, the optimizer sees f32; 
 
 namespace {
 // One trained tensor (fewer than the ranks at -n 2 and 3: the other ranks own nothing).
-torch::nn::Sequential one_tensor() { return torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(6, 3).bias(false))); }
+torch::nn::Sequential one_tensor() {
+  return torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(6, 3).bias(false)));
+}
 // One tensor of 1.2 MB (more than the default bucket: broadcast in place), a frozen layer and a
 // frozen bias among trained ones.
 torch::nn::Sequential huge_and_frozen() {
