@@ -30,47 +30,136 @@ std::vector<std::int64_t> channel_shape(const at::Tensor& x) {
 // (f32, and f16 / bf16, which LibTorch 1.13's CPU batch-norm kernels do not all take) goes in f32.
 at::ScalarType kernel_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Normalises with the global batch's statistics. Outputs: y, then the global mean and the
-// unbiased global variance (f64, not differentiable) for the running statistics.
+// The global batch's statistics per channel (f64), from the forward allgather.
+struct GlobalStats {
+  at::Tensor mean, var;  // var: biased
+  double n = 0;          // values per channel, every rank's
+  bool input_grad = false;  // whether some rank's input needs a gradient (backward's collective)
+};
+
+// A rank's verdict on its training input. It travels in the rank's share of the forward
+// allgather, so that an input one rank refuses is every rank's InvalidArgument, naming that
+// rank, instead of one rank's error while the others wait in the collective.
+enum class Refusal : int { none = -1, dims = 0, channels = 1, dtype = 2, failed = 3 };
+struct InputVerdict {
+  Refusal refusal = Refusal::none;
+  double got = 0;        // the input's dimensionality, channels or scalar type
+  std::string message;   // this rank's own text (Refusal::failed)
+};
+
+// What a rank's forward means for backward's collective: no autograd graph (under no_grad, or
+// nothing needs a gradient: this rank's backward will not run), a graph whose input needs no
+// gradient, or an input that needs one.
+enum class GradState : int { no_graph = 0, graph = 1, input_grad = 2 };
+
+// Collective (one allgather). Each rank's share: [count, its GradState, mean per channel,
+// biased variance per channel], or, from a rank that refuses its input,
+// [-1 - refusal, what it got, ...]. Every rank combines the shares in rank order (the same bits
+// everywhere) by Chan's parallel formula, which needs no sum of squares and so loses nothing to
+// cancellation when the mean is large against the spread. Throws the same InvalidArgument on
+// every rank when a rank refused its input, when some rank's input needs a gradient and another
+// rank records no graph (backward's allreduce would wait for it), or when the global batch has
+// fewer than 2 values per channel.
+GlobalStats gather_stats(Backend& backend, const std::string& who, const std::string& expected_dims,
+                         std::int64_t c, const at::Tensor& x, GradState grad, InputVerdict verdict) {
+  auto mine = at::zeros({2 + 2 * c}, at::TensorOptions().dtype(at::kDouble));
+  if (verdict.refusal == Refusal::none) {
+    try {
+      mine[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
+      mine[1].fill_(static_cast<double>(grad));
+      if (x.numel() > 0) {
+        const auto [m, v] = at::batch_norm_update_stats(x, c10::nullopt, c10::nullopt, 0.0);
+        mine.narrow(0, 2, c).copy_(m);
+        mine.narrow(0, 2 + c, c).copy_(v);
+      }
+    } catch (const std::exception& e) {
+      verdict = {Refusal::failed, 0, e.what()};
+    }
+  }
+  if (verdict.refusal != Refusal::none) {
+    mine[0].fill_(-1.0 - static_cast<double>(verdict.refusal));
+    mine[1].fill_(verdict.got);
+  }
+  const int ranks = backend.size();
+  auto all = at::empty({ranks, 2 + 2 * c}, mine.options());
+  backend.allgather(view(mine), view(all));
+  const auto status = all.select(1, 0);
+  const auto status_copy = status.contiguous();
+  const double* st = status_copy.data_ptr<double>();
+  std::vector<int> refused;
+  for (int r = 0; r < ranks; ++r)
+    if (st[r] < 0) refused.push_back(r);
+  if (!refused.empty()) {
+    const int r = refused.front();
+    const double got = all[r][1].item<double>();
+    std::string what;
+    switch (static_cast<Refusal>(static_cast<int>(-1.0 - st[r]))) {
+      case Refusal::dims: what = concat("'s input is ", got, "D, expected ", expected_dims, " input");
+        break;
+      case Refusal::channels: what = concat("'s input has ", got, " channels, the module ", c);
+        break;
+      case Refusal::dtype:
+        what = concat("'s input is ", c10::toString(static_cast<at::ScalarType>(static_cast<int>(got))),
+                      ", expected a floating-point input (f16, bf16, f32 or f64)");
+        break;
+      default:
+        what = r == backend.rank()
+                   ? concat(": computing the batch statistics failed: ", verdict.message)
+                   : std::string(": computing the batch statistics failed (that rank's error says why)");
+        break;
+    }
+    std::string others;
+    if (refused.size() > 1) {
+      others = refused.size() > 2 ? " (also ranks " : " (also rank ";
+      for (std::size_t i = 1; i < refused.size(); ++i) others += concat(i == 1 ? "" : ", ", refused[i]);
+      others += ")";
+    }
+    detail::throw_invalid(concat(who, ": rank ", r, what, others, "; the training forward was not run on any rank"));
+  }
+  GlobalStats g;
+  const auto counts = status.unsqueeze(1);  // [ranks, 1]
+  g.n = status.sum().item<double>();
+  const auto grads = all.select(1, 1).contiguous();
+  const double* gs = grads.data_ptr<double>();
+  int needs = -1, none = -1;  // the lowest rank whose input needs a gradient; that records no graph
+  for (int r = ranks - 1; r >= 0; --r) {
+    if (gs[r] == static_cast<double>(GradState::input_grad)) needs = r;
+    if (gs[r] == static_cast<double>(GradState::no_graph)) none = r;
+  }
+  g.input_grad = needs >= 0;
+  LOCKSTEP_CHECK_ARG(needs < 0 || none < 0, who, ": rank ", needs, "'s input needs a gradient, but rank ", none,
+                     "'s forward records no autograd graph (under no_grad, or neither its input nor the weight and "
+                     "bias need a gradient), so rank ", needs, "'s backward would wait for rank ", none,
+                     " in its allreduce; run the training forward the same way on every rank (the batch was not "
+                     "counted)");
+  LOCKSTEP_CHECK_ARG(g.n > 1, who, ": expected more than 1 value per channel in the global batch when training, got ",
+                     g.n, " (input ", x.sizes(), " on rank ", backend.rank(), ")");
+  const auto means = all.narrow(1, 2, c), vars = all.narrow(1, 2 + c, c);
+  g.mean = (means * counts).sum(0) / g.n;
+  g.var = ((vars + (means - g.mean).square()) * counts).sum(0) / g.n;
+  return g;
+}
+
+// Normalises with the global batch's statistics (given: gather_stats's, f64, not
+// differentiable; the gradient through them is backward's explicit formula).
 //
 // The per-element work goes through LibTorch's own fused CPU batch-norm kernels, as
 // torch::nn::BatchNorm2d's does: this rank's mean and variance per channel in one call
-// (batch_norm_update_stats), the normalisation as an evaluation-mode batch norm with the global
-// statistics (native_batch_norm), and backward's two sums per channel as an evaluation-mode
-// batch-norm backward (native_batch_norm_backward). An earlier version composed them from
-// elementwise operations and sums (seven passes over the input forward, nine backward, each
-// with a temporary): 8-16x BatchNorm2d's time (docs/performance.md). f16 inputs, which these
-// CPU kernels do not take in LibTorch 1.13, are computed in f32 and the results rounded back.
+// (batch_norm_update_stats, in gather_stats), the normalisation as an evaluation-mode batch norm
+// with the global statistics (native_batch_norm), and backward's two sums per channel as an
+// evaluation-mode batch-norm backward (native_batch_norm_backward). An earlier version composed
+// them from elementwise operations and sums (seven passes over the input forward, nine
+// backward, each with a temporary): 8-16x BatchNorm2d's time (docs/performance.md). f16 inputs,
+// which these CPU kernels do not take in LibTorch 1.13, are computed in f32 and the results
+// rounded back.
 struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight_in,
-                               const at::Tensor& bias_in, Backend* backend, double eps) {
+                               const at::Tensor& bias_in, const at::Tensor& global_mean, const at::Tensor& global_var,
+                               Backend* backend, double n, bool input_grad_anywhere, double eps) {
     const bool widen = kernel_type(input.scalar_type()) != input.scalar_type();
     const auto x = widen ? input.to(at::kFloat) : input;
     const auto weight = weight_in.to(x.scalar_type()), bias = bias_in.to(x.scalar_type());
-    const std::int64_t c = x.size(1);
-    // One collective: every rank's [count, mean per channel, biased variance per channel], in
-    // f64, gathered; every rank then combines them in rank order (the same bits everywhere) by
-    // Chan's parallel formula, which needs no sum of squares and so loses nothing to
-    // cancellation when the mean is large against the spread.
-    auto mine = at::zeros({1 + 2 * c}, x.options().dtype(at::kDouble));
-    mine[0].fill_(static_cast<double>(c == 0 ? 0 : x.numel() / c));
-    if (x.numel() > 0) {
-      const auto [m, v] = at::batch_norm_update_stats(x, c10::nullopt, c10::nullopt, 0.0);
-      mine.narrow(0, 1, c).copy_(m);
-      mine.narrow(0, 1 + c, c).copy_(v);
-    }
-    const int ranks = backend->size();
-    auto all = at::empty({ranks, 1 + 2 * c}, mine.options());
-    backend->allgather(view(mine), view(all));
-    const auto counts = all.select(1, 0).unsqueeze(1);  // [ranks, 1]
-    const double n = all.select(1, 0).sum().item<double>();
-    LOCKSTEP_CHECK_ARG(n > 1, "lockstep::torch::SyncBatchNorm: expected more than 1 value per channel in the global "
-                              "batch when training, got ", n, " (input ", input.sizes(), " on rank ", backend->rank(),
-                       ")");
-    const auto means = all.narrow(1, 1, c), vars = all.narrow(1, 1 + c, c);
-    const auto mean = (means * counts).sum(0) / n;
-    const auto var = ((vars + (means - mean).square()) * counts).sum(0) / n;  // biased
-    const auto mean_x = mean.to(x.scalar_type()), var_x = var.to(x.scalar_type());
+    const auto mean_x = global_mean.to(x.scalar_type()), var_x = global_var.to(x.scalar_type());
     // (LibTorch's CPU kernel divides by the batch size: a rank with 0 rows skips it.)
     auto y = x.numel() == 0 ? at::empty_like(x)
                             : std::get<0>(at::native_batch_norm(x, weight, bias, mean_x, var_x, /*training=*/false,
@@ -78,12 +167,11 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
     ctx->save_for_backward({x, weight, mean_x, var_x});
     ctx->saved_data["backend"] = reinterpret_cast<std::int64_t>(backend);
     ctx->saved_data["n"] = n;
+    ctx->saved_data["input_grad"] = input_grad_anywhere;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["weight_type"] = static_cast<std::int64_t>(weight_in.scalar_type());
     ctx->saved_data["bias_type"] = static_cast<std::int64_t>(bias_in.scalar_type());
-    const auto unbiased = var * (n / (n - 1));
-    ctx->mark_non_differentiable({mean, unbiased});
-    return {widen ? y.to(input.scalar_type()) : y, mean, unbiased};
+    return {widen ? y.to(input.scalar_type()) : y};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -107,13 +195,17 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
     at::Tensor grad_weight, grad_bias, grad_x;
     const auto weight_type = static_cast<at::ScalarType>(ctx->saved_data["weight_type"].toInt());
     const auto bias_type = static_cast<at::ScalarType>(ctx->saved_data["bias_type"].toInt());
-    if (ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight_type);
-    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(bias_type);
+    // Copies (copy=true): an f64 weight would otherwise be a view of `sums`, which the allreduce
+    // below turns into the global sums, every rank's share counted on every rank.
+    if (ctx->needs_input_grad(1)) grad_weight = sums.narrow(0, c, c).to(weight_type, false, /*copy=*/true);
+    if (ctx->needs_input_grad(2)) grad_bias = sums.narrow(0, 0, c).to(bias_type, false, /*copy=*/true);
+    // One collective when some rank's input needs a gradient (forward agreed on it, so every
+    // rank that runs this backward makes it, also one whose own input needs none): the global
+    // batch's sums of dy and dy * xhat per channel. Then
+    // grad_x = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight, per channel an affine
+    // function of dy and x: k * dy + a * x + b, with the coefficients in f64.
+    if (ctx->saved_data["input_grad"].toBool()) backend->allreduce(view(sums), ReduceOp::sum);
     if (ctx->needs_input_grad(0)) {
-      // One collective: the global batch's sums of dy and dy * xhat per channel. Then
-      // grad_x = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight, per channel an affine
-      // function of dy and x: k * dy + a * x + b, with the coefficients in f64.
-      backend->allreduce(view(sums), ReduceOp::sum);
       const auto invstd = (var.to(at::kDouble) + eps).rsqrt();
       const auto mean_dy = sums.narrow(0, 0, c) / n, mean_dy_xhat = sums.narrow(0, c, c) / n;
       const auto k = invstd * weight.to(at::kDouble);
@@ -124,7 +216,8 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
       grad_x.addcmul_(dy, k.to(x.scalar_type()).view(shape));
       if (grad_x.scalar_type() != in_type) grad_x = grad_x.to(in_type);
     }
-    return {grad_x, grad_weight, grad_bias, at::Tensor(), at::Tensor()};
+    return {grad_x,        grad_weight,  grad_bias,    at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -215,24 +308,45 @@ void SyncBatchNormImpl<D>::check_input_dim(const at::Tensor& input) const {
 
 template <std::size_t D>
 at::Tensor SyncBatchNormImpl<D>::forward(const at::Tensor& input) {
-  check_input_dim(input);
   if (!this->is_training()) {
     // The running statistics (or, without them, this rank's own batch): no collective.
+    check_input_dim(input);
     return at::batch_norm(input, weight, bias, running_mean, running_var,
                           /*training=*/!options.track_running_stats(), /*momentum=*/0.0, options.eps(),
                           /*cudnn_enabled=*/true);
   }
+  // Training: this rank's verdict on its input goes into the forward collective, so that a
+  // refusal is every rank's error.
+  const std::int64_t c = options.num_features();
+  const std::string who = concat("lockstep::torch::SyncBatchNorm", D, "d");
+  const std::string expected_dims = D == 1 ? std::string("2D or 3D") : std::to_string(D + 2) + "D";
+  const auto dim = input.dim();
+  InputVerdict verdict;
+  if (!(D == 1 ? (dim == 2 || dim == 3) : dim == static_cast<std::int64_t>(D) + 2))
+    verdict = {Refusal::dims, static_cast<double>(dim), {}};
+  else if (input.size(1) != c)
+    verdict = {Refusal::channels, static_cast<double>(input.size(1)), {}};
+  else if (!at::isFloatingType(input.scalar_type()))
+    verdict = {Refusal::dtype, static_cast<double>(static_cast<int>(input.scalar_type())), {}};
+  const bool fine = verdict.refusal == Refusal::none;
+  const auto x = fine ? input.to(kernel_type(input.scalar_type())) : at::Tensor();
+  const auto needs = [](const at::Tensor& t) { return t.defined() && t.requires_grad(); };
+  const GradState grad = !::torch::GradMode::is_enabled() || !(needs(input) || needs(weight) || needs(bias))
+                             ? GradState::no_graph
+                             : needs(input) ? GradState::input_grad : GradState::graph;
+  const auto g = gather_stats(*backend_, who, expected_dims, c, x, grad, verdict);
   // LibTorch's autograd Function takes no undefined inputs: without affine, a constant 1 and 0.
-  const auto w = weight.defined() ? weight : at::ones({options.num_features()}, input.options());
-  const auto b = bias.defined() ? bias : at::zeros({options.num_features()}, input.options());
-  auto out = SyncBatchNormFunction::apply(input, w, b, backend_, options.eps());
+  const auto w = weight.defined() ? weight : at::ones({c}, input.options());
+  const auto b = bias.defined() ? bias : at::zeros({c}, input.options());
+  auto out = SyncBatchNormFunction::apply(input, w, b, g.mean, g.var, backend_, g.n, g.input_grad, options.eps());
   if (options.track_running_stats()) {
     ::torch::NoGradGuard no_grad;
     num_batches_tracked += 1;
     const double factor = options.momentum().has_value() ? *options.momentum()
                                                          : 1.0 / num_batches_tracked.template item<double>();
-    running_mean.mul_(1 - factor).add_(out[1].to(running_mean.scalar_type()), factor);
-    running_var.mul_(1 - factor).add_(out[2].to(running_var.scalar_type()), factor);
+    const auto unbiased = g.var * (g.n / (g.n - 1));
+    running_mean.mul_(1 - factor).add_(g.mean.to(running_mean.scalar_type()), factor);
+    running_var.mul_(1 - factor).add_(unbiased.to(running_var.scalar_type()), factor);
   }
   return out[0];
 }

@@ -459,3 +459,110 @@ TEST_CASE("wire_dtype: gradients travel as bf16 or f16, the optimizer sees f32; 
     CHECK(all_ranks(mentions(e, "bf16 or f16")));
   }
 }
+
+namespace {
+// One trained tensor (fewer than the ranks at -n 2 and 3: the other ranks own nothing).
+torch::nn::Sequential one_tensor() {
+  return torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(6, 3).bias(false)));
+}
+// One tensor of 1.2 MB (more than the default bucket: broadcast in place), a frozen layer and a
+// frozen bias among trained ones.
+torch::nn::Sequential huge_and_frozen() {
+  torch::nn::Sequential s(torch::nn::Linear(6, 50000), torch::nn::Tanh(), torch::nn::Linear(50000, 4),
+                          torch::nn::Tanh(), torch::nn::Linear(4, 3));
+  for (auto& p : s[2]->parameters()) p.requires_grad_(false);
+  s[4]->as<torch::nn::LinearImpl>()->bias.requires_grad_(false);
+  return s;
+}
+}  // namespace
+
+TEST_CASE("sharded: fewer trained tensors than ranks, one huge tensor, frozen parameters: the replicated form's "
+          "parameters and checkpoint; the file read back sharded at N and at 1 trains on as replicated",
+          "[torch][mpi][sharded]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const auto dir = scratch(b);
+  for (int model = 0; model < 2; ++model) {
+    auto make = model == 0 ? one_tensor : huge_and_frozen;
+    INFO((model == 0 ? "one tensor" : "a huge tensor and frozen parameters"));
+    torch::manual_seed(21);
+    auto rep = make(), sh = make();
+    copy_params(*rep, *sh);
+    lt::synchronize(b, *rep, 0);
+    lt::synchronize(b, *sh, 0);
+    torch::optim::Adam ra(rep->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam sa(sh->parameters(), torch::optim::AdamOptions(1e-2));
+    const auto frozen_before = sh[model == 0 ? 0 : 2]->parameters()[0].clone();
+    {
+      lt::DistributedOptimizer ro(b, ra);
+      lt::DistributedOptimizer so(b, sa, {.shard_optimizer_state = true});
+      train(b, *rep, ro, 0, 3);
+      train(b, *sh, so, 0, 3);
+      CHECK(all_ranks(max_abs_diff(*rep, *sh) == 0.0f));
+      CHECK(replicas_equal(b, *sh));
+      std::int64_t owned = so.owned_bytes(), total = owned;
+      b.allreduce(ls::TensorView{&total, 1, ls::DType::i64, ls::Device::cpu()}, ls::ReduceOp::sum);
+      std::int64_t trained = 0;
+      for (auto& p : sh->parameters())
+        if (p.requires_grad()) trained += static_cast<std::int64_t>(p.nbytes());
+      CHECK(total == trained);
+      CHECK(all_ranks(lt::state_bytes(sa) == 2 * owned));
+    }
+    if (model == 1) CHECK(torch::equal(frozen_before, sh[2]->parameters()[0]));
+    const auto rep_file = dir / ("rep-" + std::to_string(model) + ".safetensors");
+    const auto sh_file = dir / ("sh-" + std::to_string(model) + ".safetensors");
+    lt::save_checkpoint(b, rep_file, *rep, ra);
+    lt::save_checkpoint(b, sh_file, *sh, sa);
+    bool same = b.rank() != 0 || file_bytes(rep_file) == file_bytes(sh_file);
+    CHECK(all_ranks(same));
+    auto read_back = [&](ls::Backend& rb) {
+      torch::manual_seed(99);
+      auto a = make(), r = make();
+      torch::optim::Adam aa(a->parameters(), torch::optim::AdamOptions(1e-2));
+      torch::optim::Adam rr(r->parameters(), torch::optim::AdamOptions(1e-2));
+      lt::load_checkpoint(rb, sh_file, *a, aa);
+      lt::load_checkpoint(rb, sh_file, *r, rr);
+      lt::DistributedOptimizer ao(rb, aa, {.shard_optimizer_state = true});
+      lt::DistributedOptimizer ro(rb, rr);
+      train(rb, *a, ao, 3, 5);
+      train(rb, *r, ro, 3, 5);
+      INFO("read at " << rb.size());
+      CHECK(all_ranks(rb, max_abs_diff(*a, *r) == 0.0f));
+    };
+    read_back(b);
+    if (b.rank() == 0) {
+      ls::MPIBackend self(MPI_COMM_SELF);
+      read_back(self);
+    }
+    b.barrier();
+  }
+  if (b.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("wire_dtype with shard_optimizer_state: fewer trained tensors than ranks, a huge tensor, frozen "
+          "parameters (an f64 one among them: only trained ones must be f32) train as the replicated wire",
+          "[torch][mpi][wire][sharded]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  for (int model = 0; model < 2; ++model) {
+    auto make = model == 0 ? one_tensor : huge_and_frozen;
+    INFO((model == 0 ? "one tensor" : "a huge tensor and frozen parameters"));
+    torch::manual_seed(31);
+    auto rep = make(), sh = make();
+    copy_params(*rep, *sh);
+    lt::synchronize(b, *rep, 0);
+    lt::synchronize(b, *sh, 0);
+    // A frozen f64 tensor the optimizer holds too (a table the forward does not use).
+    auto frozen_rep = rep->register_parameter("table", torch::ones({5}, torch::kDouble), /*requires_grad=*/false);
+    auto frozen_sh = sh->register_parameter("table", torch::ones({5}, torch::kDouble), /*requires_grad=*/false);
+    torch::optim::Adam ra(rep->parameters(), torch::optim::AdamOptions(1e-2));
+    torch::optim::Adam sa(sh->parameters(), torch::optim::AdamOptions(1e-2));
+    lt::DistributedOptimizer ro(b, ra, {.wire_dtype = ls::DType::bf16});
+    lt::DistributedOptimizer so(b, sa, {.shard_optimizer_state = true, .wire_dtype = ls::DType::bf16});
+    train(b, *rep, ro, 0, 3);
+    train(b, *sh, so, 0, 3);
+    CHECK(all_ranks(max_abs_diff(*rep, *sh) <= 1e-6f));
+    CHECK(replicas_equal(b, *sh));
+    CHECK(torch::equal(frozen_sh, torch::ones({5}, torch::kDouble)));
+  }
+}

@@ -3,7 +3,9 @@
 // converted), uneven batches (one rank with 0 rows), BatchNorm1d without affine or running
 // statistics, collectives per forward/backward (none in eval), convert refusing a BatchNorm held
 // by a custom module's member on every rank, and BatchNorm's state_dict names and checkpoints;
-// lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part).
+// lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part); f64, f16,
+// bf16, channels_last and non-contiguous inputs; one rank's refused input (dimensionality,
+// channels, dtype) an InvalidArgument on every rank; an input needing a gradient on some ranks.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
@@ -441,4 +443,274 @@ TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part wi
     for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
     CHECK_NOTHROW(ls::check_replicas(b, t));
   }
+}
+
+namespace {
+// Sums a tensor over the ranks (f64): a SyncBatchNorm's weight and bias gradients are each
+// rank's share of the global batch's.
+torch::Tensor sum_over_ranks(const torch::Tensor& t) {
+  auto d = t.to(torch::kDouble).contiguous().clone();
+  backend().allreduce(lt::view(d), ls::ReduceOp::sum);
+  return d;
+}
+
+// One training step of SyncBatchNorm2d on this rank's rows of a global batch [total, C, 3, 3]
+// (`prep` turns this rank's rows into the input it is given: another dtype, channels_last,
+// non-contiguous) against torch::nn::BatchNorm2d on the whole batch in f64: the output, the input
+// gradient, the summed weight and bias gradients and the running statistics. Returns the
+// largest relative difference.
+double step_against_reference(const torch::nn::BatchNormOptions& opts, const std::vector<std::int64_t>& rows,
+                              const std::function<torch::Tensor(const torch::Tensor&)>& prep,
+                              torch::Dtype module_type = torch::kFloat, bool input_grad = true) {
+  auto& b = backend();
+  std::int64_t total = 0, lo = 0;
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    if (static_cast<int>(r) < b.rank()) lo += rows[r];
+    total += rows[r];
+  }
+  const std::int64_t mine = rows[static_cast<std::size_t>(b.rank())];
+  const std::int64_t c = opts.num_features();
+  torch::manual_seed(77);
+  auto x = torch::randn({total, c, 3, 3}, torch::kDouble) * 3 + 2;
+  auto w = torch::randn({total, c, 3, 3}, torch::kDouble);
+  torch::nn::BatchNorm2d ref(opts);
+  ref->to(torch::kDouble);
+  lt::SyncBatchNorm2d sync(b, opts);
+  sync->to(module_type);
+  if (opts.affine()) {
+    torch::NoGradGuard no_grad;
+    ref->weight.uniform_(0.5, 1.5);
+    ref->bias.uniform_(-1, 1);
+    sync->weight.copy_(ref->weight);
+    sync->bias.copy_(ref->bias);
+  }
+  auto xr = x.clone().requires_grad_(true);
+  auto yr = ref->forward(xr);
+  (yr * w).sum().backward();
+  auto xs = prep(x.narrow(0, lo, mine)).detach().requires_grad_(input_grad);
+  auto y = sync->forward(xs);
+  (y * prep(w.narrow(0, lo, mine))).sum().backward();
+  double d = diff(y, yr.narrow(0, lo, mine));
+  CHECK(y.scalar_type() == xs.scalar_type());
+  if (input_grad) {
+    d = std::max(d, diff(xs.grad(), xr.grad().narrow(0, lo, mine)));
+    CHECK(xs.grad().scalar_type() == xs.scalar_type());
+  }
+  UNSCOPED_INFO("output/input gradient difference " << d << ", output " << y.scalar_type());
+  if (opts.affine()) {
+    const double dw = diff(sum_over_ranks(sync->weight.grad()), ref->weight.grad());
+    const double db = diff(sum_over_ranks(sync->bias.grad()), ref->bias.grad());
+    UNSCOPED_INFO("weight and bias gradient differences " << dw << ", " << db);
+    d = std::max({d, dw, db});
+  }
+  if (opts.track_running_stats()) {
+    const double dm = diff(sync->running_mean, ref->running_mean), dv = diff(sync->running_var, ref->running_var);
+    UNSCOPED_INFO("running mean and variance differences " << dm << ", " << dv);
+    d = std::max({d, dm, dv});
+  }
+  return d;
+}
+}  // namespace
+
+TEST_CASE("SyncBatchNorm2d: f64, f16 and bf16, channels_last and non-contiguous inputs equal BatchNorm2d on the "
+          "global batch (output, gradients, running statistics)",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  const int n = backend().size();
+  std::vector<std::int64_t> rows;
+  for (int r = 0; r < n; ++r) rows.push_back(n == 1 ? 5 : (r == 1 ? 0 : 2 + r));
+  const auto opts = torch::nn::BatchNorm2dOptions(3).momentum(0.3);
+  auto as = [](torch::Dtype t) { return [t](const torch::Tensor& x) { return x.to(t); }; };
+  SECTION("f64 input, f64 module") {
+    CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kDouble), torch::kDouble) < 1e-10));
+  }
+  SECTION("f64 input, f32 module") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kDouble)) < 1e-5)); }
+  SECTION("f32") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kFloat)) < 1e-5)); }
+  SECTION("f16") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kHalf)) < 1e-2)); }
+  SECTION("bf16") { CHECK(all_ranks(step_against_reference(opts, rows, as(torch::kBFloat16)) < 5e-2)); }
+  SECTION("channels_last") {
+    CHECK(all_ranks(step_against_reference(opts, rows, [](const torch::Tensor& x) {
+                      return x.to(torch::kFloat).contiguous(torch::MemoryFormat::ChannelsLast);
+                    }) < 1e-5));
+  }
+  SECTION("non-contiguous (a transposed view)") {
+    CHECK(all_ranks(step_against_reference(opts, rows, [](const torch::Tensor& x) {
+                      return x.to(torch::kFloat).transpose(2, 3).contiguous().transpose(2, 3);
+                    }) < 1e-5));
+  }
+  SECTION("no affine, cumulative average") {
+    CHECK(all_ranks(step_against_reference(torch::nn::BatchNorm2dOptions(3).affine(false).momentum(c10::nullopt), rows,
+                                           as(torch::kFloat)) < 1e-5));
+  }
+}
+
+TEST_CASE("SyncBatchNorm: a rank's refused input (wrong dimensionality, channels or dtype) is an InvalidArgument on "
+          "every rank naming the rank; 0 rows on every rank too",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int last = b.size() - 1;
+  const bool bad = b.rank() == last;
+  lt::SyncBatchNorm2d bn(b, torch::nn::BatchNorm2dOptions(3));
+  const auto good = torch::randn({2, 3, 2, 2});
+  const std::vector<std::pair<torch::Tensor, std::string>> cases{
+      {torch::randn({2, 4, 2, 2}), "channels"}, {torch::randn({2, 3, 2}), "4D input"},
+      {torch::ones({2, 3, 2, 2}, torch::kLong), "Long"}};
+  for (const auto& [input, what] : cases) {
+    INFO("rank " << last << ": " << what);
+    const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(bad ? input : good); });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank " + std::to_string(last))));
+    CHECK(all_ranks(mentions(e, what)));
+    CHECK(all_ranks(!mentions(e, "other: ")));
+  }
+  if (b.size() >= 3) {
+    // Every rank but 0 refuses: every rank names the lowest, and the others.
+    const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(b.rank() == 0 ? good : cases[0].first); });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank 1's input has 4 channels, the module 3 (also rank")));
+    CHECK(all_ranks(mentions(e, std::to_string(last) + ")")));
+  }
+  // The module still works, and counted no batch.
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 0);
+  bn->forward(good).sum().backward();
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  // Every rank with 0 rows.
+  const std::string e = error_of<ls::InvalidArgument>([&] { bn->forward(torch::randn({0, 3, 2, 2})); });
+  UNSCOPED_INFO(e);
+  CHECK(all_ranks(mentions(e, "more than 1 value per channel")));
+}
+
+TEST_CASE("SyncBatchNorm: an input that needs a gradient on some ranks only; backward on every rank gives each "
+          "the global batch's gradient; a rank whose forward records no graph then is an error on every rank",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const std::vector<std::int64_t> rows(static_cast<std::size_t>(b.size()), 2);
+  // Rank 0's input needs a gradient, the others' do not; the weights are trained everywhere.
+  const double d = step_against_reference(
+      torch::nn::BatchNorm2dOptions(3), rows, [&](const torch::Tensor& x) { return x.to(torch::kFloat); },
+      torch::kFloat, /*input_grad=*/b.rank() == 0);
+  CHECK(all_ranks(d < 1e-5));
+  // A training forward under no_grad on every rank: no graph anywhere, the statistics counted.
+  lt::SyncBatchNorm2d bn(b, torch::nn::BatchNorm2dOptions(3));
+  const auto x = torch::randn({2, 3, 2, 2}, torch::requires_grad());
+  {
+    torch::NoGradGuard no_grad;
+    CHECK_FALSE(bn->forward(x).requires_grad());
+  }
+  CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  if (b.size() > 1) {
+    // Rank 0's input needs a gradient, the last rank's forward records no graph: its backward
+    // would never run while rank 0's waits for it. An error in forward, on every rank.
+    const int last = b.size() - 1;
+    const std::string e = error_of<ls::InvalidArgument>([&] {
+      if (b.rank() == last) {
+        torch::NoGradGuard no_grad;
+        bn->forward(x);
+      } else {
+        bn->forward(x);
+      }
+    });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank 0's input needs a gradient, but rank " + std::to_string(last) +
+                                    "'s forward records no autograd graph")));
+    CHECK(bn->num_batches_tracked.item<std::int64_t>() == 1);
+  }
+}
+
+TEST_CASE("Join: a SyncBatchNorm error on one rank inside the loop is thrown on every rank; caught, the ranks "
+          "stay in step and the loop ends everywhere",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size(), last = n - 1;
+  const std::int64_t mine = 2 + (b.rank() == last ? 2 : 0);  // the last rank has 2 extra batches
+  torch::manual_seed(3);
+  Mlp net;
+  lt::synchronize(b, *net, 0);
+  CHECK(lt::convert_sync_batchnorm(b, *net) == 1);
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  lt::DistributedOptimizer opt(b, sgd);
+  lt::Join join(b);
+  std::int64_t i = 0;
+  int caught = 0;
+  for (; join.next(i < mine); ++i) {
+    torch::manual_seed(900 + static_cast<int>(i) + 10 * b.rank());
+    const std::int64_t k = i < mine ? 3 : 0;
+    auto x = torch::randn({k, 4});
+    try {
+      opt.zero_grad();
+      auto h = net->fc1->forward(x);
+      // Step 1: the last rank's batch reaches the SyncBatchNorm with 5 features instead of 6.
+      if (i == 1 && b.rank() == last) h = torch::cat({h, h}, 1).narrow(1, 0, 5);
+      net->fc2->forward(torch::relu(net->bn->forward(h))).pow(2).mean().backward();
+      opt.step();
+    } catch (const ls::InvalidArgument& e) {
+      ++caught;
+      UNSCOPED_INFO(e.what());
+      CHECK(mentions(e.what(), "rank " + std::to_string(last) + "'s input has 5 channels, the module 6"));
+    }
+  }
+  CHECK(all_ranks(caught == 1));
+  CHECK(i == 4);
+  CHECK(join.steps() == 4);
+  std::map<std::string, ls::Tensor> t;
+  for (const auto& p : net->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
+  for (const auto& x : net->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
+  CHECK_NOTHROW(ls::check_replicas(b, t));
+}
+
+TEST_CASE("Join: every rank runs out at a different step (rank r has r batches, rank 0 none), SyncBatchNorm and "
+          "a sharded SGD inside; the same model as one process on the active ranks' rows",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  const int n = b.size();
+  const std::int64_t rows = 3;
+  const std::int64_t mine = b.rank();
+  torch::manual_seed(4);
+  Mlp ref;
+  Mlp dist;
+  {
+    torch::NoGradGuard no_grad;
+    auto src = ref->named_parameters();
+    for (auto& p : dist->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  CHECK(lt::convert_sync_batchnorm(b, *dist) == 1);
+  // SGD with momentum (state to shard). Not Adam: fc1's bias, which the BatchNorm subtracts
+  // again, has a true gradient of 0, and Adam turns its rounding noise into steps of lr's size.
+  torch::optim::SGD sgd(dist->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD sgd_ref(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  lt::DistributedOptimizer opt(b, sgd, {.shard_optimizer_state = true});
+  lt::Join join(b);
+  std::int64_t i = 0;
+  for (; join.next(i < mine); ++i) {
+    torch::manual_seed(700 + static_cast<int>(i));
+    const auto x = torch::randn({n * rows, 4}), y = torch::randn({n * rows, 2});
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < n; ++r)
+      if (i < r) {
+        xs.push_back(x.narrow(0, r * rows, rows));
+        ys.push_back(y.narrow(0, r * rows, rows));
+      }
+    CHECK(join.active_ranks() == static_cast<int>(xs.size()));
+    sgd_ref.zero_grad();
+    ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / static_cast<double>(rows * 2 * n)).backward();
+    sgd_ref.step();
+    const std::int64_t k = i < mine ? rows : 0;
+    opt.zero_grad();
+    torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)), y.narrow(0, b.rank() * rows, k))
+        .backward();
+    CHECK(opt.step());
+  }
+  // At one rank no rank has a batch: the loop ends at once, nothing trained.
+  CHECK(i == std::max(0, n - 1));
+  CHECK(join.joined_steps() == i - mine);
+  UNSCOPED_INFO("largest difference " << max_diff(*dist, *ref));
+  CHECK(all_ranks(max_diff(*dist, *ref) < 1e-4));
+  std::map<std::string, ls::Tensor> t;
+  for (const auto& p : dist->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
+  for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
+  CHECK_NOTHROW(ls::check_replicas(b, t));
 }

@@ -38,14 +38,19 @@ namespace lockstep::torch {
 /// batch, every rank's rows, weighted by each rank's row count (a rank may have 0 rows). Forward
 /// makes one collective (an allgather of every rank's count and per-channel mean and biased
 /// variance, f64, which every rank combines in rank order), backward one (the per-channel sums
-/// of dy and dy * xhat, f64; none when the input needs no gradient, the same on every rank for
-/// the same model); the gradient of the input
-/// is that of the global batch, the gradients of weight and bias are this rank's share (the
+/// of dy and dy * xhat, f64; none when no rank's input needs a gradient: forward tells the
+/// ranks, so every rank whose backward runs makes it, also one whose own input needs none); the
+/// gradient of the input is that of the global batch, the gradients of weight and bias are this rank's share (the
 /// optimizer's average over ranks makes them the global batch's mean). running_mean and
 /// running_var are updated with the global mean and unbiased variance (momentum, or a
 /// cumulative average when momentum is unset), so they stay equal on every rank. Every rank
-/// must call forward (and backward) the same number of times; fewer than 2 values per channel
-/// in the global batch is an InvalidArgument on every rank.
+/// must call forward (and backward) the same number of times: a backward run on some ranks
+/// only leaves them waiting for the others (until the deadline). Fewer than 2 values per channel
+/// in the global batch, or an input one rank refuses (its dimensionality, channels or a
+/// non-floating dtype), is an InvalidArgument on every rank naming the rank, before any rank
+/// normalises or counts the batch; so is a forward that records no autograd graph on one rank
+/// (no_grad, or nothing there needs a gradient) while another rank's input needs a gradient
+/// (that rank's backward would wait for it).
 ///
 /// Eval mode: the running statistics, no collective. With track_running_stats(false), eval
 /// mode normalises with this rank's own batch (no collective), as PyTorch's SyncBatchNorm does.
