@@ -289,7 +289,8 @@ class CommMonitor {
   /// Marks this communicator unusable: every later collective throws `msg` (a MismatchError
   /// when `refused`, a TimeoutError otherwise). `stall`: a rank stopped answering (then finalize
   /// must not wait for it: any_stall()).
-  void mark_unusable(const std::string& msg, bool refused, bool stall = true, int mpi_code = 0);
+  void mark_unusable(const std::string& msg, bool refused, bool stall = true, int mpi_code = 0,
+                     bool peer_left = false);
   /// Unusable because of a stall or a refused collective (not merely because a peer left, which
   /// leaves nothing in flight on this communicator).
   bool stalled_for_real() const noexcept { return stalled_for_real_.load(); }
@@ -459,6 +460,7 @@ class CommMonitor {
   std::atomic<int> urgent_{0};  // > 0 while the collective thread waits for answers to a refusal
   std::atomic<std::int64_t> pending_min_seq_{INT64_MAX};  // first key of pending_refusals_
   bool refused_ = false;   // the communicator became unusable through a refused collective
+  bool reason_is_peer_left_ = false;  // ... because a peer left (see mark_unusable)
   int mpi_code_ = 0;       // ... through an MPI error (here or on another rank): its code
   std::string own_failure_notice_;  // the notice of an MPI error on this rank (announce_leaving)
   std::string refusal_;    // this rank's refusal message during abandon()'s fingerprint exchange

@@ -4,13 +4,18 @@
 namespace lockstep {
 namespace detail {
 
-void CommMonitor::mark_unusable(const std::string& msg, bool refused, bool stall, int mpi_code) {
+void CommMonitor::mark_unusable(const std::string& msg, bool refused, bool stall, int mpi_code, bool peer_left) {
   {
     std::lock_guard lock(mutex_);
-    if (!stalled_) {
+    // The first reason is kept, with one exception: a peer's leaving is a consequence when
+    // this rank then finds that the ranks disagreed on a collective they both entered (the
+    // peer threw at that mismatch and left before this rank had compared): the mismatch is
+    // the reason every rank must report.
+    if (!stalled_ || (reason_is_peer_left_ && refused)) {
       stall_message_ = msg;
       refused_ = refused;
       mpi_code_ = mpi_code;
+      reason_is_peer_left_ = peer_left;
     }
   }
   stalled_.store(true, std::memory_order_release);

@@ -58,7 +58,7 @@ void CommMonitor::apply_left_notice() {
   const std::int64_t in_common = std::min<std::int64_t>(started_.load(), left_after_);
   if (completed_.load() < in_common) return;  // still in a collective the peer completed
   // A rank that left is not a stall of this one: this rank still finalises normally.
-  mark_unusable(left_message_, false, false);
+  mark_unusable(left_message_, false, false, 0, /*peer_left=*/true);
   left_after_ = -1;
 }
 
