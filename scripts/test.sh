@@ -45,17 +45,18 @@ stage_deps() {
 export LOCKSTEP_REQUIRE_GNUPLOT=1
 
 # The core (and the LibTorch adapter) with CUDA hidden: configure, build everything, run every test.
-# The library, examples and benchmarks at Release's -O3; the test programs at -O1
-# (LOCKSTEP_TEST_CXX_FLAGS): a Catch2 test file compiles in half the time (14 s against 7 s for
-# test/train/data_test.cpp), and their time at run is in the library they call (test_shm_collectives,
-# whose references loop in the test itself, keeps -O3).
+# The library and examples at Release's -O3; the test programs at -O1 (LOCKSTEP_TEST_CXX_FLAGS):
+# a Catch2 test file compiles in half the time (14 s against 7 s for test/train/data_test.cpp),
+# and their time at run is in the library they call (test_shm_collectives, whose references loop
+# in the test itself, keeps -O3); the benchmarks at -O1 too (LOCKSTEP_BENCH_CXX_FLAGS: CI takes
+# no figures; 11 s against 17 s for bench_gradsync), still against the -O3 library.
 # A unity build (CMAKE_UNITY_BUILD: 423 s against 493 s for this build on 2 cores): that every
 # library source compiles on its own is checked by the package.subdir test, which builds them one
 # by one as a user's add_subdirectory does. The tests labelled across_hosts (4 ranks, and
 # Open MPI's TCP over loopback) are left to the multihost stage when it is in this run, which
 # repeats them on real hosts; it runs them here itself where it cannot run.
 stage_core() {
-  without_cuda cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_TEST_CXX_FLAGS=-O1 \
+  without_cuda cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_TEST_CXX_FLAGS=-O1 -DLOCKSTEP_BENCH_CXX_FLAGS=-O1 \
     -DCMAKE_UNITY_BUILD="${LOCKSTEP_UNITY_BUILD:-ON}" \
     -DLOCKSTEP_WITH_CUDA=OFF -DLOCKSTEP_WITH_NCCL=OFF -DLOCKSTEP_WITH_TORCH=ON -DLOCKSTEP_FAULT_INJECTION=ON || return 1
   without_cuda cmake --build "$BUILD_DIR" --parallel "$JOBS" || return 1

@@ -4,16 +4,19 @@
 #   a single-process test run directly. SOURCES: first builds TARGET from them with the test main
 #   (lockstep_test_executable, test/CMakeLists.txt); the same for lockstep_add_mpi_test.
 # lockstep_add_rank_tests(NAME name RANKS n... COMMAND args... [SUFFIX s] [GATE VAR] [LABELS ...]
-#                         [TIMEOUT s] [ENV VAR=value...] [FAULTS] [NO_FAULTS] [DISABLED])
+#                         [TIMEOUT s] [ENV VAR=value...] [FAULTS] [NO_FAULTS] [DISABLED]
+#                         [PROCESSORS p])
 #   one CTest test per rank count n, name.np<n><suffix>, running COMMAND with every "<N>" in it
 #   replaced by n, behind test/gate.sh: gated by DIST_TEST_MPI (or GATE VAR), and reported
 #   skipped (exit code 77) without the variable set to "true". Labelled mpi and LABELS; the
 #   environment is LOCKSTEP_TEST_ENV, MPIEXEC and ENV. FAULTS: the test injects faults
 #   (LOCKSTEP_FAULT), so it is reported skipped in a build without fault injection; NO_FAULTS:
 #   it checks such a build, and is reported skipped in one with it. DISABLED: registered but
-#   not run (a known failure).
+#   not run (a known failure). PROCESSORS p: the cores CTest reserves for it, at most p (default:
+#   one per rank); for a test that mostly waits (deadlines, sleeping peers), so that CTest runs
+#   another beside it.
 # lockstep_add_mpi_test(NAME name TARGET target [SOURCES files...] RANKS 1 2 3 4 [TCP] [GATE VAR]
-#                       [LABELS ...] [TIMEOUT s] [ARGS ...] [ENV ...])
+#                       [LABELS ...] [TIMEOUT s] [ARGS ...] [ENV ...] [PROCESSORS p])
 #   a program run under mpiexec -n N (lockstep_add_rank_tests). TCP runs it over Open MPI's TCP
 #   transport (--mca btl tcp,self), the path a multi-node job takes.
 # lockstep_add_script_test(NAME name SCRIPT script TARGET target PROCESSORS n TIMEOUT s
@@ -66,7 +69,7 @@ function(lockstep_add_unit_test)
 endfunction()
 
 function(lockstep_add_rank_tests)
-  cmake_parse_arguments(T "FAULTS;NO_FAULTS;DISABLED" "NAME;SUFFIX;GATE;TIMEOUT" "RANKS;COMMAND;LABELS;ENV" ${ARGN})
+  cmake_parse_arguments(T "FAULTS;NO_FAULTS;DISABLED" "NAME;SUFFIX;GATE;TIMEOUT;PROCESSORS" "RANKS;COMMAND;LABELS;ENV" ${ARGN})
   lockstep_default(T_TIMEOUT 180)
   lockstep_default(T_GATE DIST_TEST_MPI)
   lockstep_default(T_RANKS 2 3 4)
@@ -80,7 +83,11 @@ function(lockstep_add_rank_tests)
     set(test_name ${T_NAME}.np${n}${T_SUFFIX})
     string(REPLACE "<N>" "${n}" command "${T_COMMAND}")
     add_test(NAME ${test_name} COMMAND ${needs} ${_lockstep_gate} ${T_GATE} ${command})
-    _lockstep_mpi_test_properties(${test_name} ${n} ${T_TIMEOUT} "${T_LABELS}"
+    set(processors ${n})
+    if(T_PROCESSORS AND T_PROCESSORS LESS n)
+      set(processors ${T_PROCESSORS})
+    endif()
+    _lockstep_mpi_test_properties(${test_name} ${processors} ${T_TIMEOUT} "${T_LABELS}"
       "${LOCKSTEP_TEST_ENV};MPIEXEC=${MPIEXEC_EXECUTABLE};${T_ENV}")
     if(T_DISABLED)
       set_tests_properties(${test_name} PROPERTIES DISABLED TRUE)
@@ -89,7 +96,7 @@ function(lockstep_add_rank_tests)
 endfunction()
 
 function(lockstep_add_mpi_test)
-  cmake_parse_arguments(T "TCP" "NAME;TARGET;TIMEOUT;GATE;COMMAND" "RANKS;LABELS;ARGS;ENV;SOURCES" ${ARGN})
+  cmake_parse_arguments(T "TCP" "NAME;TARGET;TIMEOUT;GATE;COMMAND;PROCESSORS" "RANKS;LABELS;ARGS;ENV;SOURCES" ${ARGN})
   if(T_SOURCES)
     lockstep_test_executable(${T_TARGET} ${T_SOURCES})
   endif()
@@ -108,7 +115,7 @@ function(lockstep_add_mpi_test)
     set(exe $<TARGET_FILE:${T_TARGET}>)
   endif()
   set(pass "")
-  foreach(key IN ITEMS GATE TIMEOUT RANKS LABELS)
+  foreach(key IN ITEMS GATE TIMEOUT RANKS LABELS PROCESSORS)
     if(T_${key})
       list(APPEND pass ${key} ${T_${key}})
     endif()
