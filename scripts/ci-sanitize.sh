@@ -60,10 +60,10 @@ export OMPI_MCA_memory=^patcher
 
 cd "$build"
 # Every MPI test but the remote suites (which mostly wait: PROCESSORS 1) takes all of CTest's
-# processors here, so the tests run one after another. The
-# 4-rank and 3-rank variants and the adversarial suite's reruns with other shared-memory settings
-# are left to the core stage, which runs every test (the 3-rank set alone was about half of this
-# stage's ctest); the same code runs here at 1 and 2 ranks. The exception: the collectives
+# processors here, so the tests run one after another. The 4-rank and 3-rank variants and the
+# adversarial suite's reruns with other shared-memory settings are left to the core stage, which
+# runs every test (the 3-rank set alone was about half of this stage's ctest); the same code runs
+# here at 1 and 2 ranks. The exception: the collectives
 # themselves (the shared-memory path and the MPI collectives) also run at 3, where a third rank
 # reaches code that two do not (rank-order folds past the first pair, roots other than 0 and 1).
 # The sharded checkpoint fixtures go to the core stage too (their save runs at 4 ranks); the
