@@ -383,3 +383,22 @@ lockstep_add_fault_test(NAME hierarchical_delay RANKS 4 ENDED_RANK 3 MAX_MS_AFTE
 lockstep_test_executable(test_agreement_adversarial reliability/agreement_adversarial_test.cpp)
 lockstep_add_mpi_test(NAME agreement_adversarial TARGET test_agreement_adversarial RANKS 2 3 TIMEOUT 120
                       LABELS reliability ENV LOCKSTEP_TIMEOUT=20)
+
+# A late delivery after a timeout (docs/reliability.md, "Memory a request may still use"): one
+# rank frozen (SIGSTOP, every thread) for 9 s once its part of a collective is on its way
+# (kind=freeze_exchange), the others' deadline 2 s; the survivors then write into their buffers
+# while the frozen rank comes back and completes the transfer. Over TCP (no single-copy shared
+# memory: the receiver needs the frozen sender to move the data). Flat MPI (no shared-memory
+# path) at 2 ranks, and the hierarchical path at 2 machines x 2 (a 4 MiB call). The sanitize
+# stage runs both (label mpi): a late write into freed memory fails there too.
+add_executable(lockstep_late_delivery reliability/late_delivery.cpp)
+target_link_libraries(lockstep_late_delivery PRIVATE lockstep::core lockstep_build_flags)
+set(LOCKSTEP_LATE_DELIVERY ${CMAKE_CURRENT_SOURCE_DIR}/reliability/late_delivery.sh)
+lockstep_add_rank_tests(NAME reliability.late_delivery.flat RANKS 2 TIMEOUT 90 LABELS reliability FAULTS
+  ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_SHM=0 OMPI_MCA_btl=self,tcp
+      "LOCKSTEP_FAULT=rank=1,kind=freeze_exchange,after=1,seconds=9"
+  COMMAND ${LOCKSTEP_LATE_DELIVERY} <N> $<TARGET_FILE:lockstep_late_delivery> 1 1048576 40)
+lockstep_add_rank_tests(NAME reliability.late_delivery.hierarchical RANKS 4 TIMEOUT 90 LABELS reliability FAULTS
+  ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TEST_HOST_SIZE=2 OMPI_MCA_btl=self,tcp
+      "LOCKSTEP_FAULT=rank=3,kind=freeze_exchange,after=1,seconds=9"
+  COMMAND ${LOCKSTEP_LATE_DELIVERY} <N> $<TARGET_FILE:lockstep_late_delivery> 3 1048576 40)

@@ -11,6 +11,8 @@
 #include "core/wire16.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
+#include "comm/rank_list.hpp"
+#include "mpi/keep_for_process.hpp"
 #include "mpi/monitor.hpp"
 
 namespace lockstep::detail {
@@ -31,6 +33,8 @@ constexpr std::int64_t kHierReduceScatterTag = std::int64_t{2} << 32;
 constexpr std::int64_t kHierReduceScatterWireTag = std::int64_t{3} << 32;
 constexpr std::int64_t kHierAllgatherTag = std::int64_t{4} << 32;
 constexpr std::int64_t kHierAllreduceWireTag = std::int64_t{5} << 32;
+constexpr std::int64_t kHierReduceTag = std::int64_t{6} << 32;   // | root << 8 | op
+constexpr std::int64_t kHierBarrierTag = std::int64_t{7} << 32;
 
 // A slice of a pipelined call: elements [off, off + c) (of the buffer, or of every block), and
 // its slot (0 or 1: the scratch and the requests it uses).
@@ -61,6 +65,44 @@ void pipeline(std::size_t n, std::size_t step, Start&& start, Finish&& finish) {
 }
 }  // namespace
 
+// Every buffer an MPI request of the object may read or write, and the requests themselves.
+// Kept between calls (grown, never shrunk); see the invariant at HierarchicalAllreduce::live_.
+struct HierarchicalAllreduce::InFlight {
+  std::vector<char> gather, slot[2], wire[2], inbox[2], stage[2], padded;
+  std::int64_t check[2 * kCheckFields] = {};  // the agreement's exchange
+  MPI_Request check_req = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> p2p[2];  // the inter-host sends and receives of post_exchange, per slot
+  MPI_Request pending[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // stage 2 of the last two slices
+
+  bool busy() const noexcept {
+    bool any = check_req != MPI_REQUEST_NULL || pending[0] != MPI_REQUEST_NULL || pending[1] != MPI_REQUEST_NULL;
+    for (const auto& slot_reqs : p2p)
+      for (MPI_Request r : slot_reqs) any = any || r != MPI_REQUEST_NULL;
+    return any;
+  }
+};
+
+template <class Stages>
+void HierarchicalAllreduce::guarded(Stages&& stages) {
+  try {
+    stages();
+  } catch (...) {
+    abandon();
+    throw;
+  }
+}
+
+void HierarchicalAllreduce::abandon() noexcept {
+  if (!live_->busy()) return;  // every request completed: nothing can arrive late
+  failed_ = true;
+  try {
+    keep_for_process(std::move(live_));
+    live_ = std::make_shared<InFlight>();
+  } catch (...) {  // out of memory: leak it rather than free it
+    new std::shared_ptr<InFlight>(std::move(live_));
+  }
+}
+
 std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm comm, MPI_Comm node, bool enabled,
                                                                      MpiOps ops, void* monitor,
                                                                      std::size_t chunk_bytes, std::int64_t min_bytes) {
@@ -88,6 +130,7 @@ std::unique_ptr<HierarchicalAllreduce> HierarchicalAllreduce::create(MPI_Comm co
     return drop();
   }
   std::unique_ptr<HierarchicalAllreduce> self(new HierarchicalAllreduce());
+  self->live_ = std::make_shared<InFlight>();
   self->comm_ = comm;
   self->node_ = node;
   self->rank_ = rank;
@@ -126,10 +169,10 @@ HierarchicalAllreduce::~HierarchicalAllreduce() {
   int fin = 0;
   MPI_Finalized(&fin);
   // After a wait that threw (a deadline, a stall elsewhere) a request may still be in flight on
-  // the communicators: they are left allocated then, as the backend leaves its own.
-  bool busy = failed_ || pending_[0] != MPI_REQUEST_NULL || pending_[1] != MPI_REQUEST_NULL;
-  for (const auto& slot : p2p_)
-    for (MPI_Request r : slot) busy = busy || r != MPI_REQUEST_NULL;
+  // the communicators: they are left allocated then, as the backend leaves its own, and so is
+  // the memory the request targets.
+  const bool busy = failed_ || (live_ && live_->busy());
+  if (busy && live_) keep_for_process(std::move(live_));
   if (fin || busy) return;
   if (cross_ != MPI_COMM_NULL) MPI_Comm_free(&cross_);
   if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
@@ -142,14 +185,14 @@ void HierarchicalAllreduce::hook(void* p) {
 }
 
 void HierarchicalAllreduce::progress() noexcept {
-  for (MPI_Request& r : pending_) {
+  for (MPI_Request& r : live_->pending) {
     if (r == MPI_REQUEST_NULL) continue;
     int flag = 0;
     const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS && error_ == MPI_SUCCESS) error_ = rc;
   }
-  for (auto& slot : p2p_)
-    for (MPI_Request& r : slot) {
+  for (auto& slot_reqs : live_->p2p)
+    for (MPI_Request& r : slot_reqs) {
       if (r == MPI_REQUEST_NULL) continue;
       int flag = 0;
       const int rc = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
@@ -184,50 +227,100 @@ bool HierarchicalAllreduce::handles(std::int64_t numel, DType dtype, ReduceOp op
   return static_cast<std::size_t>(numel) * size_of(dtype) >= min_bytes_;
 }
 
+namespace {
+// The agreement's op-or-root field in words: the collective, and its op or root.
+std::string describe_arg(std::int64_t v) {
+  const auto tag = v >> 32;
+  const auto low = static_cast<std::uint32_t>(v & 0xffffffff);
+  const char* const colls[] = {"allreduce",      "broadcast",          "reduce_scatter", "reduce_scatter_wire16",
+                               "allgather",      "allreduce_wire16",   "reduce",         "barrier"};
+  if (tag < 0 || tag >= static_cast<std::int64_t>(std::size(colls))) return concat("field ", v);
+  std::string s = colls[tag];
+  if (tag == 1) return concat(s, " from root ", low);
+  if (tag == 4 || tag == 7) return s;
+  if (tag == 6) return concat(s, " to root ", low >> 8, " with op ", name(static_cast<ReduceOp>(low & 0xff)));
+  return concat(s, " with op ", name(static_cast<ReduceOp>(low)));
+}
+
+// One field's values over the ranks: "ranks 0, 1: 16384; rank 2: 16385" (values in the order
+// of the first rank holding each).
+template <class Show>
+std::string ranks_by_value(const std::vector<std::int64_t>& all, int size, int field, Show&& show) {
+  std::vector<std::int64_t> values;
+  std::vector<std::vector<int>> holders;
+  for (int r = 0; r < size; ++r) {
+    const std::int64_t v = all[static_cast<std::size_t>(r) * kCheckFields + static_cast<std::size_t>(field)];
+    auto at = std::find(values.begin(), values.end(), v);
+    if (at == values.end()) {
+      values.push_back(v);
+      holders.emplace_back();
+      at = values.end() - 1;
+    }
+    holders[static_cast<std::size_t>(at - values.begin())].push_back(r);
+  }
+  std::string s;
+  for (std::size_t k = 0; k < values.size(); ++k) s += concat(k ? "; " : "", rank_list(holders[k]), ": ", show(values[k]));
+  return s;
+}
+}  // namespace
+
 void HierarchicalAllreduce::agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg,
                                   const char* arg_name, bool host) {
-  // A broadcast's root is told apart from every op (an allreduce and a broadcast disagree).
   const std::int64_t mine[kCheckFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
-                                      arg, host ? 1 : 0};
+                                           arg, host ? 1 : 0};
   // The max over every rank of each field and of its complement: all ranks agree on a field
   // exactly when max(x) == ~max(~x). First among the ranks of this local rank (over the network),
   // then among the ranks of this machine (shared memory): every rank ends with the max over all.
-  std::int64_t buf[2 * kCheckFields];
-  for (int i = 0; i < kCheckFields; ++i) {
-    buf[i] = mine[i];
-    buf[kCheckFields + i] = ~mine[i];
-  }
-  MPI_Request req = MPI_REQUEST_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, cross_, &req));
-  wait(&req);
-  if (!shm_->allreduce(buf, buf, 2 * kCheckFields, DType::i64, ReduceOp::max, true))
-    LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, node_));
+  // The exchange's buffer and request live in *live_: a wait that throws leaves them to MPI.
+  std::int64_t* const buf = live_->check;
+  guarded([&] {
+    for (int i = 0; i < kCheckFields; ++i) {
+      buf[i] = mine[i];
+      buf[kCheckFields + i] = ~mine[i];
+    }
+    LOCKSTEP_MPI_CHECK(
+        MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, cross_, &live_->check_req));
+    wait(&live_->check_req);
+    if (!shm_->allreduce(buf, buf, 2 * kCheckFields, DType::i64, ReduceOp::max, true))
+      LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, node_));
+  });
+  bool same = true;
+  for (int i = 0; i < kCheckFields; ++i) same = same && buf[i] == ~buf[kCheckFields + i];
+  if (same) return;
+  // Every rank has the same verdict: every rank gathers every rank's call to name who differs.
+  std::vector<std::int64_t> all(static_cast<std::size_t>(size_) * kCheckFields);
+  LOCKSTEP_MPI_CHECK(guarded_allgather(mine, kCheckFields, MPI_INT64_T, all.data(), kCheckFields, MPI_INT64_T, comm_));
+  const char* const names[kCheckFields] = {"call number", "element count", "dtype", "collective (op or root)",
+                                           "memory"};
   std::string differ;
-  const char* const names[kCheckFields] = {"call number", "element count", "dtype", "op or root (or collective)",
-                                      "memory (host or device)"};
-  for (int i = 0; i < kCheckFields; ++i)
-    if (buf[i] != ~buf[kCheckFields + i]) differ += concat(differ.empty() ? "" : ", ", names[i]);
-  if (!differ.empty())
-    throw MismatchError(concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", what,
-                               " of ", numel, " ", name(dtype), " elements with ", arg_name,
-                               host ? "" : " in device memory", " (call number ", mine[0],
-                               " on this communicator), and another rank's call differs in its ", differ,
-                               " (found by the hierarchical path's agreement)", rank_suffix()));
+  for (int i = 0; i < kCheckFields; ++i) {
+    if (buf[i] == ~buf[kCheckFields + i]) continue;
+    differ += concat(differ.empty() ? "" : "; and in ", names[i], ": ",
+                     ranks_by_value(all, size_, i, [i](std::int64_t v) -> std::string {
+                       switch (i) {
+                         case 2: return v >= 0 && v < 64 ? name(static_cast<DType>(v)) : std::to_string(v);
+                         case 3: return describe_arg(v);
+                         case 4: return v ? "host" : "device";
+                         default: return std::to_string(v);
+                       }
+                     }));
+  }
+  throw MismatchError(concat(what, ": ranks called different collectives: they differ in ", differ,
+                             ". This rank (", rank_, ") called ", what, " of ", numel, " ", name(dtype),
+                             " elements with ", arg_name, host ? "" : " in device memory", " (call number ",
+                             mine[0], " on this communicator; found by the hierarchical path's agreement, before "
+                             "any path was chosen)", rank_suffix()));
 }
 
 bool HierarchicalAllreduce::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                       bool host) {
-  // The path depends on the call's own fields (the same on every rank for the same call); a call
-  // this path takes is agreed first, and a disagreement is MismatchError on every rank.
-  if (!handles(numel, dtype, op, host)) return false;
+  // Agreed first, then the path chosen from the agreed fields: the same on every rank.
   agree("allreduce", numel, dtype, static_cast<std::int64_t>(op), concat("op ", name(op)).c_str(), host);
-  try {
+  if (!handles(numel, dtype, op, host)) return false;
+  guarded([&] {
     run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op,
         DType::f32);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  });
   return true;
 }
 
@@ -235,7 +328,6 @@ void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType 
   const bool w16 = wire == DType::bf16 || wire == DType::f16;
   const std::size_t es = size_of(dtype);
   const auto L = static_cast<std::size_t>(local_size_), H = static_cast<std::size_t>(hosts_);
-  const auto lr = static_cast<std::size_t>(local_rank_);
   // Chunks of a multiple of `unit` elements: L blocks, and on the 16-bit wire each block H pieces.
   // Only the last chunk may be shorter, and if it is not a multiple of `unit` it goes through a
   // scratch buffer padded with zeros (whose results are dropped).
@@ -249,10 +341,10 @@ void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType 
   const MPI_Datatype wdt = w16 ? ops_.type(wire) : dt;
   const MPI_Op wop = w16 ? ops_.op(ReduceOp::sum, wire) : mop;
   const std::size_t ws = w16 ? size_of(wire) : es;
-  std::vector<char> padded;  // the last chunk, when it is not a multiple of unit
+  InFlight& fl = *live_;
 
   struct Place {
-    char* work = nullptr;     // the chunk's L blocks (out, or scratch)
+    char* work = nullptr;     // the chunk's L blocks (out, or the padded scratch)
     std::size_t b = 0;        // block length
     char* copy_to = nullptr;  // where the chunk's elements go at the end (padded chunk), else null
   };
@@ -266,56 +358,53 @@ void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType 
       p.work = out + s.off * es;
     } else {
       p.b = (s.c + unit - 1) / unit * unit / L;
-      padded.assign(p.b * L * es, 0);
-      std::memcpy(padded.data(), src, s.c * es);
-      src = padded.data();
-      p.work = padded.data();
+      fl.padded.assign(p.b * L * es, 0);
+      std::memcpy(fl.padded.data(), src, s.c * es);
+      src = fl.padded.data();
+      p.work = fl.padded.data();
       p.copy_to = out + s.off * es;
     }
-    char* block = p.work + lr * p.b * es;
-    // Stage 1: this machine's sum of block lr of the chunk, into block lr of its place in out
-    // (in place when src is out, which the shared-memory reduce-scatter allows). In f32 on the
+    // Stage 1: this machine's sum of block lr of the chunk, into the slot's stage buffer (the
+    // object's own memory: stage 2's request never targets the caller's buffer). In f32 on the
     // 16-bit wire too: the ranks of one machine never round.
-    if (!shm_->reduce_scatter(src, block, static_cast<std::int64_t>(p.b), dtype, sum_op, true)) {
-      std::vector<char> tmp(p.b * es);
-      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(src, tmp.data(), static_cast<int>(p.b), dt, mop, node_));
-      std::memcpy(block, tmp.data(), p.b * es);
-    }
+    char* block = scratch(fl.stage[s.slot], p.b * es);
+    if (!shm_->reduce_scatter(src, block, static_cast<std::int64_t>(p.b), dtype, sum_op, true))
+      LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(src, block, static_cast<int>(p.b), dt, mop, node_));
     // Stage 2, nonblocking: the block among the machines. It runs while the previous chunk's
     // all-gather and the next chunk's reduce-scatter do (their waits test it).
     if (!w16) {
       LOCKSTEP_MPI_CHECK(
-          MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(p.b), dt, mop, cross_, &pending_[s.slot]));
+          MPI_Iallreduce(MPI_IN_PLACE, block, static_cast<int>(p.b), dt, mop, cross_, &fl.pending[s.slot]));
       return;
     }
     // The 16-bit wire: the machine's sum rounded once, then the first half of an allreduce among
     // the machines (a reduce-scatter, point to point: piece h of the block to machine h).
-    char* wbuf = scratch(wire_[s.slot], p.b * ws);
+    char* wbuf = scratch(fl.wire[s.slot], p.b * ws);
     detail::to_wire16(wire, reinterpret_cast<const float*>(block), wbuf, static_cast<std::int64_t>(p.b));
     post_exchange(wbuf, p.b / H, ws, s.slot);
   };
   auto finish = [&](const Slice& s) {
     const Place& p = place[s.slot];
-    char* block = p.work + lr * p.b * es;
+    char* block = fl.stage[s.slot].data();
     if (w16) {
       // This machine's piece of the block summed over the machines (16-bit), then every
       // machine's piece to every machine (the second half), and the block widened.
       const std::size_t piece = p.b / H;
-      char* wbuf = wire_[s.slot].data();
-      char* mine = fold_exchange(wbuf, piece, ws, s.slot, wdt, wop, nullptr);  // in inbox_[slot]
+      char* wbuf = fl.wire[s.slot].data();
+      char* mine = fold_exchange(wbuf, piece, ws, s.slot, wdt, wop, nullptr);  // in the slot's inbox
       const int bytes = static_cast<int>(piece * ws);
-      LOCKSTEP_MPI_CHECK(MPI_Iallgather(mine, bytes, MPI_BYTE, wbuf, bytes, MPI_BYTE, cross_, &pending_[s.slot]));
-      wait(&pending_[s.slot]);
+      LOCKSTEP_MPI_CHECK(MPI_Iallgather(mine, bytes, MPI_BYTE, wbuf, bytes, MPI_BYTE, cross_, &fl.pending[s.slot]));
+      wait(&fl.pending[s.slot]);
       detail::from_wire16(wire, wbuf, reinterpret_cast<float*>(block), static_cast<std::int64_t>(p.b),
                           op == ReduceOp::avg ? static_cast<float>(size_) : 1.0f);
     } else {
-      wait(&pending_[s.slot]);
+      exchange_point(monitor_);  // a test's freeze_exchange fault
+      wait(&fl.pending[s.slot]);
       if (op == ReduceOp::avg) ops_.scale(TensorView{block, static_cast<std::int64_t>(p.b), dtype, Device::cpu()}, size_);
     }
-    // Stage 3: every rank's finished block to every rank of this machine (in place).
+    // Stage 3: every rank's finished block to every rank of this machine.
     if (!shm_->allgather(block, p.work, static_cast<std::int64_t>(p.b), dtype, true))
-      LOCKSTEP_MPI_CHECK(guarded_allgather(MPI_IN_PLACE, static_cast<int>(p.b), dt, p.work, static_cast<int>(p.b), dt,
-                                           node_));
+      LOCKSTEP_MPI_CHECK(guarded_allgather(block, static_cast<int>(p.b), dt, p.work, static_cast<int>(p.b), dt, node_));
     if (p.copy_to != nullptr) std::memcpy(p.copy_to, p.work, s.c * es);
   };
   pipeline(n, chunk, start, finish);
@@ -323,33 +412,23 @@ void HierarchicalAllreduce::run(const char* in, char* out, std::size_t n, DType 
 
 bool HierarchicalAllreduce::allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) {
   if (op != ReduceOp::sum && op != ReduceOp::avg) return false;
-  // No test of the count here: the caller took the call by handles_allreduce_wire16() of its own
-  // count, on every rank alike, and a count changed since must reach the agreement.
   agree("allreduce_wire16", numel, wire, kHierAllreduceWireTag | static_cast<std::int64_t>(op),
         concat("op ", name(op)).c_str(), true);
-  if (numel <= 0) return true;  // agreed: nothing to move
-  try {
+  if (!handles(numel, DType::f32, ReduceOp::sum, true)) return false;  // agreed: the caller's other way
+  guarded([&] {
     run(reinterpret_cast<const char*>(buf), reinterpret_cast<char*>(buf), static_cast<std::size_t>(numel), DType::f32,
         op, wire);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  });
   return true;
 }
 
 bool HierarchicalAllreduce::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
-  if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) < min_bytes_) return false;
   // The root is encoded apart from every ReduceOp value, so that an allreduce and a broadcast of
   // the same size disagree; a root out of range is the backend's InvalidArgument before this.
   agree("broadcast", numel, dtype, std::int64_t{1} << 32 | static_cast<std::uint32_t>(root),
         concat("root ", root).c_str(), host);
-  try {
-    run_broadcast(static_cast<char*>(buf), static_cast<std::size_t>(numel), dtype, root);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) < min_bytes_) return false;
+  guarded([&] { run_broadcast(static_cast<char*>(buf), static_cast<std::size_t>(numel), dtype, root); });
   return true;
 }
 
@@ -359,15 +438,21 @@ void HierarchicalAllreduce::run_broadcast(char* buf, std::size_t n, DType dtype,
   const int host_root = host_of_[static_cast<std::size_t>(root)];
   const bool carrier = local_rank_ == local_root;  // takes part in the inter-host broadcast
   const std::size_t chunk = std::max<std::size_t>(1, chunk_bytes_ / es);
+  InFlight& fl = *live_;
   auto start = [&](const Slice& s) {
-    // Across the machines, nonblocking: it runs while the previous chunk is spread (the shared-
-    // memory waits test it).
-    if (carrier)
-      LOCKSTEP_MPI_CHECK(MPI_Ibcast(buf + s.off * es, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_,
-                                    &pending_[s.slot]));
+    // Across the machines, nonblocking, through the slot's stage buffer (the object's own
+    // memory): it runs while the previous chunk is spread (the shared-memory waits test it).
+    if (!carrier) return;
+    char* stage = scratch(fl.stage[s.slot], s.c * es);
+    if (rank_ == root) std::memcpy(stage, buf + s.off * es, s.c * es);
+    LOCKSTEP_MPI_CHECK(
+        MPI_Ibcast(stage, static_cast<int>(s.c * es), MPI_BYTE, host_root, cross_, &fl.pending[s.slot]));
   };
   auto finish = [&](const Slice& s) {
-    if (carrier) wait(&pending_[s.slot]);
+    if (carrier) {
+      wait(&fl.pending[s.slot]);
+      if (rank_ != root) std::memcpy(buf + s.off * es, fl.stage[s.slot].data(), s.c * es);
+    }
     // Within the machine, from the carrier (the root itself on the root's machine).
     char* p = buf + s.off * es;
     if (!shm_->broadcast(p, static_cast<std::int64_t>(s.c), dtype, local_root, true))
@@ -382,52 +467,53 @@ void HierarchicalAllreduce::run_broadcast(char* buf, std::size_t n, DType dtype,
 
 bool HierarchicalAllreduce::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                            bool host) {
-  if (numel <= 0 || !handles(numel * size_, dtype, op, host)) return false;
   agree("reduce_scatter", numel, dtype, kHierReduceScatterTag | static_cast<std::int64_t>(op),
         concat("op ", name(op)).c_str(), host);
-  try {
+  if (numel <= 0 || !handles(numel * size_, dtype, op, host)) return false;
+  guarded([&] {
     run_reduce_scatter(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel),
                        dtype, op, DType::f32);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  });
   return true;
 }
 
 bool HierarchicalAllreduce::reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                                                   ReduceOp op) {
-  if (!handles_wire16(numel) || (op != ReduceOp::sum && op != ReduceOp::avg)) return false;
+  if (op != ReduceOp::sum && op != ReduceOp::avg) return false;
   agree("reduce_scatter_wire16", numel, wire, kHierReduceScatterWireTag | static_cast<std::int64_t>(op),
         concat("op ", name(op)).c_str(), true);
-  try {
+  if (numel <= 0 || !handles(numel * size_, DType::f32, ReduceOp::sum, true)) return false;
+  guarded([&] {
     run_reduce_scatter(reinterpret_cast<const char*>(send), reinterpret_cast<char*>(recv),
                        static_cast<std::size_t>(numel), DType::f32, op, wire);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  });
   return true;
 }
 
 bool HierarchicalAllreduce::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
+  agree("allgather", numel, dtype, kHierAllgatherTag, "no op", host);
   if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) * static_cast<std::size_t>(size_) < min_bytes_)
     return false;
-  agree("allgather", numel, dtype, kHierAllgatherTag, "no op", host);
-  try {
+  guarded([&] {
     run_allgather(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype);
-  } catch (...) {
-    failed_ = true;
-    throw;
-  }
+  });
   return true;
+}
+
+void HierarchicalAllreduce::agree_reduce(std::int64_t numel, DType dtype, ReduceOp op, int root, bool host) {
+  agree("reduce", numel, dtype,
+        kHierReduceTag | static_cast<std::int64_t>(static_cast<std::uint32_t>(root) << 8) | static_cast<std::int64_t>(op),
+        concat("op ", name(op), " and root ", root).c_str(), host);
+}
+
+void HierarchicalAllreduce::agree_barrier() { agree("barrier", 0, DType::u8, kHierBarrierTag, "no op", true);
 }
 
 void HierarchicalAllreduce::post_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot) {
   const auto H = static_cast<std::size_t>(hosts_);
   const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);  // rank in cross_
-  char* inbox = scratch(inbox_[slot], H * c * ps);
-  std::vector<MPI_Request>& reqs = p2p_[slot];
+  char* inbox = scratch(live_->inbox[slot], H * c * ps);
+  std::vector<MPI_Request>& reqs = live_->p2p[slot];
   reqs.assign(2 * (H - 1), MPI_REQUEST_NULL);
   const int bytes = static_cast<int>(c * ps);
   for (std::size_t d = 1; d < H; ++d) {
@@ -441,10 +527,10 @@ void HierarchicalAllreduce::post_exchange(const char* pieces, std::size_t c, std
 
 char* HierarchicalAllreduce::fold_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot,
                                            MPI_Datatype dt, MPI_Op mop, char* acc) {
-  for (MPI_Request& r : p2p_[slot]) wait(&r);
+  for (MPI_Request& r : live_->p2p[slot]) wait(&r);
   const auto H = static_cast<std::size_t>(hosts_);
   const auto me = static_cast<std::size_t>(host_of_[static_cast<std::size_t>(rank_)]);
-  char* inbox = inbox_[slot].data();
+  char* inbox = live_->inbox[slot].data();
   if (acc == nullptr) acc = inbox + me * c * ps;  // inbox's own place is free
   auto piece = [&](std::size_t h) -> const char* { return h == me ? pieces + me * c * ps : inbox + h * c * ps; };
   // acc = piece 0, then acc = piece h op acc (MPI_Reduce_local, the backend's operators: the
@@ -465,7 +551,8 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
   const ReduceOp sum_op = op == ReduceOp::avg ? ReduceOp::sum : op;
   const MPI_Datatype dt = ops_.type(w16 ? wire : dtype);
   const MPI_Op mop = ops_.op(sum_op, w16 ? wire : dtype);
-  char* const in = scratch(gather_, N * s * es);
+  InFlight& fl = *live_;
+  char* const in = scratch(fl.gather, N * s * es);
   auto start = [&](const Slice& st) {
     const std::size_t c = st.c;
     // Stage 1: the slice of every block, ordered by its owner's local rank, then its machine;
@@ -477,7 +564,7 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
                     send + (static_cast<std::size_t>(rank_at_[h * L + j]) * q + st.off) * es, c * es);
         progress();
       }
-    char* part = scratch(slot_[st.slot], H * c * es);
+    char* part = scratch(fl.slot[st.slot], H * c * es);
     if (!shm_->reduce_scatter(in, part, static_cast<std::int64_t>(H * c), dtype, sum_op, true))
       LOCKSTEP_MPI_CHECK(guarded_reduce_scatter_block(in, part, static_cast<int>(H * c), ops_.type(dtype),
                                                       ops_.op(sum_op, dtype), node_));
@@ -489,7 +576,7 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
     // shared-memory waits test it); finish sums the pieces.
     const char* pieces = part;
     if (w16) {
-      char* wbuf = scratch(wire_[st.slot], H * c * ws);
+      char* wbuf = scratch(fl.wire[st.slot], H * c * ws);
       detail::to_wire16(wire, reinterpret_cast<const float*>(part), wbuf, static_cast<std::int64_t>(H * c));
       pieces = wbuf;
     }
@@ -497,7 +584,7 @@ void HierarchicalAllreduce::run_reduce_scatter(const char* send, char* recv, std
   };
   auto finish = [&](const Slice& st) {
     const std::size_t c = st.c;
-    const char* pieces = w16 ? wire_[st.slot].data() : slot_[st.slot].data();
+    const char* pieces = w16 ? fl.wire[st.slot].data() : fl.slot[st.slot].data();
     char* out = recv + st.off * es;
     // The total of this rank's piece from every machine, in machine order: straight into recv
     // (f32), or in 16-bit into the inbox's own place and then widened (and divided for avg).
@@ -520,18 +607,22 @@ void HierarchicalAllreduce::run_allgather(const char* send, char* recv, std::siz
   // Stage 1 (over the network) sends the slice of send itself: when send lies in recv (in
   // place) the slices that stage 2 writes there are the same bytes, and a later slice's stage
   // 1 reads a part of send that no earlier stage 2 wrote.
-  char* const all = scratch(gather_, N * s * es);
+  InFlight& fl = *live_;
+  char* const all = scratch(fl.gather, N * s * es);
   auto start = [&](const Slice& st) {
-    char* mine = scratch(slot_[st.slot], H * st.c * es);
-    // Stage 1, nonblocking: the slice of send among the ranks of this local rank (one per
-    // machine), in machine order, while the previous slice is spread on this machine.
-    LOCKSTEP_MPI_CHECK(MPI_Iallgather(send + st.off * es, static_cast<int>(st.c * es), MPI_BYTE, mine,
-                                      static_cast<int>(st.c * es), MPI_BYTE, cross_, &pending_[st.slot]));
+    char* mine = scratch(fl.slot[st.slot], H * st.c * es);
+    // Stage 1, nonblocking: the slice of send (copied to the slot's stage buffer: the request
+    // reads only the object's own memory) among the ranks of this local rank (one per machine),
+    // in machine order, while the previous slice is spread on this machine.
+    char* out = scratch(fl.stage[st.slot], st.c * es);
+    std::memcpy(out, send + st.off * es, st.c * es);
+    LOCKSTEP_MPI_CHECK(MPI_Iallgather(out, static_cast<int>(st.c * es), MPI_BYTE, mine, static_cast<int>(st.c * es),
+                                      MPI_BYTE, cross_, &fl.pending[st.slot]));
   };
   auto finish = [&](const Slice& st) {
-    wait(&pending_[st.slot]);
+    wait(&fl.pending[st.slot]);
     const std::size_t c = st.c;
-    const char* mine = slot_[st.slot].data();  // the slice of every machine's block of this local rank
+    const char* mine = fl.slot[st.slot].data();  // the slice of every machine's block of this local rank
     // Stage 2: every local rank's H slices to every rank of this machine, then to their places.
     if (!shm_->allgather(mine, all, static_cast<std::int64_t>(H * c), dtype, true))
       LOCKSTEP_MPI_CHECK(guarded_allgather(mine, static_cast<int>(H * c * es), MPI_BYTE, all,

@@ -18,16 +18,17 @@
 // of all of it, and the network part of chunk k overlaps the shared-memory reduce-scatter of
 // chunk k+1 (the wait hook of the node's ShmCollectives tests the pending request while it waits).
 //
-// The ranks agree before they act: whether a call takes this path depends on its own fields only
-// (size, dtype, op, memory: the same on every rank for the same call), and every call that takes
-// it first exchanges its call
-// (count, dtype, op, memory, call number) with every rank, as a max over the ranks of the fields
-// and of their complements (one small MPI allreduce among the ranks of this local rank, then one
-// shared-memory allreduce among the ranks of this machine: every rank ends with the same global
-// verdict). A disagreement is MismatchError on every rank, before any buffer is written; otherwise
-// every rank takes the same path, which depends on the agreed fields only. Every wait is bounded:
-// the MPI requests are polled with the collective's wait point (deadline, stall notices), the
-// shared-memory waits poll the same hook.
+// The ranks agree before they act: while this object exists, every blocking collective of the
+// backend (those that may take this path, and reduce and barrier, which never do) first
+// exchanges its call (call number, count, dtype, op or root, memory) with every rank, as a max
+// over the ranks of the fields and of their complements (one small MPI allreduce among the
+// ranks of this local rank, then one shared-memory allreduce among the ranks of this machine:
+// every rank ends with the same global verdict). Only then is the path chosen, from the agreed
+// fields: a call whose size is above the threshold on one rank and below it on another is a
+// MismatchError on every rank naming the ranks and their values, never ranks on two paths. Every
+// wait is bounded: the MPI requests are polled with the collective's wait point (deadline, stall
+// notices), the shared-memory waits poll the same hook. Every MPI request targets memory this
+// object owns (InFlight), kept for the process when a call throws with a request pending.
 #pragma once
 
 #include <mpi.h>
@@ -64,11 +65,11 @@ class HierarchicalAllreduce {
   HierarchicalAllreduce(const HierarchicalAllreduce&) = delete;
   HierarchicalAllreduce& operator=(const HierarchicalAllreduce&) = delete;
 
-  /// Returns false, having done nothing, when the call goes over the flat communicator (the same
-  /// answer on every rank for the same call): dtypes other than f32/f64/i32/i64 (bf16/f16 with
-  /// sum or avg only), device memory, no elements, fewer than min_bytes(). Otherwise agrees on the
-  /// call with every rank (MismatchError on every rank when the calls differ), computes
-  /// recv = op over ranks of send (send may equal recv) and returns true.
+  /// Agrees on the call with every rank (MismatchError on every rank when the calls differ), then
+  /// returns false, having moved nothing, when the call goes over the flat communicator (decided
+  /// from the agreed fields, so the same answer on every rank): dtypes other than f32/f64/i32/i64
+  /// (bf16/f16 with sum or avg only), device memory, no elements, fewer than min_bytes().
+  /// Otherwise computes recv = op over ranks of send (send may equal recv) and returns true.
   bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
 
   /// Broadcast of buf from `root` (a rank of comm) the same way: the call is agreed as above
@@ -77,8 +78,8 @@ class HierarchicalAllreduce {
   /// among the ranks with that local rank), and each machine spreads it through shared memory,
   /// while the next chunk crosses the network. Each machine receives the data once over the
   /// network, as the link bound allows, where a flat broadcast's tree may send it to several
-  /// ranks of one machine. Returns false, having done nothing, for the calls allreduce() sends
-  /// flat (device memory, no elements, fewer than min_bytes()); any dtype.
+  /// ranks of one machine. Returns false after the agreement, having moved nothing, for the calls
+  /// allreduce() sends flat (device memory, no elements, fewer than min_bytes()); any dtype.
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 
   /// Reduce-scatter (the sharded optimizer's gradient step): recv (`numel` elements) = op over
@@ -105,9 +106,8 @@ class HierarchicalAllreduce {
   /// result is widened into recv (divided by size() for avg). False for calls allreduce() would
   /// send flat by size.
   bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
-  /// Whether reduce_scatter_wire16 takes a call with recv of `numel` f32 (the same answer on
-  /// every rank for the same call): from one element and min_bytes() of send.
-  bool handles_wire16(std::int64_t numel) const noexcept { return handles(numel * size_, DType::f32, ReduceOp::sum, true); }
+  /// It agrees first, like every call, and returns false after the agreement for calls below
+  /// one element or min_bytes() of send (the caller then runs them another way).
   /// Allreduce with the 16-bit wire on the inter-host part only (Backend::allreduce_wire16, the
   /// replicated optimizer's wire_dtype): buf (`numel` f32, host memory) becomes op (sum or avg)
   /// over the ranks of buf, in place. Chunk by chunk (about chunk_bytes() of buf, a multiple of
@@ -123,15 +123,9 @@ class HierarchicalAllreduce {
   /// of an element: its machines' f32 sums (local rank order), each rounded once, summed in
   /// 16-bit in machine order: the same bits on every rank, and bitwise reduce_scatter_wire16's
   /// block of the same data at any number of machines. The call is agreed like the others
-  /// (MismatchError on every rank). The caller asks handles_allreduce_wire16() first, with the
-  /// call's own count; this agrees on `numel` as given (a count changed since, by an injected
-  /// fault, is a disagreement). False, having done nothing, for an op other than sum and avg.
+  /// (MismatchError on every rank); false after the agreement, having moved nothing, for calls
+  /// below min_bytes() (the caller runs them another way), and for an op other than sum and avg.
   bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
-  /// Whether allreduce_wire16 takes a call of `numel` f32 (the same answer on every rank for the
-  /// same call): from one element and min_bytes() of buf.
-  bool handles_allreduce_wire16(std::int64_t numel) const noexcept {
-    return handles(numel, DType::f32, ReduceOp::sum, true);
-  }
   /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
   /// send in rank order; send may be block rank() of recv (in place). Slice by slice: (1) a
   /// nonblocking MPI all-gather among the ranks of this local rank (one per machine) of the
@@ -140,6 +134,12 @@ class HierarchicalAllreduce {
   /// cross to each other machine once. Any dtype; host memory; from min_bytes() of recv; false,
   /// having done nothing, otherwise. Bitwise the flat result (nothing is computed).
   bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+
+  /// The agreement alone, for the collectives that never take this path (reduce, barrier): a
+  /// rank in one of them while another is in a call of this path gets MismatchError, on every
+  /// rank, instead of two communicators waiting for each other.
+  void agree_reduce(std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  void agree_barrier();
 
   int hosts() const noexcept { return hosts_; }
   int ranks_per_host() const noexcept { return local_size_; }
@@ -152,7 +152,9 @@ class HierarchicalAllreduce {
  private:
   HierarchicalAllreduce() = default;
   bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
-  // what: "allreduce" or "broadcast"; arg: the op, or the root (arg_name says which).
+  // Every call's first step (see the top of this file). what: the collective; arg: its tag with
+  // the op or the root (arg_name says which). MismatchError on every rank, naming the ranks and
+  // their values, when the calls differ.
   void agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg, const char* arg_name, bool host);
   void wait(MPI_Request* req);
   void progress() noexcept;
@@ -165,19 +167,25 @@ class HierarchicalAllreduce {
   // The inter-host reduce-scatter of the reduce-scatter and of the 16-bit allreduce, among the
   // ranks of this local rank, point to point: `pieces` holds H pieces of c elements of `ps`
   // bytes, piece h for machine h. post_exchange sends each other machine its piece and receives
-  // this machine's piece from every other (into inbox_[slot]; requests in p2p_[slot]);
+  // this machine's piece from every other (into the slot's inbox; requests in the slot's p2p);
   // fold_exchange waits for them and sums the H pieces of this machine in machine order
   // (acc = piece 0, then acc = piece h op acc, MPI_Reduce_local with dt and mop) into `acc`
   // (nullptr: the inbox's own place, which is free) and returns it.
   void post_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot);
   char* fold_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot, MPI_Datatype dt, MPI_Op mop,
                       char* acc);
-  // Scratch of the reduce-scatter and all-gather, kept between calls (grown, never shrunk).
-  char* scratch(std::vector<char>& v, std::size_t bytes) {
+  // Runs a call's stages; if one throws, what a request still in flight may read or write is
+  // kept for the life of the process (abandon) before the exception leaves.
+  template <class Stages>
+  void guarded(Stages&& stages);
+  void abandon() noexcept;
+  // Scratch kept between calls (grown, never shrunk).
+  static char* scratch(std::vector<char>& v, std::size_t bytes) {
     if (v.size() < bytes) v.resize(bytes);
     return v.data();
   }
 
+  struct InFlight;  // every buffer and request an MPI request of this object may target (.cpp)
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, hosts_ = 1;
   std::unique_ptr<ShmCollectives> shm_;  // over node_
@@ -187,13 +195,13 @@ class HierarchicalAllreduce {
   std::uint64_t calls_ = 0;
   std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)
   std::vector<int> rank_at_;  // rank_at_[c * local_size_ + j]: the rank of local rank j on machine c
-  std::vector<char> gather_, slot_[2], wire_[2], inbox_[2];  // reduce-scatter / all-gather / 16-bit scratch
-  std::vector<MPI_Request> p2p_[2];  // the inter-host sends and receives of post_exchange, per slot
-  // The inter-host requests in flight (stage 2 of the last two chunks), an error that a test in
-  // the wait hook saw, and whether a call threw half way (the communicators are then leaked).
-  MPI_Request pending_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  int error_ = MPI_SUCCESS;
-  bool failed_ = false;
+  // Invariant: every MPI request this object starts targets memory in *live_ only (never the
+  // caller's buffers, never the stack), and *live_ is freed only when no request is pending;
+  // a call that throws with one pending hands it to keep_for_process (a late delivery from a
+  // slow host lands in memory nobody else uses).
+  std::shared_ptr<InFlight> live_;
+  int error_ = MPI_SUCCESS;  // an error a test in the wait hook saw
+  bool failed_ = false;      // a call threw with a request pending: the communicators are leaked
 };
 
 }  // namespace lockstep::detail

@@ -110,7 +110,9 @@ CommMonitor::CommMonitor(MPI_Comm comm) {
   straggler_ = std::make_unique<StragglerWatch>(rank_, hosts_);
 #if LOCKSTEP_FAULT_INJECTION
   const FaultSpec& f = fault_spec();
-  fault_pending_ = f.kind != FaultKind::none && f.kind != FaultKind::no_segment && f.rank == rank_;
+  fault_pending_ = f.kind != FaultKind::none && f.kind != FaultKind::no_segment &&
+                   f.kind != FaultKind::freeze_exchange && f.rank == rank_;
+  exchange_fault_ = f.kind == FaultKind::freeze_exchange && f.rank == rank_;
 #endif
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
@@ -215,6 +217,22 @@ void report_mpi_error(CommMonitor* m, const std::string& what, int code) noexcep
 void wait_point(void* monitor) {
   if (monitor != nullptr) static_cast<CommMonitor*>(monitor)->wait_point();
 }
+
+void exchange_point([[maybe_unused]] void* monitor) {
+#if LOCKSTEP_FAULT_INJECTION
+  if (monitor != nullptr) static_cast<CommMonitor*>(monitor)->exchange_point();
+#endif
+}
+
+#if LOCKSTEP_FAULT_INJECTION
+void CommMonitor::exchange_point() {
+  const std::int64_t seq = started_.load(std::memory_order_relaxed) - 1;
+  if (!exchange_fault_ || seq < fault_spec().after) return;
+  exchange_fault_ = false;
+  std::int64_t count = 0;
+  inject_fault(fault_spec(), rank_, seq, "its part sent, before its wait", nullptr, count);
+}
+#endif
 
 void abandon_collective(CommMonitor* m, const char* op, std::int64_t count, int dtype, int reduce_op, int root,
                         const char* message) {
@@ -353,28 +371,73 @@ void CollectiveScope::leave_slow() noexcept {
 }
 
 namespace {
-// Runs a blocking MPI collective, or its nonblocking form polled against the deadline.
-template <class Blocking, class Nonblocking>
-int guarded(Blocking&& blocking, Nonblocking&& nonblocking) {
-  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return blocking();
-  CommMonitor* m = t_monitor;
-  if (m == nullptr || !m->has_deadline()) return blocking();
-  MPI_Request req;
-  int rc = nonblocking(&req);
+// What a polled request reads and writes. Invariant: a request started here never targets the
+// caller's memory. A wait under a deadline may throw (the deadline, a stall or refusal found
+// elsewhere) while its request is still pending, and a slow rank may deliver after that; the
+// request then works on these copies, which are kept for the life of the process (a late
+// delivery lands where nobody else looks), never on a buffer the caller may free or reuse.
+struct Copies {
+  std::vector<char> send, recv;
+};
+
+std::size_t bytes_of(std::int64_t count, MPI_Datatype dt) {
+  MPI_Aint lb = 0, extent = 0;
+  MPI_Type_get_extent(dt, &lb, &extent);
+  return static_cast<std::size_t>(count) * static_cast<std::size_t>(extent);
+}
+
+int comm_size(MPI_Comm comm) {
+  int n = 1;
+  MPI_Comm_size(comm, &n);
+  return n;
+}
+
+// Runs start(send', recv', &request) on copies of the caller's buffers and waits with the
+// monitor's deadline: send_bytes of send (unless MPI_IN_PLACE or null), recv_bytes of room for
+// recv of which the first recv_in are copied in before and the first recv_out copied back after.
+template <class Start>
+int polled_on_copies(CommMonitor* m, const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes,
+                     std::size_t recv_in, std::size_t recv_out, Start&& start) {
+  auto copies = std::make_shared<Copies>();
+  const void* s = send;
+  if (send != MPI_IN_PLACE && send != nullptr) {
+    copies->send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
+    s = copies->send.data();
+  }
+  void* r = recv;
+  if (recv != nullptr) {
+    copies->recv.resize(recv_bytes);
+    if (recv_in > 0) std::memcpy(copies->recv.data(), recv, recv_in);
+    r = copies->recv.data();
+  }
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = start(s, r, &req);
   if (rc != MPI_SUCCESS) return rc;
-  return m->wait(&req);
+  exchange_point(m);  // a test's freeze_exchange fault: this rank's part is out, its wait not begun
+  rc = wait_keeping(&req, copies, [m](MPI_Request* q) { return m->wait(q); });
+  if (rc != MPI_SUCCESS) return rc;
+  if (recv != nullptr && recv_out > 0) std::memcpy(recv, copies->recv.data(), recv_out);
+  return rc;
+}
+
+// The monitor that polls this thread's collective against a deadline, or null (blocking MPI).
+CommMonitor* polling_monitor() {
+  if (g_deadline_scopes.load(std::memory_order_relaxed) == 0) return nullptr;
+  CommMonitor* m = t_monitor;
+  return m != nullptr && m->has_deadline() ? m : nullptr;
 }
 
 // The polled form of guarded_allreduce, out of line (and with the same six arguments) so that
 // the common case, no deadline, compiles to a check and a tail call.
 [[gnu::noinline]] int polled_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
                                        MPI_Comm comm) {
-  CommMonitor* m = t_monitor;
-  if (m == nullptr || !m->has_deadline()) return MPI_Allreduce(send, recv, count, dt, op, comm);
-  MPI_Request req;
-  int rc = MPI_Iallreduce(send, recv, count, dt, op, comm, &req);
-  if (rc != MPI_SUCCESS) return rc;
-  return m->wait(&req);
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Allreduce(send, recv, count, dt, op, comm);
+  const std::size_t n = bytes_of(count, dt);
+  return polled_on_copies(m, send, n, recv, n, send == MPI_IN_PLACE ? n : 0, n,
+                          [&](const void* s, void* r, MPI_Request* req) {
+                            return MPI_Iallreduce(s, r, count, dt, op, comm, req);
+                          });
 }
 }  // namespace
 
@@ -383,26 +446,53 @@ int guarded_allreduce(const void* send, void* recv, int count, MPI_Datatype dt, 
   return polled_allreduce(send, recv, count, dt, op, comm);
 }
 int guarded_bcast(void* buf, int count, MPI_Datatype dt, int root, MPI_Comm comm) {
-  return guarded([&] { return MPI_Bcast(buf, count, dt, root, comm); },
-                 [&](MPI_Request* r) { return MPI_Ibcast(buf, count, dt, root, comm, r); });
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Bcast(buf, count, dt, root, comm);
+  const std::size_t n = bytes_of(count, dt);
+  return polled_on_copies(m, nullptr, 0, buf, n, n, n, [&](const void*, void* r, MPI_Request* req) {
+    return MPI_Ibcast(r, count, dt, root, comm, req);
+  });
 }
 int guarded_reduce(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, int root,
                    MPI_Comm comm) {
-  return guarded([&] { return MPI_Reduce(send, recv, count, dt, op, root, comm); },
-                 [&](MPI_Request* r) { return MPI_Ireduce(send, recv, count, dt, op, root, comm, r); });
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Reduce(send, recv, count, dt, op, root, comm);
+  const std::size_t n = bytes_of(count, dt);
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  if (rank != root) recv = nullptr;  // only the root's recv is written (and may alias send elsewhere)
+  return polled_on_copies(m, send, n, recv, n, send == MPI_IN_PLACE ? n : 0, n,
+                          [&](const void* s, void* r, MPI_Request* req) {
+                            return MPI_Ireduce(s, r, count, dt, op, root, comm, req);
+                          });
 }
 int guarded_allgather(const void* send, int scount, MPI_Datatype sdt, void* recv, int rcount,
                       MPI_Datatype rdt, MPI_Comm comm) {
-  return guarded([&] { return MPI_Allgather(send, scount, sdt, recv, rcount, rdt, comm); },
-                 [&](MPI_Request* r) { return MPI_Iallgather(send, scount, sdt, recv, rcount, rdt, comm, r); });
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Allgather(send, scount, sdt, recv, rcount, rdt, comm);
+  const std::size_t all = bytes_of(static_cast<std::int64_t>(rcount) * comm_size(comm), rdt);
+  return polled_on_copies(m, send, bytes_of(scount, sdt), recv, all, send == MPI_IN_PLACE ? all : 0, all,
+                          [&](const void* s, void* r, MPI_Request* req) {
+                            return MPI_Iallgather(s, scount, sdt, r, rcount, rdt, comm, req);
+                          });
 }
 int guarded_reduce_scatter_block(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op,
                                  MPI_Comm comm) {
-  return guarded([&] { return MPI_Reduce_scatter_block(send, recv, count, dt, op, comm); },
-                 [&](MPI_Request* r) { return MPI_Ireduce_scatter_block(send, recv, count, dt, op, comm, r); });
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Reduce_scatter_block(send, recv, count, dt, op, comm);
+  const std::size_t n = bytes_of(count, dt), all = n * static_cast<std::size_t>(comm_size(comm));
+  const bool in_place = send == MPI_IN_PLACE;  // the input is then all of recv
+  return polled_on_copies(m, send, all, recv, in_place ? all : n, in_place ? all : 0, n,
+                          [&](const void* s, void* r, MPI_Request* req) {
+                            return MPI_Ireduce_scatter_block(s, r, count, dt, op, comm, req);
+                          });
 }
 int guarded_barrier(MPI_Comm comm) {
-  return guarded([&] { return MPI_Barrier(comm); }, [&](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+  CommMonitor* m = polling_monitor();
+  if (m == nullptr) return MPI_Barrier(comm);
+  MPI_Request req;
+  const int rc = MPI_Ibarrier(comm, &req);
+  return rc != MPI_SUCCESS ? rc : m->wait(&req);  // nothing in memory to keep
 }
 
 }  // namespace detail

@@ -140,6 +140,10 @@ int guarded_barrier(MPI_Comm comm);
 /// reported a stall or a refused collective, or if this collective's deadline passed (with the
 /// blame report). `monitor` is the CommMonitor* of the communicator.
 void wait_point(void* monitor);
+/// The point where this rank's part of a collective is on its way and its wait has not begun:
+/// where a test's LOCKSTEP_FAULT kind=freeze_exchange stops the process (a no-op in builds
+/// without fault injection).
+void exchange_point(void* monitor);
 
 /// An MPI error (`what`, the MpiError's text; `code`) in a collective or a request's wait on m's
 /// communicator on this rank: tells every other rank (they throw MpiError naming this rank and

@@ -69,13 +69,22 @@ void CommMonitor::look_for_stragglers(double t, double warn) {
 
 void CommMonitor::query_all(std::vector<StatusMsg>& st, std::vector<bool>& answered, double give_up_s,
                std::vector<double>* arrived) {
+  // What the query's requests read and write. A rank that answers after give_up_s (a frozen
+  // host that comes back) may still deliver into a reply, and a send to a dead rank may never
+  // complete: when any request is left behind, this is kept for the life of the process.
+  struct Exchange {
+    int token = 0;
+    std::vector<StatusMsg> replies;
+  };
+  auto ex = std::make_shared<Exchange>();
+  ex->token = rank_;
+  ex->replies.resize(static_cast<std::size_t>(size_));
   std::vector<MPI_Request> recvs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
   std::vector<MPI_Request> sends(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
-  int token = rank_;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    MPI_Irecv(&st[r], sizeof(StatusMsg), MPI_BYTE, r, kTagReply, ctrl_, &recvs[r]);
-    MPI_Isend(&token, 1, MPI_INT, r, kTagQuery, ctrl_, &sends[r]);
+    MPI_Irecv(&ex->replies[r], sizeof(StatusMsg), MPI_BYTE, r, kTagReply, ctrl_, &recvs[r]);
+    MPI_Isend(&ex->token, 1, MPI_INT, r, kTagQuery, ctrl_, &sends[r]);
   }
   const auto give_up = Clock::now() + after_seconds(give_up_s);
   int pending = size_ - 1;
@@ -86,20 +95,31 @@ void CommMonitor::query_all(std::vector<StatusMsg>& st, std::vector<bool>& answe
       MPI_Test(&recvs[r], &flag, MPI_STATUS_IGNORE);
       if (flag) {
         answered[r] = true;
+        st[r] = ex->replies[r];
         if (arrived != nullptr) (*arrived)[static_cast<std::size_t>(r)] = straggler_clock_now();
         --pending;
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  bool left_behind = false;
   for (int r = 0; r < size_; ++r) {
     if (recvs[r] != MPI_REQUEST_NULL) {
       MPI_Cancel(&recvs[r]);
       MPI_Request_free(&recvs[r]);
+      left_behind = true;
     }
     // A query to a dead rank may never complete; it is left behind rather than waited for.
-    if (sends[r] != MPI_REQUEST_NULL) MPI_Request_free(&sends[r]);
+    if (sends[r] != MPI_REQUEST_NULL) {
+      int done = 0;
+      MPI_Test(&sends[r], &done, MPI_STATUS_IGNORE);
+      if (!done) {
+        MPI_Request_free(&sends[r]);
+        left_behind = true;
+      }
+    }
   }
+  if (left_behind) keep_for_process(std::move(ex));
 }
 
 void CommMonitor::notify_all(const std::string& msg, int tag, bool leaving) {

@@ -85,10 +85,11 @@ void CommMonitor::record_entered(const Fingerprint& fp, const CallSite& site, bo
   since_ = entered_ = Clock::now();
 }
 
-void CommMonitor::run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what) {
+void CommMonitor::run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what,
+                      std::shared_ptr<void> owner) {
   MPI_Request req;
   check_mpi(MPI_Iallreduce(send, recv, count, dt, op, check_, &req), what);
-  check_mpi(wait(&req), what);
+  check_mpi(wait_keeping(&req, std::move(owner), [this](MPI_Request* q) { return wait(q); }), what);
 }
 
 }  // namespace detail

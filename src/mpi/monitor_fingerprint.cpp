@@ -1,15 +1,19 @@
 // CommMonitor (monitor_impl.hpp): the fingerprint exchange and the report of a mismatch.
 #include "mpi/monitor_impl.hpp"
 
+#include <array>
+
 namespace lockstep {
 namespace detail {
 
 void CommMonitor::compare_fingerprints(const Fingerprint& fp, const CallSite& site) {
   // One small allreduce: the maximum of every field and of its bitwise complement, from which
   // the minimum follows (min x = ~max ~x); the fields agree iff max == min.
-  std::int64_t buf[2 * kFields];
+  // On the heap: the request must never target a stack frame a throwing wait leaves.
+  auto owner = std::make_shared<std::array<std::int64_t, 2 * kFields>>();
+  std::int64_t* buf = owner->data();
   fill_check_buffer(fp, buf);
-  run(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, "fingerprint MPI_Allreduce");
+  run(MPI_IN_PLACE, buf, 2 * kFields, MPI_INT64_T, MPI_MAX, "fingerprint MPI_Allreduce", owner);
   if (!agree(buf)) report_mismatch(fp, site);
 }
 
@@ -62,15 +66,22 @@ void CommMonitor::start_deferred(const Fingerprint& fp, const CallSite& site) {
 
 [[noreturn]] void CommMonitor::report_mismatch(const Fingerprint& fp, const CallSite& site, bool nothing_moved) {
   // Slow path, only on a mismatch: gather every rank's fingerprint and description.
-  MismatchMsg mine;
+  // What the request reads and writes, on the heap and kept if the wait throws (wait_keeping).
+  struct Exchange {
+    MismatchMsg mine;
+    std::vector<MismatchMsg> all;
+  };
+  auto ex = std::make_shared<Exchange>();
+  MismatchMsg& mine = ex->mine;
   mine.fp = fp;
   copy_text(mine.text, fp.v[6] == 0 ? concat(describe(fp, site), "; its arguments were refused: ", refusal_)
                                     : describe(fp, site));
-  std::vector<MismatchMsg> all(static_cast<std::size_t>(size_));
+  ex->all.resize(static_cast<std::size_t>(size_));
+  const std::vector<MismatchMsg>& all = ex->all;
   MPI_Request req;
-  check_mpi(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, check_, &req),
+  check_mpi(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, ex->all.data(), sizeof mine, MPI_BYTE, check_, &req),
             "MPI_Iallgather(fingerprints)");
-  check_mpi(wait(&req), "MPI_Iallgather(fingerprints)");
+  check_mpi(wait_keeping(&req, ex, [this](MPI_Request* q) { return wait(q); }), "MPI_Iallgather(fingerprints)");
 
   // Group the ranks by fingerprint; a strict majority tells which ranks are the odd ones out.
   std::map<std::vector<std::int64_t>, std::vector<int>> groups;

@@ -285,6 +285,10 @@ class CommMonitor {
 
   /// See detail::wait_point().
   void wait_point();
+#if LOCKSTEP_FAULT_INJECTION
+  /// See detail::exchange_point().
+  void exchange_point();
+#endif
 
   /// Marks this communicator unusable: every later collective throws `msg` (a MismatchError
   /// when `refused`, a TimeoutError otherwise). `stall`: a rank stopped answering (then finalize
@@ -359,7 +363,9 @@ class CommMonitor {
   // Always the nonblocking form, polled: with nonblocking buckets in flight (as
   // DistributedOptimizer has), a blocking MPI_Allreduce here slows the whole gradient sync down
   // (docs/performance.md, "Reliability defaults").
-  void run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what);
+  // send and recv lie in `owner`, kept for the process if the wait throws with the request pending.
+  void run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what,
+           std::shared_ptr<void> owner);
 
   // --- stall handling ----------------------------------------------------------------------------
 
@@ -421,6 +427,7 @@ class CommMonitor {
   // Touched only by the thread running the collective (not the watchdog).
 #if LOCKSTEP_FAULT_INJECTION
   bool fault_pending_ = false;  // an injected fault is still to hit this rank
+  bool exchange_fault_ = false;  // a freeze_exchange fault is still to hit this rank
 #endif
   bool deadline_ = false;       // see has_deadline()
   OpRecord issuing_;            // see current_record()
@@ -472,7 +479,6 @@ class CommMonitor {
   std::atomic<bool> stalled_for_real_{false};  // see stalled_for_real()
   std::mutex notices_mutex_;
   std::deque<Notice> notices_;
-  StatusMsg reply_;
   std::unique_ptr<DeferredCheck> deferred_;  // the check of the nonblocking collective being issued
 };
 

@@ -72,18 +72,23 @@ void CommMonitor::watchdog_loop() {
     if (MPI_Iprobe(MPI_ANY_SOURCE, kTagQuery, ctrl_, &flag, &status) == MPI_SUCCESS && flag) {
       int token = 0;
       MPI_Recv(&token, 1, MPI_INT, status.MPI_SOURCE, kTagQuery, ctrl_, MPI_STATUS_IGNORE);
-      reply_ = my_status();
+      // Each reply its own memory: a send left behind (a peer that stopped reading) keeps it
+      // for the life of the process instead of reading a reply rewritten or freed under it.
+      auto reply = std::make_shared<StatusMsg>(my_status());
       MPI_Request req;
-      if (MPI_Isend(&reply_, sizeof reply_, MPI_BYTE, status.MPI_SOURCE, kTagReply, ctrl_, &req) ==
+      if (MPI_Isend(reply.get(), sizeof(StatusMsg), MPI_BYTE, status.MPI_SOURCE, kTagReply, ctrl_, &req) ==
           MPI_SUCCESS) {
-        // Small enough to go eagerly; wait a little so that reply_ may be reused.
+        // Small enough to go eagerly; wait a little before leaving it behind.
         const auto give_up = Clock::now() + std::chrono::seconds(1);
         int done = 0;
         while (!done && Clock::now() < give_up) {
           MPI_Test(&req, &done, MPI_STATUS_IGNORE);
           if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-        if (!done) MPI_Request_free(&req);
+        if (!done) {
+          MPI_Request_free(&req);
+          keep_for_process(std::move(reply));
+        }
       }
       continue;
     }

@@ -138,6 +138,7 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) try {
   if (guard.skipped()) return;
   mpib::Staged s(*impl_, buf, true, op == ReduceOp::avg || !mpib::is_mpi_native(buf.dtype));
   const bool host = s.host().device.is_cpu();
+  if (impl_->hier) impl_->hier->agree_reduce(buf.numel, buf.dtype, op, root, true);  // memory may differ by rank
   if (impl_->shm && impl_->shm->reduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, root, host)) {
     if (impl_->rank == root) s.copy_out();  // avg included
     return;
@@ -161,6 +162,7 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
   const bool host_work = op == ReduceOp::avg || !mpib::is_mpi_native(send.dtype);
   mpib::Staged ss(*impl_, send, true, host_work);
   const bool host = ss.host().device.is_cpu() && (is_root ? recv.device.is_cpu() : true);
+  if (impl_->hier) impl_->hier->agree_reduce(send.numel, send.dtype, op, root, true);  // memory may differ by rank
   if (!is_root) {
     if (impl_->shm && impl_->shm->reduce(ss.host().data, nullptr, send.numel, send.dtype, op, root, host)) return;
     mpib::chunked_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
@@ -182,6 +184,8 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
 void MPIBackend::do_barrier() try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::barrier, nullptr, 0, -1, -1);  // reliability hook
   if (guard.skipped()) return;
+  // Across machines the agreement is itself a barrier (every rank's call reaches every rank).
+  if (impl_->hier) return impl_->hier->agree_barrier();
   LOCKSTEP_MPI_CHECK(detail::guarded_barrier(impl_->comm));
 } catch (const MpiError& e) {
   mpib::report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "mpi/keep_for_process.hpp"
 #include "mpi/mpi_backend_impl.hpp"
 
 namespace lockstep {
@@ -40,7 +41,12 @@ class MpiRequest final : public detail::RequestImpl {
              std::unique_ptr<OwnedPinned> staging, detail::RequestWatch watch)
       : reqs_(std::move(reqs)), host_(host), device_(device), avg_divisor_(avg_divisor),
         staging_(std::move(staging)), watch_(std::move(watch)) {}
-  ~MpiRequest() override = default;
+  // A request whose wait threw (a deadline, a stall elsewhere) may still be written by MPI: its
+  // staging memory is then kept for the life of the process, never handed back to the pool for
+  // another request. (The caller's own tensor is the caller's: docs/reliability.md.)
+  ~MpiRequest() override {
+    if (!done_ && staging_) detail::keep_for_process(std::shared_ptr<OwnedPinned>(std::move(staging_)));
+  }
 
   void wait() override {
     if (done_) return;

@@ -6,16 +6,22 @@
 namespace lockstep {
 
 void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) try {
-  if (impl_->hier && impl_->hier->handles_allreduce_wire16(buf.numel)) {
+  if (impl_->hier && (op == ReduceOp::sum || op == ReduceOp::avg)) {
     // Across machines of two or more ranks each: the node-local sums in f32, only the
-    // inter-host part on the 16-bit wire (hierarchical.hpp). Fingerprinted as below.
-    TensorView onwire{buf.data, buf.numel, wire, Device::cpu()};
-    detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &onwire, onwire.numel,
-                                  static_cast<int>(ReduceOp::sum), -1);  // reliability hook
-    if (guard.skipped()) return;
-    const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
-    if (impl_->hier->allreduce_wire16(static_cast<float*>(buf.data), onwire.numel, w, op)) return;
-    throw Error("allreduce_wire16: the hierarchical path declined a call it had taken (op must be sum or avg)");
+    // inter-host part on the 16-bit wire (hierarchical.hpp). Fingerprinted as below. Every rank
+    // agrees on the call first; one below the path's threshold (the same verdict everywhere)
+    // then goes the three passes' way.
+    bool taken = false;
+    {
+      TensorView onwire{buf.data, buf.numel, wire, Device::cpu()};
+      detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &onwire, onwire.numel,
+                                    static_cast<int>(ReduceOp::sum), -1);  // reliability hook
+      if (guard.skipped()) return;
+      const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
+      taken = impl_->hier->allreduce_wire16(static_cast<float*>(buf.data), onwire.numel, w, op);
+    }
+    if (taken) return;
+    return Backend::do_allreduce_wire16(buf, wire, op);
   }
   // Not fused (no shared memory, one rank, no elements, below LOCKSTEP_SHM_MIN_BYTES; the same
   // on every rank for the same call): the three passes, whose allreduce has its own checks.
@@ -37,18 +43,21 @@ void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) tr
 }
 
 void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) try {
-  if (impl_->hier && impl_->hier->handles_wire16(recv.numel)) {
+  if (impl_->hier && (op == ReduceOp::sum || op == ReduceOp::avg)) {
     // Across machines of two or more ranks each: the node-local sums in f32, only the
-    // inter-host part on the 16-bit wire (hierarchical.hpp).
-    TensorView onwire{send.data, send.numel, wire, Device::cpu()};
-    detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &onwire, recv.numel,
-                                  static_cast<int>(ReduceOp::sum), -1);  // reliability hook
-    if (guard.skipped()) return;
-    const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
-    if (impl_->hier->reduce_scatter_wire16(static_cast<const float*>(send.data), static_cast<float*>(recv.data),
-                                           recv.numel, w, op))
-      return;
-    throw Error("reduce_scatter_wire16: the hierarchical path declined a call it had taken (op must be sum or avg)");
+    // inter-host part on the 16-bit wire (hierarchical.hpp). Agreed first, as above.
+    bool taken = false;
+    {
+      TensorView onwire{send.data, send.numel, wire, Device::cpu()};
+      detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::reduce_scatter, &onwire, recv.numel,
+                                    static_cast<int>(ReduceOp::sum), -1);  // reliability hook
+      if (guard.skipped()) return;
+      const DType w = onwire.dtype == DType::bf16 || onwire.dtype == DType::f16 ? onwire.dtype : wire;
+      taken = impl_->hier->reduce_scatter_wire16(static_cast<const float*>(send.data), static_cast<float*>(recv.data),
+                                                 recv.numel, w, op);
+    }
+    if (taken) return;
+    return Backend::do_reduce_scatter_wire16(send, recv, wire, op);
   }
   if (!impl_->shm || impl_->size == 1 || !impl_->shm->handles_wire16(recv.numel))
     return Backend::do_reduce_scatter_wire16(send, recv, wire, op);

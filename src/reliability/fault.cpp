@@ -2,7 +2,11 @@
 // with LOCKSTEP_FAULT_INJECTION (cmake/LockstepLayers.cmake leaves it out otherwise).
 #include "reliability/fault.hpp"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <ctime>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -24,7 +28,7 @@ FaultSpec parse_fault(const char* env) {
   std::string item;
   auto bad = [&](const std::string& why) {
     return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
-                                  " (expected rank=R,kind=delay|skip|shape|dtype|nan|kill|no_segment[,after=N][,seconds=S])"));
+                                  " (expected rank=R,kind=delay|freeze|freeze_exchange|skip|shape|dtype|nan|kill|no_segment[,after=N][,seconds=S])"));
   };
   while (std::getline(ss, item, ',')) {
     auto eq = item.find('=');
@@ -42,6 +46,8 @@ FaultSpec parse_fault(const char* env) {
       if (end == value.c_str() || *end != '\0' || !(f.seconds >= 0)) throw bad("seconds must be >= 0");
     } else if (key == "kind") {
       if (value == "delay") f.kind = FaultKind::delay;
+      else if (value == "freeze") f.kind = FaultKind::freeze;
+      else if (value == "freeze_exchange") f.kind = FaultKind::freeze_exchange;
       else if (value == "skip") f.kind = FaultKind::skip;
       else if (value == "shape") f.kind = FaultKind::shape;
       else if (value == "dtype") f.kind = FaultKind::dtype;
@@ -68,8 +74,31 @@ const char* fault_name(FaultKind k) {
     case FaultKind::nan: return "nan";
     case FaultKind::kill: return "kill";
     case FaultKind::no_segment: return "no_segment";
+    case FaultKind::freeze: return "freeze";
+    case FaultKind::freeze_exchange: return "freeze_exchange";
   }
   return "?";
+}
+
+// The whole process stopped, every thread with it (the watchdog too, unlike delay), for
+// `seconds`, as a host that stops and comes back: SIGSTOP, and a child that sends SIGCONT. The
+// child only sleeps, signals and exits (all async-signal-safe after fork).
+void freeze_process(double seconds) {
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  if (child == 0) {
+    timespec ts{static_cast<time_t>(seconds), static_cast<long>((seconds - std::floor(seconds)) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+    kill(parent, SIGCONT);
+    _exit(0);
+  }
+  if (child < 0) {  // no process to wake this one: a delay instead
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    return;
+  }
+  std::raise(SIGSTOP);
+  waitpid(child, nullptr, 0);
 }
 
 // A dtype of the same size, so that an injected dtype fault never reads or writes out of bounds.
@@ -117,6 +146,8 @@ bool inject_fault(const FaultSpec& f, int rank, std::int64_t seq, const char* wh
             << seq << " (" << what << ") at unix time ms " << unix_ms << std::endl;
   switch (f.kind) {
     case FaultKind::delay: std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds)); break;
+    case FaultKind::freeze:
+    case FaultKind::freeze_exchange: freeze_process(f.seconds); break;
     case FaultKind::skip: return false;
     case FaultKind::shape:
       if (count > 0) --count;

@@ -15,7 +15,7 @@
 
 namespace lockstep::detail {
 
-enum class FaultKind { none, delay, skip, shape, dtype, nan, kill, no_segment };
+enum class FaultKind { none, delay, skip, shape, dtype, nan, kill, no_segment, freeze, freeze_exchange };
 
 struct FaultSpec {
   FaultKind kind = FaultKind::none;

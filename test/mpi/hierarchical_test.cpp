@@ -320,20 +320,41 @@ TEST_CASE("ranks or whole machines that disagree about an allreduce get Mismatch
   expect_mismatch("one machine's op (each machine agrees within)", "op", [&](ls::Tensor& x) {
     b.allreduce(x.view().slice(0, count), rank < k ? ls::ReduceOp::sum : ls::ReduceOp::max);
   });
-  if (hier_min_bytes() <= 4) {
-    // Every size takes the path (LOCKSTEP_TEST_HIER_MIN_BYTES=0): even one element is agreed. (With
-    // a threshold, a call below it goes flat without agreement, as on the flat path: a count that
-    // straddles it is found by LOCKSTEP_CHECK, or the deadline.)
-    expect_mismatch("one machine's count of one element", "element count", [&](ls::Tensor& x) {
-      b.allreduce(x.view().slice(0, rank < k ? 1 : count), ls::ReduceOp::sum);
+  // Every call is agreed before its path is chosen: one machine's count of one element against
+  // the others' large count, and a count that straddles the threshold (below it on one rank,
+  // above it on the others) are MismatchError on every rank, never ranks on two paths.
+  expect_mismatch("one machine's count of one element", "element count", [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, rank < k ? 1 : count), ls::ReduceOp::sum);
+  });
+  const auto edge = static_cast<std::int64_t>(hier_min_bytes() / sizeof(float));
+  if (edge >= 1 && edge < count) {
+    expect_mismatch("a count that straddles the threshold on one rank", "element count", [&](ls::Tensor& x) {
+      b.allreduce(x.view().slice(0, rank == 1 ? edge - 1 : edge), ls::ReduceOp::sum);
     });
+    // The message names the ranks and their counts.
+    const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
+      b.allreduce(x.view().slice(0, rank == 1 ? edge - 1 : edge), ls::ReduceOp::sum);
+    });
+    INFO(r.text);
+    CHECK(all_ranks(r.text.find(ls::detail::concat("rank 1: ", edge - 1)) != std::string::npos));
+    CHECK(all_ranks(r.text.find(ls::detail::concat(": ", edge)) != std::string::npos));
   } else {
     ++round;
   }
   expect_mismatch("the same local rank differs on every machine", "element count", [&](ls::Tensor& x) {
     b.allreduce(x.view().slice(0, rank % k == 0 ? count : count - 1), ls::ReduceOp::sum);
   });
-  CHECK(round == 4);
+  // Collectives that never take the path are agreed too: one rank's reduce or barrier against
+  // the others' allreduce.
+  expect_mismatch("one rank's reduce against an allreduce", "collective", [&](ls::Tensor& x) {
+    if (rank == 0) b.reduce(x.view().slice(0, count), ls::ReduceOp::sum, 0);
+    else b.allreduce(x.view().slice(0, count), ls::ReduceOp::sum);
+  });
+  expect_mismatch("one rank's barrier against a small allreduce", "collective", [&](ls::Tensor& x) {
+    if (rank == b.size() - 1) b.barrier();
+    else b.allreduce(x.view().slice(0, 2), ls::ReduceOp::sum);
+  });
+  CHECK(round == 7);
 }
 
 // The gradient reducer's default bucket size follows the path (issue 26 item 4): 1 MiB while
