@@ -19,6 +19,7 @@
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/call_site.hpp"
 #include "comm/drain.hpp"
+#include "core/keep_for_process.hpp"
 #include "core/wire16.hpp"
 
 namespace lockstep {
@@ -48,13 +49,15 @@ Request& Request::operator=(Request&& other) noexcept {
   if (this != &other) {
     if (impl_) {
       try {
-        impl_->wait();
+        wait();
       } catch (const std::exception& e) {
         std::cerr << "lockstep: pending request failed while being replaced: " << e.what() << "\n";
       }
     }
     impl_ = std::move(other.impl_);
+    kept_ = std::move(other.kept_);
     other.impl_.reset();
+    other.kept_.clear();
   }
   return *this;
 }
@@ -62,22 +65,51 @@ Request& Request::operator=(Request&& other) noexcept {
 Request::~Request() {
   if (!impl_) return;
   try {
-    impl_->wait();
+    wait();
   } catch (const std::exception& e) {
     std::cerr << "lockstep: request destroyed while pending and its wait failed: " << e.what() << "\n";
   }
 }
 
+Request& Request::keep(std::shared_ptr<void> owner) {
+  if (impl_ && owner) kept_.push_back(std::move(owner));
+  return *this;
+}
+
+void Request::abandon() noexcept {
+  for (auto& owner : kept_) {
+    try {
+      detail::keep_for_process(std::move(owner));
+    } catch (...) {  // out of memory: leak it rather than free it
+      new std::shared_ptr<void>(std::move(owner));
+    }
+  }
+  kept_.clear();
+}
+
 void Request::wait() {
   if (!impl_) return;
   auto impl = std::move(impl_);
-  impl->wait();
+  try {
+    impl->wait();
+  } catch (...) {
+    abandon();
+    throw;
+  }
+  kept_.clear();
 }
 
 bool Request::test() {
   if (!impl_) return true;
-  if (!impl_->test()) return false;
+  try {
+    if (!impl_->test()) return false;
+  } catch (...) {
+    impl_.reset();
+    abandon();
+    throw;
+  }
   impl_.reset();
+  kept_.clear();
   return true;
 }
 

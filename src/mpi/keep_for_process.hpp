@@ -1,27 +1,14 @@
-// Internal (never installed): memory kept for the life of the process. What MPI may still read
-// or write after a wait was given up on (a notice's text, the buffers of a collective or of a
-// request that may never complete, a communicator being created) must never be freed; it is
-// kept here, reachable from one registry, so that leak checkers do not report it. Used by the
-// communicator monitor (mpi) and the remote calls (remote).
+// Internal (never installed): keep_for_process (core/keep_for_process.hpp) for MPI requests.
 #pragma once
 
 #include <mpi.h>
 
 #include <memory>
-#include <mutex>
 #include <utility>
-#include <vector>
+
+#include "core/keep_for_process.hpp"
 
 namespace lockstep::detail {
-
-/// Keeps `p` (and what it owns) reachable for the life of the process. A std::unique_ptr
-/// converts: keep_for_process(std::move(text)).
-inline void keep_for_process(std::shared_ptr<void> p) {
-  static std::mutex mu;
-  static auto* kept = new std::vector<std::shared_ptr<void>>();  // never freed, on purpose
-  std::lock_guard lock(mu);
-  kept->push_back(std::move(p));
-}
 
 /// Waits for `req` with wait(req), which may throw or return an error while the request is
 /// still pending (a deadline, a stall found elsewhere); then `owner`, what the request reads or

@@ -1,6 +1,6 @@
 // Remote calls, internal: deadlines, polled waits for MPI requests (with something to do between
 // polls) and the session's allgather within a deadline. (Deadlines: mpi/deadline.hpp; memory
-// kept for the life of the process: mpi/keep_for_process.hpp.)
+// kept for the life of the process: core/keep_for_process.hpp.)
 #pragma once
 
 #include <mpi.h>
@@ -15,7 +15,7 @@
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/deadline.hpp"
-#include "mpi/keep_for_process.hpp"
+#include "core/keep_for_process.hpp"
 #include "remote/wire.hpp"
 
 namespace lockstep::detail::remote {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <exception>
 #include <memory>
+#include <vector>
 #include <source_location>
 #include <span>
 #include <string>
@@ -54,9 +55,16 @@ class [[nodiscard("a dropped Request waits at once in its destructor: keep it, a
   bool test();
   /// True while the request refers to an operation not yet waited for.
   [[nodiscard]] bool pending() const noexcept { return static_cast<bool>(impl_); }
+  /// Keeps `owner` (what owns the operation's buffer, e.g. Tensor::owner()) alive until the
+  /// operation completes. If its wait or test fails (a deadline, a peer lost), the operation may
+  /// still write into the buffer later, so `owner` is then kept for the life of the process: the
+  /// memory is never freed under it. Returns *this.
+  Request& keep(std::shared_ptr<void> owner);
 
  private:
+  void abandon() noexcept;  // the operation failed while pending: keep the owners for good
   std::unique_ptr<detail::RequestImpl> impl_;
+  std::vector<std::shared_ptr<void>> kept_;  // emptied when the request completes
 };
 
 

@@ -120,6 +120,9 @@ class Tensor {
   Device device() const noexcept { return device_; }
   std::size_t nbytes() const noexcept { return static_cast<std::size_t>(numel_) * size_of(dtype_); }
   bool owns_memory() const noexcept { return static_cast<bool>(storage_); }
+  /// What keeps this tensor's memory alive, shared with it (null for a tensor over memory it
+  /// does not own). Holding it keeps the memory even after the tensor is gone (Request::keep).
+  std::shared_ptr<void> owner() const noexcept { return storage_; }
 
   /// Typed host pointer; throws InvalidArgument if T does not match dtype().
   template <class T>
