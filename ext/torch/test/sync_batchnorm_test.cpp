@@ -6,7 +6,8 @@
 // lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part); f64, f16,
 // bf16, channels_last and non-contiguous inputs; one rank's refused input (dimensionality,
 // channels, dtype) an InvalidArgument on every rank; an input needing a gradient on some ranks;
-// a Join rank that has a batch again refused on every rank.
+// a Join rank that has a batch again refused on every rank; a forward or backward after the
+// backend was destroyed refused.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
@@ -743,4 +744,25 @@ TEST_CASE("Join: a rank that ran out of data and has a batch again is refused on
   CHECK_FALSE(join.next(false));
   CHECK(join.next(true));
   CHECK_FALSE(join.next(false));
+}
+
+TEST_CASE("SyncBatchNorm: a forward or backward after its backend was destroyed is an InvalidArgument saying so, "
+          "not a use of freed memory",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto local = std::make_unique<ls::MPIBackend>(MPI_COMM_WORLD);
+  lt::SyncBatchNorm1d bn(*local, torch::nn::BatchNormOptions(3));
+  torch::manual_seed(11 + backend().rank());
+  const auto x = torch::randn({4, 3}, torch::requires_grad());
+  const auto y = bn->forward(x);
+  local.reset();  // every rank destroys it, with y's graph still holding the layer's backward
+  const std::string e = error_of<ls::InvalidArgument>([&] { y.pow(2).sum().backward(); });
+  UNSCOPED_INFO(e);
+  CHECK(all_ranks(mentions(e, "lockstep::torch::SyncBatchNorm1d: backward after its backend was destroyed")));
+  const std::string f = error_of<ls::InvalidArgument>([&] { (void)bn->forward(x); });
+  UNSCOPED_INFO(f);
+  CHECK(all_ranks(mentions(f, "lockstep::torch::SyncBatchNorm1d: forward after its backend was destroyed")));
+  // Eval mode needs no backend.
+  bn->eval();
+  CHECK(all_ranks(bn->forward(x).defined()));
 }
