@@ -9,8 +9,9 @@ if(TARGET lockstep_torch)
   # batch (even, uneven, a rank with 0 rows; f64, f16, bf16, channels_last, non-contiguous),
   # collectives counted, one rank's refused input an error on every rank, an input needing a
   # gradient on some ranks only, convert's refusals; lt::Join with 0, 1 and 5 extra batches on
-  # one rank, every rank running out at a different step (sharded SGD inside), and a
-  # SyncBatchNorm error on one rank inside the loop caught on every rank.
+  # one rank, every rank running out at a different step (sharded SGD inside), a SyncBatchNorm
+  # error on one rank inside the loop caught on every rank, and a rank that has a batch again
+  # refused on every rank; a SyncBatchNorm forward or backward after its backend was destroyed.
   lockstep_test_executable(test_torch_sync_batchnorm ${PROJECT_SOURCE_DIR}/ext/torch/test/sync_batchnorm_test.cpp)
   target_link_libraries(test_torch_sync_batchnorm PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch_sync_batchnorm RANKS 1 2 3 4 LABELS torch

@@ -486,3 +486,36 @@ TEST_CASE("rotating checkpoints: root saves and commits, every rank finds the ne
   backend().barrier();
   if (r == 0) fs::remove_all(dir);
 }
+
+TEST_CASE("rotating checkpoints: a resume from an older checkpoint keeps the newer ones, also the one saved over",
+          "[checkpoint][mpi][rotation]") {
+  const fs::path dir = shared_dir();
+  const fs::path stem = dir / "ck";
+  const int r = backend().rank();
+  const ls::CheckpointRotation rot(stem, 3);
+  for (int step = 1; step <= 4; ++step)  // the first run: 2, 3 and 4 kept, the pointer at 4
+    (void)rot.save(backend(), step, cktest::make_net({1, 8, 3}, static_cast<float>(step * 10)));
+  // Resumed by hand from 2; its own step 3 differs from the first run's.
+  cktest::Net net = cktest::make_net({1, 8, 3}, 0.f);
+  (void)ls::load_checkpoint(backend(), rot.path_for(2), net);
+  (void)rot.save(backend(), 3, cktest::make_net({1, 8, 3}, 31.f + r));  // rank 0's is written
+  const fs::path aside = dir / "ck.set-aside-000003";
+  // The first run's 3 and 4 are in the folder, whole; the new 3 is the rotation's newest.
+  const auto holds = [&](const fs::path& p, float salt) {
+    cktest::Net n = cktest::make_net({1, 8, 3}, -1.f);
+    (void)ls::load_checkpoint(backend(), p, n);
+    return same_net(n, cktest::make_net({1, 8, 3}, salt));
+  };
+  CHECK(all_ranks(holds(aside / "ck-000003.safetensors", 30.f)));
+  CHECK(all_ranks(holds(aside / "ck-000004.safetensors", 40.f)));
+  CHECK(all_ranks(holds(*ls::latest_checkpoint(backend(), stem), 31.f)));
+  if (r == 0) CHECK(rot.files().size() == 2u);  // 2 and the new 3
+  // Saving the same state again at the pointer's step sets nothing aside (byte-identical).
+  (void)rot.save(backend(), 3, cktest::make_net({1, 8, 3}, 31.f));
+  if (r == 0) {
+    CHECK_FALSE(fs::exists(dir / "ck.set-aside-000003.2"));
+    CHECK_FALSE(fs::exists(dir / "ck-000003.safetensors.staged"));
+  }
+  backend().barrier();
+  if (r == 0) fs::remove_all(dir);
+}

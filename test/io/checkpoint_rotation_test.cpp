@@ -1,13 +1,16 @@
 // Rotating checkpoints (CheckpointRotation, latest_checkpoint): the stem of a path, keep-k, the
-// pointer always naming a complete file (also when the writer is SIGKILLed at any moment), and
-// the errors for a pointer that is broken or names a removed file. No MPI: one process.
+// pointer always naming a complete file (also when the writer is SIGKILLed at any moment), the
+// errors for a pointer that is broken or names a removed file, and committed checkpoints newer
+// than a commit set aside (or removed on request), said on stderr. No MPI: one process.
 #include <catch2/catch.hpp>
 
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -166,4 +169,116 @@ TEST_CASE("a writer SIGKILLed at any moment leaves a pointer naming a complete c
     CHECK(ls::CheckpointRotation(stem, kKeep).files().size() <= kKeep + 2);
   }
   CHECK(last_seen > 0);
+}
+
+namespace {
+
+/// Runs f() with this process's stderr going to a file; returns what was written there.
+template <class F>
+std::string stderr_of(F&& f) {
+  const fs::path file = fs::temp_directory_path() / ("lockstep-rotation-stderr-" + std::to_string(::getpid()));
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  FILE* out = std::fopen(file.c_str(), "w");
+  REQUIRE(out != nullptr);
+  ::dup2(::fileno(out), 2);
+  try {
+    f();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    std::fclose(out);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::fclose(out);
+  std::ifstream in(file);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(file);
+  return text;
+}
+
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("a commit below committed checkpoints (a resume from an older one) sets them aside, never deletes them",
+          "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck", 2);
+  save(rot, 10);
+  save(rot, 20);
+  save(rot, 30);
+  save(rot, 40);
+  // A writer killed between its file and the pointer: 50 was never committed.
+  ls::save_checkpoint(rot.path_for(50), make(50));
+  REQUIRE(steps_on_disk(rot) == std::vector<std::int64_t>{30, 40, 50});
+  // Resumed by hand from 30: the next commit is 35, below the committed 40.
+  const std::string said = stderr_of([&] { save(rot, 35); });
+  CHECK(*ls::latest_checkpoint(d.path / "ck") == rot.path_for(35));
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{30, 35});  // 50 (never committed) removed
+  const fs::path aside = d.path / "ck.set-aside-000035";
+  REQUIRE(fs::is_directory(aside));
+  CHECK(names_in(aside) == std::vector<std::string>{"ck-000040.safetensors"});
+  CHECK(verified_step(aside / "ck-000040.safetensors") == 40);
+  CHECK(said.find("set aside, not deleted: ck-000040.safetensors in " + aside.string()) != std::string::npos);
+  CHECK(std::count(said.begin(), said.end(), '\n') == 1);
+  // Going on from there is an ordinary rotation: nothing more is set aside or said.
+  CHECK(stderr_of([&] {
+          save(rot, 36);
+          save(rot, 37);
+        }).empty());
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{36, 37});
+  // A second resume from an older checkpoint gets a folder of its own.
+  ls::save_checkpoint(rot.path_for(12), make(12));
+  const std::string again = stderr_of([&] { rot.commit(12); });
+  CHECK(names_in(d.path / "ck.set-aside-000012") ==
+        std::vector<std::string>{"ck-000036.safetensors", "ck-000037.safetensors"});
+  CHECK(again.find("ck-000036.safetensors, ck-000037.safetensors") != std::string::npos);
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{12});
+  ls::save_checkpoint(rot.path_for(11), make(11));
+  (void)stderr_of([&] { rot.commit(11); });
+  CHECK(names_in(d.path / "ck.set-aside-000011") == std::vector<std::string>{"ck-000012.safetensors"});
+  ls::save_checkpoint(rot.path_for(10), make(10));
+  (void)stderr_of([&] { rot.commit(10); });
+  save(rot, 11);  // 11 again: ck.set-aside-000011 exists
+  ls::save_checkpoint(rot.path_for(10), make(10));
+  (void)stderr_of([&] { rot.commit(10); });
+  CHECK(fs::is_directory(d.path / "ck.set-aside-000010.2"));
+}
+
+TEST_CASE("with no pointer (removed to start afresh) every numbered file counts as committed and is set aside",
+          "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck", 3);
+  save(rot, 7);
+  save(rot, 8);
+  fs::remove(rot.pointer_path());
+  const std::string said = stderr_of([&] { save(rot, 1); });
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{1});
+  CHECK(names_in(d.path / "ck.set-aside-000001") ==
+        std::vector<std::string>{"ck-000007.safetensors", "ck-000008.safetensors"});
+  CHECK(said.find("set aside") != std::string::npos);
+}
+
+TEST_CASE("Newer::remove deletes committed checkpoints newer than a commit, and says so", "[checkpoint][rotation]") {
+  TempDir d;
+  const ls::CheckpointRotation rot(d.path / "ck", 3, ls::CheckpointRotation::Newer::remove);
+  CHECK(rot.newer() == ls::CheckpointRotation::Newer::remove);
+  save(rot, 10);
+  save(rot, 20);
+  save(rot, 30);
+  const std::string said = stderr_of([&] { save(rot, 15); });
+  CHECK(steps_on_disk(rot) == std::vector<std::int64_t>{10, 15});
+  CHECK(names_in(d.path) == std::vector<std::string>{"ck-000010.safetensors", "ck-000015.safetensors", "ck.latest"});
+  CHECK(said.find("deleted (CheckpointRotation::Newer::remove): ck-000020.safetensors, ck-000030.safetensors") !=
+        std::string::npos);
 }

@@ -140,6 +140,22 @@ GlobalStats gather_stats(Backend& backend, const std::string& who, const std::st
   return g;
 }
 
+// The backend a training forward used, kept in its autograd graph for backward's collective:
+// a BackendRef, so that a backward after the backend was destroyed is an error, not a call on
+// freed memory. (Autograd keeps non-tensor state as IValues; a capsule holds any object.)
+struct BackendCapsule : ::torch::CustomClassHolder {
+  explicit BackendCapsule(BackendRef r) : ref(std::move(r)) {}
+  BackendRef ref;
+};
+
+// The backend `ref` refers to; InvalidArgument naming `who` and `when` once it was destroyed.
+Backend& live_backend(const BackendRef& ref, const std::string& who, const char* when) {
+  Backend* b = ref.get();
+  LOCKSTEP_CHECK_ARG(b != nullptr, who, ": ", when, " after its backend was destroyed (finalize<B>() destroys the "
+                     "global backend; a backend of the caller's ends with its scope); nothing was computed");
+  return *b;
+}
+
 // Normalises with the global batch's statistics (given: gather_stats's, f64, not
 // differentiable; the gradient through them is backward's explicit formula).
 //
@@ -155,7 +171,8 @@ GlobalStats gather_stats(Backend& backend, const std::string& who, const std::st
 struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight_in,
                                const at::Tensor& bias_in, const at::Tensor& global_mean, const at::Tensor& global_var,
-                               Backend* backend, double n, bool input_grad_anywhere, double eps) {
+                               const BackendRef& backend, const std::string& who, double n,
+                               bool input_grad_anywhere, double eps) {
     const bool widen = kernel_type(input.scalar_type()) != input.scalar_type();
     const auto x = widen ? input.to(at::kFloat) : input;
     const auto weight = weight_in.to(x.scalar_type()), bias = bias_in.to(x.scalar_type());
@@ -165,7 +182,8 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
                             : std::get<0>(at::native_batch_norm(x, weight, bias, mean_x, var_x, /*training=*/false,
                                                                 0.0, eps));
     ctx->save_for_backward({x, weight, mean_x, var_x});
-    ctx->saved_data["backend"] = reinterpret_cast<std::int64_t>(backend);
+    ctx->saved_data["backend"] = c10::IValue::make_capsule(c10::make_intrusive<BackendCapsule>(backend));
+    ctx->saved_data["who"] = who;
     ctx->saved_data["n"] = n;
     ctx->saved_data["input_grad"] = input_grad_anywhere;
     ctx->saved_data["eps"] = eps;
@@ -177,7 +195,6 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &var = saved[3];
-    auto* backend = reinterpret_cast<Backend*>(ctx->saved_data["backend"].toInt());
     const double n = ctx->saved_data["n"].toDouble(), eps = ctx->saved_data["eps"].toDouble();
     const auto in_type = grad_outputs[0].defined() ? grad_outputs[0].scalar_type() : x.scalar_type();
     at::Tensor dy = grad_outputs[0].defined() ? grad_outputs[0].to(x.scalar_type()) : at::zeros_like(x);
@@ -204,7 +221,12 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
     // batch's sums of dy and dy * xhat per channel. Then
     // grad_x = (dy - mean(dy) - xhat * mean(dy * xhat)) * invstd * weight, per channel an affine
     // function of dy and x: k * dy + a * x + b, with the coefficients in f64.
-    if (ctx->saved_data["input_grad"].toBool()) backend->allreduce(view(sums), ReduceOp::sum);
+    if (ctx->saved_data["input_grad"].toBool()) {
+      const auto capsule = ctx->saved_data["backend"].toCapsule();
+      live_backend(static_cast<const BackendCapsule*>(capsule.get())->ref, ctx->saved_data["who"].toStringRef(),
+                   "backward")
+          .allreduce(view(sums), ReduceOp::sum);
+    }
     if (ctx->needs_input_grad(0)) {
       const auto invstd = (var.to(at::kDouble) + eps).rsqrt();
       const auto mean_dy = sums.narrow(0, 0, c) / n, mean_dy_xhat = sums.narrow(0, c, c) / n;
@@ -216,8 +238,8 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
       grad_x.addcmul_(dy, k.to(x.scalar_type()).view(shape));
       if (grad_x.scalar_type() != in_type) grad_x = grad_x.to(in_type);
     }
-    return {grad_x,        grad_weight,  grad_bias,    at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x,       grad_weight,  grad_bias,    at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -225,16 +247,21 @@ struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormF
 
 template <std::size_t D>
 SyncBatchNormImpl<D>::SyncBatchNormImpl(Backend& backend, const ::torch::nn::BatchNormOptions& options_)
-    : options(options_), backend_(&backend) {
+    : options(options_), backend_(backend.ref()) {
   reset();
 }
 
 template <std::size_t D>
 SyncBatchNormImpl<D>::SyncBatchNormImpl(Backend& backend, const ::torch::nn::BatchNormOptions& options_,
                                         std::vector<at::Tensor> adopt)
-    : options(options_), backend_(&backend), adopt_(std::move(adopt)) {
+    : options(options_), backend_(backend.ref()), adopt_(std::move(adopt)) {
   LOCKSTEP_CHECK_ARG(adopt_.size() == 5, "lockstep::torch::SyncBatchNorm: 5 tensors to adopt, got ", adopt_.size());
   reset();
+}
+
+template <std::size_t D>
+Backend& SyncBatchNormImpl<D>::backend() const {
+  return live_backend(backend_, concat("lockstep::torch::SyncBatchNorm", D, "d"), "backend()");
 }
 
 template <std::size_t D>
@@ -334,11 +361,11 @@ at::Tensor SyncBatchNormImpl<D>::forward(const at::Tensor& input) {
   const GradState grad = !::torch::GradMode::is_enabled() || !(needs(input) || needs(weight) || needs(bias))
                              ? GradState::no_graph
                              : needs(input) ? GradState::input_grad : GradState::graph;
-  const auto g = gather_stats(*backend_, who, expected_dims, c, x, grad, verdict);
+  const auto g = gather_stats(live_backend(backend_, who, "forward"), who, expected_dims, c, x, grad, verdict);
   // LibTorch's autograd Function takes no undefined inputs: without affine, a constant 1 and 0.
   const auto w = weight.defined() ? weight : at::ones({c}, input.options());
   const auto b = bias.defined() ? bias : at::zeros({c}, input.options());
-  auto out = SyncBatchNormFunction::apply(input, w, b, g.mean, g.var, backend_, g.n, g.input_grad, options.eps());
+  auto out = SyncBatchNormFunction::apply(input, w, b, g.mean, g.var, backend_, who, g.n, g.input_grad, options.eps());
   if (options.track_running_stats()) {
     ::torch::NoGradGuard no_grad;
     num_batches_tracked += 1;

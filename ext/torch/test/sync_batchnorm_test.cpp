@@ -5,7 +5,9 @@
 // by a custom module's member on every rank, and BatchNorm's state_dict names and checkpoints;
 // lt::Join with 0, 1 and many extra batches on one rank (SyncBatchNorm taking part); f64, f16,
 // bf16, channels_last and non-contiguous inputs; one rank's refused input (dimensionality,
-// channels, dtype) an InvalidArgument on every rank; an input needing a gradient on some ranks.
+// channels, dtype) an InvalidArgument on every rank; an input needing a gradient on some ranks;
+// a Join rank that has a batch again refused on every rank; a forward or backward after the
+// backend was destroyed refused.
 #include <torch/torch.h>
 
 #include <catch2/catch.hpp>
@@ -713,4 +715,54 @@ TEST_CASE("Join: every rank runs out at a different step (rank r has r batches, 
   for (const auto& p : dist->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
   for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
   CHECK_NOTHROW(ls::check_replicas(b, t));
+}
+
+TEST_CASE("Join: a rank that ran out of data and has a batch again is refused on every rank, naming it; a new loop "
+          "after the end may start again",
+          "[torch][mpi]") {
+  auto& b = backend();
+  const int n = b.size(), last = n - 1;
+  lt::Join join(b);
+  // The last rank: a batch for step 0, none for step 1, one again for step 2 (data that came
+  // back: a second dataloader, an iterator reset by mistake). Every other rank: 3 batches.
+  const auto has = [&](int i) { return b.rank() == last ? i != 1 : i < 3; };
+  CHECK(join.next(has(0)));
+  if (n > 1) {
+    CHECK(join.next(has(1)));
+    CHECK(join.joined_steps() == (b.rank() == last ? 1 : 0));
+    const std::string e = error_of<ls::InvalidArgument>([&] { (void)join.next(has(2)); });
+    UNSCOPED_INFO(e);
+    CHECK(all_ranks(mentions(e, "rank " + std::to_string(last) + " has a batch for step 2 but had none for step 1")));
+    // Every rank threw, none is left in a collective: the ranks are still in step.
+    CHECK(all_ranks(true));
+    // Rejoining is refused as long as the loop lasts, also when that rank says it has no batch
+    // in between.
+    CHECK(all_ranks(mentions(error_of<ls::InvalidArgument>([&] { (void)join.next(b.rank() == last); }),
+                             "rank " + std::to_string(last) + " has a batch")));
+  }
+  // The loop ends (no rank has a batch); a new loop with the same Join starts afresh.
+  CHECK_FALSE(join.next(false));
+  CHECK(join.next(true));
+  CHECK_FALSE(join.next(false));
+}
+
+TEST_CASE("SyncBatchNorm: a forward or backward after its backend was destroyed is an InvalidArgument saying so, "
+          "not a use of freed memory",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto local = std::make_unique<ls::MPIBackend>(MPI_COMM_WORLD);
+  lt::SyncBatchNorm1d bn(*local, torch::nn::BatchNormOptions(3));
+  torch::manual_seed(11 + backend().rank());
+  const auto x = torch::randn({4, 3}, torch::requires_grad());
+  const auto y = bn->forward(x);
+  local.reset();  // every rank destroys it, with y's graph still holding the layer's backward
+  const std::string e = error_of<ls::InvalidArgument>([&] { y.pow(2).sum().backward(); });
+  UNSCOPED_INFO(e);
+  CHECK(all_ranks(mentions(e, "lockstep::torch::SyncBatchNorm1d: backward after its backend was destroyed")));
+  const std::string f = error_of<ls::InvalidArgument>([&] { (void)bn->forward(x); });
+  UNSCOPED_INFO(f);
+  CHECK(all_ranks(mentions(f, "lockstep::torch::SyncBatchNorm1d: forward after its backend was destroyed")));
+  // Eval mode needs no backend.
+  bn->eval();
+  CHECK(all_ranks(bn->forward(x).defined()));
 }

@@ -69,6 +69,29 @@ class [[nodiscard("a dropped Request waits at once in its destructor: keep it, a
 
 
 
+class Backend;
+
+/// A reference to a Backend that knows when the backend is gone: get() is the backend while it
+/// exists and nullptr once it was destroyed (finalize<B>() destroys the global one; a backend the
+/// caller made ends with its scope). For what keeps a backend beyond a call whose end it does not
+/// control (autograd's saved state of lockstep::torch::SyncBatchNorm): checked, a use after the
+/// end is an error instead of a use of freed memory. A check, not a lock: destroying the backend
+/// on another thread while it is in use stays the caller's race.
+class BackendRef {
+ public:
+  BackendRef() = default;
+  /// The backend, or nullptr once it was destroyed (or for a default-constructed reference).
+  [[nodiscard]] Backend* get() const noexcept {
+    const auto alive = alive_.lock();
+    return alive ? *alive : nullptr;
+  }
+
+ private:
+  friend class Backend;
+  explicit BackendRef(std::weak_ptr<Backend* const> alive) noexcept : alive_(std::move(alive)) {}
+  std::weak_ptr<Backend* const> alive_;
+};
+
 /// Abstract communication backend. All collectives are blocking unless named i...; all
 /// element counts are in elements of the view's dtype.
 ///
@@ -84,7 +107,15 @@ class [[nodiscard("a dropped Request waits at once in its destructor: keep it, a
 /// the communicator is marked unusable, see docs/reliability.md).
 class Backend {
  public:
+  Backend() = default;
+  /// A copy or a move is another backend: it gets a reference of its own (ref()), and the
+  /// references to the source stay the source's.
+  Backend(const Backend&) : Backend() {}
+  Backend& operator=(const Backend&) noexcept { return *this; }
   virtual ~Backend() = default;
+
+  /// A reference that becomes empty when this backend is destroyed (BackendRef).
+  [[nodiscard]] BackendRef ref() const noexcept { return BackendRef(self_); }
 
   /// "mpi", "nccl".
   [[nodiscard]] virtual std::string name() const = 0;
@@ -211,6 +242,11 @@ class Backend {
   /// Throws lockstep::Error if this backend cannot be used (for example a moved-from one). The
   /// default does nothing.
   virtual void check_usable() const {}
+
+ private:
+  // Owned by this object alone (a copy or a move makes its own), so that the references ref()
+  // gives expire exactly when it is destroyed.
+  std::shared_ptr<Backend* const> self_ = std::make_shared<Backend* const>(this);
 };
 
 }  // namespace lockstep

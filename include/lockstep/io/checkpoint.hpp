@@ -535,9 +535,20 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
 // file, fsync, rename), then STEM.latest is replaced (same way) to name it, and only then are
 // the files beyond the newest `keep` removed. A writer killed at any point leaves STEM.latest
 // naming a complete file: the previous one until the pointer moved, the new one after. Files the
-// pointer never named (a writer killed between its file and the pointer) are removed by the
-// next commit. The paths are the root's: on a cluster, STEM is a path on rank 0's host (or a
-// shared file system), and a restart finds the checkpoint only where it runs rank 0.
+// pointer never named (numbered above the step it named: a writer killed between its file and
+// the pointer) are removed by the next commit. The paths are the root's: on a cluster, STEM is a
+// path on rank 0's host (or a shared file system), and a restart finds the checkpoint only where
+// it runs rank 0.
+//
+// A committed checkpoint is never destroyed for being newer than the step committed: a run
+// resumed by hand from an older checkpoint (or one whose pointer was removed to start afresh)
+// commits steps below checkpoints of the run it left (committed: numbered at or below the step
+// the pointer named; every numbered file when there is no readable pointer). Those are moved
+// into the folder STEM.set-aside-NNNNNN (NNNNNN: the step committed; ".2", ".3", ... when that
+// exists), not counted by `keep`, and root says so in one line on stderr. save() at a step
+// whose file is such a checkpoint writes the new one beside it first (.staged), and keeps the
+// old one aside too unless the two are byte-identical (a re-save of the same state).
+// Newer::remove deletes them instead, and says so.
 //
 // STEM comes from a path the way rotation_stem() says: "run/ck.safetensors" and "run/ck" are
 // the stem "run/ck"; an existing directory or a path ending in '/' is the stem "DIR/ck".
@@ -563,21 +574,32 @@ std::map<std::string, std::string> load_checkpoint(Backend& backend, const std::
 ///   auto p = latest_checkpoint(backend, "run/ck.safetensors");   // on restart
 class CheckpointRotation {
  public:
+  /// What a commit does with committed checkpoints numbered above the step it commits (a run
+  /// resumed from an older checkpoint): move them into STEM.set-aside-NNNNNN (the default), or
+  /// delete them. Either is said on stderr.
+  enum class Newer { set_aside, remove };
+
   /// keep >= 1 (InvalidArgument otherwise): how many committed checkpoints stay on disk.
-  explicit CheckpointRotation(const std::filesystem::path& path, int keep = 3);
+  explicit CheckpointRotation(const std::filesystem::path& path, int keep = 3, Newer newer = Newer::set_aside);
 
   const std::filesystem::path& stem() const noexcept { return stem_; }
   int keep() const noexcept { return keep_; }
+  Newer newer() const noexcept { return newer_; }
   /// STEM-NNNNNN.safetensors (at least six digits; step >= 0, InvalidArgument otherwise).
   [[nodiscard]] std::filesystem::path path_for(std::int64_t step) const;
   /// STEM.latest.
   std::filesystem::path pointer_path() const;
+  /// The folder a commit of `step` sets newer checkpoints aside in: STEM.set-aside-NNNNNN, or
+  /// the first of STEM.set-aside-NNNNNN.2, .3, ... that does not exist yet.
+  [[nodiscard]] std::filesystem::path set_aside_dir(std::int64_t step) const;
 
   /// After the file path_for(step) is completely written: atomically points STEM.latest at it,
-  /// then removes every other numbered file of this stem except the `keep` newest with a step
-  /// at or below `step` (newer ones are leftovers of a run this one restarted from before them).
-  /// Throws CheckpointError if the file is missing or the pointer cannot be written (then the
-  /// old pointer stands and nothing is removed); a file that cannot be removed is left.
+  /// then removes every numbered file of this stem at or below `step` except the `keep` newest,
+  /// and every one above it that the pointer never named (the leftover of a writer killed
+  /// before its commit). Committed files above `step` are set aside or removed as newer()
+  /// says, and root says so on stderr (see above). Throws CheckpointError if the file is
+  /// missing or the pointer cannot be written (then the old pointer stands and nothing is
+  /// moved or removed); a file that cannot be moved or removed is left.
   void commit(std::int64_t step) const;
 
   /// Creates the stem's directory (and its parents) if missing; returns false if that failed.
@@ -589,17 +611,24 @@ class CheckpointRotation {
   /// Collective: root creates the stem's directory if missing, save_checkpoint(backend,
   /// path_for(step), x, metadata, root), then root commits;
   /// every rank returns, or every rank throws the same CheckpointError. Returns path_for(step).
+  /// When path_for(step) is a committed checkpoint (the pointer names it or a later step), the
+  /// new file is written beside it and replaces it at the commit, the old one set aside first
+  /// unless the two are byte-identical.
   template <class X>
   std::filesystem::path save(Backend& backend, std::int64_t step, const X& x,
                              const std::map<std::string, std::string>& metadata = {}, int root = 0,
                              std::source_location loc = std::source_location::current()) const {
     const std::filesystem::path p = path_for(step);
-    if (backend.rank() == root) create_directory();  // a failure is save_checkpoint's error
-    save_checkpoint(backend, p, x, metadata, root, loc);
+    std::filesystem::path target = p;
+    if (backend.rank() == root) {
+      create_directory();  // a failure is save_checkpoint's error
+      target = write_path(step);
+    }
+    save_checkpoint(backend, target, x, metadata, root, loc);
     std::string err;
     if (backend.rank() == root) {
       try {
-        commit(step);
+        commit_written(step, target);
       } catch (...) {
         err = detail::current_error_message();
       }
@@ -610,8 +639,16 @@ class CheckpointRotation {
   }
 
  private:
+  // Where save() writes step's file: path_for(step), or STEM-NNNNNN.safetensors.staged when
+  // path_for(step) is a committed checkpoint that must not be overwritten before the commit
+  // decides whether to set it aside.
+  std::filesystem::path write_path(std::int64_t step) const;
+  // commit(step) for a file written at `written` (path_for(step) or write_path's staged path).
+  void commit_written(std::int64_t step, const std::filesystem::path& written) const;
+
   std::filesystem::path stem_;
   int keep_;
+  Newer newer_;
 };
 
 }  // namespace lockstep

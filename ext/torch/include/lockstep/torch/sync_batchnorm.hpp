@@ -57,7 +57,10 @@ namespace lockstep::torch {
 template <std::size_t D>
 class SyncBatchNormImpl : public ::torch::nn::Cloneable<SyncBatchNormImpl<D>> {
  public:
-  /// `backend` must outlive the module (and its clones).
+  /// The module keeps a BackendRef to `backend`, and so does every training forward's autograd
+  /// graph: a training forward, or a backward, after the backend was destroyed (finalize, or a
+  /// backend of the caller's gone out of scope) is an InvalidArgument saying so, on every rank
+  /// where it happens (no collective is attempted). Eval mode needs no backend.
   SyncBatchNormImpl(Backend& backend, const ::torch::nn::BatchNormOptions& options);
   /// For convert_sync_batchnorm: registers these tensors themselves (weight, bias, running_mean,
   /// running_var, num_batches_tracked; undefined where the options have none), so that an
@@ -71,14 +74,15 @@ class SyncBatchNormImpl : public ::torch::nn::Cloneable<SyncBatchNormImpl<D>> {
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
 
-  Backend& backend() const noexcept { return *backend_; }
+  /// The backend; InvalidArgument once it was destroyed.
+  Backend& backend() const;
 
   ::torch::nn::BatchNormOptions options;
   at::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
 
  private:
   void check_input_dim(const at::Tensor& input) const;
-  Backend* backend_;
+  BackendRef backend_;
   std::vector<at::Tensor> adopt_;  // consumed by the first reset()
 };
 
