@@ -133,6 +133,10 @@ std::vector<Case> cases() {
                  {.bucket_bytes = 1024, .shard_optimizer_state = true, .wire_dtype = ls::DType::bf16}, {1200, 240, 12}});
   out.push_back({"sharded, tails, no thread",
                  {.bucket_bytes = 1024, .comm_thread = false, .shard_optimizer_state = true}, {701, 13, 3}});
+  // The carried call at the hierarchical path's 64 KiB threshold (micro_steps.hierarchical): 16320
+  // f32 and the trailer are 65536 bytes exactly, 16319 one element below, 16321 one above.
+  for (std::int64_t n : {16319, 16320, 16321})
+    out.push_back({"at the 64 KiB threshold, " + std::to_string(n), {}, {n}});
   return out;
 }
 }  // namespace
