@@ -402,3 +402,16 @@ lockstep_add_rank_tests(NAME reliability.late_delivery.hierarchical RANKS 4 TIME
   ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_TEST_HOST_SIZE=2 OMPI_MCA_btl=self,tcp
       "LOCKSTEP_FAULT=rank=3,kind=freeze_exchange,after=1,seconds=9"
   COMMAND ${LOCKSTEP_LATE_DELIVERY} <N> $<TARGET_FILE:lockstep_late_delivery> 3 1048576 40)
+
+# The micro-step count agreed on one of the step's own calls (issue 41): explicit accumulation a
+# different number of times per rank is a MismatchError on every rank, in every form the step's
+# collectives take; at 4 ranks also as two simulated machines with every call on the
+# hierarchical path (its inter-host 16-bit wire included).
+lockstep_test_executable(test_micro_steps reliability/micro_steps_test.cpp)
+lockstep_add_mpi_test(NAME micro_steps TARGET test_micro_steps RANKS 1 2 3 4 TIMEOUT 180
+                      LABELS reliability ENV LOCKSTEP_TIMEOUT=20)
+if(LOCKSTEP_FAULT_INJECTION)
+  lockstep_add_mpi_test(NAME micro_steps.hierarchical TARGET test_micro_steps RANKS 4 TIMEOUT 180
+                        LABELS reliability
+                        ENV LOCKSTEP_TIMEOUT=20 LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0)
+endif()

@@ -1,12 +1,11 @@
 // The collectives of GradientReducer's buckets: a bucket's reduction (allreduces in slices, or
 // sharded a reduce-scatter and its tail; 16-bit on the wire where asked), launched in bucket
-// order, nonblocking or blocking or on the communication thread; and the check that the ranks
-// reduced the same number of micro-steps.
+// order, nonblocking or blocking or on the communication thread. One call of each step also
+// carries the micro-step count's trailer (micro_steps.cpp).
 #include "train/reducer_impl.hpp"
 
 #include <algorithm>
 
-#include "comm/rank_list.hpp"
 #include "lockstep/core/errors.hpp"
 
 namespace lockstep {
@@ -26,7 +25,9 @@ using detail::concat;
 // rounds, sums and widens (MPIBackend's shared-memory path in one pass). A device bucket
 // with a wire dtype arrives already rounded (its 16-bit copy): summed as it is, and widened
 // and divided by finish_device_wire.
-void GradientReducer::Impl::communicate(const Bucket& /*b*/, TensorView target, std::int64_t step) {
+// `carried`: this part's call carries the micro-step trailer (carries(), micro_steps.cpp): its
+// last slice, or sharded its tail or its reduce-scatter, is reduced in the carrier's buffer.
+void GradientReducer::Impl::communicate(const Bucket& /*b*/, TensorView target, std::int64_t step, bool carried) {
   const bool wire16 = wire && target.dtype == DType::f32 && target.device.is_cpu();
   const ReduceOp op = wire && !wire16 ? ReduceOp::sum : options.op;
   auto allreduce = [&](TensorView v) {
@@ -34,18 +35,27 @@ void GradientReducer::Impl::communicate(const Bucket& /*b*/, TensorView target, 
     else backend->allreduce(v, op);
   };
   if (!sharded) {
-    for (std::int64_t off = 0; off < target.numel; off += step)
-      allreduce(target.slice(off, std::min(step, target.numel - off)));
+    const std::int64_t end = carried ? target.numel - last_slice(target.numel, step) : target.numel;
+    for (std::int64_t off = 0; off < end; off += step) allreduce(target.slice(off, std::min(step, end - off)));
+    if (carried) allreduce(carry(target.slice(end, target.numel - end)));
     return;
   }
   // Each call is whole: MPIBackend's shared-memory path slices it itself (each slice holds a
   // part of every rank's piece, so every rank reduces in every slice).
   const std::int64_t q = target.numel / nranks, t = target.numel - q * nranks;
   if (q > 0) {
-    if (wire16) backend->reduce_scatter_wire16(target.slice(0, q * nranks), target.slice(my_rank * q, q), *wire, op);
-    else backend->reduce_scatter(target.slice(0, q * nranks), target.slice(my_rank * q, q), op);
+    TensorView send = target.slice(0, q * nranks), recv = target.slice(my_rank * q, q);
+    if (carried && carrier.rs) {
+      send = carry_blocks(send, q);
+      recv = send.slice(carrier.at, q + Carrier::kTrailer);
+    }
+    if (wire16) backend->reduce_scatter_wire16(send, recv, *wire, op);
+    else backend->reduce_scatter(send, recv, op);
   }
-  if (t > 0) allreduce(target.slice(q * nranks, t));
+  if (t > 0) {
+    const TensorView tail = target.slice(q * nranks, t);
+    allreduce(carried && !carrier.rs ? carry(tail) : tail);
+  }
 }
 
 // Starts reducing bucket bi. Nonblocking (one request per slice) when backward reported it,
@@ -78,6 +88,7 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
   // bucket of its own would be, in the same order on every rank.
   prepare_parts(bi);
   if (b.parts.empty()) return;
+  if (carrier.used && carrier.bucket == bi) carrier.count = accumulated + 1;
   const std::int64_t step = slice_elements(b);
   if (!blocking && use_thread) {
     b.slice = step;
@@ -87,12 +98,17 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
   if (blocking || sharded || wire) {
     // Sharded, or a wire dtype: these collectives have no nonblocking form, so without the
     // thread they run here.
-    for (const TensorView& t : b.parts) communicate(b, t, step);
+    for (std::size_t p = 0; p < b.parts.size(); ++p) communicate(b, b.parts[p], step, carries(bi, p));
     return;
   }
-  for (const TensorView& t : b.parts)
-    for (std::int64_t off = 0; off < t.numel; off += step)
-      b.requests.push_back(backend->iallreduce(t.slice(off, std::min(step, t.numel - off)), op));
+  for (std::size_t p = 0; p < b.parts.size(); ++p) {
+    const TensorView& t = b.parts[p];
+    const bool carried = carries(bi, p);
+    const std::int64_t end = carried ? t.numel - last_slice(t.numel, step) : t.numel;
+    for (std::int64_t off = 0; off < end; off += step)
+      b.requests.push_back(backend->iallreduce(t.slice(off, std::min(step, end - off)), op));
+    if (carried) b.requests.push_back(backend->iallreduce(carry(t.slice(end, t.numel - end)), op));
+  }
 }
 
 // The slice a host bucket's views are reduced in, in elements. A bucket larger than
@@ -125,29 +141,6 @@ void GradientReducer::Impl::launch_ready() {
     verify_bound(buckets[next_launch]);
     launch(next_launch++);
   }
-}
-
-// With accumulation, every rank must have summed the same number of micro-steps: each divides
-// by its own count, so a rank that reduces a cycle cut short (reduce_bound before
-// accumulation_steps micro-steps) would leave the replicas different without a word. One
-// allgather of the counts per optimizer step (only with accumulation_steps > 1; its options
-// are agreed at setup, so every rank makes it), after the step's buckets: a difference throws
-// MismatchError on every rank, naming each rank's count.
-void GradientReducer::Impl::agree_on_micro_steps() {
-  const int n = backend->size();
-  std::int64_t mine = accumulated + 1;
-  std::vector<std::int64_t> all(static_cast<std::size_t>(n));
-  backend->allgather(TensorView{&mine, 1, DType::i64, Device::cpu()},
-                     TensorView{all.data(), n, DType::i64, Device::cpu()});
-  if (std::all_of(all.begin(), all.end(), [&](std::int64_t c) { return c == all[0]; })) return;
-  const std::string counts = detail::rank_values(all);
-  accumulated = 0;
-  reset_step();
-  throw MismatchError(concat("GradientReducer: the ranks reduced different numbers of micro-steps (", counts,
-                             "; accumulation_steps = ", options.accumulation_steps,
-                             "); every rank must reduce the same number, or the replicas would differ. "
-                             "The accumulated gradients were dropped",
-                             detail::rank_suffix()));
 }
 
 }  // namespace lockstep

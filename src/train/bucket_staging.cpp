@@ -213,6 +213,7 @@ void GradientReducer::Impl::finish(Bucket& b) {
   }
   for (auto& r : b.requests) r.wait();
   b.finished = true;
+  if (carrier.used && &b == &buckets[carrier.bucket]) settle_carrier();  // before unpacking and dividing
   if (b.numel == 0) return;
   if (wire && !b.device.is_cpu()) {
     if (b.staged) finish_device_wire(b);  // (not staged: one rank, nothing was sent)

@@ -55,6 +55,7 @@ GradientReducer::GradientReducer(Backend& backend, const DistributedOptions& opt
   impl_->paths = std::move(paths);
   impl_->plan();
   impl_->layout();
+  impl_->plan_carrier();
   impl_->reset_step();
   impl_->start_thread_if_used();
 }
@@ -185,7 +186,8 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
       std::rethrow_exception(err);
     }
   }
-  if (m.options.accumulation_steps > 1) m.agree_on_micro_steps();
+  // The counts were carried by one of the step's calls; a difference throws on every rank.
+  m.check_micro_steps();
   if (m.accumulated > 0) {
     m.make_accum_views();
     m.result = m.accum_ptrs;
@@ -253,6 +255,7 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
   impl_->paths = std::move(names);
   impl_->plan();
   impl_->layout();
+  impl_->plan_carrier();
   impl_->reset_step();
   impl_->start_thread_if_used();
   impl_->owns_grads = true;

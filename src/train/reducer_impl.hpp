@@ -5,7 +5,8 @@
 //   shard_layout.cpp         the flat index space and each rank's shard of it (piece, ranges_of)
 //   shard_gather.cpp         gather(): the sharded update's all-gather of the parameters
 //   bucket_staging.cpp       packing a bucket before its reduction, unpacking it after, the accumulator
-//   bucket_collectives.cpp   the collectives of a bucket (communicate, launch), the micro-step check
+//   bucket_collectives.cpp   the collectives of a bucket (communicate, launch)
+//   micro_steps.cpp          the ranks' agreement on the micro-step count, carried by one call a step
 //   reducer_thread.cpp       the communication thread (DistributedOptions::comm_thread)
 //   reducer_checkpoint.cpp   gathering and scattering a sharded state's fields for checkpoints
 //   reducer_options.cpp      the options' checks and the ranks' setup signature
@@ -114,6 +115,24 @@ struct GradientReducer::Impl {
   std::vector<Tensor*> result;
   bool owns_grads = false;  // made from gradients (the public constructor): grad_ready binds them
 
+  // The micro-step count's carrier (micro_steps.cpp): the one call of each step that reduces the
+  // trailer telling every rank whether the ranks' counts agree. Chosen by plan_carrier from the
+  // sizes alone; `used` false where no count can differ.
+  struct Carrier {
+    static constexpr std::int64_t kTrailer = 64;  // two elements per bit of the count
+    bool used = false;
+    std::size_t bucket = 0, part = 0;  // the call: the last slice of that part (or its tail)
+    bool rs = false;                   // sharded: the part's reduce-scatter (no bucket has a tail)
+    std::int64_t count = 0;            // this rank's count, set when the bucket is launched
+    std::int64_t size = 0;             // elements of the carried call, with the trailer
+    DType dtype = DType::f32;
+    Tensor buf;                        // what the call reduces, its elements and the trailer: a
+                                       // reduce buffer of the call's size, allocated at setup
+    TensorView home;                   // where its elements go back (empty once settled)
+    std::int64_t at = 0;               // offset in buf of this rank's reduced elements
+    bool settled = false, differ = false;  // the verdict of this step
+  } carrier;
+
   // The communication thread (DistributedOptions::comm_thread): reduces the host buckets that
   // ready reports launch, in launch order, with blocking collectives. Started at its first use.
   bool use_thread = false;
@@ -157,12 +176,22 @@ struct GradientReducer::Impl {
   void make_accum_views();
 
   // --- the collectives (bucket_collectives.cpp) ------------------------------------------------
-  void communicate(const Bucket& b, TensorView target, std::int64_t step);
+  void communicate(const Bucket& b, TensorView target, std::int64_t step, bool carried = false);
   std::int64_t slice_elements(const Bucket& b) const;
   void launch(std::size_t bi, bool blocking = false);
   void poke();
   void launch_ready();
-  void agree_on_micro_steps();
+
+  // --- the micro-step count's carrier (micro_steps.cpp) -----------------------------------------
+  static std::int64_t last_slice(std::int64_t n, std::int64_t step);
+  std::vector<std::int64_t> part_sizes(const Bucket& b) const;
+  void plan_carrier();
+  void ensure_carrier_buf();
+  bool carries(std::size_t bi, std::size_t part) const;
+  TensorView carry(TensorView home);
+  TensorView carry_blocks(TensorView whole, std::int64_t q);
+  void settle_carrier();
+  void check_micro_steps();
 
   // --- the step (gradient_reducer.cpp) ---------------------------------------------------------
   void verify_bound(const Bucket& b) const;

@@ -43,7 +43,7 @@ void GradientReducer::Impl::worker_loop() {
       try {
         detail::t_call_site = site;  // the collectives name the call that launched them
         Bucket& b = buckets[bi];
-        for (const TensorView& t : b.parts) communicate(b, t, b.slice);
+        for (std::size_t p = 0; p < b.parts.size(); ++p) communicate(b, b.parts[p], b.slice, carries(bi, p));
       } catch (...) {
         err = std::current_exception();
       }

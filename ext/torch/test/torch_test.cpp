@@ -292,6 +292,36 @@ TEST_CASE("DistributedOptimizer: accumulation_steps = 2 on half batches equals o
   CHECK(replicas_equal(*acc));
 }
 
+// lockstep::torch has no explicit accumulation (its divisor is accumulation_steps, the same on
+// every rank), so the micro-step counts of the core's ls::accumulate cannot differ here; what a
+// user would do instead, a second backward before step() on one rank with accumulation_steps = 1,
+// is an InvalidArgument on every rank, the parameters untouched and equal, and the next step works.
+TEST_CASE("DistributedOptimizer: a second backward before step() on one rank is refused on every rank",
+          "[torch][mpi]") {
+  torch::set_num_threads(1);
+  auto& b = backend();
+  torch::manual_seed(9);
+  Net net;
+  net->eval();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  lt::DistributedOptimizer opt(b, sgd);
+  auto [x, y] = global_batch(0, 12);
+  auto mine_x = rows_of(x, b.rank(), b.size()), mine_y = rows_of(y, b.rank(), b.size());
+  const torch::Tensor before = net->fc1->weight.detach().clone();
+  opt.zero_grad();
+  const int passes = b.size() > 1 && b.rank() == b.size() - 1 ? 2 : 1;
+  for (int k = 0; k < passes; ++k) torch::mse_loss(net->forward(mine_x), mine_y).backward();
+  const std::string got = error_of<ls::InvalidArgument>([&] { opt.step(); });
+  INFO("rank " << b.rank() << ": " << got);
+  if (b.size() > 1) CHECK(all_ranks(mentions(got, "produced twice") && torch::equal(net->fc1->weight, before)));
+  else CHECK(got.empty());
+  CHECK(replicas_equal(*net));
+  opt.zero_grad();
+  torch::mse_loss(net->forward(mine_x), mine_y).backward();
+  CHECK(all_ranks(error_of<std::exception>([&] { CHECK(opt.step()); }).empty()));
+  CHECK(replicas_equal(*net));
+}
+
 namespace {
 struct BranchyImpl : torch::nn::Module {
   torch::nn::Linear a{nullptr}, side{nullptr};
