@@ -11,6 +11,14 @@ if(LOCKSTEP_FAULT_INJECTION)
   lockstep_add_mpi_test(NAME training.hierarchical TARGET test_training RANKS 4 ENV LOCKSTEP_TEST_HOST_SIZE=2
                         TIMEOUT 300)
 endif()
+# Deterministic mode (exact sums): the same bits at 1 to 4 ranks as one process, and at 4 ranks
+# as two simulated machines (every host call hierarchical: the placement changes nothing).
+lockstep_add_mpi_test(NAME deterministic TARGET test_deterministic SOURCES train/deterministic_test.cpp RANKS 1 2 3 4
+                      TIMEOUT 120)
+if(LOCKSTEP_FAULT_INJECTION)
+  lockstep_add_mpi_test(NAME deterministic.hierarchical TARGET test_deterministic RANKS 4
+                        ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 TIMEOUT 120)
+endif()
 foreach(area IN ITEMS synchronize data)
   lockstep_add_mpi_test(NAME ${area} TARGET test_${area} SOURCES train/${area}_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
 endforeach()

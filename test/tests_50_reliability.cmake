@@ -17,8 +17,8 @@ set(LOCKSTEP_RUN_FAULT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/run_fault.sh)
 #   reliability.<name>.npN: run_fault.sh over fault_program. A test whose ENV sets LOCKSTEP_FAULT
 #   is reported skipped in a build without fault injection; NO_FAULTS: one checking such a build.
 function(lockstep_add_fault_test)
-  cmake_parse_arguments(T "ABORT;NO_FAULTS" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE;ENDED_RANK"
-                        "RANKS;ENV;EXPECT" ${ARGN})
+  cmake_parse_arguments(T "ABORT;NO_FAULTS;REPORT_DIR_MISSING" "NAME;TIMEOUT;STEPS;MAX_MS_AFTER_FAULT;MODE;ENDED_RANK"
+                        "RANKS;ENV;EXPECT;LOG_HAS" ${ARGN})
   lockstep_default(T_TIMEOUT 60)
   lockstep_default(T_STEPS 8)
   lockstep_default(T_MODE blocking)
@@ -31,6 +31,12 @@ function(lockstep_add_fault_test)
   endif()
   if(T_MAX_MS_AFTER_FAULT)
     list(APPEND flags --max-ms-after-fault ${T_MAX_MS_AFTER_FAULT})
+  endif()
+  foreach(pat IN LISTS T_LOG_HAS)
+    list(APPEND flags --log-has ${pat})
+  endforeach()
+  if(T_REPORT_DIR_MISSING)
+    list(APPEND flags --report-dir-missing)
   endif()
   set(needs "")
   if(T_NO_FAULTS)
@@ -83,6 +89,18 @@ lockstep_add_fault_test(NAME delay ENDED_RANK 1 MAX_MS_AFTER_FAULT 8000
   ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
   EXPECT "TimeoutError" "Behind (not yet in collective #3): rank 1 (host " "allreduce #3 (f32 x 16, op sum)"
          "rank 1 (" "not inside any collective")
+
+# The blame report for lockstep-run where its folder does not exist on this host (a cluster
+# without a shared /tmp): the folder is made and the report written there; where it cannot be
+# made or written (under /dev/null), each rank that found the stall says so on stderr, with the
+# report's content, instead of dropping it in silence.
+lockstep_add_fault_test(NAME delay_report_dir_missing ENDED_RANK 1 REPORT_DIR_MISSING
+  ENV LOCKSTEP_TIMEOUT=2 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
+  EXPECT "TimeoutError")
+lockstep_add_fault_test(NAME delay_report_unwritable ENDED_RANK 1
+  ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_REPORT_DIR=/dev/null/reports "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
+  LOG_HAS "lockstep: could not write the blame report /dev/null/reports/blame.0" "the report: rank 0;host "
+  EXPECT "TimeoutError")
 
 # The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
 # deadline and the blame apply to Request::wait too.

@@ -15,8 +15,10 @@ namespace lockstep::detail {
 /// DIR/blame.WORLDRANK there, a few lines a launcher reads to find the lost hosts:
 ///   rank W / host H / silent R... / behind R... / message TEXT
 /// (`silent` and `behind` are ranks of comm, written as ranks of MPI_COMM_WORLD). Written to a
-/// temporary name and renamed: a reader sees all of it or nothing. Best effort: a failure to
-/// write it changes nothing else. Nothing is written when the variable is unset. Used by the
+/// temporary name and renamed: a reader sees all of it or nothing. The directory is made if it
+/// does not exist on this host. A failure to write it changes nothing else, but is said on
+/// stderr (once per process) with the report's content. Nothing is written when the variable is
+/// unset. Used by the
 /// monitor (a stall) and by remote sessions (a close that gave up on silent ranks).
 void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std::vector<int>& behind,
                         const std::string& msg) noexcept;

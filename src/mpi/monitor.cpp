@@ -14,6 +14,9 @@
 //   that a stalled rank can give up and throw instead of waiting forever.
 #include "mpi/monitor_impl.hpp"
 
+#include <cerrno>
+#include <filesystem>
+
 namespace lockstep {
 namespace detail {
 
@@ -191,11 +194,38 @@ void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std
                                     "\nmessage ", first, "\n");
     const std::string path = concat(dir, "/blame.", me);
     const std::string tmp = concat(path, ".tmp.", ::getpid());
+    // The directory may exist on the launcher's host only (no shared /tmp on a cluster): made
+    // here if missing. A report that cannot be written is said on stderr, once per process,
+    // with its content (mpiexec forwards stderr to the launcher): never dropped in silence.
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const char* failed = nullptr;
+    int err = 0;
     FILE* f = std::fopen(tmp.c_str(), "w");
-    if (f == nullptr) return;
-    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) std::remove(tmp.c_str());
-  } catch (...) {
+    if (f == nullptr) {
+      failed = "open";
+      err = errno;
+    } else {
+      const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+      if (!ok) err = errno;
+      if (std::fclose(f) != 0 && ok) err = errno;
+      if (!ok || err != 0) failed = "write";
+      else if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        failed = "rename";
+        err = errno;
+      }
+      if (failed != nullptr) std::remove(tmp.c_str());
+    }
+    static std::atomic<bool> said{false};
+    if (failed != nullptr && !said.exchange(true)) {
+      std::string oneline = text;
+      std::replace(oneline.begin(), oneline.end(), '\n', ';');
+      std::cerr << "lockstep: could not write the blame report " << path << " (" << failed << ": "
+                << std::strerror(err) << "; LOCKSTEP_REPORT_DIR=" << dir << "); the report: " << oneline << std::endl;
+    }
+  } catch (const std::exception& e) {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) std::cerr << "lockstep: could not write the blame report: " << e.what() << std::endl;
   }
 }
 

@@ -80,7 +80,7 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
       return;
     }
     // With a wire dtype the target is the 16-bit copy: summed, and divided when widened.
-    b.requests.push_back(backend->iallreduce(target, wire ? ReduceOp::sum : op));
+    b.requests.push_back(keeping(backend->iallreduce(target, wire ? ReduceOp::sum : op), b));
     return;
   }
   // A host bucket is one view (packed, or in place), or across machines, where a bucket holds
@@ -106,9 +106,17 @@ void GradientReducer::Impl::launch(std::size_t bi, bool blocking) {
     const bool carried = carries(bi, p);
     const std::int64_t end = carried ? t.numel - last_slice(t.numel, step) : t.numel;
     for (std::int64_t off = 0; off < end; off += step)
-      b.requests.push_back(backend->iallreduce(t.slice(off, std::min(step, end - off)), op));
-    if (carried) b.requests.push_back(backend->iallreduce(carry(t.slice(end, t.numel - end)), op));
+      b.requests.push_back(keeping(backend->iallreduce(t.slice(off, std::min(step, end - off)), op), b));
+    if (carried)
+      b.requests.push_back(keeping(backend->iallreduce(carry(t.slice(end, t.numel - end)), op), b));
   }
+}
+
+Request GradientReducer::Impl::keeping(Request r, const Bucket& b) const {
+  r.keep(b.work.owner()).keep(b.wire.owner()).keep(b.pack.owner()).keep(carrier.buf.owner());
+  for (std::size_t j = b.first; j < b.last && j < bound.size(); ++j)
+    if (bound[j] != nullptr) r.keep(bound[j]->owner());
+  return r;
 }
 
 // The slice a host bucket's views are reduced in, in elements. A bucket larger than

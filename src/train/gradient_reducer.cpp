@@ -56,6 +56,7 @@ GradientReducer::GradientReducer(Backend& backend, const DistributedOptions& opt
   impl_->plan();
   impl_->layout();
   impl_->plan_carrier();
+  impl_->setup_exact();
   impl_->reset_step();
   impl_->start_thread_if_used();
 }
@@ -106,6 +107,7 @@ void GradientReducer::grad_ready(const Tensor& grad) {
   const std::size_t j = it->second;
   LOCKSTEP_CHECK_ARG(!m.ready[j], "grad_ready: gradient '", m.paths[j], "' reported twice");
   m.ready[j] = 1;
+  if (m.options.deterministic) return;  // everything is reduced at once, exactly, at the end
   if (!final_micro_step()) return;  // accumulate-only micro-step: nothing to launch
   // Without the communication thread, host buckets are launched by reduce_bound, with the
   // blocking collective, on every rank. Launched here they would be nonblocking, so the form of a
@@ -128,6 +130,12 @@ void GradientReducer::accumulate() {
   LOCKSTEP_CHECK_ARG(m.is_bound && m.next_launch == 0,
                      "accumulate: no gradients bound, or buckets already in flight");
   for (const auto& b : m.buckets) m.verify_bound(b);
+  if (m.options.deterministic) {
+    m.exact_add();
+    ++m.accumulated;
+    m.reset_step();
+    return;
+  }
   for (auto& b : m.buckets) {
     m.ensure_work(b);
     if (m.accumulated == 0) b.work.zero_();
@@ -140,6 +148,14 @@ void GradientReducer::accumulate() {
 const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   auto& m = *impl_;
   LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
+  if (m.options.deterministic) {
+    for (const auto& b : m.buckets) m.verify_bound(b);
+    m.exact_add();
+    m.accumulated = 0;
+    m.reset_step();
+    m.result = m.exact_reduce();
+    return m.result;
+  }
   // Reduce what backward did not report, in bucket order, each host bucket with blocking calls
   // and unpacked right after, while it is still in cache. Consecutive device buckets are packed
   // (one launch each) and sent together in one iallreduce_many (one NCCL group); the group's
@@ -149,8 +165,9 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   auto send_group = [&] {
     if (!views.empty()) {
       detail::StreamOrderedScope ordered;  // packed, or the step's gradients: on the current stream
-      m.buckets[group.front()].requests.push_back(
-          m.backend->iallreduce_many(views, m.wire ? ReduceOp::sum : m.options.op));
+      Request r = m.backend->iallreduce_many(views, m.wire ? ReduceOp::sum : m.options.op);
+      for (std::size_t bi : group) r = m.keeping(std::move(r), m.buckets[bi]);
+      m.buckets[group.front()].requests.push_back(std::move(r));
     }
     group.clear();
     views.clear();
@@ -196,6 +213,18 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
     m.result = m.bound;
   }
   m.reset_step();
+  return m.result;
+}
+
+const std::vector<Tensor*>& GradientReducer::reduce_accumulated() {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(m.options.deterministic,
+                     "apply_accumulated: only in deterministic mode (DistributedOptions::deterministic); "
+                     "otherwise update() ends the step with its own gradients");
+  LOCKSTEP_CHECK_ARG(m.next_launch == 0, "apply_accumulated: buckets of bound gradients are in flight");
+  m.accumulated = 0;
+  m.reset_step();
+  m.result = m.exact_reduce();
   return m.result;
 }
 
@@ -256,6 +285,7 @@ GradientReducer::GradientReducer(Backend& backend, std::vector<Tensor*> grads,
   impl_->plan();
   impl_->layout();
   impl_->plan_carrier();
+  impl_->setup_exact();
   impl_->reset_step();
   impl_->start_thread_if_used();
   impl_->owns_grads = true;

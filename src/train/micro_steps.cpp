@@ -85,7 +85,8 @@ std::vector<std::int64_t> GradientReducer::Impl::part_sizes(const Bucket& b) con
 void GradientReducer::Impl::plan_carrier() {
   static_assert(Carrier::kTrailer == kTrailer);
   carrier = Carrier{};
-  if (nranks < 2) return;
+  // Deterministic mode sums the counts in its own exact collective (they may differ by rank).
+  if (nranks < 2 || options.deterministic) return;
   for (const Bucket& b : buckets)
     if (b.numel > 0 && (!b.device.is_cpu() || (b.dtype != DType::f32 && b.dtype != DType::f64))) return;
   std::int64_t best = 0, size = 0;

@@ -29,6 +29,7 @@
 #include "lockstep/core/tensor.hpp"
 #include "lockstep/reliability/call_site.hpp"
 #include "lockstep/train/gradient_reducer.hpp"
+#include "train/exact_sum.hpp"
 
 namespace lockstep {
 
@@ -113,6 +114,14 @@ struct GradientReducer::Impl {
   std::vector<Tensor> accum_views;  // borrow from the buckets' work buffers
   std::vector<Tensor*> accum_ptrs;
   std::vector<Tensor*> result;
+  // Deterministic mode (exact_sum.hpp): the exact sums of the micro-batches' gradients, one per
+  // trainable tensor, and the reduced gradients they give (the reducer's own tensors).
+  std::vector<ExactSum> exact;
+  std::vector<Tensor> exact_out;
+  std::vector<Tensor*> exact_ptrs;
+  void setup_exact();                          // at construction, in deterministic mode
+  void exact_add();                            // the bound gradients, as one micro-batch
+  const std::vector<Tensor*>& exact_reduce();  // collective
   bool owns_grads = false;  // made from gradients (the public constructor): grad_ready binds them
 
   // The micro-step count's carrier (micro_steps.cpp): the one call of each step that reduces the
@@ -179,6 +188,10 @@ struct GradientReducer::Impl {
   void communicate(const Bucket& b, TensorView target, std::int64_t step, bool carried = false);
   std::int64_t slice_elements(const Bucket& b) const;
   void launch(std::size_t bi, bool blocking = false);
+  // A nonblocking collective of bucket b, keeping what it may write into: the bucket's buffers
+  // and its gradients (reduced where they lie when the bucket is one tensor or split across
+  // machines), for the life of the process if its wait fails (Request::keep).
+  Request keeping(Request r, const Bucket& b) const;
   void poke();
   void launch_ready();
 

@@ -36,6 +36,21 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
                       name(leaves[j].dtype));
     }
   }
+  if (o.deterministic) {
+    if (o.shard_optimizer_state)
+      return "deterministic mode does not take shard_optimizer_state (each rank would reduce its shard "
+             "in its own order); turn one of them off";
+    if (o.wire_dtype)
+      return concat("deterministic mode does not take wire_dtype ", name(*o.wire_dtype),
+                    " (the exact sum needs the gradients' f32 bits); turn one of them off");
+    for (std::size_t j = 0; j < leaves.size(); ++j) {
+      if (leaves[j].dtype != DType::f32)
+        return concat("deterministic mode sums f32 gradients exactly; '", path(j), "' is ", name(leaves[j].dtype));
+      if (!leaves[j].device.is_cpu())
+        return concat("deterministic mode sums host gradients; '", path(j), "' is on ", to_string(leaves[j].device),
+                      " (a GPU path is not built yet)");
+    }
+  }
   if (o.shard_optimizer_state) {
     for (std::size_t j = 0; j < leaves.size(); ++j) {
       if (leaves[j].dtype != DType::f32 && leaves[j].dtype != DType::f64)
@@ -76,7 +91,8 @@ std::string reducer_signature(const DistributedOptions& o, const std::vector<Gra
                          " skip_non_finite=", o.skip_non_finite,
                          " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread,
                          " shard_optimizer_state=", o.shard_optimizer_state,
-                         " wire_dtype=", o.wire_dtype ? name(*o.wire_dtype) : "none", ";");
+                         " wire_dtype=", o.wire_dtype ? name(*o.wire_dtype) : "none",
+                         " deterministic=", o.deterministic, ";");
   // Names carry their length, so that no two lists of names make the same text.
   for (std::size_t i = 0; i < leaves.size(); ++i) {
     const std::string& n = i < names.size() ? names[i] : std::string();

@@ -70,7 +70,8 @@ void GradientReducer::Impl::enqueue(std::size_t bi) {
 // other collective on the backend wait for the thread's queue.
 void GradientReducer::Impl::start_thread_if_used() {
   has_host_bucket = std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.device.is_cpu(); });
-  use_thread = options.comm_thread && backend->concurrent_collectives() &&
+  // Deterministic mode reduces nothing during backward (exact_reduce does it all at once).
+  use_thread = options.comm_thread && !options.deterministic && backend->concurrent_collectives() &&
                std::any_of(buckets.begin(), buckets.end(), [](const Bucket& b) { return b.device.is_cpu(); });
   if (use_thread) detail::register_drain(backend, this, [this] { wait_idle(); });
 }

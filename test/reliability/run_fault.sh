@@ -13,15 +13,22 @@
 #   --max-ms-after-fault MS: the job must end within MS milliseconds of the injected fault (the
 #   time the faulty rank printed just before it), e.g. a killed rank must not leave the others
 #   spinning.
+#   --log-has PATTERN: mpiexec's combined output must contain PATTERN (a fixed string).
+#   --report-dir-missing: LOCKSTEP_REPORT_DIR is set to a folder that does not exist yet (two
+#   levels down), which must hold a blame report afterwards.
 set -u
 abort=0
 max_ms=""
 ended_rank=""
+log_has=()
+report_dir_missing=0
 while [ "${1#--}" != "$1" ]; do
   case $1 in
     --abort) abort=1; shift ;;
     --ended-rank) ended_rank=$2; shift 2 ;;
     --max-ms-after-fault) max_ms=$2; shift 2 ;;
+    --log-has) log_has+=("$2"); shift 2 ;;
+    --report-dir-missing) report_dir_missing=1; shift ;;
     *) break ;;
   esac
 done
@@ -39,12 +46,23 @@ mpiexec_cmd=${MPIEXEC:-mpiexec}
 start=$(date +%s%N)
 # A rank that fails waits for the others' reports before it exits (see fault_program.cpp).
 export FAULT_PROGRAM_AWAIT_REPORTS=1 FAULT_PROGRAM_ENDED_RANK=$ended_rank
+if [ "$report_dir_missing" = 1 ]; then export LOCKSTEP_REPORT_DIR=$outdir/not/yet; fi
 "$mpiexec_cmd" -n "$nprocs" --oversubscribe --bind-to none "$program" "$outdir" "$steps" "$mode" >"$outdir/mpiexec.log" 2>&1
 rc=$?
 end=$(date +%s%N)
 echo "mpiexec exit code $rc after $(( (end - start) / 1000000 )) ms; LOCKSTEP_FAULT=${LOCKSTEP_FAULT:-} LOCKSTEP_CHECK=${LOCKSTEP_CHECK:-} LOCKSTEP_TIMEOUT=${LOCKSTEP_TIMEOUT:-}"
 
 fail=0
+for pat in "${log_has[@]}"; do
+  grep -qF -- "$pat" "$outdir/mpiexec.log" || { echo "FAIL: mpiexec's output lacks '$pat'"; fail=1; }
+done
+if [ "$report_dir_missing" = 1 ]; then
+  if ls "$outdir"/not/yet/blame.* >/dev/null 2>&1; then
+    echo "blame report written in the folder made for it: $(ls "$outdir"/not/yet)"
+  else
+    echo "FAIL: no blame report in $outdir/not/yet (LOCKSTEP_REPORT_DIR, missing before the run)"; fail=1
+  fi
+fi
 if [ -n "$max_ms" ]; then
   fault_ms=$(grep -o "at unix time ms [0-9]*" "$outdir/mpiexec.log" | head -1 | awk '{print $5}')
   end_ms=$((end / 1000000))

@@ -376,6 +376,29 @@ template <OptimizerRule R, class M>
                              std::move(shapes), dtype);
 }
 
+namespace detail {
+// The end of a replicated step: the reduced gradients checked (skip_non_finite), the rule
+// applied, the replicas compared every check_replicas_every steps. `paths` names the tensors.
+template <OptimizerRule R, class M, class Paths>
+void apply_reduced(DistributedState<R>& state, M& model, const std::vector<Tensor*>& params,
+                   const std::vector<Tensor*>& reduced, const std::string& local_bad, Paths&& paths) {
+  const DistributedOptions& o = state.options();
+  auto& red = state.reducer();
+  if (o.skip_non_finite) {
+    const std::size_t bad = first_non_finite(reduced);
+    if (bad < reduced.size()) {
+      state.count_step(true);
+      log_skipped_step(red.backend(), state.skipped_steps() + state.applied_steps(), local_bad, paths()[bad]);
+      return;
+    }
+  }
+  update_leaves(state.inner, params, reduced);
+  state.count_step(false);
+  if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
+    check_replicas(red.backend(), std::tie(model, state.inner));
+}
+}  // namespace detail
+
 /// Reduces the gradients across ranks (or, in an accumulate-only micro-step, only accumulates
 /// them) and applies the wrapped rule. Collective.
 template <OptimizerRule R, class M, class G>
@@ -441,19 +464,22 @@ void update(DistributedState<R>& state, M& model, G& grads,
       check_replicas(red.backend(), std::tie(model, state.inner.step));
     return;
   }
-  if (o.skip_non_finite) {
-    const std::size_t bad = detail::first_non_finite(reduced);
-    if (bad < reduced.size()) {
-      state.count_step(true);
-      detail::log_skipped_step(red.backend(), state.skipped_steps() + state.applied_steps(), local_bad,
-                               detail::trainable_paths(grads)[bad]);
-      return;
-    }
-  }
-  update_leaves(state.inner, params, reduced);
-  state.count_step(false);
-  if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
-    check_replicas(red.backend(), std::tie(model, state.inner));
+  detail::apply_reduced(state, model, params, reduced, local_bad, [&] { return detail::trainable_paths(grads); });
+}
+
+/// Deterministic mode (DistributedOptions::deterministic): ends the step with what accumulate()
+/// added on every rank (any number of micro-batches per rank, zero included): their exact sum,
+/// divided by the total number of micro-batches (ReduceOp::avg), then the wrapped rule; the
+/// same bits at any rank count. Collective. InvalidArgument outside deterministic mode.
+template <OptimizerRule R, class M>
+void apply_accumulated(DistributedState<R>& state, M& model,
+                       std::source_location loc = std::source_location::current()) {
+  detail::CallSiteScope site(loc, "apply_accumulated");
+  std::vector<Tensor*> params = trainable_leaves(model);
+  const auto& reduced = detail::ReducerSteps::reduce_accumulated(state.reducer());
+  LOCKSTEP_CHECK_ARG(params.size() == reduced.size(), "apply_accumulated: the model has ", params.size(),
+                     " trainable tensors, the optimizer state ", reduced.size());
+  detail::apply_reduced(state, model, params, reduced, std::string(), [&] { return detail::trainable_paths(model); });
 }
 
 /// Like flat_zeros_like(x), but the host buffers come from backend.allocate_reduce_buffer: on

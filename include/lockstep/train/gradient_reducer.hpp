@@ -124,6 +124,17 @@ struct DistributedOptions {
   /// where they are launched, as sharded ones are. Host f32 gradients only; any other dtype is an
   /// InvalidArgument.
   std::optional<DType> wire_dtype = std::nullopt;
+  /// Deterministic mode (docs/training.md, "Deterministic training"): the gradients of every
+  /// micro-batch of every rank are summed exactly (an order-independent integer sum), so the
+  /// reduced gradient, and the parameters after every step, are the same bits at any number of
+  /// ranks, any placement on machines, any bucket size and after any restart. Each rank passes
+  /// each of its micro-batches' gradients to accumulate() (any number per rank, zero included)
+  /// and ends the step with apply_accumulated() (or update(), which accumulates its own
+  /// gradients first); the mean divides by the total number of micro-batches. Host f32
+  /// gradients; not with shard_optimizer_state or wire_dtype (an InvalidArgument at setup on
+  /// every rank). Costs two collectives per step (one byte per 64 elements, then 8 bytes per
+  /// element) and 17 bytes of memory per element.
+  bool deterministic = false;
 };
 
 /// An element range [begin, end) of the flat index space of a reducer's trainable tensors (the
@@ -255,6 +266,9 @@ class GradientReducer {
   // Launches what is not yet in flight, waits for everything and returns the reduced
   // gradients (the bound tensors, or the accumulator's). Unbinds.
   const std::vector<Tensor*>& reduce_bound();
+  // Deterministic mode: reduces what accumulate() added on every rank (nothing bound) and
+  // returns the reduced gradients (the reducer's own tensors). Collective.
+  const std::vector<Tensor*>& reduce_accumulated();
   // Sharded: all-gathers every rank's shard of `params` (tensors of the reducer's sizes, on the
   // reducer's device) into every rank's, one bucket at a time. Nothing when not sharded.
   // Collective.
@@ -281,6 +295,7 @@ struct ReducerSteps {
   static bool final_micro_step(const GradientReducer& r) noexcept { return r.final_micro_step(); }
   static void accumulate(GradientReducer& r) { r.accumulate(); }
   static const std::vector<Tensor*>& reduce_bound(GradientReducer& r) { return r.reduce_bound(); }
+  static const std::vector<Tensor*>& reduce_accumulated(GradientReducer& r) { return r.reduce_accumulated(); }
   static void gather_shards(GradientReducer& r, const std::vector<Tensor*>& params) { r.gather_shards(params); }
 };
 }  // namespace detail

@@ -1,0 +1,75 @@
+// Internal (never installed): the exact, order-independent sum of deterministic mode
+// (DistributedOptions::deterministic; docs/training.md, "Deterministic training").
+//
+// Each value is cut at fixed bit positions into pieces of kBinBits bits (bins: bin b holds the
+// bits [b * kBinBits, (b + 1) * kBinBits) of the value's magnitude in units of the smallest
+// subnormal), and a sum keeps one integer counter per bin for the kBins bins at and below the
+// highest bin any of its values reached (the top). A value's pieces below that window are
+// dropped, never rounded into a higher bin, and the counters are never normalised, so dropping a
+// whole bin when the top rises drops exactly the pieces that a sum which had seen the high value
+// first would have dropped: what a sum holds depends only on the multiset of its values, not on
+// their order or grouping. Integer counters add exactly.
+//
+// Across ranks (reduce): (1) the top of every block of kBlock elements, agreed with one MAX
+// allreduce of one byte per block; (2) each rank's counters inside its block's window folded
+// into one int64 in units of the window's lowest bin (exact: the window is kBins * kBinBits =
+// 48 bits and at most kMaxSummands values were added), one SUM allreduce of int64 with the
+// count of micro-batches as one element more; (3) the total scaled back and divided by the count,
+// rounded to f32 (the one place where rounding happens, the same on every rank). The result:
+// the same bits at any number of ranks, any split of the values over the ranks, and any
+// algorithm of the collectives. Its error: the dropped pieces, each below 2^-36 of the largest
+// magnitude in its block, far below the f32 rounding of an ordinary sum.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/backend.hpp"
+#include "lockstep/core/tensor.hpp"
+
+namespace lockstep::detail {
+
+class ExactSum {
+ public:
+  static constexpr int kBinBits = 12;
+  static constexpr int kBins = 4;
+  static constexpr std::int64_t kBlock = 64;
+  // The values one element may sum over all ranks (micro-batches of one step): the window's
+  // int64 then cannot overflow (each value's part in the window is below 2^48 units).
+  static constexpr std::int64_t kMaxSummands = std::int64_t{1} << 14;
+
+  ExactSum() = default;
+  explicit ExactSum(std::int64_t numel) { reset(numel); }
+
+  /// numel elements, each an empty sum.
+  void reset(std::int64_t numel);
+  std::int64_t numel() const noexcept { return static_cast<std::int64_t>(top_.size()); }
+  /// Values added to each element since reset (the micro-batches of this rank).
+  std::int64_t count() const noexcept { return count_; }
+
+  /// Adds x[i] to element i (x holds numel() f32 values, host memory). A NaN or infinity marks
+  /// its element non-finite: reduce() then gives NaN for the whole block of that element.
+  void add(const float* x);
+
+  /// Collective (every rank, the same numel()): out[i] = (sum over every rank of element i) /
+  /// (the total count when mean, else 1), the same bits on every rank. Returns the total count.
+  /// More than kMaxSummands values on a rank, or in total, is an InvalidArgument on every rank
+  /// (the sums are then discarded).
+  std::int64_t reduce(Backend& backend, float* out, bool mean);
+  /// Every element an empty sum again (what reduce() leaves too).
+  void discard() noexcept;
+
+ private:
+  // Per element: the top bin reached (kEmpty: no value yet, kNonFinite: a NaN or infinity), and
+  // kBins counters, counter k for bin top - k.
+  static constexpr std::uint8_t kEmpty = 0;         // tops are stored + 1
+  static constexpr std::uint8_t kNonFinite = 255;
+  std::vector<std::uint8_t> top_;
+  std::vector<std::int32_t> bins_;  // kBins per element
+  std::int64_t count_ = 0;
+  std::vector<std::uint8_t> block_top_;  // reduce's scratch
+  std::vector<std::int64_t> wide_;
+};
+
+}  // namespace lockstep::detail
