@@ -222,6 +222,10 @@ endif()
 # settings agreed across ranks, and the job ending instead of hanging. In-process cases:
 lockstep_test_executable(test_trust reliability/trust_test.cpp)
 lockstep_add_mpi_test(NAME trust TARGET test_trust RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)
+# tools/lockstep-run with inputs a user gives it as a matter of course (a reused --report-dir,
+# hostfile words in either order); a trivial program, so any target serves as the binary.
+lockstep_add_script_test(NAME reliability.lockstep_run_inputs SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run_inputs.sh
+  TARGET test_trust PROCESSORS 2 TIMEOUT 120 LABELS reliability)
 # The same with the shared-memory path off (the calls go to MPI, the checks must not change).
 lockstep_add_mpi_test(NAME trust.noshm TARGET test_trust RANKS 2 3 TIMEOUT 120 LABELS reliability
                       ENV LOCKSTEP_SHM=0)

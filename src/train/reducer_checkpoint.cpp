@@ -12,10 +12,13 @@ namespace lockstep {
 namespace detail {
 
 void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
-                          const std::vector<Tensor*>& full, int root) {
+                          const std::vector<Tensor*>& full, DType dtype, int root) {
   Backend& b = red.backend();
   const int n = b.size();
-  const DType dt = !mine_pieces.empty() ? mine_pieces[0]->dtype() : !full.empty() ? full[0]->dtype() : DType::f32;
+  // The caller's dtype, the same on every rank: taken from this rank's own pieces, a rank that
+  // owns none (fewer elements than ranks) fell back to f32 and broadcast f32 where the others
+  // broadcast f64.
+  const DType dt = dtype;
   const std::size_t es = size_of(dt);
   // Every rank's shard, as every rank computes it.
   std::vector<std::vector<FlatRange>> ranges(static_cast<std::size_t>(n));

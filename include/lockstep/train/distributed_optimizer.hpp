@@ -81,8 +81,10 @@ void copy_flat_range(const std::vector<Tensor*>& ts, const std::vector<std::int6
 /// Sharded checkpoint support: every rank in turn broadcasts its shard of one slot field
 /// (packed: its pieces back to back, shard_numel() elements); root unpacks every rank's into
 /// `full` (the field of every leaf, full size; empty on the other ranks). Collective.
+/// `dtype`: the field's, the same on every rank (a rank that owns no piece has no tensor of the
+/// field to read it from).
 void gather_field_to_root(GradientReducer& red, const std::vector<Tensor*>& mine_pieces,
-                          const std::vector<Tensor*>& full, int root);
+                          const std::vector<Tensor*>& full, DType dtype, int root);
 /// Copies this rank's shard of `full` (one slot field, every leaf full size) into its pieces.
 void scatter_field_from_full(const std::vector<ShardPiece>& pieces,
                              const std::vector<Tensor*>& mine_pieces, const std::vector<Tensor*>& full);
@@ -207,8 +209,8 @@ class DistributedState {
       case detail::CheckpointPhase::before_save: {
         full_.clear();
         if (backend.rank() == root) make_full();
-        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
-          detail::gather_field_to_root(live_reducer("save_checkpoint"), mine, full, root);
+        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full, DType field) {
+          detail::gather_field_to_root(live_reducer("save_checkpoint"), mine, full, field, root);
         });
         materialized_ = true;
         break;
@@ -218,7 +220,7 @@ class DistributedState {
         materialized_ = true;
         break;
       case detail::CheckpointPhase::after_load_ok:
-        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full) {
+        for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>& full, DType) {
           detail::scatter_field_from_full(pieces_, mine, full);  // local copies: safe in a destructor
         });
         [[fallthrough]];
@@ -281,9 +283,10 @@ class DistributedState {
     full_.reserve(shapes_.size());
     for (const auto& sh : shapes_) full_.push_back(inner.rule.init(Tensor::zeros(sh, dtype_)));
   }
-  // f(mine, full) for each tensor field of the rule's slot: this rank's pieces of that field and
-  // (where made) the full-size tensors of that field for every trainable tensor. A field the rule
-  // leaves empty (SGD's momentum buffer without momentum) is skipped.
+  // f(mine, full, dtype) for each tensor field of the rule's slot: this rank's pieces of that
+  // field, (where made) the full-size tensors of that field for every trainable tensor, and the
+  // field's dtype (from the probe: the same on every rank, also on one that owns no piece). A
+  // field the rule leaves empty (SGD's momentum buffer without momentum) is skipped.
   template <class F>
   void for_each_field(F&& f) const {
     typename R::Slot probe = inner.rule.init(Tensor::zeros({1}, dtype_));
@@ -299,7 +302,7 @@ class DistributedState {
       // Whether a field is used must not depend on the rank (a rank may own no piece): every
       // rank decides on the rule's slot for a one-element tensor.
       if (unused[t]) continue;
-      f(mine, full);
+      f(mine, full, probe_fields[t]->dtype());
     }
   }
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# tools/lockstep-run against inputs a user gives it as a matter of course (adversarial pass of
+# issue 41), with real mpiexec and a trivial program (no training: seconds):
+#  1. a --report-dir reused from an earlier run that left blame reports: the healthy job runs
+#     to its end (it was read as this run's stall and killed 3 s in), the earlier reports kept
+#     aside;
+#  2. hostfile lines with slots= and max_slots= in either order give the slots= count (with
+#     max_slots before slots= the host had 1 slot, silently: the job ran on fewer ranks than the
+#     hostfile holds); a word that is neither is refused (exit 2).
+# Called as: lockstep_run_inputs.sh MPIEXEC ANY_BINARY WORKDIR (the binary is not used).
+RUNNER=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../tools" && pwd)/lockstep-run  # before common.sh changes directory
+source "$(dirname "$0")/../examples/common.sh"
+[ -x "$RUNNER" ] || { echo "no $RUNNER"; exit 1; }
+mpiargs=(--mpiexec "$MPIEXEC" --mpiexec-arg --oversubscribe --mpiexec-arg --bind-to --mpiexec-arg none)
+lr() { timeout 60 "$RUNNER" "$@" >out.txt 2>err.txt; }
+
+cat >prog.sh <<'EOS'
+#!/usr/bin/env bash
+sleep "${PROG_SLEEP:-0}"
+echo "rank $OMPI_COMM_WORLD_RANK of $OMPI_COMM_WORLD_SIZE done"
+EOS
+chmod +x prog.sh
+
+# ---- 1. a report folder reused from an earlier run ------------------------------------------
+mkdir -p rep/attempt-0 rep/attempt-1
+printf 'rank 0\nhost elsewhere\nsilent 1\n' >rep/attempt-0/blame.0
+printf 'rank 1\nhost elsewhere\nsilent 0\n' >rep/attempt-1/blame.1
+PROG_SLEEP=6 lr -n 2 --max-restarts 1 --report-dir rep "${mpiargs[@]}" -- ./prog.sh
+rc=$?
+if [ "$rc" -eq 0 ] && [ "$(grep -c 'done$' out.txt)" -eq 2 ] && ! grep -q 'failure seen' err.txt; then
+  pass "reused --report-dir: the healthy job ran to its end"
+else
+  fail "reused --report-dir: exit $rc, $(grep -c 'done$' out.txt) rank(s) done; $(grep -m1 'failure seen' err.txt)"
+fi
+kept=$(ls rep/earlier-*/attempt-0/blame.0 rep/earlier-*/attempt-1/blame.1 2>/dev/null | wc -l)
+[ "$kept" -eq 2 ] && grep -q 'reports of an earlier run in rep were moved to rep/earlier-' err.txt &&
+  pass "reused --report-dir: the earlier reports kept aside, and said" || fail "reused --report-dir: earlier reports: $kept kept"
+
+# ---- 2. hostfile words in either order -------------------------------------------------------
+for line in "localhost slots=2 max_slots=8" "localhost max_slots=8 slots=2" "localhost max-slots=8 slots=2"; do
+  echo "$line" >hosts.txt
+  lr --hostfile hosts.txt --max-restarts 0 "${mpiargs[@]}" -- ./prog.sh
+  rc=$?
+  n=$(grep -c 'of 2 done$' out.txt)
+  [ "$rc" -eq 0 ] && [ "$n" -eq 2 ] && pass "hostfile '$line': 2 ranks" ||
+    fail "hostfile '$line': exit $rc, $(head -n1 out.txt) ($(grep -m1 'attempt 1' err.txt))"
+done
+for line in "localhost slots=2 bogus" "localhost slots=2 slots=3" "localhost:2 slots=3"; do
+  echo "$line" >hosts.txt
+  lr --hostfile hosts.txt --max-restarts 0 "${mpiargs[@]}" -- ./prog.sh
+  rc=$?
+  [ "$rc" -eq 2 ] && grep -q "^lockstep-run: error: --hostfile hosts.txt: .*'$line'" err.txt &&
+    pass "hostfile '$line' refused: $(grep -m1 'error:' err.txt)" || fail "hostfile '$line': exit $rc, $(head -c 300 err.txt)"
+done
+finish
