@@ -116,7 +116,7 @@ struct GradientReducer::Impl {
   std::vector<Tensor*> result;
   // Deterministic mode (exact_sum.hpp): the exact sums of the micro-batches' gradients, one per
   // trainable tensor, and the reduced gradients they give (the reducer's own tensors).
-  std::vector<ExactSum> exact;
+  std::vector<detail::ExactSum> exact;
   std::vector<Tensor> exact_out;
   std::vector<Tensor*> exact_ptrs;
   void setup_exact();                          // at construction, in deterministic mode

@@ -33,8 +33,8 @@ bool all_ranks(bool ok) {
 
 struct Model {
   ls::Tensor a, b;
-  LOCKSTEP_FIELDS(Model, a, b)
 };
+LOCKSTEP_FIELDS(Model, a, b)
 
 Model zeros(std::int64_t na, std::int64_t nb) { return Model{ls::Tensor::zeros({na}), ls::Tensor::zeros({nb})}; }
 
