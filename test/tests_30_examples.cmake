@@ -2,6 +2,8 @@
 lockstep_test_executable(test_checkpoint io/checkpoint_test.cpp)
 lockstep_add_unit_test(NAME checkpoint TARGET test_checkpoint LABELS checkpoint TIMEOUT 120)
 # Rotating checkpoints for restarts: keep-k, the pointer to the newest complete one.
+# model_hash: the fingerprint the examples print as their last line (io/model_hash.hpp).
+lockstep_add_unit_test(NAME model_hash TARGET test_model_hash SOURCES io/model_hash_test.cpp LABELS checkpoint)
 lockstep_test_executable(test_checkpoint_rotation io/checkpoint_rotation_test.cpp)
 lockstep_add_unit_test(NAME checkpoint.rotation TARGET test_checkpoint_rotation LABELS checkpoint TIMEOUT 120)
 lockstep_test_executable(test_checkpoint_mpi io/checkpoint_mpi_test.cpp)
