@@ -48,6 +48,10 @@ if(LOCKSTEP_BUILD_EXAMPLES)
     lockstep_add_example_test(NAME example_train_tcp SCRIPT train_tcp.sh TARGET train RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME example_train_plot SCRIPT train_plot.sh TARGET train RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME example_train_scale SCRIPT train_scale.sh TARGET train RANKS 4 TIMEOUT 240)
+    # --deterministic: one model hash at -n 1-4 and after a stop at 4 resumed at 3; the ordinary
+    # run's hashes differ (issue 42). Skipped (77) while the library has no deterministic mode.
+    lockstep_add_example_test(NAME example_train_deterministic SCRIPT train_deterministic.sh TARGET train RANKS 4
+                              TIMEOUT 240)
   endif()
 endif()
 if(LOCKSTEP_BUILD_EXAMPLES)

@@ -454,8 +454,10 @@ int run(const Options& o, ls::Backend& backend) {
       // A checkpoint of an ordinary run may be continued deterministically (from there on the
       // run is reproducible); one of a deterministic run must keep its micro-batch size.
       if (it == meta.end() && std::string(key) == "micro_batch") continue;
+      std::string flag = key;  // the metadata key names the flag: micro_batch is --micro-batch
+      for (char& c : flag) c = c == '_' ? '-' : c;
       if (it == meta.end() || it->second != run_meta.at(key))
-        throw ls::InvalidArgument("--resume: the checkpoint was written with --" + std::string(key) + " " +
+        throw ls::InvalidArgument("--resume: the checkpoint was written with --" + flag + " " +
                                   (it == meta.end() ? std::string("(missing)") : it->second) +
                                   " but this run has " + run_meta.at(key) +
                                   "; resume with the same flags");
