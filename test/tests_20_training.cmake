@@ -19,7 +19,8 @@ if(LOCKSTEP_FAULT_INJECTION)
   lockstep_add_mpi_test(NAME deterministic.hierarchical TARGET test_deterministic RANKS 4
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 TIMEOUT 120)
 endif()
-foreach(area IN ITEMS synchronize data)
+# micro_batches: the deal of micro-batches by global index (deterministic training), at 1-4 ranks.
+foreach(area IN ITEMS synchronize data micro_batches)
   lockstep_add_mpi_test(NAME ${area} TARGET test_${area} SOURCES train/${area}_test.cpp RANKS 1 2 3 4 TIMEOUT 120)
 endforeach()
 

@@ -2,6 +2,8 @@
 lockstep_test_executable(test_checkpoint io/checkpoint_test.cpp)
 lockstep_add_unit_test(NAME checkpoint TARGET test_checkpoint LABELS checkpoint TIMEOUT 120)
 # Rotating checkpoints for restarts: keep-k, the pointer to the newest complete one.
+# model_hash: the fingerprint the examples print as their last line (io/model_hash.hpp).
+lockstep_add_unit_test(NAME model_hash TARGET test_model_hash SOURCES io/model_hash_test.cpp LABELS checkpoint)
 lockstep_test_executable(test_checkpoint_rotation io/checkpoint_rotation_test.cpp)
 lockstep_add_unit_test(NAME checkpoint.rotation TARGET test_checkpoint_rotation LABELS checkpoint TIMEOUT 120)
 lockstep_test_executable(test_checkpoint_mpi io/checkpoint_mpi_test.cpp)
@@ -46,6 +48,10 @@ if(LOCKSTEP_BUILD_EXAMPLES)
     lockstep_add_example_test(NAME example_train_tcp SCRIPT train_tcp.sh TARGET train RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME example_train_plot SCRIPT train_plot.sh TARGET train RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME example_train_scale SCRIPT train_scale.sh TARGET train RANKS 4 TIMEOUT 240)
+    # --deterministic: one model hash at -n 1-4 and after a stop at 4 resumed at 3; the ordinary
+    # run's hashes differ (issue 42). Skipped (77) while the library has no deterministic mode.
+    lockstep_add_example_test(NAME example_train_deterministic SCRIPT train_deterministic.sh TARGET train RANKS 4
+                              TIMEOUT 240)
   endif()
 endif()
 if(LOCKSTEP_BUILD_EXAMPLES)

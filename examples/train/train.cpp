@@ -6,13 +6,19 @@
 // deals each rank its share of every global batch (reshuffled each epoch), and the gradients are
 // averaged across ranks, so -n 1, 2 and 4 train the same model. Forward and backward use
 // OpenBLAS's cblas_sgemm; with --device cuda (builds with LOCKSTEP_WITH_CUDA) cuBLAS, see
-// train_cuda.cu (compiled, not yet run on a GPU).
+// train_cuda.cu (compiled, not yet run on a GPU). With --deterministic the global batch is cut
+// into micro-batches of --micro-batch samples, each rank computes the gradients of its block of
+// them by global index and the library sums them exactly (DistributedOptions::deterministic),
+// so the model is bitwise the same at any rank count and after a resume at another one. Every
+// run ends with `model hash crc32c:XXXXXXXX` (rank 0) to compare runs by.
 //
 // Run (from the repository root, after building into build/):
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --log loss.csv
 //   # stop and resume: save every 10 epochs, then continue from the last checkpoint
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 30 --checkpoint-every 10 --checkpoint ck.safetensors
 //   mpiexec -n 4 --oversubscribe build/examples/train/train --epochs 100 --checkpoint ck.safetensors --resume
+//   # deterministic: the same last line (model hash) at -n 1, 2, 3 and 4
+//   mpiexec -n 3 --oversubscribe build/examples/train/train --deterministic --batch 240 --micro-batch 10
 //   # restartable: numbered checkpoints every 5 epochs, the last 3 kept; resume from the newest if any
 //   lockstep-run -n 4 -- build/examples/train/train --epochs 100 --checkpoint run/ck
 //       --checkpoint-every 5 --checkpoint-keep 3 --resume auto     (one line)
@@ -41,6 +47,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <span>
 #include <memory>
 #include <optional>
 #include <random>
@@ -87,14 +94,18 @@ struct Options {
   std::string log;
   bool shard_optimizer_state = false;
   std::string wire_dtype = "f32";
+  bool deterministic = false;
+  std::int64_t micro_batch = 16;  // with --deterministic: 256 / 16 = 16 micro-batches, more than ranks
 };
+
 
 /// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
 void add_flags(CLI::App& app, Options& o, int ranks) {
   namespace cli = lockstep_cli;
   app.add_option("--epochs", o.epochs, "epochs to train in total")->type_name("E")->check(cli::at_least(1));
   app.add_option("--samples", o.samples, "dataset size")->type_name("S")->check(cli::at_least(1));
-  app.add_option("--batch", o.batch, "global batch size, split across ranks; a multiple of N")
+  app.add_option("--batch", o.batch,
+                 "global batch size, split across ranks; a multiple of N (with --deterministic: of --micro-batch)")
       ->type_name("B")->check(cli::at_least(1));
   app.add_option("--lr", o.lr, "Adam learning rate")->type_name("LR")->check(cli::positive());
   app.add_option("--seed", o.seed, "seed of data, initial weights and shuffles")->type_name("SEED")
@@ -124,11 +135,25 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   app.add_flag("--shard-optimizer-state", o.shard_optimizer_state, "ZeRO-1: each rank keeps Adam's state for 1/N of the parameters");
   app.add_option("--wire-dtype", o.wire_dtype, "dtype of the gradients on the wire (bf16, f16: half the bytes)")
       ->type_name("f32|bf16|f16")->check(cli::one_of({"f32", "bf16", "f16"}));
+  app.add_flag("--deterministic", o.deterministic,
+               "the same model bit for bit at any rank count and after a resume at another (micro-batches, exact sums)");
+  auto* micro = app.add_option("--micro-batch", o.micro_batch,
+                               "with --deterministic: samples per micro-batch (--batch a multiple of it)")
+                    ->type_name("M")->check(cli::at_least(1));
   // Checks across flags, after all of them are read.
-  app.callback([&o, ranks] {
-    if (o.batch % ranks != 0)
+  app.callback([&o, ranks, micro] {
+    if (!o.deterministic && micro->count() > 0) throw cli::refused("--micro-batch", "needs --deterministic");
+    // Deterministic: ranks take whole micro-batches, any number each, so only the micro-batch
+    // must divide the global batch; otherwise the rank count must (equal shares).
+    if (o.deterministic && o.batch % o.micro_batch != 0)
+      throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of --micro-batch " +
+                                        std::to_string(o.micro_batch) +
+                                        " (a global batch is made of whole micro-batches)");
+    if (!o.deterministic && o.batch % ranks != 0)
       throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of the " + std::to_string(ranks) +
                                         " ranks (the global batch is split evenly)");
+    if (o.deterministic && o.device != "cpu")
+      throw cli::refused("--deterministic", "needs --device cpu (the CUDA path's kernels and cuBLAS are not set up for it)");
     if (o.backend == "nccl" && o.device != "cuda") throw cli::refused("--backend", "nccl needs --device cuda");
     if (!o.resume.empty() && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
     if (o.checkpoint_seconds > 0 && o.checkpoint.empty())
@@ -179,11 +204,13 @@ struct Workspace {
   }
 };
 
-/// Forward and backward of the mean squared error over `share` samples (this rank's part of a
-/// global batch). The loss is a mean over the local samples; averaging the gradients across the
-/// ranks (equal shares) makes it the mean over the global batch, as one process would compute.
-/// Returns the sum of squared errors over the local samples.
-double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t share) {
+/// Forward and backward of the squared error over `share` samples, each error's gradient
+/// weighted by `scale`: 2 / share for the mean over the local samples (this rank's part of a
+/// global batch; averaging the gradients across the ranks, equal shares, makes it the mean over
+/// the global batch, as one process would compute), or with --deterministic 2 M / rows for one
+/// of the M micro-batches of a global batch of `rows` samples (the library divides the sum of
+/// the M gradients by M). Returns the sum of squared errors over the samples.
+double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t share, float scale) {
   const int n = static_cast<int>(share);
   const int hd = static_cast<int>(kHidden);
   const float* w1 = m.w1.data<float>();
@@ -202,7 +229,6 @@ double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t sh
               ws.yhat.data(), 1);
   double sse = 0;
   float db2 = 0;
-  const float scale = 2.0f / static_cast<float>(n);
   for (int i = 0; i < n; ++i) {
     const float err = ws.yhat[i] + b2 - ws.y[i];
     sse += static_cast<double>(err) * err;
@@ -230,16 +256,6 @@ double forward_backward(const Model& m, Model& g, Workspace& ws, std::int64_t sh
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, hd, 1, n, 1.0f, ws.dh.data(), hd, ws.x.data(), 1,
               0.0f, g.w1.data<float>(), 1);
   return sse;
-}
-
-/// CRC-32C of the model's bytes: a short fingerprint to compare runs by eye.
-std::uint32_t model_hash(const Model& m) {
-  std::uint32_t crc = 0;
-  ls::for_each_tensor(m, [&](const ls::Tensor& t) {
-    const ls::Tensor host = t.to(ls::Device::cpu());
-    crc = ls::crc32c({static_cast<const std::byte*>(host.raw_data()), host.nbytes()}, crc);
-  });
-  return crc;
 }
 
 std::string to_text(double v) {
@@ -289,6 +305,39 @@ std::string plot_losses(const std::string& csv, const std::string& png) {
   return "";
 }
 
+/// One epoch of --deterministic training: for each global batch, this rank's micro-batches by
+/// global index, each micro-batch's gradient accumulated alone (ls::accumulate), then one
+/// collective apply_accumulated: the exact sum over every micro-batch of every rank, divided by
+/// the number of micro-batches, then Adam. Invariant: a micro-batch's gradient depends only on
+/// the parameters and its samples (one BLAS thread, a fixed size), never on which rank computes
+/// it or how many micro-batches that rank has; so the sum, being exact, is the same at any rank
+/// count. A rank without micro-batches in a global batch still calls apply_accumulated.
+template <class State, class Grads>
+void deterministic_epoch(const ls::DistributedDataContainer<>& data, const std::vector<float>& xs,
+                         const std::vector<float>& ys, Model& model, Grads& grads, State& state, Workspace& ws,
+                         double* sums) {
+  const std::int64_t nb = data.num_batches();
+  for (std::int64_t b = 0; b < nb; ++b) {
+    const ls::MicroBatches mine = data.micro_batches(b);
+    // Each error's weight 2 M / rows: the M micro-batch gradients summed and divided by M give
+    // the gradient of the mean over the global batch's rows, also for a short last batch.
+    const float scale = 2.0f * static_cast<float>(mine.total) / static_cast<float>(data.global_rows(b));
+    for (const std::int64_t mb : mine) {
+      const auto idx = data.micro_batch(b, mb);
+      const auto m = static_cast<std::int64_t>(idx.size());
+      ws.resize(m);
+      for (std::int64_t i = 0; i < m; ++i) {
+        ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
+        ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
+      }
+      sums[0] += forward_backward(model, grads, ws, m, scale);
+      sums[1] += static_cast<double>(m);
+      ls::accumulate(state, grads);
+    }
+    ls::apply_accumulated(state, model);
+  }
+}
+
 int run(const Options& o, ls::Backend& backend) {
   const int rank = backend.rank();
   const int ranks = backend.size();
@@ -303,7 +352,14 @@ int run(const Options& o, ls::Backend& backend) {
       ys[i] = xs[i] * xs[i] * xs[i];
     }
   }
-  ls::DistributedDataContainer data(backend, o.samples, ls::DataOptions{.shuffle = true, .seed = o.seed});
+  // --deterministic: global batch b is micro-batches of o.micro_batch samples by global index
+  // (positions of the epoch's permutation, a function of seed and epoch alone); each rank takes
+  // a contiguous block of them, so the ranks' counts may differ. Otherwise equal shares.
+  const ls::DataOptions data_options =
+      o.deterministic ? ls::DataOptions{.shuffle = true, .seed = o.seed, .remainder = ls::Remainder::uneven,
+                                        .global_batch_size = o.batch, .micro_batch_size = o.micro_batch}
+                      : ls::DataOptions{.shuffle = true, .seed = o.seed};
+  ls::DistributedDataContainer data(backend, o.samples, data_options);
 
   // Each rank starts from a different random model; synchronize makes them rank 0's.
   Model model = init_model(o.seed + static_cast<std::uint64_t>(rank), o.init);
@@ -327,6 +383,7 @@ int run(const Options& o, ls::Backend& backend) {
   ls::synchronize(backend, model, 0);
   ls::DistributedOptions dopt{.shard_optimizer_state = o.shard_optimizer_state};
   if (o.wire_dtype != "f32") dopt.wire_dtype = o.wire_dtype == "bf16" ? ls::DType::bf16 : ls::DType::f16;
+  dopt.deterministic = o.deterministic;
   auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr}, dopt);
   auto state = ls::setup(opt, model);
   ls::synchronize(backend, state, 0);
@@ -337,9 +394,11 @@ int run(const Options& o, ls::Backend& backend) {
   std::int64_t epoch = 0;
   std::vector<double> losses;
   TrainState ts{model, state, epoch};
-  const std::map<std::string, std::string> run_meta = {
+  std::map<std::string, std::string> run_meta = {
       {"example", "lockstep train"}, {"seed", std::to_string(o.seed)},
       {"samples", std::to_string(o.samples)}, {"batch", std::to_string(o.batch)}};
+  // A deterministic run's micro-batch size decides its model as much as the batch does.
+  if (o.deterministic) run_meta["micro_batch"] = std::to_string(o.micro_batch);
 
   // --checkpoint-keep K: numbered checkpoints and the pointer STEM.latest (checkpoint.hpp).
   std::optional<ls::CheckpointRotation> rotation;
@@ -366,10 +425,16 @@ int run(const Options& o, ls::Backend& backend) {
   }
   if (resume_from) {
     auto meta = ls::load_checkpoint(backend, *resume_from, ts);
-    for (const char* key : {"seed", "samples", "batch"}) {
+    for (const char* key : {"seed", "samples", "batch", "micro_batch"}) {
+      if (!run_meta.contains(key)) continue;
       const auto it = meta.find(key);
+      // A checkpoint of an ordinary run may be continued deterministically (from there on the
+      // run is reproducible); one of a deterministic run must keep its micro-batch size.
+      if (it == meta.end() && std::string(key) == "micro_batch") continue;
+      std::string flag = key;  // the metadata key names the flag: micro_batch is --micro-batch
+      for (char& c : flag) c = c == '_' ? '-' : c;
       if (it == meta.end() || it->second != run_meta.at(key))
-        throw ls::InvalidArgument("--resume: the checkpoint was written with --" + std::string(key) + " " +
+        throw ls::InvalidArgument("--resume: the checkpoint was written with --" + flag + " " +
                                   (it == meta.end() ? std::string("(missing)") : it->second) +
                                   " but this run has " + run_meta.at(key) +
                                   "; resume with the same flags");
@@ -382,7 +447,13 @@ int run(const Options& o, ls::Backend& backend) {
       std::printf("resumed from %s after epoch %lld (step %lld)\n", resume_from->c_str(),
                   static_cast<long long>(epoch), static_cast<long long>(state.inner.step));
   }
-  if (root)
+  if (root && o.deterministic)
+    std::printf("training Dense(1=>256, tanh), Dense(256=>1) on y = x^3: %d ranks, %lld samples, "
+                "global batch %lld (%lld micro-batches of %lld, deterministic), Adam lr %g, %lld epochs\n",
+                ranks, static_cast<long long>(o.samples), static_cast<long long>(o.batch),
+                static_cast<long long>(o.batch / o.micro_batch), static_cast<long long>(o.micro_batch),
+                static_cast<double>(o.lr), static_cast<long long>(o.epochs));
+  else if (root)
     std::printf("training Dense(1=>256, tanh), Dense(256=>1) on y = x^3: %d ranks, %lld samples, "
                 "global batch %lld (%lld per rank), Adam lr %g, %lld epochs\n",
                 ranks, static_cast<long long>(o.samples), static_cast<long long>(o.batch),
@@ -414,7 +485,10 @@ int run(const Options& o, ls::Backend& backend) {
     const auto t0 = std::chrono::steady_clock::now();
     data.set_epoch(epoch);
     double sums[3] = {0, 0, 0};  // squared errors, samples (this rank); a checkpoint due by time (rank 0)
-    const std::int64_t nb = data.num_batches(share);
+    if (o.deterministic) {
+      deterministic_epoch(data, xs, ys, model, *grads, state, ws, sums);
+    }
+    const std::int64_t nb = o.deterministic ? 0 : data.num_batches(share);
     for (std::int64_t b = 0; b < nb; ++b) {
       const auto idx = data.batch(b, share);
       const auto m = static_cast<std::int64_t>(idx.size());
@@ -431,10 +505,10 @@ int run(const Options& o, ls::Backend& backend) {
                                          g.w2.data<float>(), g.b2.data<float>(), ws.x.data(), ws.y.data(),
                                          static_cast<int>(m));
       } else {
-        sums[0] += forward_backward(model, *grads, ws, m);
+        sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
       }
 #else
-      sums[0] += forward_backward(model, *grads, ws, m);
+      sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
 #endif
       sums[1] += static_cast<double>(m);
       ls::update(state, model, *grads);
@@ -464,7 +538,6 @@ int run(const Options& o, ls::Backend& backend) {
                 static_cast<long long>(epoch), static_cast<long long>(epoch - first_epoch), ranks, total,
                 total > 0 ? samples_done / total : 0.0);
     std::printf("final loss %.8e\n", losses.empty() ? 0.0 : losses.back());
-    std::printf("model hash crc32c:%08x\n", model_hash(model));
     if (!o.checkpoint.empty())
       std::printf("checkpoint: %s\n", rotation ? rotation->path_for(epoch).c_str() : o.checkpoint.c_str());
     if (!o.log.empty()) {
@@ -484,6 +557,8 @@ int run(const Options& o, ls::Backend& backend) {
       else
         std::printf("loss plot: skipped: %s\n", why_not.c_str());
     }
+    // The last line, always: the parameters' bytes in name order (io/model_hash.hpp).
+    std::printf("model hash %s\n", ls::model_hash(model).c_str());
     std::fflush(stdout);
   }
   return 0;
@@ -497,7 +572,9 @@ int main(int argc, char** argv) {
   const int ranks = backend->size();
 #if LOCKSTEP_TRAIN_OPENBLAS
   // Each rank runs one BLAS thread: the ranks themselves use the cores, and a fixed thread
-  // count keeps the sums in a fixed order (bitwise reproducible runs).
+  // count keeps the sums in a fixed order (bitwise reproducible runs). --deterministic relies
+  // on it: a micro-batch's gradient must be computed the same way on every rank. (Another BLAS
+  // has no such call here: give it one thread through its own setting, e.g. OMP_NUM_THREADS=1.)
   openblas_set_num_threads(1);
 #endif
   Options o;

@@ -19,4 +19,5 @@
 #include "lockstep/reliability/settings.hpp"
 #include "lockstep/train/replicas.hpp"
 #include "lockstep/io/checkpoint.hpp"
+#include "lockstep/io/model_hash.hpp"
 #include "lockstep/remote/remote.hpp"

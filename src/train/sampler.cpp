@@ -1,5 +1,7 @@
 // DistributedDataContainer: every rank the same number of samples (padding, dropping or uneven
-// remainders), with a per-epoch shuffle drawn from a seed every rank shares.
+// remainders), or its block of every global batch's micro-batches (micro_batch_size), with a
+// per-epoch shuffle drawn from a seed every rank shares; micro_batches_of, the deal of
+// micro-batches to ranks.
 #include "lockstep/train/data.hpp"
 
 #include <algorithm>
@@ -53,6 +55,18 @@ DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::
            options.remainder != Remainder::uneven)
     problem = concat("DataOptions::remainder is not a Remainder (",
                      static_cast<int>(options.remainder), ")");
+  else if (options.micro_batch_size < 0)
+    problem = concat("DataOptions::micro_batch_size must be >= 0 (0: not set), got ", options.micro_batch_size);
+  else if (options.micro_batch_size > 0 && options.global_batch_size == 0)
+    problem = concat("DataOptions::micro_batch_size (", options.micro_batch_size,
+                     ") needs global_batch_size: micro-batches are cut from global batches");
+  else if (options.micro_batch_size > 0 && options.global_batch_size % options.micro_batch_size != 0)
+    problem = concat("DataOptions: global_batch_size ", options.global_batch_size,
+                     " is not a multiple of micro_batch_size ", options.micro_batch_size,
+                     " (a global batch is made of whole micro-batches)");
+  else if (options.micro_batch_size > 0 && options.remainder != Remainder::uneven)
+    problem = concat("DataOptions::micro_batch_size needs remainder = Remainder::uneven (pad and drop "
+                     "depend on the rank count, the micro-batches must not)");
   const char* rem = options.remainder == Remainder::pad      ? "pad"
                     : options.remainder == Remainder::drop   ? "drop"
                     : options.remainder == Remainder::uneven ? "uneven"
@@ -60,7 +74,7 @@ DistributedDataContainer<void>::DistributedDataContainer(Backend& backend, std::
   const std::string sig =
       concat("n_samples=", n_samples, " shuffle=", options.shuffle, " seed=", options.seed,
              " remainder=", rem, " batch_size=", options.batch_size,
-             " global_batch_size=", options.global_batch_size, " drop_last=", options.drop_last,
+             " global_batch_size=", options.global_batch_size, " drop_last=", options.drop_last, " micro_batch_size=", options.micro_batch_size,
              problem.empty() ? std::string() : concat(" (", problem, ")"));
   detail::check_same_structure(backend, sig, 0, 0, "DistributedDataContainer", [&] {
     return std::vector<detail::StructureEntry>{{"dataset", sig}};
@@ -77,10 +91,12 @@ DistributedDataContainer<void>::DistributedDataContainer(DistributedDataContaine
       n_(other.n_),
       epoch_(other.epoch_),
       options_(other.options_),
-      indices_(std::move(other.indices_)) {
+      indices_(std::move(other.indices_)),
+      perm_(std::move(other.perm_)) {
   other.n_ = 0;
   other.epoch_ = 0;
   other.indices_.clear();
+  other.perm_.clear();
 }
 
 DistributedDataContainer<void>& DistributedDataContainer<void>::operator=(
@@ -93,9 +109,11 @@ DistributedDataContainer<void>& DistributedDataContainer<void>::operator=(
     epoch_ = other.epoch_;
     options_ = other.options_;
     indices_ = std::move(other.indices_);
+    perm_ = std::move(other.perm_);
     other.n_ = 0;
     other.epoch_ = 0;
     other.indices_.clear();
+    other.perm_.clear();
   }
   return *this;
 }
@@ -109,6 +127,19 @@ void DistributedDataContainer<void>::rebuild() {
       const auto j = static_cast<std::int64_t>(bounded(s, static_cast<std::uint64_t>(i + 1)));
       std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(j)]);
     }
+  }
+  if (options_.micro_batch_size > 0) {
+    // Micro-batches: keep the whole permutation (micro_batch(b, m) reads any micro-batch), and
+    // this rank's samples are its micro-batches of every global batch, in order. Nothing here
+    // depends on the rank count but which blocks this rank takes.
+    perm_ = std::move(perm);
+    indices_.clear();
+    const std::int64_t nb = num_batches();
+    for (std::int64_t b = 0; b < nb; ++b) {
+      const auto rows = batch(b);
+      indices_.insert(indices_.end(), rows.begin(), rows.end());
+    }
+    return;
   }
   std::int64_t per_rank = 0;
   if (n_ > 0) {
@@ -196,6 +227,16 @@ std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t
 }
 
 std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t b) const {
+  if (options_.micro_batch_size > 0) {
+    // This rank's micro-batches of global batch b are one contiguous run of positions.
+    const MicroBatches mine = micro_batches(b);  // checks b
+    if (mine.empty()) return {};
+    const std::int64_t g = options_.global_batch_size, m = options_.micro_batch_size;
+    const std::int64_t first = b * g + mine.first * m;
+    const std::int64_t last = b * g + std::min((mine.first + mine.count) * m, global_rows(b));
+    return std::span<const std::int64_t>(perm_).subspan(static_cast<std::size_t>(first),
+                                                         static_cast<std::size_t>(last - first));
+  }
   if (options_.global_batch_size > 0) {
     const std::int64_t rows = global_rows(b);  // checks b
     // This rank's k-th sample sits at position rank + k ranks: the ones in [b G, b G + rows).
@@ -210,6 +251,52 @@ std::span<const std::int64_t> DistributedDataContainer<void>::batch(std::int64_t
   LOCKSTEP_CHECK_ARG(options_.batch_size > 0, "batch(b): neither DataOptions::batch_size nor "
                                               "global_batch_size is set; set one, or pass the batch size");
   return batch(b, options_.batch_size);
+}
+
+void DistributedDataContainer<void>::check_micro(const char* what) const {
+  LOCKSTEP_CHECK_ARG(options_.micro_batch_size > 0, what, ": DataOptions::micro_batch_size is not set");
+}
+
+MicroBatches DistributedDataContainer<void>::micro_batches(std::int64_t b) const {
+  check_micro("micro_batches");
+  const std::int64_t rows = global_rows(b);  // checks b
+  const std::int64_t m = options_.micro_batch_size;
+  return split_micro_batches(rows / m + (rows % m != 0 ? 1 : 0), rank_, ranks_);
+}
+
+std::span<const std::int64_t> DistributedDataContainer<void>::micro_batch(std::int64_t b, std::int64_t m) const {
+  check_micro("micro_batch");
+  const std::int64_t rows = global_rows(b);  // checks b
+  const std::int64_t size = options_.micro_batch_size;
+  const std::int64_t total = rows / size + (rows % size != 0 ? 1 : 0);
+  LOCKSTEP_CHECK_ARG(m >= 0 && m < total, "micro_batch: micro-batch ", m, " is out of range (global batch ", b,
+                     " has ", total, ")");
+  const std::int64_t first = b * options_.global_batch_size + m * size;
+  const std::int64_t count = std::min(size, rows - m * size);
+  return std::span<const std::int64_t>(perm_).subspan(static_cast<std::size_t>(first),
+                                                       static_cast<std::size_t>(count));
+}
+
+MicroBatches split_micro_batches(std::int64_t count, int rank, int size) {
+  LOCKSTEP_CHECK_ARG(count >= 0, "split_micro_batches: count must be >= 0, got ", count);
+  LOCKSTEP_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "split_micro_batches: rank ", rank,
+                     " is not in [0, ", size, ")");
+  // Contiguous blocks in rank order, the first count % size ranks one longer: the same deal as
+  // the partitioners' (batch_partitioner), and every block's start is a function of
+  // (count, rank, size) alone.
+  const std::int64_t base = count / size, extra = count % size, r = rank;
+  return MicroBatches{.first = r * base + std::min(r, extra), .count = base + (r < extra ? 1 : 0), .total = count};
+}
+
+MicroBatches micro_batches_of(std::int64_t global_batch, std::int64_t micro_batch, int rank, int size) {
+  LOCKSTEP_CHECK_ARG(micro_batch >= 1, "micro_batches_of: the micro-batch must be >= 1 sample, got ", micro_batch);
+  LOCKSTEP_CHECK_ARG(global_batch >= 1, "micro_batches_of: the global batch must be >= 1 sample, got ", global_batch);
+  LOCKSTEP_CHECK_ARG(global_batch % micro_batch == 0, "micro_batches_of: the global batch ", global_batch,
+                     " is not a multiple of the micro-batch ", micro_batch,
+                     " (a global batch is made of whole micro-batches)");
+  LOCKSTEP_CHECK_ARG(size >= 1 && rank >= 0 && rank < size, "micro_batches_of: rank ", rank,
+                     " is not in [0, ", size, ")");
+  return split_micro_batches(global_batch / micro_batch, rank, size);
 }
 
 }  // namespace lockstep

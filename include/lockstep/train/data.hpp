@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <ranges>
 #include <span>
 #include <string>
 #include <tuple>
@@ -47,7 +48,46 @@ struct DataOptions {
   /// divide a summed loss by it, so that N ranks compute what one process computes.
   std::int64_t global_batch_size = 0;
   bool drop_last = false;         ///< num_batches() leaves out a partial last batch
+  /// Samples per micro-batch (0: not set), with global_batch_size, which must be a multiple of
+  /// it, and Remainder::uneven: micro-batch m of global batch b is positions
+  /// [b G + m M, b G + (m+1) M) of the epoch's permutation (M = micro_batch_size; the last of a
+  /// partial last global batch may be shorter). Which samples a micro-batch holds depends only
+  /// on the seed, the epoch, G and M, never on the rank count; each rank processes a contiguous
+  /// block of each global batch's micro-batches (micro_batches(b), micro_batch(b, m)), so the
+  /// ranks' counts differ when the count is not a multiple of the rank count, and a rank may have
+  /// none. What deterministic training (DistributedOptions::deterministic) needs.
+  std::int64_t micro_batch_size = 0;
 };
+
+/// The micro-batches of one global batch that one rank processes: the global micro-batch
+/// indices [first, first + count) of the global batch's `total` micro-batches. Invariant: over
+/// ranks 0..N-1 the blocks are contiguous, in rank order, and cover [0, total) exactly once;
+/// the first total % N ranks get one more than the others (30 over 4: 8, 8, 7, 7).
+struct MicroBatches {
+  std::int64_t first = 0;  ///< global index (within the global batch) of this rank's first
+  std::int64_t count = 0;  ///< how many this rank processes (0 possible)
+  std::int64_t total = 0;  ///< micro-batches in the global batch, over all ranks
+
+  bool empty() const noexcept { return count == 0; }
+  std::int64_t size() const noexcept { return count; }
+  /// Global index of this rank's i-th micro-batch.
+  std::int64_t operator[](std::int64_t i) const noexcept { return first + i; }
+  /// Iterates over the global indices first, first + 1, ..., first + count - 1.
+  auto begin() const noexcept { return std::ranges::iota_view<std::int64_t, std::int64_t>(first, first + count).begin(); }
+  auto end() const noexcept { return std::ranges::iota_view<std::int64_t, std::int64_t>(first, first + count).end(); }
+  bool operator==(const MicroBatches&) const = default;
+};
+
+/// Rank `rank` of `size`'s micro-batches of one global batch of `global_batch` samples cut into
+/// micro-batches of `micro_batch` samples (global_batch / micro_batch of them; MicroBatches
+/// says how they are dealt). Pure: no communication. InvalidArgument, naming the values, when
+/// global_batch or micro_batch is below 1, global_batch is not a multiple of micro_batch,
+/// size is below 1 or rank is outside [0, size).
+[[nodiscard]] MicroBatches micro_batches_of(std::int64_t global_batch, std::int64_t micro_batch, int rank, int size);
+
+/// The same deal of `count` micro-batches (count >= 0; a partial last global batch has
+/// ceil(rows / micro_batch) of them, the last shorter).
+[[nodiscard]] MicroBatches split_micro_batches(std::int64_t count, int rank, int size);
 
 template <class Dataset = void>
 class DistributedDataContainer;
@@ -55,7 +95,9 @@ class DistributedDataContainer;
 /// This rank's share of n_samples sample indices. Every rank gets the same number of samples, so
 /// no rank runs more batches than another (Flux and Lux deadlock there); with fewer samples than
 /// ranks and Remainder::pad, samples are repeated so that every rank still gets one.
-/// Rank r gets positions r, r + ranks, r + 2 ranks, ... of the epoch's (padded) permutation.
+/// Rank r gets positions r, r + ranks, r + 2 ranks, ... of the epoch's (padded) permutation;
+/// with DataOptions::micro_batch_size instead its micro-batches' positions, contiguous blocks,
+/// and the ranks' counts may differ (size() is then this rank's own count).
 template <>
 class DistributedDataContainer<void> {
  public:
@@ -71,7 +113,8 @@ class DistributedDataContainer<void> {
   DistributedDataContainer(DistributedDataContainer&& other) noexcept;
   DistributedDataContainer& operator=(DistributedDataContainer&& other) noexcept;
 
-  /// Number of samples this rank visits per epoch (equal on every rank).
+  /// Number of samples this rank visits per epoch (equal on every rank, except with
+  /// DataOptions::micro_batch_size: then this rank's micro-batches' samples).
   std::int64_t size() const noexcept { return static_cast<std::int64_t>(indices_.size()); }
   /// Number of samples in the dataset.
   std::int64_t total_size() const noexcept { return n_; }
@@ -99,7 +142,17 @@ class DistributedDataContainer<void> {
   std::span<const std::int64_t> batch(std::int64_t b, std::int64_t batch_size) const;
   /// The same with DataOptions::batch_size, or with DataOptions::global_batch_size this rank's
   /// rows of global batch b (possibly none in a partial last batch with Remainder::uneven).
+  /// With DataOptions::micro_batch_size: this rank's micro-batches of global batch b, back to
+  /// back (they are contiguous in the permutation), possibly none.
   [[nodiscard]] std::span<const std::int64_t> batch(std::int64_t b) const;
+  /// With DataOptions::micro_batch_size: the micro-batches of global batch b this rank
+  /// processes (the same on every rank for a given rank and rank count; InvalidArgument
+  /// otherwise or for b out of range).
+  [[nodiscard]] MicroBatches micro_batches(std::int64_t b) const;
+  /// With DataOptions::micro_batch_size: the dataset indices of micro-batch m of global batch
+  /// b, for any m in [0, micro_batches(b).total), whichever rank processes it (so a rank can
+  /// look at any micro-batch; the span stays valid until set_epoch or a move).
+  [[nodiscard]] std::span<const std::int64_t> micro_batch(std::int64_t b, std::int64_t m) const;
 
   auto begin() const noexcept { return indices_.begin(); }
   auto end() const noexcept { return indices_.end(); }
@@ -113,12 +166,16 @@ class DistributedDataContainer<void> {
  private:
   void rebuild();
   std::int64_t used_positions() const noexcept;
+  void check_micro(const char* what) const;
   Backend* backend_ = nullptr;
   int rank_ = 0, ranks_ = 1;
   std::int64_t n_ = 0;
   std::int64_t epoch_ = 0;
   DataOptions options_;
   std::vector<std::int64_t> indices_;
+  /// With micro_batch_size only: the whole epoch's permutation, which micro_batch(b, m) reads
+  /// for any m (a rank's indices_ hold only its own micro-batches). Empty otherwise.
+  std::vector<std::int64_t> perm_;
 };
 
 /// The same over an indexable dataset (anything with operator[](integer), e.g. std::vector):
