@@ -318,7 +318,7 @@ TEST_CASE("DistributedOptimizer: a second backward before step() on one rank is 
   CHECK(replicas_equal(*net));
   opt.zero_grad();
   torch::mse_loss(net->forward(mine_x), mine_y).backward();
-  CHECK(all_ranks(error_of<std::exception>([&] { CHECK(opt.step()); }).empty()));
+  CHECK(all_ranks(error_of<ls::Error>([&] { CHECK(opt.step()); }).empty()));
   CHECK(replicas_equal(*net));
 }
 
