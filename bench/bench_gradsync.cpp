@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <optional>
 
@@ -95,17 +96,26 @@ std::string size_label(std::size_t b) { return bench::human_bytes(static_cast<do
 class DistAverage {
  public:
   // bucket_bytes unset: the reducer's default for the path.
-  DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::optional<std::size_t> bucket_bytes) {
+  // deterministic: DistributedOptions::deterministic, its reduced gradients (the reducer's own
+  // tensors) copied back into the given ones so that the run is checked like the others (the
+  // copy is in the time: the figure is an upper bound).
+  DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::optional<std::size_t> bucket_bytes,
+              bool deterministic = false)
+      : deterministic_(deterministic) {
     for (const auto& v : views) grads_.push_back(ls::Tensor::borrow(v.data, {v.numel}, v.dtype, v.device));
     ls::DistributedOptions o;
     o.bucket_bytes = bucket_bytes;
+    o.deterministic = deterministic;
     state_ = std::make_unique<ls::DistributedState<ls::SGD>>(ls::setup(ls::DistributedOptimizer(be, ls::SGD{}, o), grads_));
     ptrs_ = ls::trainable_leaves(grads_);
   }
   void run() {
     auto& red = state_->reducer();
     ls::detail::ReducerSteps::bind(red, ptrs_);
-    ls::detail::ReducerSteps::reduce_bound(red);
+    const auto& reduced = ls::detail::ReducerSteps::reduce_bound(red);
+    if (deterministic_)
+      for (std::size_t i = 0; i < reduced.size(); ++i)
+        std::memcpy(grads_[i].raw_data(), reduced[i]->raw_data(), grads_[i].nbytes());
   }
   std::size_t buckets() const { return state_->reducer().bucket_count(); }
 
@@ -113,6 +123,7 @@ class DistAverage {
   std::vector<ls::Tensor> grads_;
   std::unique_ptr<ls::DistributedState<ls::SGD>> state_;
   std::vector<ls::Tensor*> ptrs_;
+  bool deterministic_ = false;
 };
 
 }  // namespace
@@ -216,6 +227,11 @@ int main(int argc, char** argv) {
             ls::set_check_level(base);
           }));
         }
+      }
+      // Deterministic mode (exact sums, issue 42): its cost beside the ordinary averaging.
+      {
+        auto det = std::make_shared<DistAverage>(be, is_flat ? fv : sep, std::nullopt, true);
+        vs.push_back(sep_or_flat(is_flat, "lockstep: DistributedOptimizer deterministic", [det] { det->run(); }));
       }
       // The flat gradients again, in memory from allocate_reduce_buffer: on the shared-memory
       // path each bucket is reduced where it lies on every rank (no copy through the slots).

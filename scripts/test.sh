@@ -106,7 +106,8 @@ stage_multihost() (
   local cluster=(bash "$ROOT/scripts/cluster.sh")
   local t
   for t in test/test_world test/test_shm_collectives test/test_collective test/test_synchronize \
-    test/test_training test/test_sharded test/test_hierarchical test/test_checkpoint_mpi test/test_remote examples/train/train; do
+    test/test_training test/test_sharded test/test_hierarchical test/test_checkpoint_mpi test/test_remote \
+    test/test_deterministic examples/train/train; do
     [ -x "$bin/$t" ] || { echo "stage multihost: $bin/$t is not built (run stage core first)"; return 1; }
   done
   trap '"${cluster[@]}" down >/dev/null 2>&1' EXIT
@@ -164,6 +165,8 @@ stage_multihost() (
     check "$layout" collective "${run[@]}" "$bin/test/test_collective"
     check "$layout" synchronize "${run[@]}" "$bin/test/test_synchronize"
     check "$layout" training "${run[@]}" "$bin/test/test_training" "$training"
+    # Deterministic mode: the same bits as one process, on this placement (issue 42).
+    check "$layout" deterministic "${run[@]}" "$bin/test/test_deterministic"
     check "$layout" sharded_wire "${run[@]}" "$bin/test/test_sharded" "$sharded"
     # The hierarchical reduce-scatter and all-gather of the sharded optimizer, and the 16-bit
     # wire allreduce of the replicated one (3x1: the flat path).
@@ -184,7 +187,9 @@ stage_multihost() (
   chmod +x "$mpiexec"
   # Ranks dealt round robin (hosts do not hold consecutive ranks): the hierarchical paths still right.
   check 2x2rr hier_rs "${cluster[@]}" run -n 4 --map-by node -- "$bin/test/test_hierarchical" '[hier_rs],[hier_ar16]'
-  for t in train_converges train_resume; do
+  # train_deterministic: one model hash at -n 1 to 4 over the two hosts (-n 3: two and one),
+  # and after a stop at 4 ranks resumed at 3.
+  for t in train_converges train_resume train_deterministic; do
     check 2h "example_$t" bash "$ROOT/test/examples/$t.sh" "$mpiexec" "$bin/examples/train/train" "$logs/work-$t"
   done
 
