@@ -26,11 +26,13 @@ void ExactSum::reset(std::int64_t numel) {
   count_ = 0;
 }
 
-void ExactSum::add(const float* x) {
-  const std::size_t n = top_.size();
-  for (std::size_t i = 0; i < n; ++i) {
+void ExactSum::add(const float* xs, std::int64_t at, std::int64_t n) {
+  if (n <= 0) return;
+  if (at < 0 || at + n > numel()) throw Error("ExactSum::add: elements out of range");
+  for (std::size_t k = 0; k < static_cast<std::size_t>(n); ++k) {
+    const std::size_t i = static_cast<std::size_t>(at) + k;  // the element xs[k] adds to
     std::uint32_t u;
-    std::memcpy(&u, &x[i], sizeof u);
+    std::memcpy(&u, &xs[k], sizeof u);
     const std::uint32_t biased = (u >> 23) & 0xff;
     const std::uint32_t frac = u & 0x7fffff;
     if (biased == 0xff) {  // NaN or infinity
@@ -62,7 +64,6 @@ void ExactSum::add(const float* x) {
       c[top - b] += static_cast<std::int32_t>(negative ? -piece : piece);
     }
   }
-  ++count_;
 }
 
 std::int64_t ExactSum::reduce(Backend& backend, float* out, bool mean) {

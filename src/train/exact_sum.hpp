@@ -48,9 +48,17 @@ class ExactSum {
   /// Values added to each element since reset (the micro-batches of this rank).
   std::int64_t count() const noexcept { return count_; }
 
-  /// Adds x[i] to element i (x holds numel() f32 values, host memory). A NaN or infinity marks
-  /// its element non-finite: reduce() then gives NaN for the whole block of that element.
-  void add(const float* x);
+  /// Adds x[i] to element i (x holds numel() f32 values, host memory) and counts one value
+  /// added. A NaN or infinity marks its element non-finite: reduce() then gives NaN for the
+  /// whole block of that element.
+  void add(const float* x) {
+    add(x, 0, numel());
+    count_one();
+  }
+  /// Adds x[i] to element at + i for i < n, without counting (a part of one value: a tensor of
+  /// a flat sum over several; count_one() once all parts are in).
+  void add(const float* x, std::int64_t at, std::int64_t n);
+  void count_one() noexcept { ++count_; }
 
   /// Collective (every rank, the same numel()): out[i] = (sum over every rank of element i) /
   /// (the total count when mean, else 1), the same bits on every rank. Returns the total count.

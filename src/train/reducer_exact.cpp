@@ -1,17 +1,32 @@
 // GradientReducer in deterministic mode (DistributedOptions::deterministic): every micro-batch's
-// gradients go into exact sums (exact_sum.hpp), reduced once per step across the ranks.
+// gradients go into one exact sum over all trainable tensors back to back (exact_sum.hpp),
+// reduced once per step across the ranks: two collectives a step, whatever the number of
+// tensors. Device (cuda) gradients are copied to the host for it and the result copied back:
+// the exact sum is integer work on the host, the same bits whichever device computed the
+// gradients.
+#include "lockstep/core/device_runtime.hpp"
 #include "train/reducer_impl.hpp"
 
 namespace lockstep {
 
 void GradientReducer::Impl::setup_exact() {
   if (!options.deterministic) return;
-  exact.clear();
+  std::int64_t total = 0;
+  exact_at.clear();
+  for (const auto& leaf : leaves) {
+    exact_at.push_back(total);
+    total += leaf.numel;
+  }
+  exact.reset(total);
+  exact_flat = Tensor::zeros({total}, DType::f32);
   exact_out.clear();
   exact_ptrs.clear();
-  for (const auto& leaf : leaves) {
-    exact.emplace_back(leaf.numel);
-    exact_out.push_back(Tensor::zeros(leaf.shape.empty() ? Shape{leaf.numel} : leaf.shape, DType::f32));
+  for (std::size_t j = 0; j < leaves.size(); ++j) {
+    const Shape shape = leaves[j].shape.empty() ? Shape{leaves[j].numel} : leaves[j].shape;
+    if (leaves[j].device.is_cpu())  // a view of the flat result
+      exact_out.push_back(Tensor::borrow(exact_flat.data<float>() + exact_at[j], shape, DType::f32, Device::cpu()));
+    else
+      exact_out.push_back(Tensor::zeros(shape, DType::f32, leaves[j].device));
   }
   for (auto& t : exact_out) exact_ptrs.push_back(&t);
 }
@@ -19,23 +34,36 @@ void GradientReducer::Impl::setup_exact() {
 void GradientReducer::Impl::exact_add() {
   for (std::size_t j = 0; j < leaves.size(); ++j) {
     const Tensor& g = *bound[j];
-    LOCKSTEP_CHECK_ARG(g.numel() == leaves[j].numel && g.dtype() == DType::f32 && g.device().is_cpu(),
-                       "deterministic mode: gradient '", paths[j], "' is no longer host f32 of ", leaves[j].numel,
-                       " elements (was it moved from or reassigned?)");
-    exact[j].add(g.data<float>());
+    LOCKSTEP_CHECK_ARG(g.numel() == leaves[j].numel && g.dtype() == DType::f32 && g.device() == leaves[j].device,
+                       "deterministic mode: gradient '", paths[j], "' is no longer f32 of ", leaves[j].numel,
+                       " elements on ", to_string(leaves[j].device), " (was it moved from or reassigned?)");
+    if (g.device().is_cpu()) {
+      exact.add(g.data<float>(), exact_at[static_cast<std::size_t>(j)], g.numel());
+      continue;
+    }
+    // On the host for the integer work (the device's pending work on it is waited for).
+    float* host = exact_flat.data<float>() + exact_at[j];
+    device_runtime("deterministic mode with a cuda gradient")
+        .copy(host, Device::cpu(), g.raw_data(), g.device(), g.nbytes());
+    exact.add(host, exact_at[j], g.numel());
   }
+  exact.count_one();
 }
 
 const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce() {
-  // One exact reduction per tensor, in the reducer's order on every rank (the same calls
-  // everywhere: the sizes are agreed at setup); the mean divides by the total of micro-batches.
-  const bool mean = options.op == ReduceOp::avg;
+  // One exact reduction of every tensor at once, the same calls on every rank (the sizes were
+  // agreed at setup); the mean divides by the total of micro-batches over the ranks.
   try {
-    for (std::size_t j = 0; j < exact.size(); ++j) exact[j].reduce(*backend, exact_out[j].data<float>(), mean);
+    exact.reduce(*backend, exact_flat.data<float>(), options.op == ReduceOp::avg);
   } catch (...) {
-    for (auto& e : exact) e.discard();
+    exact.discard();  // a failed step starts the next one empty on every rank that survives it
     throw;
   }
+  for (std::size_t j = 0; j < leaves.size(); ++j)
+    if (!leaves[j].device.is_cpu())
+      device_runtime("deterministic mode with a cuda gradient")
+          .copy(exact_out[j].raw_data(), leaves[j].device, exact_flat.data<float>() + exact_at[j], Device::cpu(),
+                exact_out[j].nbytes());
   return exact_ptrs;
 }
 

@@ -114,9 +114,12 @@ struct GradientReducer::Impl {
   std::vector<Tensor> accum_views;  // borrow from the buckets' work buffers
   std::vector<Tensor*> accum_ptrs;
   std::vector<Tensor*> result;
-  // Deterministic mode (exact_sum.hpp): the exact sums of the micro-batches' gradients, one per
-  // trainable tensor, and the reduced gradients they give (the reducer's own tensors).
-  std::vector<detail::ExactSum> exact;
+  // Deterministic mode (exact_sum.hpp): the exact sum of the micro-batches' gradients, every
+  // trainable tensor back to back (tensor j from exact_at[j]), the flat result on the host, and
+  // the reduced gradients it gives (views of it; the reducer's own tensors on a device).
+  detail::ExactSum exact;
+  std::vector<std::int64_t> exact_at;
+  Tensor exact_flat;
   std::vector<Tensor> exact_out;
   std::vector<Tensor*> exact_ptrs;
   void setup_exact();                          // at construction, in deterministic mode

@@ -46,9 +46,6 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
     for (std::size_t j = 0; j < leaves.size(); ++j) {
       if (leaves[j].dtype != DType::f32)
         return concat("deterministic mode sums f32 gradients exactly; '", path(j), "' is ", name(leaves[j].dtype));
-      if (!leaves[j].device.is_cpu())
-        return concat("deterministic mode sums host gradients; '", path(j), "' is on ", to_string(leaves[j].device),
-                      " (a GPU path is not built yet)");
     }
   }
   if (o.shard_optimizer_state) {

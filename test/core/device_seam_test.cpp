@@ -772,3 +772,26 @@ TEST_CASE("wire_dtype on cuda gradients: converted on the device, equal to the h
     }
   }
 }
+
+// Deterministic mode on cuda gradients: copied to the host for the exact sum and the result
+// back; the parameters equal the host path's bit for bit, the same on every rank.
+TEST_CASE("deterministic mode on cuda tensors: the host path's bits, every rank alike", "[device][deterministic]") {
+  Installed in;
+  ls::MPIBackend mpi(MPI_COMM_WORLD);
+  mpi.set_cuda_aware(false);
+  const int rank = mpi.rank();
+  const ls::Adam rule{.lr = 1e-2f};
+  ls::DistributedOptions o{};
+  o.deterministic = true;
+  DevModel md = make_model(kDev), gd = ls::zeros_like(md);
+  DevModel mh = make_model(ls::Device::cpu()), gh = ls::zeros_like(mh);
+  auto od = ls::DistributedOptimizer(mpi, rule, o);
+  auto oh = ls::DistributedOptimizer(mpi, rule, o);
+  auto sd = ls::setup(od, md);
+  auto sh = ls::setup(oh, mh);
+  step_device(in, sd, md, gd, rank, 1, 3);
+  step_device(in, sh, mh, gh, rank, 1, 3);
+  const auto a = all_values(md), b = all_values(mh);
+  CHECK(a == b);
+  CHECK(same_as_rank0(a));
+}

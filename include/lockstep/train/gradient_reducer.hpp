@@ -130,10 +130,11 @@ struct DistributedOptions {
   /// ranks, any placement on machines, any bucket size and after any restart. Each rank passes
   /// each of its micro-batches' gradients to accumulate() (any number per rank, zero included)
   /// and ends the step with apply_accumulated() (or update(), which accumulates its own
-  /// gradients first); the mean divides by the total number of micro-batches. Host f32
-  /// gradients; not with shard_optimizer_state or wire_dtype (an InvalidArgument at setup on
-  /// every rank). Costs two collectives per step (one byte per 64 elements, then 8 bytes per
-  /// element) and 17 bytes of memory per element.
+  /// gradients first); the mean divides by the total number of micro-batches. f32 gradients
+  /// (cuda ones are copied to the host for the integer work, and the result back); not with
+  /// shard_optimizer_state or wire_dtype (an InvalidArgument at setup on every rank). Costs two
+  /// collectives per step over all gradients together (one byte per 64 elements, then 8 bytes
+  /// per element) and 21 bytes of host memory per element.
   bool deterministic = false;
 };
 
