@@ -158,13 +158,16 @@ EOF
       fi
       # From the kill on: when lockstep-run (in the job's output) saw the failure and started
       # attempt 2, and when slurmctld marked the node down (SlurmdTimeout=10), up to 40 s.
-      td="" t_seen="" t_next=""
+      td="" t_seen="" t_next="" t_done=""
       for _ in $(seq 200); do
         [ -z "$tf" ] && break
         [ -n "$t_seen" ] || ! grep -q 'failure seen' "$out" 2>/dev/null || t_seen=$(now)
         [ -n "$t_next" ] || ! grep -q 'attempt 2 (' "$out" 2>/dev/null || t_next=$(now)
         if [ -z "$td" ] && [[ $(on "$H0" sinfo -h -n "$H1" -o %T 2>/dev/null) == down* ]]; then td=$(now); fi
-        [ -n "$td" ] && [ -n "$t_next" ] && break
+        if [ -z "$t_done" ]; then
+          case $(state "${jobid[lost]}") in RUNNING | COMPLETING) ;; *) t_done=$(now) ;; esac
+        fi
+        [ -n "$td" ] && [ -n "$t_done" ] && break
         sleep 0.2
       done
       st=$(wait_job "${jobid[lost]}" 240)
@@ -189,7 +192,7 @@ EOF
         since() { [ -n "$1" ] && secs "$tf" "$1" || echo '?'; }
         echo "figures: lost: node $H1 killed after epoch $reached; from the kill: lockstep-run saw the failure" \
           "after $(since "$t_seen") s, started attempt 2 (2 ranks on $H0) after $(since "$t_next") s, the job" \
-          "ended after $(since "$t_end") s (redid $((reached - ${resumed:-0})) epoch(s)); slurmctld marked $H1 down after" \
+          "ended after $(since "$t_done") s (redid $((reached - ${resumed:-0})) epoch(s)); slurmctld marked $H1 down after" \
           "$(since "$td") s (SlurmdTimeout=10); final loss $loss"
       fi
       ;;
