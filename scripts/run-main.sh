@@ -2,8 +2,9 @@
 # The main job, from a fresh Debian machine: installs what is missing, configures (Release),
 # builds the train example (and hello_world, for docs/multi-node.md), and runs train under
 # mpiexec with 4 ranks: data-parallel training of Flux's DistributedUtils example
-# (Dense(1=>256, tanh), Dense(256=>1) on y = x^3, Adam, 100 epochs), ending with where the loss CSV and its plot (a PNG, drawn by gnuplot) went. Extra
-# arguments go to train (see docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
+# (Dense(1=>256, tanh), Dense(256=>1) on y = x^3, Adam, 100 epochs), ending with where the loss
+# CSV and its plot (a PNG, drawn by gnuplot) went. Extra arguments go to train (see
+# docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
 #
 # Usage: bash scripts/run-main.sh [train flags...]
 # Environment: LOCKSTEP_BUILD_DIR (default build), LOCKSTEP_JOBS (default nproc).
