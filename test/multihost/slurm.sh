@@ -14,7 +14,8 @@
 #             failure is seen, node 1 dropped, the job restarts at 2 ranks on node 0 inside the
 #             allocation and finishes 100 epochs; the job COMPLETED, node 1 DOWN (not responding).
 # Usage: slurm.sh BUILD_DIR WORKDIR [case...]   (default: every case, in that order)
-# WORKDIR must be on the shared file system (not under /tmp: every node has a /tmp of its own).
+# WORKDIR, BUILD_DIR and the source tree must be on the shared file system (not under /tmp:
+# every node has a /tmp of its own).
 # Exits 77 where the Slurm cluster cannot be made (cluster.sh exit 77: not root, no namespaces,
 # Slurm or munge not installed). Prints "figures: ..." lines; times are indications (the machine
 # is shared): nothing asserts a time except bounds far above it (a hang fails, it does not stall).
@@ -26,7 +27,9 @@ CASES=("$@")
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 [[ $BIN == /* ]] || BIN=$PWD/$BIN
 [[ $WORK == /* ]] || WORK=$PWD/$WORK
-case $WORK in /tmp | /tmp/*) echo "slurm.sh: WORKDIR must not be under /tmp (each node has its own)"; exit 2 ;; esac
+for d in "$WORK" "$BIN" "$ROOT"; do
+  case $d in /tmp | /tmp/*) echo "slurm.sh: $d must not be under /tmp (each node has a /tmp of its own)"; exit 2 ;; esac
+done
 CLUSTER=(bash "$ROOT/scripts/cluster.sh")
 NAME=${LOCKSTEP_CLUSTER:-lockstep}
 H0=$NAME-h0 H1=$NAME-h1
@@ -158,11 +161,12 @@ EOF
       fi
       # From the kill on: when lockstep-run (in the job's output) saw the failure and started
       # attempt 2, and when slurmctld marked the node down (SlurmdTimeout=10), up to 40 s.
-      td="" t_seen="" t_next="" t_done=""
+      td="" t_seen="" t_next="" t_ok="" t_done=""
       for _ in $(seq 200); do
         [ -z "$tf" ] && break
         [ -n "$t_seen" ] || ! grep -q 'failure seen' "$out" 2>/dev/null || t_seen=$(now)
         [ -n "$t_next" ] || ! grep -q 'attempt 2 (' "$out" 2>/dev/null || t_next=$(now)
+        [ -n "$t_ok" ] || ! grep -q 'attempt 2 succeeded' "$out" 2>/dev/null || t_ok=$(now)
         if [ -z "$td" ] && [[ $(on "$H0" sinfo -h -n "$H1" -o %T 2>/dev/null) == down* ]]; then td=$(now); fi
         if [ -z "$t_done" ]; then
           case $(state "${jobid[lost]}") in RUNNING | COMPLETING) ;; *) t_done=$(now) ;; esac
@@ -191,9 +195,10 @@ EOF
         resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' "$out")
         since() { [ -n "$1" ] && secs "$tf" "$1" || echo '?'; }
         echo "figures: lost: node $H1 killed after epoch $reached; from the kill: lockstep-run saw the failure" \
-          "after $(since "$t_seen") s, started attempt 2 (2 ranks on $H0) after $(since "$t_next") s, the job" \
-          "ended after $(since "$t_done") s (redid $((reached - ${resumed:-0})) epoch(s)); slurmctld marked $H1 down after" \
-          "$(since "$td") s (SlurmdTimeout=10); final loss $loss"
+          "after $(since "$t_seen") s, started attempt 2 (2 ranks on $H0) after $(since "$t_next") s and" \
+          "finished after $(since "$t_ok") s (redid $((reached - ${resumed:-0})) epoch(s)); slurmctld marked $H1 down after" \
+          "$(since "$td") s (SlurmdTimeout=10), and the job, COMPLETING until then, ended after $(since "$t_done") s;" \
+          "final loss $loss"
       fi
       ;;
     *) echo "slurm.sh: unknown case '$c'"; exit 2 ;;
