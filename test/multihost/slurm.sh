@@ -45,6 +45,7 @@ on() { "${CLUSTER[@]}" exec "$@"; }   # on HOST command...
 
 trap '"${CLUSTER[@]}" down >/dev/null 2>&1' EXIT
 trap 'exit 143' TERM INT HUP
+"${CLUSTER[@]}" down >/dev/null 2>&1   # a fresh cluster: no job of an earlier run, job ids from 1
 t=$(now)
 "${CLUSTER[@]}" up --slurm 2 --slots 2 >up.log 2>&1
 rc=$?
@@ -147,7 +148,7 @@ EOF
       for _ in $(seq 2400); do
         e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
         [ -n "$e" ] && [ "$e" -ge 30 ] && break
-        [ "$(state "${jobid[lost]}")" = RUNNING ] || [ "$(state "${jobid[lost]}")" = PENDING ] || break
+        case $(state "${jobid[lost]}") in COMPLETED | FAILED | CANCELLED | TIMEOUT | NODE_FAIL | OUT_OF_MEMORY) break ;; esac
         sleep 0.1
       done
       if [ -n "${e:-}" ] && [ "$e" -ge 30 ]; then
