@@ -240,7 +240,7 @@ stage_multihost() (
   # lockstep-run given no hosts (it takes them from Slurm); then a lost node (its slurmd, steps
   # and ranks SIGKILLed after the epoch-30 checkpoint of a --no-kill job under lockstep-run): the
   # job restarts at 2 ranks on the node left and COMPLETES 100 epochs, Slurm marks the node down.
-  # 53-58 s on this 2-core machine at load 4-5 (up 1.6-6 s, the three jobs 6-9 s each from
+  # 53-61 s on this 2-core machine at load 4-5 (up 1.6-6 s, the three jobs 6-9 s each from
   # sbatch to their end, the lost node about 30 s). Skipped (reported, not failed) where Slurm
   # or munge is missing.
   local start=$SECONDS log=$logs/slurm.log verdict=ok
