@@ -20,13 +20,25 @@
 #       first "--" is dropped (give one when the program's own arguments hold a "--"), so
 #       `cluster.sh run` can stand for mpiexec in scripts that take an MPIEXEC. One run at a time
 #       per cluster (the end of one ends every process in the cluster).
-#   cluster.sh down       removes every namespace, link and file of the cluster (idempotent).
+#   cluster.sh up --slurm H [options as above]
+#       The same hosts, plus a Slurm cluster on them (Debian's slurmctld, slurmd, munge): munged
+#       (in the bridge's namespace, its own key and socket), slurmctld in host 0, one slurmd per
+#       host in that host's namespace, each with its host name, spool and a /tmp of its own, and
+#       a partition 'batch' (the default) holding every host with --slots CPUs each (default
+#       nproc). Slurm's commands run on a host through `exec`. Waits until every node is idle.
+#   cluster.sh exec HOST command...
+#       command (sbatch, srun, sinfo, scontrol, squeue, mpiexec...) on HOST (<cluster>-h<i>, h<i>,
+#       <i> or its address): in its network namespace, under its host name, with its /tmp (Slurm
+#       clusters), SLURM_CONF set to the cluster's slurm.conf, and Open MPI's settings for the
+#       cluster (root allowed, no binding, TCP on the bridge's subnet, yield when idle), which
+#       sbatch and srun pass on to the job. Exits with the command's status.
+#   cluster.sh down       removes every namespace, link, daemon and file of the cluster (idempotent).
 #   cluster.sh status     prints the hosts, their addresses and qdiscs.
 #   cluster.sh agent HOST command...   the rsh agent mpiexec calls (not for users).
 #
-# Exit codes: that of the command (run), 0 otherwise; 77 where network namespaces cannot be made
-# (not root, no iproute2/unshare, a kernel or container that refuses them), so callers report
-# skipped; 2 for usage errors.
+# Exit codes: that of the command (run, exec), 0 otherwise; 77 where network namespaces cannot be
+# made (not root, no iproute2/unshare, a kernel or container that refuses them) or, for --slurm,
+# where Slurm or munge is not installed, so callers report skipped; 2 for usage errors.
 #
 # Environment: LOCKSTEP_CLUSTER (default lockstep): the cluster's name, prefix of its namespaces;
 # two clusters with different names can be up at once (they share nothing, not even the subnet's
@@ -36,7 +48,10 @@
 # What is made: a namespace <cluster>-br holding bridge br0 (and no address); per host a namespace
 # <cluster>-h<i> holding lo and eth0 (<i+1> on the subnet, no default route), eth0's peer h<i>
 # attached to br0. Nothing is added to the root namespace's network, so no traffic can leave the
-# cluster. State (hostfile, agent) in /run/<cluster>-cluster.
+# cluster. State (hostfile, agent; for --slurm slurm.conf, the munge key and socket, every
+# daemon's spool, log and pid file, a hosts file naming every host, each host's /tmp) in
+# /run/<cluster>-cluster, and nothing elsewhere. Interrupted (INT, TERM, HUP), `up` removes what
+# it made.
 set -uo pipefail
 
 NAME=${LOCKSTEP_CLUSTER:-lockstep}
@@ -67,14 +82,21 @@ need_namespaces() {
 # Our namespaces, whether or not the state directory survived.
 our_namespaces() { ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$NAME-(br|h[0-9]+)\$"; }
 
+# The Slurm cluster's daemons (munged, slurmctld, the slurmds), from their pid files.
+daemon_pids() {
+  cat "$STATE"/slurm/munge/munged.pid "$STATE"/slurm/ctld/slurmctld.pid "$STATE"/slurm/h*/slurmd.pid 2>/dev/null
+}
+
 # Ends every process inside the cluster's namespaces (only this script's runs put any there):
-# TERM, then KILL whatever is left after 3 s.
+# TERM, then KILL whatever is left after 3 s. `end_processes keep-daemons` spares the Slurm
+# daemons (what `run` and a repeated `up` end is what a run left, not the cluster).
 end_processes() {
-  local ns pids sig
+  local ns pids sig keep=()
+  [ "${1:-}" = keep-daemons ] && mapfile -t keep < <(daemon_pids)
   for sig in TERM KILL; do
     pids=""
     for ns in $(our_namespaces); do pids+=" $(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')"; done
-    pids=$(echo "$pids" | tr ' ' '\n' | grep -v -x -e '' -e "$$" | sort -u | tr '\n' ' ')
+    pids=$(echo "$pids" | tr ' ' '\n' | grep -v -x -e '' -e "$$" "${keep[@]/#/-e}" | sort -u | tr '\n' ' ')
     [ -n "${pids// /}" ] || return 0
     # shellcheck disable=SC2086  # a list of process ids
     kill -s "$sig" $pids 2>/dev/null
@@ -96,6 +118,8 @@ cmd_down() {
 }
 
 cmd_up() {
+  local slurm=""
+  if [ "${1:-}" = --slurm ]; then slurm=1; shift; fi
   [ $# -ge 1 ] || usage
   local hosts=$1 rate="" burst="" latency=20ms slots
   slots=$(nproc)
@@ -107,10 +131,12 @@ cmd_up() {
       --burst) burst=${2:?--burst needs a size, e.g. 512kb}; shift 2 ;;
       --latency) latency=${2:?--latency needs a time, e.g. 20ms}; shift 2 ;;
       --slots) slots=${2:?--slots needs a number}; shift 2 ;;
+      --slurm) slurm=1; shift ;;
       *) die "up: unknown option '$1'" 2 ;;
     esac
   done
   need_namespaces up
+  [ -z "$slurm" ] || need_slurm
   if [ -n "$rate" ]; then
     command -v tc >/dev/null || die "--rate needs 'tc' (iproute2)" 77
     if [ -z "$burst" ]; then
@@ -122,14 +148,22 @@ cmd_up() {
       burst=$(tc_burst "$rate") || die "up: cannot read rate '$rate' (e.g. 500mbit, 2gbit)" 2
     fi
   fi
-  local config="hosts=$hosts rate=$rate burst=$burst latency=$latency slots=$slots subnet=$SUBNET"
-  if [ -f "$STATE/config" ] && [ "$(cat "$STATE/config")" = "$config" ] && cluster_complete "$hosts"; then
-    end_processes   # what a killed run left behind
-    echo "cluster.sh: cluster '$NAME' is up: $hosts host(s)${rate:+, egress $rate}"
+  local config="hosts=$hosts rate=$rate burst=$burst latency=$latency slots=$slots subnet=$SUBNET${slurm:+ slurm=1}"
+  if [ -f "$STATE/config" ] && [ "$(cat "$STATE/config")" = "$config" ] && cluster_complete "$hosts" &&
+    { [ -z "$slurm" ] || slurm_alive; }; then
+    if [ -n "$slurm" ]; then
+      # What a killed run left behind: every job, and any process that is not a daemon.
+      slurm_cmd 0 scancel --full --partition=batch >/dev/null 2>&1
+      sleep 1
+    fi
+    end_processes keep-daemons
+    echo "cluster.sh: cluster '$NAME' is up: $hosts host(s)${rate:+, egress $rate}${slurm:+, Slurm partition batch}"
     return 0
   fi
   cmd_down
+  # Interrupted or failed half way: take down what was made.
   trap 'cmd_down; exit 1' ERR
+  trap 'cmd_down; exit 130' INT TERM HUP
   set -E
   mkdir -p "$STATE"
   ip netns add "$BR"
@@ -156,9 +190,8 @@ cmd_up() {
   # The rsh agent mpiexec calls: a file of its own, since plm_rsh_agent splits its value at spaces.
   printf '#!/bin/sh\nexec %q agent "$@"\n' "$SELF" >"$STATE/agent"
   chmod +x "$STATE/agent"
-  echo "$config" >"$STATE/config"
-  trap - ERR
   set +E
+  trap - ERR
   # Every bridge port forwarding before anyone relies on it (no STP: at once, normally).
   for _ in $(seq 50); do
     [ "$(bridge -n "$BR" link show | grep -c 'state forwarding')" -eq "$hosts" ] && break
@@ -166,7 +199,12 @@ cmd_up() {
   done
   [ "$(bridge -n "$BR" link show | grep -c 'state forwarding')" -eq "$hosts" ] ||
     { cmd_down; die "up: the bridge's ports did not reach the forwarding state"; }
-  echo "cluster.sh: cluster '$NAME' is up: $hosts host(s) $(host_ns 0)..$(host_ns $((hosts - 1))) on $SUBNET.0/24${rate:+, egress $rate (tbf burst $burst latency $latency)}"
+  if [ -n "$slurm" ]; then
+    slurm_up "$hosts" "$slots" || { cmd_down; die "up: the Slurm cluster did not come up (see the log above)"; }
+  fi
+  echo "$config" >"$STATE/config"
+  trap - INT TERM HUP
+  echo "cluster.sh: cluster '$NAME' is up: $hosts host(s) $(host_ns 0)..$(host_ns $((hosts - 1))) on $SUBNET.0/24${rate:+, egress $rate (tbf burst $burst latency $latency)}${slurm:+; Slurm: partition batch, $slots CPUs a node, slurmctld on $(host_ns 0)}"
 }
 
 # tc_burst RATE: 8 ms of RATE in bytes, at least 256 kB, as "<n>b".
@@ -222,8 +260,8 @@ cmd_run() {
     "${args[@]}" &
   local pid=$! rc
   # On a signal or any exit, end mpiexec and whatever it left in the cluster.
-  trap 'kill -TERM $pid 2>/dev/null; end_processes; exit 143' TERM INT HUP
-  trap 'end_processes' EXIT
+  trap 'kill -TERM $pid 2>/dev/null; end_processes keep-daemons; exit 143' TERM INT HUP
+  trap 'end_processes keep-daemons' EXIT
   wait "$pid"
   rc=$?
   trap - TERM INT HUP
@@ -245,6 +283,153 @@ cmd_agent() {
   exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1"' "$ns" "$*"
 }
 
+# ---- Slurm -------------------------------------------------------------------------------------
+
+# Exits 77 (skip) unless Debian's Slurm and munge are installed.
+need_slurm() {
+  local tool
+  for tool in munged slurmctld slurmd sbatch srun sinfo scontrol; do
+    command -v "$tool" >/dev/null ||
+      die "--slurm needs '$tool' (Debian: apt-get install slurmctld slurmd slurm-client munge; scripts/install-deps.sh)" 77
+  done
+}
+
+# host_index HOST: the index of HOST (<cluster>-h<i>, h<i>, <i> or <subnet>.<i+1>), or fails.
+host_index() {
+  local h=$1 i
+  case $h in
+    "$NAME"-h*) i=${h#"$NAME"-h} ;;
+    h*) i=${h#h} ;;
+    "$SUBNET".*) i=${h##*.}; [[ $i =~ ^[0-9]+$ ]] && i=$((i - 1)) ;;
+    *) i=$h ;;
+  esac
+  [[ $i =~ ^[0-9]+$ ]] && ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$(host_ns "$i")" || return 1
+  echo "$i"
+}
+
+# The environment of a command on a host (exec) and, through sbatch/srun, of the jobs.
+cluster_env() {
+  export SLURM_CONF=$STATE/slurm/slurm.conf
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-none}
+  export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+  export OMPI_MCA_pml=${OMPI_MCA_pml:-ob1} OMPI_MCA_btl=${OMPI_MCA_btl:-tcp,self,vader}
+  export OMPI_MCA_btl_tcp_if_include=${OMPI_MCA_btl_tcp_if_include:-$SUBNET.0/24}
+  export OMPI_MCA_oob_tcp_if_include=${OMPI_MCA_oob_tcp_if_include:-$SUBNET.0/24}
+}
+
+# in_host I command...: command in host I's network namespace, in UTS and mount namespaces of its
+# own: the host's name and, on Slurm clusters, the cluster's /etc/hosts (every host's name and
+# address) and the host's own /tmp bound over /etc/hosts and /tmp. Replaces this shell. (nsenter,
+# not `ip netns exec`, which remounts /sys and so hides the cgroup file systems slurmd needs.)
+in_host() {
+  local i=$1 ns tmp hosts=$STATE/slurm/hosts
+  shift
+  ns=$(host_ns "$i")
+  tmp=$STATE/slurm/h$i/tmp
+  [ -d "$tmp" ] || tmp=""
+  [ -f "$hosts" ] || hosts=""
+  exec nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private -- \
+    sh -c 'hostname "$0" && { [ -z "$1" ] || mount --bind "$1" /etc/hosts; } &&
+      { [ -z "$2" ] || mount --bind "$2" /tmp; } && shift 2 && exec "$@"' "$ns" "$hosts" "$tmp" "$@"
+}
+
+# slurm_cmd I command...: command on host I, in the cluster's environment (a subshell).
+slurm_cmd() ( cluster_env; in_host "$@" )
+
+# slurm_alive: slurmctld answers and no node is down.
+slurm_alive() {
+  local states
+  states=$(timeout 10 bash "$SELF" exec 0 sinfo -h -N -o %T 2>/dev/null) || return 1
+  [ -n "$states" ] && ! grep -qvE '^(idle|allocated|mixed|completing)$' <<<"$states"
+}
+
+# slurm_up H SLOTS: munged, slurmctld on host 0, a slurmd on every host; waits for every node idle.
+slurm_up() {
+  local hosts=$1 cpus=$2 s=$STATE/slurm i ns
+  mkdir -p "$s/munge" "$s/ctld" && chmod 700 "$s/munge" || return 1
+  head -c 1024 /dev/urandom >"$s/munge/munge.key" && chmod 400 "$s/munge/munge.key" || return 1
+  # munged in the bridge's namespace (where `down` ends it), reached through its socket file.
+  ip netns exec "$BR" munged --force --socket="$s/munge/socket" --key-file="$s/munge/munge.key" \
+    --pid-file="$s/munge/munged.pid" --log-file="$s/munge/munged.log" --seed-file="$s/munge/seed" ||
+    { echo "cluster.sh: munged did not start:" >&2; tail -5 "$s/munge/munged.log" >&2; return 1; }
+  local cluster=${NAME,,}
+  cluster=${cluster//[^a-z0-9_]/_}
+  cat >"$s/slurm.conf" <<EOF
+# Made by scripts/cluster.sh up --slurm for cluster '$NAME'; removed by cluster.sh down.
+ClusterName=$cluster
+SlurmctldHost=$(host_ns 0)($SUBNET.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$s/munge/socket
+StateSaveLocation=$s/ctld
+SlurmctldPidFile=$s/ctld/slurmctld.pid
+SlurmctldLogFile=$s/ctld/slurmctld.log
+SlurmdSpoolDir=$s/%n/spool
+SlurmdPidFile=$s/%n/slurmd.pid
+SlurmdLogFile=$s/%n/slurmd.log
+SlurmdParameters=config_overrides
+TmpFS=/tmp
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+SwitchType=switch/none
+# Short timeouts, so that a lost node is seen within seconds (defaults: 300, 120, 10, 30).
+SlurmdTimeout=10
+SlurmctldTimeout=10
+MessageTimeout=5
+KillWait=5
+InactiveLimit=0
+ReturnToService=2
+MinJobAge=600
+NodeName=$(host_ns 0) NodeAddr=$SUBNET.1 CPUs=$cpus State=UNKNOWN
+EOF
+  for ((i = 1; i < hosts; i++)); do
+    echo "NodeName=$(host_ns "$i") NodeAddr=$SUBNET.$((i + 1)) CPUs=$cpus State=UNKNOWN" >>"$s/slurm.conf"
+  done
+  echo "PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$s/slurm.conf"
+  # Every host sees the same /etc/hosts (every host's name and address) and a /tmp of its own.
+  { printf '127.0.0.1\tlocalhost\n'; for ((i = 0; i < hosts; i++)); do printf '%s\t%s\n' "$SUBNET.$((i + 1))" "$(host_ns "$i")"; done; } >"$s/hosts"
+  for ((i = 0; i < hosts; i++)); do
+    mkdir -p "$s/h$i/tmp" "$s/h$i/spool" && chmod 1777 "$s/h$i/tmp" || return 1
+    ln -sfn "h$i" "$s/$(host_ns "$i")"   # %n in slurm.conf is the node name
+  done
+  ( cluster_env; in_host 0 slurmctld -i ) ||
+    { echo "cluster.sh: slurmctld did not start:" >&2; tail -5 "$s/ctld/slurmctld.log" >&2; return 1; }
+  for ((i = 0; i < hosts; i++)); do
+    ( cluster_env; in_host "$i" slurmd -N "$(host_ns "$i")" ) ||
+      { echo "cluster.sh: slurmd on $(host_ns "$i") did not start:" >&2; tail -5 "$s/h$i/slurmd.log" >&2; return 1; }
+  done
+  local idle=0
+  for _ in $(seq 60); do
+    idle=$(slurm_cmd 0 sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)
+    [ "$idle" -eq "$hosts" ] && return 0
+    sleep 0.5
+  done
+  echo "cluster.sh: $idle of $hosts Slurm nodes idle after 30 s:" >&2
+  slurm_cmd 0 sinfo -N -l >&2
+  tail -3 "$s/ctld/slurmctld.log" "$s"/h*/slurmd.log >&2
+  return 1
+}
+
+cmd_exec() {
+  [ $# -ge 2 ] || die "exec: expected HOST command... (e.g. exec $(host_ns 0) sinfo)" 2
+  [ -f "$STATE/hostfile" ] || die "exec: cluster '$NAME' is not up; start it with: $0 up --slurm H"
+  need_namespaces exec
+  local i
+  i=$(host_index "$1") || die "exec: '$1' is not a host of cluster '$NAME' ($(host_ns 0), h0, 0 or $SUBNET.1, ...)" 2
+  shift
+  cluster_env
+  in_host "$i" "$@"
+}
+
 cmd_status() {
   if [ ! -f "$STATE/config" ]; then echo "cluster '$NAME' is not up"; return 0; fi
   echo "cluster '$NAME': $(cat "$STATE/config")"
@@ -261,6 +446,7 @@ shift
 case $command in
   up) cmd_up "$@" ;;
   run) cmd_run "$@" ;;
+  exec) cmd_exec "$@" ;;
   down) cmd_down ;;
   status) cmd_status ;;
   agent) cmd_agent "$@" ;;

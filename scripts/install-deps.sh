@@ -6,7 +6,11 @@
 # Usage: bash scripts/install-deps.sh [extra-package...]
 # Extra packages (scripts/run-main.sh and scripts/test.sh ask for gnuplot-nox, which draws the
 # loss plot) come without their recommended packages: gnuplot-nox's would bring ImageMagick and
-# Ghostscript.
+# Ghostscript. scripts/test.sh (stage deps) also asks for slurmctld slurmd slurm-client munge,
+# for the Slurm cluster of stage multihost (scripts/cluster.sh up --slurm): their dependencies
+# (slurm-wlm-basic-plugins, with the pmix plugin) are enough, and Slurm's PMIx plugin finds
+# libpmix through libopenmpi-dev's libpmix-dev. On a machine with systemd, installing them
+# enables Debian's munge, slurmd and slurmctld services, which cluster.sh does not use.
 set -euo pipefail
 
 base=(

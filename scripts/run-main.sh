@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job, from a fresh Debian machine: installs what is missing, configures (Release),
-# builds the train example, and runs it under mpiexec with 4 ranks: data-parallel training of
-# Flux's DistributedUtils example (Dense(1=>256, tanh), Dense(256=>1) on y = x^3, Adam, 100
-# epochs), ending with where the loss CSV and its plot (a PNG, drawn by gnuplot) went. Extra
-# arguments go to train (see docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
+# builds the train example (and hello_world, for docs/multi-node.md), and runs train under
+# mpiexec with 4 ranks: data-parallel training of Flux's DistributedUtils example
+# (Dense(1=>256, tanh), Dense(256=>1) on y = x^3, Adam, 100 epochs), ending with where the loss
+# CSV and its plot (a PNG, drawn by gnuplot) went. Extra arguments go to train (see
+# docs/examples.md), e.g. `bash scripts/run-main.sh --epochs 20`.
 #
 # Usage: bash scripts/run-main.sh [train flags...]
 # Environment: LOCKSTEP_BUILD_DIR (default build), LOCKSTEP_JOBS (default nproc).
@@ -20,8 +21,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # gnuplot-nox: train --log CSV draws the loss curve into CSV.png with it.
 bash scripts/install-deps.sh gnuplot-nox
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
-# Only what the main job runs (the library and the example); scripts/test.sh builds the rest.
-cmake --build "$BUILD_DIR" --parallel "$JOBS" --target train
+# Only what the main job runs (the library and the example), and hello_world, the first program
+# docs/multi-node.md runs across (simulated) machines; scripts/test.sh builds the rest.
+cmake --build "$BUILD_DIR" --parallel "$JOBS" --target train hello_world
 
 # The main program: 4 ranks (more than CI's 2 cores, hence --oversubscribe), each printing
 # nothing but rank 0, which prints one line per epoch and a summary.

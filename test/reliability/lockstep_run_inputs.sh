@@ -6,7 +6,11 @@
 #     aside;
 #  2. hostfile lines with slots= and max_slots= in either order give the slots= count (with
 #     max_slots before slots= the host had 1 slot, silently: the job ran on fewer ranks than the
-#     hostfile holds); a word that is neither is refused (exit 2).
+#     hostfile holds); a word that is neither is refused (exit 2);
+#  3. inside a Slurm allocation without -H or --hostfile (issue 46): the hosts and rank count
+#     come from SLURM_JOB_NODELIST and SLURM_NTASKS_PER_NODE (else SLURM_TASKS_PER_NODE), with a
+#     stand-in scontrol and mpiexec (the real mpiexec would take the variables for an allocation);
+#     -H given wins over them.
 # Called as: lockstep_run_inputs.sh MPIEXEC ANY_BINARY WORKDIR (the binary is not used).
 RUNNER=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../tools" && pwd)/lockstep-run  # before common.sh changes directory
 source "$(dirname "$0")/../examples/common.sh"
@@ -52,4 +56,30 @@ for line in "localhost slots=2 bogus" "localhost slots=2 slots=3" "localhost:2 s
   [ "$rc" -eq 2 ] && grep -q "^lockstep-run: error: --hostfile hosts.txt: .*'$line'" err.txt &&
     pass "hostfile '$line' refused: $(grep -m1 'error:' err.txt)" || fail "hostfile '$line': exit $rc, $(head -c 300 err.txt)"
 done
+# ---- 3. hosts and rank count from Slurm ----------------------------------------------------
+mkdir -p fakebin
+printf '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 1\nprintf "%%s\\n" $FAKE_NODES\n' >fakebin/scontrol
+printf '#!/bin/sh\necho "mpiexec $*"\n' >fakebin/mpiexec
+chmod +x fakebin/scontrol fakebin/mpiexec
+slurm_case() {  # slurm_case WHAT EXPECTED-ARGS ENV... -- lockstep-run args
+  local what=$1 want=$2 envs=()
+  shift 2
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  env PATH="$PWD/fakebin:$PATH" "${envs[@]}" timeout 30 "$RUNNER" --mpiexec "$PWD/fakebin/mpiexec" --max-restarts 0 "$@" -- ./prog.sh >out.txt 2>err.txt
+  local rc=$? got
+  got=$(grep -m1 '^mpiexec ' out.txt | sed 's/ -x .*//')
+  [ "$rc" -eq 0 ] && [ "$got" = "mpiexec $want" ] && pass "Slurm: $what: $got" ||
+    fail "Slurm: $what: exit $rc, '$got' (wanted 'mpiexec $want'); $(head -c 300 err.txt)"
+}
+slurm_case "--ntasks-per-node=2 on 2 nodes" "-H node1:2,node2:2 --map-by slot -n 4" \
+  FAKE_NODES="node1 node2" SLURM_JOB_ID=7 SLURM_JOB_NODELIST='node[1-2]' SLURM_NTASKS_PER_NODE=2 SLURM_TASKS_PER_NODE='2(x2)' --
+grep -q 'hosts from Slurm job 7 (SLURM_JOB_NODELIST=node\[1-2\]): node1:2,node2:2' err.txt &&
+  pass "Slurm: the hosts said" || fail "Slurm: the hosts not said: $(head -c 300 err.txt)"
+slurm_case "uneven SLURM_TASKS_PER_NODE" "-H a:2,b:2,c:1 --map-by slot -n 5" \
+  FAKE_NODES="a b c" SLURM_JOB_NODELIST='a,b,c' SLURM_TASKS_PER_NODE='2(x2),1' --
+slurm_case "-n 3 of 4 slots" "-H node1:2,node2:2 --map-by slot -n 3" \
+  FAKE_NODES="node1 node2" SLURM_JOB_NODELIST='node[1-2]' SLURM_NTASKS_PER_NODE=2 -- -n 3
+slurm_case "-H wins" "-H localhost:1 --map-by slot -n 1" \
+  FAKE_NODES="node1 node2" SLURM_JOB_NODELIST='node[1-2]' SLURM_NTASKS_PER_NODE=2 -- -H localhost:1
 finish
