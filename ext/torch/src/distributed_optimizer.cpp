@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -46,7 +48,8 @@ void check_same_structure_for_reduction(Backend& backend, const std::vector<OptP
                                   options.shard_optimizer_state ? "true" : "false", ", wire_dtype ",
                                   options.wire_dtype ? name(*options.wire_dtype) : "none", ", deterministic ",
                                   options.deterministic ? "true" : "false", ", deterministic_threads ",
-                                  options.deterministic ? topts.deterministic_threads : 0);
+                                  options.deterministic ? topts.deterministic_threads : 0, ", max_grad_norm ",
+                                  topts.max_grad_norm ? *topts.max_grad_norm : 0.0);
   auto desc = [](const OptParam& p) { return param_desc(p); };
   std::string sig = concat("lockstep::torch ", opts, ";");
   for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
@@ -135,6 +138,23 @@ struct DistributedOptimizer::Impl {
   std::int64_t micro_batches = 0;
   std::size_t det_unused = 0;
   std::unique_ptr<DeterministicSettings> det_settings;
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // max_grad_norm: the last step's
+
+  // TorchOptions::max_grad_norm: the reduced gradients (the same bits on every rank) clipped by
+  // their global 2-norm. The sum of squares runs in one fixed order, in f64, on this thread: the
+  // same value on every rank and at any rank count, with no collective.
+  void clip_gradients() {
+    double sq = 0;
+    for (const auto& t : slots) {
+      const float* g = t.data_ptr<float>();
+      for (std::int64_t i = 0, e = t.numel(); i < e; ++i) sq += static_cast<double>(g[i]) * g[i];
+    }
+    grad_norm = std::sqrt(sq);
+    const double coef = *topts.max_grad_norm / (grad_norm + 1e-6);
+    if (!(coef < 1.0)) return;
+    ::torch::NoGradGuard no_grad;
+    for (auto& t : slots) t.mul_(static_cast<float>(coef));
+  }
 
   // shard_optimizer_state: the rank that steps each parameter, and the broadcasts that send the
   // owners' updated parameters to every rank (a bucket of small parameters of one owner packed
@@ -402,11 +422,17 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
                          "lockstep::torch::DistributedOptimizer: wire_dtype ",
                          options.wire_dtype ? name(*options.wire_dtype) : "", " compresses Float (f32) gradients; "
                          "parameter '", p.name, "' is ", describe(p.p));
+      LOCKSTEP_CHECK_ARG(!topts.max_grad_norm || p.p.scalar_type() == c10::kFloat,
+                         "lockstep::torch::DistributedOptimizer: max_grad_norm clips Float (f32) gradients; parameter '",
+                         p.name, "' is ", describe(p.p));
       LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || p.p.is_contiguous(),
                          "lockstep::torch::DistributedOptimizer: shard_optimizer_state broadcasts each owner's "
                          "parameters in place; parameter '", p.name, "' (", describe(p.p), ") is not contiguous");
       m.params.push_back(std::move(p));
     }
+    LOCKSTEP_CHECK_ARG(!topts.max_grad_norm || *topts.max_grad_norm > 0,
+                       "lockstep::torch::DistributedOptimizer: max_grad_norm must be positive, got ",
+                       topts.max_grad_norm ? *topts.max_grad_norm : 0.0);
     LOCKSTEP_CHECK_ARG(!options.wire_dtype || *options.wire_dtype == DType::bf16 || *options.wire_dtype == DType::f16,
                        "lockstep::torch::DistributedOptimizer: wire_dtype must be bf16 or f16 (a 16-bit float), got ",
                        options.wire_dtype ? name(*options.wire_dtype) : "none");
@@ -698,6 +724,7 @@ bool DistributedOptimizer::Impl::finish_step() {
       return false;
     }
   }
+  if (m.topts.max_grad_norm) m.clip_gradients();
   if (m.sharded)
     m.sharded_step();
   else
@@ -734,6 +761,7 @@ void DistributedOptimizer::accumulate() {
 }
 std::int64_t DistributedOptimizer::accumulated() const noexcept { return impl_->micro_batches; }
 bool DistributedOptimizer::deterministic() const noexcept { return impl_->options.deterministic; }
+double DistributedOptimizer::last_grad_norm() const noexcept { return impl_->grad_norm; }
 bool DistributedOptimizer::sharded() const noexcept { return impl_->sharded; }
 const std::vector<int>& DistributedOptimizer::owners() const noexcept { return impl_->owners; }
 std::int64_t DistributedOptimizer::owned_bytes() const noexcept { return impl_->owned_bytes; }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,12 +80,13 @@ std::vector<int> mine_of(int M, int rank, int size) {
 // Trains `steps` Adam steps in deterministic mode over backend b; in step s this rank computes
 // the micro-batches `order` (its own block, or all of them in one process). With `last_by_step`
 // the last micro-batch is left to step() (zero_grad, backward, step) instead of accumulate().
+// With max_grad_norm, *norm receives the last step's global norm.
 Mlp train(ls::Backend& b, const std::vector<int>& order, int steps, bool last_by_step = false,
-          ls::DistributedOptions o = {}) {
+          std::optional<double> max_grad_norm = std::nullopt, double* norm = nullptr) {
   Mlp net = fresh_model();
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
-  o.deterministic = true;
-  lt::DistributedOptimizer opt(b, adam, o, lt::TorchOptions{.names_from = net.get()});
+  lt::DistributedOptimizer opt(b, adam, {.deterministic = true},
+                               lt::TorchOptions{.names_from = net.get(), .max_grad_norm = max_grad_norm});
   for (int s = 0; s < steps; ++s) {
     opt.zero_grad();
     for (std::size_t k = 0; k < order.size(); ++k) {
@@ -94,6 +96,7 @@ Mlp train(ls::Backend& b, const std::vector<int>& order, int steps, bool last_by
     }
     opt.step();
   }
+  if (norm != nullptr) *norm = opt.last_grad_norm();
   return net;
 }
 
@@ -276,4 +279,32 @@ TEST_CASE("model_hash: ls::model_hash of the parameters by name; one changed bit
     w[0] = std::nextafter(w[0], 1e9f);
   }
   CHECK(lt::model_hash(*net) != h);
+}
+
+TEST_CASE("deterministic: clipping by the global norm (max_grad_norm) gives the same bits at any rank count",
+          "[torch][mpi][deterministic]") {
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank(), n = b.size();
+  ls::MPIBackend self(MPI_COMM_SELF);
+  const int M = 5;
+  std::vector<int> all;
+  for (int m = 0; m < M; ++m) all.push_back(m);
+  double norm_n = 0, norm_1 = 0, norm_free = 0;
+  Mlp got = train(b, mine_of(M, rank, n), 2, false, 0.05, &norm_n);
+  Mlp one = train(self, all, 2, false, 0.05, &norm_1);
+  Mlp free = train(self, all, 2, false, 1e9, &norm_free);  // a bound never reached: no clipping
+  INFO("norms " << norm_n << " " << norm_1 << " " << norm_free);
+  CHECK(all_ranks(same_bits(*got, *one) && norm_n == norm_1));
+  CHECK(norm_1 > 0.05);          // it clipped
+  CHECK(!same_bits(*one, *free));  // and clipping changed the model
+  // The gradients the optimizer stepped with were clipped to the bound.
+  double sq = 0;
+  for (const auto& p : got->parameters()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+  CHECK(std::sqrt(sq) <= 0.05 * (1 + 1e-5));
+  // Bad bound: refused on every rank.
+  Mlp net = fresh_model();
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  const std::string e = error_of<ls::InvalidArgument>(
+      [&] { lt::DistributedOptimizer opt(b, sgd, {.deterministic = true}, {.max_grad_norm = -1.0}); });
+  CHECK(all_ranks(mentions(e, "max_grad_norm must be positive")));
 }

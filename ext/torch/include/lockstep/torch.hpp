@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <string>
 #include <vector>
@@ -95,6 +96,13 @@ struct TorchOptions {
   /// rank, whatever the rank count, because a parallel reduction inside an operator may split its
   /// sum by thread: runs compared bit for bit must use the same value (the ranks must agree).
   int deterministic_threads = 1;
+  /// Gradient clipping by the global norm (torch::nn::utils::clip_grad_norm_ with norm 2): after
+  /// the reduction, before the wrapped optimizer's step, if the 2-norm of all reduced gradients
+  /// together exceeds this, every gradient is multiplied by max_grad_norm / (norm + 1e-6). The
+  /// reduced gradients are the same bits on every rank, so the norm is computed from them locally,
+  /// in one fixed order (optimizer order, element order, in f64, no threads): the same value on
+  /// every rank and, in deterministic mode, at any rank count. No extra collective. Unset: none.
+  std::optional<double> max_grad_norm = std::nullopt;
 };
 
 /// Wraps a torch::optim optimizer (held by reference; it must outlive this) so that gradients
@@ -178,6 +186,9 @@ class DistributedOptimizer {
   void accumulate();
   /// Micro-batches this rank accumulated since the last step (deterministic mode).
   std::int64_t accumulated() const noexcept;
+  /// TorchOptions::max_grad_norm: the global 2-norm of the last step's reduced gradients, before
+  /// clipping (the same on every rank); NaN before the first step or without max_grad_norm.
+  double last_grad_norm() const noexcept;
   bool deterministic() const noexcept;
 
   ::torch::optim::Optimizer& optimizer() const noexcept;
