@@ -16,6 +16,14 @@ if(TARGET lockstep_torch)
   target_link_libraries(test_torch_sync_batchnorm PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch_sync_batchnorm RANKS 1 2 3 4 LABELS torch
     TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  # Deterministic mode (DistributedOptions::deterministic): N ranks on uneven blocks of
+  # micro-batches (some none) equal one process bit for bit, in any order; accumulation_steps,
+  # skip_non_finite, unused parameters; LibTorch's settings held and restored; every refusal on
+  # every rank (sharded, the 16-bit wire, f64, SyncBatchNorm); lt::model_hash.
+  lockstep_test_executable(test_torch_deterministic ${PROJECT_SOURCE_DIR}/ext/torch/test/deterministic_test.cpp)
+  target_link_libraries(test_torch_deterministic PRIVATE lockstep::torch)
+  lockstep_add_mpi_test(NAME torch_deterministic TARGET test_torch_deterministic RANKS 1 2 3 4 LABELS torch
+    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # shard_optimizer_state (ZeroRedundancyOptimizer) and wire_dtype for torch optimizers: the
   # sharded form equals the replicated one, 1/N of the state per rank, the same checkpoint file,
   # read at any N (written at 2, read at 1 and 3); the 16-bit wire rounds and trains close to f32.
@@ -35,8 +43,14 @@ if(TARGET lockstep_torch)
     # torch_digits_bn: a CNN with convert_sync_batchnorm, the same test loss at -n 1, 2 and 4.
     lockstep_add_example_test(NAME torch_digits_bn_scale SCRIPT torch_digits_bn_scale.sh TARGET torch_digits_bn
                               RANKS 4 TIMEOUT 240)
-    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale APPEND PROPERTY LABELS torch)
-    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale APPEND PROPERTY ENVIRONMENT
+    # --deterministic: one model hash at -n 1, 2 and 4 and after a stop at 4 resumed at 2; without
+    # it -n 1 and -n 4 differ.
+    lockstep_add_example_test(NAME torch_digits_deterministic SCRIPT torch_digits_deterministic.sh
+                              TARGET torch_digits RANKS 4 TIMEOUT 300)
+    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
+                 APPEND PROPERTY LABELS torch)
+    set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
+                 APPEND PROPERTY ENVIRONMENT
                  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   endif()
 endif()

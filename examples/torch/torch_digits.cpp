@@ -11,6 +11,13 @@
 // set; the correct counts are summed across ranks, so the accuracy printed by rank 0 is over the
 // whole test set.
 //
+// With --deterministic every global batch is cut into micro-batches of --micro-batch rows (10 by
+// default), dealt to the ranks by global index (ls::micro_batches_of: a contiguous block each,
+// some ranks one more, maybe none); each micro-batch's gradient is computed alone and handed to
+// opt.accumulate(), and opt.step() sums every micro-batch of every rank exactly
+// (DistributedOptions::deterministic), so -n 1, 2, 3 and 4 train the same model bit for bit.
+// Every run ends with the line `model hash crc32c:XXXXXXXX` (lt::model_hash of the parameters).
+//
 // The epoch count lives in the model, as an int64 buffer "epochs_done": lt::save_checkpoint
 // writes it with the parameters and Adam's state in one atomic file, so a checkpoint can never
 // hold the weights of one epoch and the epoch number of another.
@@ -20,6 +27,8 @@
 //   # stop and resume: 5 epochs, then continue to 20 from the checkpoint
 //   mpiexec -n 2 --oversubscribe build/examples/torch/torch_digits --epochs 5 --checkpoint ck.safetensors
 //   mpiexec -n 2 --oversubscribe build/examples/torch/torch_digits --epochs 20 --checkpoint ck.safetensors --resume
+//   # deterministic: the same last line (model hash) at -n 1, 2, 3 and 4
+//   mpiexec -n 3 --oversubscribe build/examples/torch/torch_digits --epochs 2 --deterministic
 // `torch_digits --help` lists every flag; docs/torch.md describes the output and the checkpoint.
 #include <torch/torch.h>
 #include <zlib.h>
@@ -58,13 +67,17 @@ struct Options {
   std::string data = kDefaultData;
   std::string checkpoint;
   bool resume = false;
+  bool deterministic = false;
+  std::int64_t micro_batch = 10;  // with --deterministic: 60 / 10 = 6 micro-batches per global batch
 };
 
 /// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
 void add_flags(CLI::App& app, Options& o, int ranks) {
   namespace cli = lockstep_cli;
   app.add_option("--epochs", o.epochs, "epochs to train in total")->type_name("E")->check(cli::at_least(0));
-  app.add_option("--batch", o.batch, "global batch size, split across ranks; a multiple of N")->type_name("B")
+  app.add_option("--batch", o.batch,
+                 "global batch size, split across ranks; a multiple of N (with --deterministic: of --micro-batch)")
+      ->type_name("B")
       ->check(cli::at_least(1));
   app.add_option("--lr", o.lr, "Adam learning rate")->type_name("LR")->check(cli::positive());
   app.add_option("--seed", o.seed, "seed of the initial weights and the per-epoch shuffles")->type_name("SEED")
@@ -73,9 +86,21 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   app.add_option("--data", o.data, "digits.csv.gz (default: python3-sklearn's copy)")->type_name("PATH");
   app.add_option("--checkpoint", o.checkpoint, "write a checkpoint there after every epoch")->type_name("PATH");
   app.add_flag("--resume", o.resume, "continue from --checkpoint PATH after its last epoch");
+  app.add_flag("--deterministic", o.deterministic,
+               "the same model bit for bit at any rank count (micro-batches by global index, exact sums)");
+  auto* micro = app.add_option("--micro-batch", o.micro_batch,
+                               "with --deterministic: rows per micro-batch (--batch a multiple of it)")
+                    ->type_name("M")
+                    ->check(cli::at_least(1));
   // Checks across flags, after all of them are read.
-  app.callback([&o, ranks] {
-    if (o.batch % ranks != 0)
+  app.callback([&o, ranks, micro] {
+    if (!o.deterministic && micro->count() > 0) throw cli::refused("--micro-batch", "needs --deterministic");
+    // Deterministic: ranks take whole micro-batches, any number each, so only the micro-batch
+    // size must divide the global batch.
+    if (o.deterministic && o.batch % o.micro_batch != 0)
+      throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of --micro-batch " +
+                                        std::to_string(o.micro_batch) + " (a global batch is made of whole micro-batches)");
+    if (!o.deterministic && o.batch % ranks != 0)
       throw cli::refused("--batch", std::to_string(o.batch) + " is not a multiple of the " + std::to_string(ranks) +
                                         " ranks (the global batch is split evenly)");
     if (o.resume && o.checkpoint.empty()) throw cli::refused("--resume", "needs --checkpoint PATH");
@@ -164,16 +189,29 @@ int run(const Options& o, ls::Backend& backend) {
       std::printf("resumed from %s after epoch %lld\n", o.checkpoint.c_str(),
                   static_cast<long long>(net->epochs_done.item<std::int64_t>()));
   }
-  lt::DistributedOptimizer opt(backend, adam, ls::DistributedOptions{}, lt::TorchOptions{.names_from = net.get()});
+  // Deterministic: the optimizer also sets LibTorch's intra-op threads to --threads (the same in
+  // every run compared) and its deterministic algorithms.
+  lt::DistributedOptimizer opt(backend, adam, ls::DistributedOptions{.deterministic = o.deterministic},
+                               lt::TorchOptions{.names_from = net.get(), .deterministic_threads = o.threads});
 
   const std::int64_t share = o.batch / ranks;
   const std::int64_t batches = train_rows / o.batch;  // the last partial batch is dropped
-  if (root)
+  if (root && o.deterministic)
+    std::printf("training Linear(64=>128), ReLU, Linear(128=>10) on %lld digits (%lld held out): %d ranks, "
+                "global batch %lld (%lld micro-batches of %lld, deterministic), Adam lr %g, %lld epochs\n",
+                static_cast<long long>(train_rows), static_cast<long long>(kTestRows), ranks,
+                static_cast<long long>(o.batch), static_cast<long long>(o.batch / o.micro_batch),
+                static_cast<long long>(o.micro_batch), o.lr, static_cast<long long>(o.epochs));
+  else if (root)
     std::printf("training Linear(64=>128), ReLU, Linear(128=>10) on %lld digits (%lld held out): %d ranks, "
                 "global batch %lld (%lld per rank), Adam lr %g, %lld epochs\n",
                 static_cast<long long>(train_rows), static_cast<long long>(kTestRows), ranks,
                 static_cast<long long>(o.batch), static_cast<long long>(share), o.lr,
                 static_cast<long long>(o.epochs));
+  // Deterministic: this rank's block of each global batch's micro-batches (the same deal for every
+  // batch); which rows micro-batch m holds depends on the seed, the epoch and m only.
+  const ls::MicroBatches mine =
+      o.deterministic ? ls::micro_batches_of(o.batch, o.micro_batch, rank, ranks) : ls::MicroBatches{};
 
   const auto t_start = std::chrono::steady_clock::now();
   std::int64_t epoch = net->epochs_done.item<std::int64_t>();
@@ -184,7 +222,22 @@ int run(const Options& o, ls::Backend& backend) {
     net->train();
     const auto order = permutation(train_rows, o.seed * 1000003u + static_cast<std::uint64_t>(epoch));
     double loss_sum = 0;  // this rank's summed cross-entropy
-    for (std::int64_t b = 0; b < batches; ++b) {
+    for (std::int64_t b = 0; b < batches && o.deterministic; ++b) {
+      // Each micro-batch's gradient alone (the mean over its rows: accumulate() zeroes the
+      // gradients after taking them), then the collective step: the exact sum over every rank's
+      // micro-batches divided by their count, the mean over the global batch, then Adam.
+      opt.zero_grad();
+      for (std::int64_t m : mine) {
+        const auto idx = index_tensor(order.data() + b * o.batch + m * o.micro_batch, o.micro_batch);
+        const auto x = train.x.index_select(0, idx), y = train.y.index_select(0, idx);
+        auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+        loss.backward();
+        opt.accumulate();
+        loss_sum += loss.item<double>() * static_cast<double>(o.micro_batch);
+      }
+      opt.step();  // also on a rank without micro-batches
+    }
+    for (std::int64_t b = 0; b < batches && !o.deterministic; ++b) {
       const auto idx = index_tensor(order.data() + b * o.batch + rank * share, share);
       const auto x = train.x.index_select(0, idx), y = train.y.index_select(0, idx);
       opt.zero_grad();
@@ -223,6 +276,8 @@ int run(const Options& o, ls::Backend& backend) {
                 static_cast<double>(score.correct) / static_cast<double>(score.total),
                 static_cast<long long>(score.correct), static_cast<long long>(score.total));
     if (!o.checkpoint.empty()) std::printf("checkpoint: %s\n", o.checkpoint.c_str());
+    // The last line: the parameters' bytes in name order, to compare runs bit for bit.
+    std::printf("model hash %s\n", lt::model_hash(*net).c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -1,7 +1,8 @@
 // lockstep::torch::DistributedOptimizer: a LibTorch optimizer whose gradients are reduced across
 // ranks in flat buckets by GradientReducer, filled by autograd hooks as backward produces them;
-// accumulation, unused parameters, skipped steps, and the sharded step (each parameter's state on
-// one rank, the updated parameters broadcast).
+// accumulation, unused parameters, skipped steps, the sharded step (each parameter's state on
+// one rank, the updated parameters broadcast), and deterministic mode (every micro-batch's
+// gradient into the core's exact sum, reduced once per step).
 #include "internal.hpp"
 #include "test_hooks.hpp"
 
@@ -12,6 +13,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -42,7 +46,10 @@ void check_same_structure_for_reduction(Backend& backend, const std::vector<OptP
   const std::string opts = concat("op ", name(options.op), ", accumulation_steps ", options.accumulation_steps,
                                   ", unused_parameters ", unused, ", shard_optimizer_state ",
                                   options.shard_optimizer_state ? "true" : "false", ", wire_dtype ",
-                                  options.wire_dtype ? name(*options.wire_dtype) : "none");
+                                  options.wire_dtype ? name(*options.wire_dtype) : "none", ", deterministic ",
+                                  options.deterministic ? "true" : "false", ", deterministic_threads ",
+                                  options.deterministic ? topts.deterministic_threads : 0, ", max_grad_norm ",
+                                  topts.max_grad_norm ? *topts.max_grad_norm : 0.0);
   auto desc = [](const OptParam& p) { return param_desc(p); };
   std::string sig = concat("lockstep::torch ", opts, ";");
   for (const auto& p : all) sig += concat(p.name, "=", desc(p), ";");
@@ -123,6 +130,31 @@ struct DistributedOptimizer::Impl {
   std::size_t hook_error_param = 0;  // the parameter whose gradient it was taking
   std::string local_bad;     // this rank's first non-finite gradient, before the reduction
   std::int64_t skipped = 0, applied = 0;
+
+  // Deterministic mode: the micro-batches this rank added to the reducer's exact sums in this
+  // step, the first parameter that got no gradient in one of them (n: none), and LibTorch's
+  // settings, held while this object lives.
+  std::vector<Tensor*> slot_ptrs;  // the reducer's tensors (slot_views), for binding
+  std::int64_t micro_batches = 0;
+  std::size_t det_unused = 0;
+  std::unique_ptr<DeterministicSettings> det_settings;
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // max_grad_norm: the last step's
+
+  // TorchOptions::max_grad_norm: the reduced gradients (the same bits on every rank) clipped by
+  // their global 2-norm. The sum of squares runs in one fixed order, in f64, on this thread: the
+  // same value on every rank and at any rank count, with no collective.
+  void clip_gradients() {
+    double sq = 0;
+    for (const auto& t : slots) {
+      const float* g = t.data_ptr<float>();
+      for (std::int64_t i = 0, e = t.numel(); i < e; ++i) sq += static_cast<double>(g[i]) * g[i];
+    }
+    grad_norm = std::sqrt(sq);
+    const double coef = *topts.max_grad_norm / (grad_norm + 1e-6);
+    if (!(coef < 1.0)) return;
+    ::torch::NoGradGuard no_grad;
+    for (auto& t : slots) t.mul_(static_cast<float>(coef));
+  }
 
   // shard_optimizer_state: the rank that steps each parameter, and the broadcasts that send the
   // owners' updated parameters to every rank (a bucket of small parameters of one owner packed
@@ -300,8 +332,53 @@ struct DistributedOptimizer::Impl {
   void start_micro_step() {
     std::fill(reports.begin(), reports.end(), 0);
     std::fill(launched.begin(), launched.end(), 0);
-    launching = micro + 1 >= options.accumulation_steps;
+    // Deterministic mode launches nothing during backward: the exact sum is reduced at step().
+    launching = !options.deterministic && micro + 1 >= options.accumulation_steps;
   }
+
+  // Deterministic mode: the gradients of one micro-batch (what backward produced since the last
+  // zero_grad or accumulate; a parameter without one counts as zero) into the reducer's exact
+  // sums, then zeroed, so that the next micro-batch's gradient is computed alone. Local; a failure
+  // is kept for the step's agreement, like a hook's.
+  void accumulate_micro_batch() {
+    ::torch::NoGradGuard no_grad;
+    const std::size_t n = params.size();
+    for (std::size_t j = 0; j < n; ++j) {
+      try {
+        if (reports[j] > 0) {
+          ensure_slot(j);
+        } else {
+          if (det_unused == n) det_unused = j;
+          slots[j].zero_();
+          params[j].p.mutable_grad() = slots[j];
+        }
+      } catch (...) {
+        keep_error(j);
+      }
+    }
+    try {
+      if (options.skip_non_finite && local_bad.empty())
+        local_bad = detail::describe_non_finite(slot_ptrs, [&] {
+          std::vector<std::string> names;
+          for (const auto& p : params) names.push_back(p.name);
+          return names;
+        });
+      lockstep::detail::ReducerSteps::bind(*reducer, slot_ptrs);
+      lockstep::detail::ReducerSteps::accumulate(*reducer);
+      ++micro_batches;
+    } catch (...) {
+      keep_error(params.size());  // no parameter's: the step's message says accumulate
+    }
+    for (auto& b : buffers) b.zero_();
+    std::fill(reports.begin(), reports.end(), 0);
+  }
+
+  bool pending() const {
+    return std::any_of(reports.begin(), reports.end(), [](int r) { return r > 0; });
+  }
+
+  void check_flags(std::int32_t first_unused);
+  bool finish_step();
 };
 
 DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Optimizer& optimizer,
@@ -345,14 +422,42 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
                          "lockstep::torch::DistributedOptimizer: wire_dtype ",
                          options.wire_dtype ? name(*options.wire_dtype) : "", " compresses Float (f32) gradients; "
                          "parameter '", p.name, "' is ", describe(p.p));
+      LOCKSTEP_CHECK_ARG(!topts.max_grad_norm || p.p.scalar_type() == c10::kFloat,
+                         "lockstep::torch::DistributedOptimizer: max_grad_norm clips Float (f32) gradients; parameter '",
+                         p.name, "' is ", describe(p.p));
       LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || p.p.is_contiguous(),
                          "lockstep::torch::DistributedOptimizer: shard_optimizer_state broadcasts each owner's "
                          "parameters in place; parameter '", p.name, "' (", describe(p.p), ") is not contiguous");
       m.params.push_back(std::move(p));
     }
+    LOCKSTEP_CHECK_ARG(!topts.max_grad_norm || *topts.max_grad_norm > 0,
+                       "lockstep::torch::DistributedOptimizer: max_grad_norm must be positive, got ",
+                       topts.max_grad_norm ? *topts.max_grad_norm : 0.0);
     LOCKSTEP_CHECK_ARG(!options.wire_dtype || *options.wire_dtype == DType::bf16 || *options.wire_dtype == DType::f16,
                        "lockstep::torch::DistributedOptimizer: wire_dtype must be bf16 or f16 (a 16-bit float), got ",
                        options.wire_dtype ? name(*options.wire_dtype) : "none");
+    if (options.deterministic) {
+      // What the exact sum cannot take, refused here on every rank with the torch names (the
+      // core's reducer would refuse some of it too, in its own words).
+      const char* who = "lockstep::torch::DistributedOptimizer: deterministic mode";
+      LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state, who, " does not take shard_optimizer_state (each rank "
+                         "would step its own parameters from its own share; not built yet); turn one of them off");
+      LOCKSTEP_CHECK_ARG(!options.wire_dtype, who, " does not take wire_dtype ",
+                         options.wire_dtype ? name(*options.wire_dtype) : "", " (the exact sum needs the gradients' "
+                         "f32 bits; its integer words are the wire); turn one of them off");
+      LOCKSTEP_CHECK_ARG(topts.deterministic_threads >= 1, who, ": TorchOptions::deterministic_threads must be "
+                         ">= 1, got ", topts.deterministic_threads);
+      for (const auto& p : m.params)
+        LOCKSTEP_CHECK_ARG(p.p.scalar_type() == c10::kFloat, who, " sums Float (f32) gradients exactly; parameter '",
+                           p.name, "' is ", describe(p.p), " (convert the model to float, or freeze it)");
+      if (topts.names_from != nullptr) {
+        const std::string bn = find_sync_batchnorm(*topts.names_from);
+        LOCKSTEP_CHECK_ARG(bn.empty(), who, " does not take lockstep::torch::SyncBatchNorm ('", bn, "'): its "
+                           "statistics are those of the rows the ranks process at the same moment, which depend on "
+                           "the rank count; use BatchNorm (the statistics of each micro-batch, whose size does not) "
+                           "or turn deterministic off");
+      }
+    }
     LOCKSTEP_CHECK_ARG(!options.shard_optimizer_state || kind_of(optimizer) != Kind::other,
                        "lockstep::torch::DistributedOptimizer: shard_optimizer_state needs Adam, AdamW, SGD, RMSprop "
                        "or Adagrad (optimizers known to step only parameters that have a gradient, and whose state "
@@ -410,6 +515,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     names.push_back(m.params[k].name);
   }
   for (auto& v : m.slot_views) ptrs.push_back(&v);
+  m.slot_ptrs = ptrs;
   // Accumulation happens in LibTorch's gradients: the reducer reduces once per cycle (the
   // ranks' accumulation_steps were compared above; the reducer's check covers its options).
   DistributedOptions reducer_options = options;
@@ -423,6 +529,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     for (auto& p : m.params) wrapped().emplace(p.p.unsafeGetTensorImpl(), p.name);
   }
   m.reports.assign(n, 0);
+  m.det_unused = n;
   m.used.assign(n, 0);
   m.launched.assign(n, 0);
   m.start_micro_step();
@@ -433,6 +540,7 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     const std::uintptr_t key = acc->add_post_hook(std::make_unique<Impl::Hook>(&m, k));
     m.hooks.emplace_back(std::move(acc), key);
   }
+  if (options.deterministic) m.det_settings = std::make_unique<DeterministicSettings>(topts.deterministic_threads);
   // Last: nothing after this throws, so the registry never names an optimizer no live wrapper
   // shards.
   m.sharded = options.shard_optimizer_state;
@@ -468,7 +576,10 @@ DistributedOptimizer::~DistributedOptimizer() {
 
 void DistributedOptimizer::zero_grad() {
   auto& m = *impl_;
-  if (m.micro > 0) return;  // inside an accumulation cycle: the gradients add up
+  // Inside an accumulation cycle the gradients add up; in deterministic mode they are already in
+  // the exact sums (step() and accumulate() took them), so zeroing only starts a micro-batch.
+  if (m.micro > 0 && !m.options.deterministic) return;
+  if (m.options.deterministic) std::fill(m.reports.begin(), m.reports.end(), 0);  // nothing pending
   ::torch::NoGradGuard no_grad;
   for (auto& b : m.buffers) b.zero_();
   for (std::size_t j = 0; j < m.params.size(); ++j) {
@@ -482,7 +593,12 @@ bool DistributedOptimizer::step(std::source_location loc) {
   auto& m = *impl_;
   const std::size_t n = m.params.size();
   ++m.micro;
-  if (m.micro < m.options.accumulation_steps) {
+  if (m.options.deterministic) {
+    // A gradient backward left since the last accumulate() is this rank's last micro-batch (the
+    // one-micro-batch loop zero_grad, backward, step works unchanged); none: nothing is added.
+    if (m.pending()) m.accumulate_micro_batch();
+    if (m.micro < m.options.accumulation_steps) return false;  // local: the cycle goes on
+  } else if (m.micro < m.options.accumulation_steps) {
     // No collective here: a failure is kept, and every rank learns of it at the cycle's end.
     for (std::size_t j = 0; j < n; ++j) {
       try {
@@ -506,9 +622,24 @@ bool DistributedOptimizer::step(std::source_location loc) {
       m.twice.clear();
       m.local_bad.clear();
       m.hook_error = nullptr;
+      m.micro_batches = 0;
+      m.det_unused = m.params.size();
       m.start_micro_step();
     }
   } reset{m};
+  if (m.options.deterministic) {
+    // Every rank's micro-batches, summed exactly and divided by their total count (avg): the same
+    // bits on every rank at any rank count. Collective whatever this rank saw, so that a rank
+    // that failed still makes the same calls; the flags below then tell every rank.
+    const auto& reduced = lockstep::detail::ReducerSteps::reduce_accumulated(*m.reducer);
+    for (std::size_t j = 0; j < n; ++j) {
+      at::Tensor& g = m.params[j].p.mutable_grad();
+      if (!holds(g, m.slots[j])) g = m.slots[j];
+      std::memcpy(m.slots[j].data_ptr(), reduced[j]->raw_data(), reduced[j]->nbytes());
+    }
+    m.check_flags(static_cast<std::int32_t>(m.det_unused));
+    return m.finish_step();
+  }
   std::int32_t first_unused = static_cast<std::int32_t>(n);
   {
     ::torch::NoGradGuard no_grad;
@@ -528,9 +659,17 @@ bool DistributedOptimizer::step(std::source_location loc) {
     }
   }
   m.reducer->reduce();
-  // Every rank learns whether any rank failed before (a gradient hook, a gradient that could not
-  // be taken), had a parameter without gradient or one reported twice (one allreduce of three
-  // integers), and every rank throws the same error.
+  m.check_flags(first_unused);
+  return m.finish_step();
+}
+
+// Every rank learns whether any rank failed before (a gradient hook, a gradient that could not
+// be taken, a micro-batch that could not be accumulated), had a parameter without gradient
+// (first_unused < n) or one reported twice (one allreduce of three integers), and every rank
+// throws the same error.
+void DistributedOptimizer::Impl::check_flags(std::int32_t first_unused) {
+  auto& m = *this;
+  const std::size_t n = m.params.size();
   std::int32_t flags[3] = {first_unused, m.twice.empty() ? 0 : -1, m.hook_error ? -1 : 0};
   if (m.topts.unused_parameters == UnusedParameters::zero) flags[0] = static_cast<std::int32_t>(n);
   m.backend->allreduce(TensorView{flags, 3, DType::i32, Device::cpu()}, ReduceOp::min);
@@ -540,8 +679,11 @@ bool DistributedOptimizer::step(std::source_location loc) {
     detail::Verdict mine;
     if (m.hook_error) {
       mine = detail::verdict_of([&] { std::rethrow_exception(m.hook_error); });
-      mine.message = concat("lockstep::torch::DistributedOptimizer: taking the gradient of '",
-                            m.params[m.hook_error_param].name, "' failed: ", mine.message);
+      mine.message = m.hook_error_param < n
+                         ? concat("lockstep::torch::DistributedOptimizer: taking the gradient of '",
+                                  m.params[m.hook_error_param].name, "' failed: ", mine.message)
+                         : concat("lockstep::torch::DistributedOptimizer: accumulating a micro-batch failed: ",
+                                  mine.message);
     }
     detail::agree(*m.backend, "lockstep::torch::DistributedOptimizer::step", 0, mine, 0,
                   "the step was not taken on any rank");
@@ -556,12 +698,20 @@ bool DistributedOptimizer::step(std::source_location loc) {
   if (flags[0] < static_cast<std::int32_t>(n))
     throw InvalidArgument(concat(
         "lockstep::torch::DistributedOptimizer::step: parameter '", m.params[static_cast<std::size_t>(flags[0])].name,
-        "' got no gradient in this step on at least one rank", first_unused == flags[0] ? " (this one)" : "",
+        "' got no gradient in this step", m.options.deterministic ? " (in one of its micro-batches)" : "",
+        " on at least one rank", first_unused == flags[0] ? " (this one)" : "",
         " (a branch the forward pass did not take?); the step was not taken on any rank. Pass "
         "TorchOptions{.unused_parameters = lockstep::torch::UnusedParameters::zero} to count such "
         "gradients as zero"));
+}
+
+// After the reduction, on every rank alike: the division of an accumulation cycle, the skip of a
+// non-finite step, the inner step (sharded or not), the replicas' check.
+bool DistributedOptimizer::Impl::finish_step() {
+  auto& m = *this;
   ::torch::NoGradGuard no_grad;
-  if (m.options.accumulation_steps > 1 && m.options.op == ReduceOp::avg)
+  // Deterministic mode's exact sum was divided by the total number of micro-batches already.
+  if (!m.options.deterministic && m.options.accumulation_steps > 1 && m.options.op == ReduceOp::avg)
     for (auto& b : m.buffers) b.div_(static_cast<double>(m.options.accumulation_steps));
   if (m.options.skip_non_finite) {
     std::vector<Tensor*> all;
@@ -574,6 +724,7 @@ bool DistributedOptimizer::step(std::source_location loc) {
       return false;
     }
   }
+  if (m.topts.max_grad_norm) m.clip_gradients();
   if (m.sharded)
     m.sharded_step();
   else
@@ -594,11 +745,23 @@ bool DistributedOptimizer::step(std::source_location loc) {
   return true;
 }
 
+
 ::torch::optim::Optimizer& DistributedOptimizer::optimizer() const noexcept { return *impl_->optimizer; }
 const GradientReducer& DistributedOptimizer::reducer() const noexcept { return *impl_->reducer; }
 std::int64_t DistributedOptimizer::skipped_steps() const noexcept { return impl_->skipped; }
 std::int64_t DistributedOptimizer::applied_steps() const noexcept { return impl_->applied; }
 std::size_t DistributedOptimizer::buffer_count() const noexcept { return impl_->buffers.size(); }
+
+void DistributedOptimizer::accumulate() {
+  auto& m = *impl_;
+  LOCKSTEP_CHECK_ARG(m.options.deterministic,
+                     "lockstep::torch::DistributedOptimizer::accumulate: only in deterministic mode "
+                     "(DistributedOptions::deterministic); otherwise accumulate with accumulation_steps");
+  m.accumulate_micro_batch();
+}
+std::int64_t DistributedOptimizer::accumulated() const noexcept { return impl_->micro_batches; }
+bool DistributedOptimizer::deterministic() const noexcept { return impl_->options.deterministic; }
+double DistributedOptimizer::last_grad_norm() const noexcept { return impl_->grad_norm; }
 bool DistributedOptimizer::sharded() const noexcept { return impl_->sharded; }
 const std::vector<int>& DistributedOptimizer::owners() const noexcept { return impl_->owners; }
 std::int64_t DistributedOptimizer::owned_bytes() const noexcept { return impl_->owned_bytes; }

@@ -5,6 +5,7 @@
 //   optimizer_state.cpp        an optimizer's state as named tensors; synchronize(optimizer)
 //   checkpoint.cpp             save_checkpoint / load_checkpoint of a module and its optimizer
 //   distributed_optimizer.cpp  DistributedOptimizer (hooks, buckets, the sharded step)
+//   deterministic.cpp          deterministic mode's LibTorch settings and checks; model_hash
 #pragma once
 
 #include <torch/torch.h>
@@ -130,5 +131,24 @@ class PreparedState {
 void drop_unowned_state(::torch::optim::Optimizer& o, const std::vector<OptParam>& ps, const ShardInfo& info,
                         int rank);
 std::vector<std::string> split_lines(const std::string& s);
+
+// --- deterministic.cpp -------------------------------------------------------------------------
+
+// LibTorch's settings of deterministic mode, held while the object lives (one per deterministic
+// DistributedOptimizer): intra-op threads (at::set_num_threads, and OpenBLAS's pool where
+// LibTorch uses OpenBLAS) set to `threads`, deterministic algorithms on. The values from before
+// the first such object are restored when the last one goes.
+class DeterministicSettings {
+ public:
+  explicit DeterministicSettings(int threads);
+  ~DeterministicSettings();
+  DeterministicSettings(const DeterministicSettings&) = delete;
+  DeterministicSettings& operator=(const DeterministicSettings&) = delete;
+};
+// True while some deterministic DistributedOptimizer lives in this process (SyncBatchNorm's
+// training forward then refuses).
+bool deterministic_live();
+// The name of the first lt::SyncBatchNorm inside m (m itself included), or "" if none.
+std::string find_sync_batchnorm(const ::torch::nn::Module& m);
 
 }  // namespace lockstep::torch::internal

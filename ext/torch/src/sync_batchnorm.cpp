@@ -1,5 +1,6 @@
 // lockstep::torch::SyncBatchNorm and convert_sync_batchnorm (see lockstep/torch/sync_batchnorm.hpp).
 #include "lockstep/torch/sync_batchnorm.hpp"
+#include "internal.hpp"
 
 #include <torch/torch.h>
 
@@ -347,6 +348,12 @@ at::Tensor SyncBatchNormImpl<D>::forward(const at::Tensor& input) {
   const std::int64_t c = options.num_features();
   const std::string who = concat("lockstep::torch::SyncBatchNorm", D, "d");
   const std::string expected_dims = D == 1 ? std::string("2D or 3D") : std::to_string(D + 2) + "D";
+  // Deterministic mode (a deterministic DistributedOptimizer lives: the same on every rank, whose
+  // setup agreed on it): the statistics of the rows the ranks hold at the same moment depend on
+  // the rank count, which that mode must not. Refused before any collective, on every rank.
+  LOCKSTEP_CHECK_ARG(!internal::deterministic_live(), who, ": not in deterministic mode (a deterministic "
+                     "lockstep::torch::DistributedOptimizer lives): the global batch's statistics depend on how the "
+                     "ranks split it; use BatchNorm, whose statistics are each micro-batch's");
   const auto dim = input.dim();
   InputVerdict verdict;
   if (!(D == 1 ? (dim == 2 || dim == 3) : dim == static_cast<std::int64_t>(D) + 2))

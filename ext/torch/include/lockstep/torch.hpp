@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <source_location>
 #include <string>
 #include <vector>
@@ -90,6 +91,18 @@ struct TorchOptions {
   /// they are named by position ("param_groups.0.params.3"), and ranks whose optimizers hold
   /// only their trainable parameters, different ones of the same shapes, cannot be told apart.
   const ::torch::nn::Module* names_from = nullptr;
+  /// Deterministic mode (DistributedOptions::deterministic) only: LibTorch's intra-op threads
+  /// (at::set_num_threads, and OpenBLAS's where LibTorch uses it) are set to this count on every
+  /// rank, whatever the rank count, because a parallel reduction inside an operator may split its
+  /// sum by thread: runs compared bit for bit must use the same value (the ranks must agree).
+  int deterministic_threads = 1;
+  /// Gradient clipping by the global norm (torch::nn::utils::clip_grad_norm_ with norm 2): after
+  /// the reduction, before the wrapped optimizer's step, if the 2-norm of all reduced gradients
+  /// together exceeds this, every gradient is multiplied by max_grad_norm / (norm + 1e-6). The
+  /// reduced gradients are the same bits on every rank, so the norm is computed from them locally,
+  /// in one fixed order (optimizer order, element order, in f64, no threads): the same value on
+  /// every rank and, in deterministic mode, at any rank count. No extra collective. Unset: none.
+  std::optional<double> max_grad_norm = std::nullopt;
 };
 
 /// Wraps a torch::optim optimizer (held by reference; it must outlive this) so that gradients
@@ -130,6 +143,22 @@ struct TorchOptions {
 /// writes the same file as without sharding (root gathers the state), load_checkpoint reads any
 /// file at any number of ranks, lt::synchronize(optimizer) refuses a sharded optimizer.
 ///
+/// deterministic (docs/torch.md, "Deterministic training"): the parameters after every step are
+/// the same bits at any rank count. Each micro-batch's gradient is computed alone (zero_grad,
+/// backward) and handed to accumulate(), which adds it into an exact, order-independent sum (the
+/// core's, docs/training.md) and zeroes the gradients; a rank may accumulate any number of
+/// micro-batches, zero included. step() (collective) accumulates a gradient that backward left
+/// since the last accumulate(), sums every micro-batch of every rank exactly, divides by their
+/// total count (ReduceOp::avg), and calls the optimizer's step(). Setup also sets LibTorch's
+/// intra-op threads (TorchOptions::deterministic_threads) and its deterministic algorithms
+/// (at::globalContext().setDeterministicAlgorithms(true, false)) for as long as a deterministic
+/// DistributedOptimizer lives. Refused at setup on every rank (InvalidArgument):
+/// shard_optimizer_state, wire_dtype, a trained parameter that is not f32, a cuda parameter, and
+/// lt::SyncBatchNorm in names_from's module (its statistics are over what the ranks process at
+/// the same moment, which depends on the rank count; a SyncBatchNorm's training forward refuses
+/// too while a deterministic DistributedOptimizer lives). accumulation_steps = k: the first k-1
+/// step() calls only accumulate; skip_non_finite and check_replicas_every work as without it.
+///
 /// Parameters on a cuda device are refused for now (InvalidArgument): Debian's LibTorch is
 /// CPU-only and this adapter has not run on a GPU.
 class DistributedOptimizer {
@@ -149,6 +178,18 @@ class DistributedOptimizer {
   /// it stepped; false for an accumulate-only micro-step or a step skipped for a non-finite
   /// gradient.
   bool step(std::source_location loc = std::source_location::current());
+  /// Deterministic mode: adds the gradients backward produced since the last zero_grad() or
+  /// accumulate() (one micro-batch; a parameter without gradient counts as zero, or is the step's
+  /// error with UnusedParameters::error) into the exact sums, and zeroes the gradients. Local
+  /// (no communication): a failure here is thrown by the next step() on every rank.
+  /// InvalidArgument outside deterministic mode (use accumulation_steps there).
+  void accumulate();
+  /// Micro-batches this rank accumulated since the last step (deterministic mode).
+  std::int64_t accumulated() const noexcept;
+  /// TorchOptions::max_grad_norm: the global 2-norm of the last step's reduced gradients, before
+  /// clipping (the same on every rank); NaN before the first step or without max_grad_norm.
+  double last_grad_norm() const noexcept;
+  bool deterministic() const noexcept;
 
   ::torch::optim::Optimizer& optimizer() const noexcept;
   const GradientReducer& reducer() const noexcept;
@@ -170,6 +211,12 @@ class DistributedOptimizer {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// "crc32c:" and 8 lowercase hex digits: the CRC-32C of the bytes of every parameter of `module`
+/// (named_parameters, recursively), in the order of their names compared bytewise (as Python
+/// sorts a state_dict's keys), the same hash ls::model_hash gives for Lockstep tensors. Buffers
+/// (BatchNorm's running statistics) are not hashed. Local: no communication.
+std::string model_hash(const ::torch::nn::Module& module);
 
 /// The bytes of the tensors in the optimizer's state on this rank (Adam's moments, SGD's
 /// momentum buffers...; for an optimizer Lockstep does not know field by field, the size of its
