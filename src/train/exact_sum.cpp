@@ -116,30 +116,28 @@ std::int64_t ExactSum::reduce(Backend& backend, float* out, bool mean) {
   }
   // (3) Back to f32: the int64 to double (exact up to 2^53, otherwise rounded the same way
   // everywhere), scaled by a power of two, divided by the count, rounded to f32.
+  // The power of two is one per block (2^-185 .. 2^128: normal doubles, so the product is exact).
   const double divisor = mean && total > 0 ? static_cast<double>(total) : 1.0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint8_t bt = block_top_[static_cast<std::size_t>(i / kBlock)];
-    if (bt == kNonFinite) {
-      out[i] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    if (bt == kEmpty) {
-      out[i] = 0.0f;
+  for (std::int64_t block = 0; block < blocks; ++block) {
+    const std::uint8_t bt = block_top_[static_cast<std::size_t>(block)];
+    const std::int64_t lo = block * kBlock, hi = std::min(n, lo + kBlock);
+    if (bt == kNonFinite || bt == kEmpty) {
+      std::fill(out + lo, out + hi, bt == kEmpty ? 0.0f : std::numeric_limits<float>::quiet_NaN());
       continue;
     }
     const int window_low = (bt - 1) - kK + 1;
-    const double v = std::ldexp(static_cast<double>(wide_[static_cast<std::size_t>(i)]),
-                                window_low * kW - kSubnormalExponent);
-    out[i] = static_cast<float>(v / divisor);
+    const double scale = std::ldexp(1.0, window_low * kW - kSubnormalExponent);
+    for (std::int64_t i = lo; i < hi; ++i)
+      out[i] = static_cast<float>(static_cast<double>(wide_[static_cast<std::size_t>(i)]) * scale / divisor);
   }
   discard();
   return total;
 }
 
 void ExactSum::discard() noexcept {
+  // The counters of an empty element are never read, and its first value clears them (add).
   count_ = 0;
   std::fill(top_.begin(), top_.end(), kEmpty);
-  std::fill(bins_.begin(), bins_.end(), 0);
 }
 
 }  // namespace lockstep::detail
