@@ -58,6 +58,7 @@ NAME=${LOCKSTEP_CLUSTER:-lockstep}
 SUBNET=${LOCKSTEP_CLUSTER_SUBNET:-10.231.0}
 SELF=$(readlink -f "${BASH_SOURCE[0]}")
 STATE=/run/$NAME-cluster
+SOURCE_ROOT=$(dirname "$(dirname "$SELF")")  # the source tree: shared with every host
 BR=$NAME-br
 
 die() { echo "cluster.sh: $1" >&2; exit "${2:-1}"; }
@@ -322,16 +323,23 @@ cluster_env() {
 # own: the host's name and, on Slurm clusters, the cluster's /etc/hosts (every host's name and
 # address) and the host's own /tmp bound over /etc/hosts and /tmp. Replaces this shell. (nsenter,
 # not `ip netns exec`, which remounts /sys and so hides the cgroup file systems slurmd needs.)
+# The source tree is the cluster's shared file system (as a build on NFS is): where it lies under
+# /tmp it is bound back into the host's own /tmp at the same path (held at $STATE/slurm/shared
+# while /tmp is replaced), so that a clone in /tmp runs there too.
 in_host() {
-  local i=$1 ns tmp hosts=$STATE/slurm/hosts
+  local i=$1 ns tmp hosts=$STATE/slurm/hosts shared="" keep=$STATE/slurm/shared
   shift
   ns=$(host_ns "$i")
   tmp=$STATE/slurm/h$i/tmp
   [ -d "$tmp" ] || tmp=""
   [ -f "$hosts" ] || hosts=""
+  case $SOURCE_ROOT in /tmp/*) shared=$SOURCE_ROOT ;; esac
   exec nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private -- \
     sh -c 'hostname "$0" && { [ -z "$1" ] || mount --bind "$1" /etc/hosts; } &&
-      { [ -z "$2" ] || mount --bind "$2" /tmp; } && shift 2 && exec "$@"' "$ns" "$hosts" "$tmp" "$@"
+      if [ -n "$2" ]; then
+        { [ -z "$3" ] || { mkdir -p "$4" && mount --bind "$3" "$4"; }; } && mount --bind "$2" /tmp &&
+          { [ -z "$3" ] || { mkdir -p "$3" && mount --bind "$4" "$3"; }; }
+      fi && shift 4 && exec "$@"' "$ns" "$hosts" "$tmp" "$shared" "$keep" "$@"
 }
 
 # slurm_cmd I command...: command on host I, in the cluster's environment (a subshell).
