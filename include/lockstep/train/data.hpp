@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
-#include <ranges>
+#include <iterator>
 #include <span>
 #include <string>
 #include <tuple>
@@ -72,9 +72,25 @@ struct MicroBatches {
   std::int64_t size() const noexcept { return count; }
   /// Global index of this rank's i-th micro-batch.
   std::int64_t operator[](std::int64_t i) const noexcept { return first + i; }
-  /// Iterates over the global indices first, first + 1, ..., first + count - 1.
-  auto begin() const noexcept { return std::ranges::iota_view<std::int64_t, std::int64_t>(first, first + count).begin(); }
-  auto end() const noexcept { return std::ranges::iota_view<std::int64_t, std::int64_t>(first, first + count).end(); }
+  /// Iterates over the global indices first, first + 1, ..., first + count - 1. (A plain
+  /// iterator, not std::ranges::iota_view: clang 14 cannot compile that one with libstdc++ 12.)
+  struct Iterator {
+    using iterator_category = std::input_iterator_tag;
+    using value_type = std::int64_t;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const std::int64_t*;
+    using reference = std::int64_t;
+    std::int64_t at = 0;
+    std::int64_t operator*() const noexcept { return at; }
+    Iterator& operator++() noexcept {
+      ++at;
+      return *this;
+    }
+    Iterator operator++(int) noexcept { return {at++}; }
+    bool operator==(const Iterator&) const = default;
+  };
+  Iterator begin() const noexcept { return {first}; }
+  Iterator end() const noexcept { return {first + count}; }
   bool operator==(const MicroBatches&) const = default;
 };
 
