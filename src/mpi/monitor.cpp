@@ -428,7 +428,11 @@ int comm_size(MPI_Comm comm) {
 template <class Start>
 int polled_on_copies(CommMonitor* m, const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes,
                      std::size_t recv_in, std::size_t recv_out, Start&& start) {
-  auto copies = std::make_shared<Copies>();
+  // One set per thread, reused while nobody else holds it (grown, never shrunk: no allocation
+  // per call); once a failed request's set is kept for the process, the next call takes a new one.
+  thread_local std::shared_ptr<Copies> cached;
+  if (!cached || cached.use_count() > 1) cached = std::make_shared<Copies>();
+  std::shared_ptr<Copies> copies = cached;
   const void* s = send;
   if (send != MPI_IN_PLACE && send != nullptr) {
     copies->send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
