@@ -66,45 +66,172 @@ void ExactSum::add(const float* xs, std::int64_t at, std::int64_t n) {
   }
 }
 
-std::int64_t ExactSum::reduce(Backend& backend, float* out, bool mean) {
+namespace {
+
+// The top bin (stored + 1) of a magnitude given as f32 bits without the sign: kEmpty for zero,
+// kNonFinite for NaN and infinity. The top bin grows with the magnitude, so the top of a block
+// is that of its largest magnitude.
+std::uint8_t top_of_magnitude(std::uint32_t a) {
+  if (a == 0) return 0;
+  if (a >= 0x7f800000u) return 255;
+  const std::uint32_t biased = a >> 23;
+  // The highest set bit of |x| in units of 2^-149: biased + 22 for a normal number.
+  const int high_bit = biased != 0 ? static_cast<int>(biased) + 22 : static_cast<int>(std::bit_width(a)) - 1;
+  return static_cast<std::uint8_t>(high_bit / kW + 1);
+}
+
+// The largest magnitude among n f32 values (as bits without the sign). Written to vectorise.
+[[gnu::always_inline]] inline std::uint32_t max_magnitude_body(const std::uint32_t* u, std::int64_t n) {
+  std::uint32_t mx = 0;
+  for (std::int64_t k = 0; k < n; ++k) mx = std::max(mx, u[k] & 0x7fffffffu);
+  return mx;
+}
+
+// Each of n finite f32 values truncated toward zero at 2^(low - 149) and counted in those units
+// (|result| < 2^48 for values below the window's top). Written to vectorise.
+[[gnu::always_inline]] inline void fold_values_body(const std::uint32_t* u, std::int64_t n, int low,
+                                                     std::int64_t* out) {
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::uint32_t biased = (u[k] >> 23) & 0xffu;
+    const std::uint64_t m = (u[k] & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
+    const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
+    const int d = p - low;
+    const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
+    out[k] = (u[k] >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LOCKSTEP_EXACT_AVX2 1
+[[gnu::target("avx2")]] std::uint32_t max_magnitude_avx2(const std::uint32_t* u, std::int64_t n) {
+  return max_magnitude_body(u, n);
+}
+[[gnu::target("avx2")]] void fold_values_avx2(const std::uint32_t* u, std::int64_t n, int low, std::int64_t* out) {
+  fold_values_body(u, n, low, out);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+// Integer work: the same result on every instruction set, so the choice is free.
+std::uint32_t max_magnitude(const std::uint32_t* u, std::int64_t n) {
+#ifdef LOCKSTEP_EXACT_AVX2
+  if (kHasAvx2) return max_magnitude_avx2(u, n);
+#endif
+  return max_magnitude_body(u, n);
+}
+void fold_values(const std::uint32_t* u, std::int64_t n, int low, std::int64_t* out) {
+#ifdef LOCKSTEP_EXACT_AVX2
+  if (kHasAvx2) return fold_values_avx2(u, n, low, out);
+#endif
+  fold_values_body(u, n, low, out);
+}
+
+// Calls f(block, first, count) for the pieces of elements [at, at + n) cut at block edges,
+// first relative to at.
+template <typename F>
+void for_each_block_piece(std::int64_t at, std::int64_t n, F&& f) {
+  for (std::int64_t k = 0; k < n;) {
+    const std::int64_t i = at + k;
+    const std::int64_t block = i / ExactSum::kBlock;
+    const std::int64_t len = std::min(n - k, (block + 1) * ExactSum::kBlock - i);
+    f(block, k, len);
+    k += len;
+  }
+}
+
+const std::uint32_t* bits_of(const float* x) { return reinterpret_cast<const std::uint32_t*>(x); }
+
+}  // namespace
+
+void ExactSum::tops_of_parts(const std::vector<Part>& parts) {
+  std::int64_t covered = 0;
+  for (const Part& part : parts) {
+    if (part.at < 0 || part.n < 0 || part.at + part.n > numel())
+      throw Error("ExactSum::reduce: a part out of range");
+    covered += part.n;
+    const std::uint32_t* u = bits_of(part.x);
+    for_each_block_piece(part.at, part.n, [&](std::int64_t block, std::int64_t first, std::int64_t len) {
+      std::uint8_t& bt = block_top_[static_cast<std::size_t>(block)];
+      bt = std::max(bt, top_of_magnitude(max_magnitude(u + first, len)));
+    });
+  }
+  if (covered != numel()) throw Error("ExactSum::reduce: the parts do not cover every element");
+}
+
+void ExactSum::fold_parts(const std::vector<Part>& parts) {
+  for (const Part& part : parts) {
+    const std::uint32_t* u = bits_of(part.x);
+    std::int64_t* w = wide_.data() + part.at;
+    for_each_block_piece(part.at, part.n, [&](std::int64_t block, std::int64_t first, std::int64_t len) {
+      const std::uint8_t bt = block_top_[static_cast<std::size_t>(block)];
+      if (bt == kNonFinite || bt == kEmpty) {
+        std::fill(w + first, w + first + len, std::int64_t{0});
+        return;
+      }
+      const int window_low = (bt - 1) - kK + 1;  // lowest bin of the block's window
+      fold_values(u + first, len, window_low * kW, w + first);
+    });
+  }
+}
+
+void ExactSum::fold_bins() {
+  const std::int64_t n = numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint8_t bt = block_top_[static_cast<std::size_t>(i / kBlock)];
+    const std::uint8_t t = top_[static_cast<std::size_t>(i)];
+    std::int64_t v = 0;
+    if (bt != kNonFinite && t != kEmpty && t != kNonFinite) {
+      const int window_low = (bt - 1) - kK + 1;  // lowest bin of the block's window
+      const int top = t - 1;
+      const std::int32_t* c = &bins_[static_cast<std::size_t>(i) * kK];
+      for (int k = 0; k < kK; ++k) {
+        const int b = top - k;
+        if (b < window_low) break;  // below the block's window: dropped on every rank alike
+        v += static_cast<std::int64_t>(c[k]) * (std::int64_t{1} << ((b - window_low) * kW));
+      }
+    }
+    wide_[static_cast<std::size_t>(i)] = v;
+  }
+}
+
+std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean) {
+  // A value more on a rank that already holds some: into the counters like the others.
+  const bool direct = !last.empty() && count_ == 0;
+  if (!last.empty() && !direct) {
+    for (const Part& part : last) add(part.x, part.at, part.n);
+    count_one();
+  }
   const std::int64_t n = numel();
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
+  const std::int64_t mine = direct ? 1 : count_;
   // (1) The top of every block, agreed (MAX: exact, any order); a non-finite element makes its
   // block's top kNonFinite everywhere.
   // One byte more says whether any rank added more values than the window's int64 can hold, so
   // that every rank refuses the step alike before anything is folded.
   block_top_.assign(static_cast<std::size_t>(blocks) + 1, kEmpty);
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint8_t& bt = block_top_[static_cast<std::size_t>(i / kBlock)];
-    bt = std::max(bt, top_[static_cast<std::size_t>(i)]);
+  if (direct) {
+    tops_of_parts(last);
+  } else {
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint8_t& bt = block_top_[static_cast<std::size_t>(i / kBlock)];
+      bt = std::max(bt, top_[static_cast<std::size_t>(i)]);
+    }
   }
-  block_top_[static_cast<std::size_t>(blocks)] = count_ > kMaxSummands ? 1 : 0;
+  block_top_[static_cast<std::size_t>(blocks)] = mine > kMaxSummands ? 1 : 0;
   backend.allreduce(TensorView{block_top_.data(), blocks + 1, DType::u8, Device::cpu()}, ReduceOp::max);
   if (block_top_[static_cast<std::size_t>(blocks)] != 0) {
-    const std::int64_t mine = count_;
     discard();
     throw InvalidArgument(concat("deterministic mode: a rank added more than ", kMaxSummands,
                                  " micro-batches in one step (this rank: ", mine, ")", rank_suffix()));
   }
-  // (2) Each element's counters inside its block's window as one int64 in units of the
-  // window's lowest bin, and this rank's count as the last element: one exact SUM.
-  wide_.assign(static_cast<std::size_t>(n) + 1, 0);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint8_t bt = block_top_[static_cast<std::size_t>(i / kBlock)];
-    const std::uint8_t t = top_[static_cast<std::size_t>(i)];
-    if (bt == kNonFinite || t == kEmpty || t == kNonFinite) continue;
-    const int window_low = (bt - 1) - kK + 1;  // lowest bin of the block's window
-    const int top = t - 1;
-    const std::int32_t* c = &bins_[static_cast<std::size_t>(i) * kK];
-    std::int64_t v = 0;
-    for (int k = 0; k < kK; ++k) {
-      const int b = top - k;
-      if (b < window_low) break;  // below the block's window: dropped on every rank alike
-      v += static_cast<std::int64_t>(c[k]) * (std::int64_t{1} << ((b - window_low) * kW));
-    }
-    wide_[static_cast<std::size_t>(i)] = v;
-  }
-  wide_[static_cast<std::size_t>(n)] = count_;
+  // (2) Each element's part inside its block's window as one int64 in units of the window's
+  // lowest bin, and this rank's count as the last element: one exact SUM.
+  wide_.resize(static_cast<std::size_t>(n) + 1);
+  if (direct)
+    fold_parts(last);
+  else
+    fold_bins();
+  wide_[static_cast<std::size_t>(n)] = mine;
   backend.allreduce(TensorView{wide_.data(), n + 1, DType::i64, Device::cpu()}, ReduceOp::sum);
   // The same total on every rank: a total above the bound (each rank below it) is refused on
   // every rank alike, before the sums (which may have wrapped) are used.
@@ -127,8 +254,11 @@ std::int64_t ExactSum::reduce(Backend& backend, float* out, bool mean) {
     }
     const int window_low = (bt - 1) - kK + 1;
     const double scale = std::ldexp(1.0, window_low * kW - kSubnormalExponent);
-    for (std::int64_t i = lo; i < hi; ++i)
-      out[i] = static_cast<float>(static_cast<double>(wide_[static_cast<std::size_t>(i)]) * scale / divisor);
+    const std::int64_t* w = wide_.data();
+    if (divisor == 1.0)
+      for (std::int64_t i = lo; i < hi; ++i) out[i] = static_cast<float>(static_cast<double>(w[i]) * scale);
+    else
+      for (std::int64_t i = lo; i < hi; ++i) out[i] = static_cast<float>(static_cast<double>(w[i]) * scale / divisor);
   }
   discard();
   return total;

@@ -15,7 +15,11 @@
 // into one int64 in units of the window's lowest bin (exact: the window is kBins * kBinBits =
 // 48 bits and at most kMaxSummands values were added), one SUM allreduce of int64 with the
 // count of micro-batches as one element more; (3) the total scaled back and divided by the count,
-// rounded to f32 (the one place where rounding happens, the same on every rank). The result:
+// rounded to f32 (the one place where rounding happens, the same on every rank). A rank whose
+// only value of the step is given to reduce() itself (parts: the common step of one micro-batch
+// per rank) never cuts it into bins: its block tops come from the values' magnitudes, and each
+// value is cut once at its block's window (truncated toward zero there), which is what its bins
+// would have held inside that window: the same contribution, bit for bit. The result:
 // the same bits at any number of ranks, any split of the values over the ranks, and any
 // algorithm of the collectives. Its error: the dropped pieces, each below 2^-36 of the largest
 // magnitude in its block, far below the f32 rounding of an ordinary sum.
@@ -64,7 +68,17 @@ class ExactSum {
   /// (the total count when mean, else 1), the same bits on every rank. Returns the total count.
   /// More than kMaxSummands values on a rank, or in total, is an InvalidArgument on every rank
   /// (the sums are then discarded).
-  std::int64_t reduce(Backend& backend, float* out, bool mean);
+  std::int64_t reduce(Backend& backend, float* out, bool mean) { return reduce(backend, {}, out, mean); }
+  /// One value given in place, as parts: part k holds the values of elements [at, at + n).
+  struct Part {
+    const float* x;
+    std::int64_t at;
+    std::int64_t n;
+  };
+  /// reduce() with one more value on this rank, given as parts that together cover every element
+  /// once (none: no value more). The parts are read before anything is written to out, so a part
+  /// may lie in out at its own elements.
+  std::int64_t reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean);
   /// Every element an empty sum again (what reduce() leaves too).
   void discard() noexcept;
 
@@ -78,6 +92,9 @@ class ExactSum {
   std::int64_t count_ = 0;
   std::vector<std::uint8_t> block_top_;  // reduce's scratch
   std::vector<std::int64_t> wide_;
+  void tops_of_parts(const std::vector<Part>& parts);  // block_top_ from values given in place
+  void fold_parts(const std::vector<Part>& parts);     // wide_ from them, in the agreed windows
+  void fold_bins();                                    // wide_ from the counters
 };
 
 }  // namespace lockstep::detail

@@ -150,10 +150,10 @@ const std::vector<Tensor*>& GradientReducer::reduce_bound() {
   LOCKSTEP_CHECK_ARG(m.is_bound, "DistributedOptimizer: reduce without bound gradients");
   if (m.options.deterministic) {
     for (const auto& b : m.buckets) m.verify_bound(b);
-    m.exact_add();
+    auto last = m.exact_parts();  // the step's last micro-batch, read where it lies
     m.accumulated = 0;
     m.reset_step();
-    m.result = m.exact_reduce();
+    m.result = m.exact_reduce(last);
     return m.result;
   }
   // Reduce what backward did not report, in bucket order, each host bucket with blocking calls
@@ -224,7 +224,7 @@ const std::vector<Tensor*>& GradientReducer::reduce_accumulated() {
   LOCKSTEP_CHECK_ARG(m.next_launch == 0, "apply_accumulated: buckets of bound gradients are in flight");
   m.accumulated = 0;
   m.reset_step();
-  m.result = m.exact_reduce();
+  m.result = m.exact_reduce({});
   return m.result;
 }
 

@@ -31,30 +31,38 @@ void GradientReducer::Impl::setup_exact() {
   for (auto& t : exact_out) exact_ptrs.push_back(&t);
 }
 
-void GradientReducer::Impl::exact_add() {
+std::vector<detail::ExactSum::Part> GradientReducer::Impl::exact_parts() {
+  std::vector<detail::ExactSum::Part> parts;
+  parts.reserve(leaves.size());
   for (std::size_t j = 0; j < leaves.size(); ++j) {
     const Tensor& g = *bound[j];
     LOCKSTEP_CHECK_ARG(g.numel() == leaves[j].numel && g.dtype() == DType::f32 && g.device() == leaves[j].device,
                        "deterministic mode: gradient '", paths[j], "' is no longer f32 of ", leaves[j].numel,
                        " elements on ", to_string(leaves[j].device), " (was it moved from or reassigned?)");
     if (g.device().is_cpu()) {
-      exact.add(g.data<float>(), exact_at[static_cast<std::size_t>(j)], g.numel());
+      parts.push_back({g.data<float>(), exact_at[j], g.numel()});
       continue;
     }
-    // On the host for the integer work (the device's pending work on it is waited for).
+    // On the host for the integer work (the device's pending work on it is waited for), at its
+    // own place in the flat result: the exact sum reads it before it writes there.
     float* host = exact_flat.data<float>() + exact_at[j];
     device_runtime("deterministic mode with a cuda gradient")
         .copy(host, Device::cpu(), g.raw_data(), g.device(), g.nbytes());
-    exact.add(host, exact_at[j], g.numel());
+    parts.push_back({host, exact_at[j], g.numel()});
   }
+  return parts;
+}
+
+void GradientReducer::Impl::exact_add() {
+  for (const auto& part : exact_parts()) exact.add(part.x, part.at, part.n);
   exact.count_one();
 }
 
-const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce() {
+const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce(const std::vector<detail::ExactSum::Part>& last) {
   // One exact reduction of every tensor at once, the same calls on every rank (the sizes were
   // agreed at setup); the mean divides by the total of micro-batches over the ranks.
   try {
-    exact.reduce(*backend, exact_flat.data<float>(), options.op == ReduceOp::avg);
+    exact.reduce(*backend, last, exact_flat.data<float>(), options.op == ReduceOp::avg);
   } catch (...) {
     exact.discard();  // a failed step starts the next one empty on every rank that survives it
     throw;

@@ -123,8 +123,10 @@ struct GradientReducer::Impl {
   std::vector<Tensor> exact_out;
   std::vector<Tensor*> exact_ptrs;
   void setup_exact();                          // at construction, in deterministic mode
-  void exact_add();                            // the bound gradients, as one micro-batch
-  const std::vector<Tensor*>& exact_reduce();  // collective
+  std::vector<detail::ExactSum::Part> exact_parts();  // the bound gradients, checked, on the host
+  void exact_add();                                   // the bound gradients, as one micro-batch
+  // Collective; last: the step's last micro-batch on this rank (exact_parts()), or none.
+  const std::vector<Tensor*>& exact_reduce(const std::vector<detail::ExactSum::Part>& last);
   bool owns_grads = false;  // made from gradients (the public constructor): grad_ready binds them
 
   // The micro-step count's carrier (micro_steps.cpp): the one call of each step that reduces the

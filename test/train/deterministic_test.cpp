@@ -129,6 +129,64 @@ TEST_CASE("deterministic: the same bits with any bucket size and with update() f
   }
 }
 
+// Micro-batch m's gradient over the whole f32 range: subnormals, values near 2^100, zeros of
+// both signs, a block of zeros, every element's magnitude drawn alone.
+void wide_gradient_of(int m, Model& g) {
+  std::mt19937_64 rng(5000 + static_cast<std::uint64_t>(m));
+  std::uniform_real_distribution<double> mant(-1.0, 1.0);
+  std::uniform_int_distribution<int> expo(-160, 100);
+  for (ls::Tensor* t : {&g.a, &g.b})
+    for (std::int64_t i = 0; i < t->numel(); ++i) {
+      float v = static_cast<float>(std::ldexp(mant(rng), expo(rng)));
+      if (i % 11 == 3) v = (i % 2 == 0) ? 0.0f : -0.0f;
+      if (i >= 128 && i < 192) v = 0.0f;
+      t->data<float>()[i] = v;
+    }
+}
+
+TEST_CASE("deterministic: a last micro-batch given to update() adds exactly what accumulate() adds", "[deterministic]") {
+  // update() reads its gradients where they lie (never cut into bins when they are the rank's
+  // only micro-batch of the step): ranks doing that beside ranks with several micro-batches
+  // and ranks with none still give one process's bits.
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank(), n = b.size();
+  ls::MPIBackend self(MPI_COMM_SELF);
+  for (int M : {1, 2, 5, 6}) {
+    const auto [first, count] = share(M, rank, n);
+    Model model = zeros(300, 65), g = zeros(300, 65);
+    auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 1.0f}, ls::DistributedOptions{.deterministic = true});
+    auto state = ls::setup(opt, model);
+    for (int m = first; m < first + count; ++m) {
+      wide_gradient_of(m, g);
+      if (m + 1 < first + count)
+        ls::accumulate(state, g);
+      else
+        ls::update(state, model, g);
+    }
+    if (count == 0) ls::apply_accumulated(state, model);
+    // One process, every micro-batch through accumulate().
+    Model one = zeros(300, 65), h = zeros(300, 65);
+    auto opt1 = ls::DistributedOptimizer(self, ls::SGD{.lr = 1.0f}, ls::DistributedOptions{.deterministic = true});
+    auto state1 = ls::setup(opt1, one);
+    for (int m = 0; m < M; ++m) {
+      wide_gradient_of(m, h);
+      ls::accumulate(state1, h);
+    }
+    ls::apply_accumulated(state1, one);
+    INFO("M " << M << " rank " << rank << " holds " << count);
+    CHECK(all_ranks(same_bits(model, one)));
+  }
+  // A NaN in the only micro-batch of the last rank: its block is NaN on every rank.
+  Model model = zeros(200, 3), g = zeros(200, 3);
+  auto opt = ls::DistributedOptimizer(b, ls::SGD{.lr = 1.0f}, ls::DistributedOptions{.deterministic = true});
+  auto state = ls::setup(opt, model);
+  gradient_of(rank, g);
+  if (rank == n - 1) g.a.data<float>()[130] = -std::numeric_limits<float>::infinity();
+  ls::update(state, model, g);
+  CHECK(all_ranks(std::isnan(model.a.data<float>()[128]) && std::isnan(model.a.data<float>()[191]) &&
+                  !std::isnan(model.a.data<float>()[127]) && !std::isnan(model.a.data<float>()[192])));
+}
+
 TEST_CASE("deterministic: the exact mean is at least as accurate as the f32 sum (f64 reference)", "[deterministic]") {
   ls::MPIBackend& b = backend();
   const int rank = b.rank(), n = b.size();
