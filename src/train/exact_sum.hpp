@@ -52,29 +52,24 @@ class ExactSum {
   /// Values added to each element since reset (the micro-batches of this rank).
   std::int64_t count() const noexcept { return count_; }
 
-  /// Adds x[i] to element i (x holds numel() f32 values, host memory) and counts one value
-  /// added. A NaN or infinity marks its element non-finite: reduce() then gives NaN for the
-  /// whole block of that element.
-  void add(const float* x) {
-    add(x, 0, numel());
-    count_one();
-  }
-  /// Adds x[i] to element at + i for i < n, without counting (a part of one value: a tensor of
-  /// a flat sum over several; count_one() once all parts are in).
-  void add(const float* x, std::int64_t at, std::int64_t n);
-  void count_one() noexcept { ++count_; }
+  /// Part of one value, in host memory: x[k] is the value of element at + k, for k < n.
+  struct Part {
+    const float* x;
+    std::int64_t at;
+    std::int64_t n;
+  };
+  /// Adds one value, given as parts over disjoint ranges of elements (an element no part holds
+  /// adds nothing), and counts it. A NaN or infinity marks its element non-finite: reduce() then
+  /// gives NaN for the whole block of that element. A first value that covers every element is
+  /// only copied (cut into bins when a second one comes, or folded directly by reduce()).
+  void add(const std::vector<Part>& parts);
+  void add(const float* x) { add({Part{x, 0, numel()}}); }
 
   /// Collective (every rank, the same numel()): out[i] = (sum over every rank of element i) /
   /// (the total count when mean, else 1), the same bits on every rank. Returns the total count.
   /// More than kMaxSummands values on a rank, or in total, is an InvalidArgument on every rank
   /// (the sums are then discarded).
   std::int64_t reduce(Backend& backend, float* out, bool mean) { return reduce(backend, {}, out, mean); }
-  /// One value given in place, as parts: part k holds the values of elements [at, at + n).
-  struct Part {
-    const float* x;
-    std::int64_t at;
-    std::int64_t n;
-  };
   /// reduce() with one more value on this rank, given as parts that together cover every element
   /// once (none: no value more). The parts are read before anything is written to out, so a part
   /// may lie in out at its own elements.
@@ -90,8 +85,14 @@ class ExactSum {
   std::vector<std::uint8_t> top_;
   std::vector<std::int32_t> bins_;  // kBins per element
   std::int64_t count_ = 0;
+  // The first value of a step, when it covered every element: copied, not yet in the bins.
+  std::vector<float> first_;
+  bool first_held_ = false;
   std::vector<std::uint8_t> block_top_;  // reduce's scratch
   std::vector<std::int64_t> wide_;
+  bool covers_all(const std::vector<Part>& parts) const;
+  void add_to_bins(const float* x, std::int64_t at, std::int64_t n);
+  void spill_first();                                  // first_ into the bins
   void tops_of_parts(const std::vector<Part>& parts);  // block_top_ from values given in place
   void fold_parts(const std::vector<Part>& parts);     // wide_ from them, in the agreed windows
   void fold_bins();                                    // wide_ from the counters

@@ -54,8 +54,7 @@ std::vector<detail::ExactSum::Part> GradientReducer::Impl::exact_parts() {
 }
 
 void GradientReducer::Impl::exact_add() {
-  for (const auto& part : exact_parts()) exact.add(part.x, part.at, part.n);
-  exact.count_one();
+  exact.add(exact_parts());
 }
 
 const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce(const std::vector<detail::ExactSum::Part>& last) {

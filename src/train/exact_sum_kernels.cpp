@@ -1,0 +1,170 @@
+// The vectorised loops of the exact sum (exact_sum_kernels.hpp). Each body is written once and
+// compiled twice, for the build's baseline and for AVX2 (chosen once, at load time).
+#include "train/exact_sum_kernels.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+namespace lockstep::detail::exact {
+
+namespace {
+
+constexpr int kW = kBinBits;
+
+[[gnu::always_inline]] inline std::uint32_t max_magnitude_body(const std::uint32_t* u, std::int64_t n) {
+  std::uint32_t mx = 0;
+  for (std::int64_t k = 0; k < n; ++k) mx = std::max(mx, u[k] & 0x7fffffffu);
+  return mx;
+}
+
+[[gnu::always_inline]] inline void fold_values_body(const std::uint32_t* __restrict u, std::int64_t n, int low,
+                                                     std::int64_t* __restrict out) {
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::uint32_t biased = (u[k] >> 23) & 0xffu;
+    const std::uint64_t m = (u[k] & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
+    const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
+    const int d = p - low;
+    const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
+    out[k] = (u[k] >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
+  }
+}
+
+[[gnu::always_inline]] inline std::int64_t add_common_body(const std::uint32_t* __restrict u, std::int64_t n,
+                                                           std::uint8_t* __restrict top, std::int32_t* __restrict c0,
+                                                           std::int32_t* __restrict c1, std::int32_t* __restrict c2,
+                                                           std::int32_t* __restrict c3) {
+  std::int32_t careful = 0;
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::uint32_t a = u[k] & 0x7fffffffu;
+    const std::int32_t biased = static_cast<std::int32_t>(a >> 23);
+    const std::int32_t t = top[k];
+    const std::int32_t tb = (biased + 22) * 5462 >> 16;  // the value's top bin: (biased + 22) / 12
+    const std::int32_t empty = t == 0;
+    const std::int32_t apply = (biased != 0) & (biased != 0xff) & (t != 255) & (empty | (tb < t));
+    careful += (a != 0) & (apply == 0);  // the same test as is_careful
+    const std::int32_t w = empty ? tb : t - 1;           // the window's top bin
+    const std::int32_t d = (biased - 1) - (w - 3) * kW;  // |x| = m * 2^d units of the window's lowest bin
+    const std::uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    const std::int32_t sign = -static_cast<std::int32_t>(u[k] >> 31);  // 0 or -1
+    const std::int32_t keep = -apply;                                   // all ones where applied
+    const std::int32_t clear = -(apply & empty);                        // all ones where set afresh
+    auto piece = [&](std::int32_t at) {  // bits [at, at + 12) of m * 2^d, signed; 0 where not applied
+      const std::int32_t e = d - at;
+      const std::uint32_t left = m << std::clamp(e, 0, 31), right = m >> std::clamp(-e, 0, 31);
+      const std::uint32_t bits = (e >= 0 ? left : right) & 0xfffu;
+      return ((static_cast<std::int32_t>(bits) ^ sign) - sign) & keep;
+    };
+    // Counter j holds bin w - j: bits [12 (3 - j), 12 (4 - j)) of the value in window units.
+    c0[k] = (c0[k] & ~clear) + piece(3 * kW);
+    c1[k] = (c1[k] & ~clear) + piece(2 * kW);
+    c2[k] = (c2[k] & ~clear) + piece(kW);
+    c3[k] = (c3[k] & ~clear) + piece(0);
+    top[k] = static_cast<std::uint8_t>(t + ((tb + 1) & clear));
+  }
+  return careful;
+}
+
+[[gnu::always_inline]] inline void fold_counters_body(const std::uint8_t* __restrict top,
+                                                      const std::int32_t* __restrict c0,
+                                                      const std::int32_t* __restrict c1,
+                                                      const std::int32_t* __restrict c2,
+                                                      const std::int32_t* __restrict c3, std::int64_t n,
+                                                      std::int32_t block_top, std::int64_t* __restrict out) {
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::int32_t t = top[k];
+    // Counter j (bin t - 1 - j) lies (3 - j - s) bins above the window's lowest, s = block_top - t;
+    // below the window (negative): dropped, alike on every rank.
+    const std::int32_t s = block_top - t;
+    auto term = [&](std::int32_t c, std::int32_t j) -> std::int64_t {
+      const std::int32_t e = 3 - j - s;
+      const std::int64_t v = static_cast<std::int64_t>(c) << (std::clamp(e, 0, 3) * kW);
+      return e >= 0 ? v : 0;
+    };
+    const std::int64_t v = term(c0[k], 0) + term(c1[k], 1) + term(c2[k], 2) + term(c3[k], 3);
+    out[k] = t != 0 ? v : 0;  // an empty element's counters are stale
+  }
+}
+
+[[gnu::always_inline]] inline void to_f32_body(const std::int64_t* __restrict w, std::int64_t n, double scale,
+                                               double divisor, float* __restrict out) {
+  // double(w) as hi * 2^32 + lo: both parts exact, one rounding in the sum, the same as the
+  // conversion of the whole int64 (which has no vector instruction before AVX-512).
+  constexpr double k2p32 = 4294967296.0, k2p52 = 4503599627370496.0;
+  for (std::int64_t k = 0; k < n; ++k) {
+    const std::int32_t hi = static_cast<std::int32_t>(w[k] >> 32);
+    const std::uint64_t lo_bits = 0x4330000000000000ull | (static_cast<std::uint64_t>(w[k]) & 0xffffffffull);
+    const double lo = std::bit_cast<double>(lo_bits) - k2p52;
+    const double v = static_cast<double>(hi) * k2p32 + lo;
+    out[k] = static_cast<float>(v * scale / divisor);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LOCKSTEP_EXACT_AVX2 1
+[[gnu::target("avx2")]] std::uint32_t max_magnitude_avx2(const std::uint32_t* u, std::int64_t n) {
+  return max_magnitude_body(u, n);
+}
+[[gnu::target("avx2")]] void fold_values_avx2(const std::uint32_t* u, std::int64_t n, int low, std::int64_t* out) {
+  fold_values_body(u, n, low, out);
+}
+[[gnu::target("avx2")]] std::int64_t add_common_avx2(const std::uint32_t* u, std::int64_t n, std::uint8_t* top,
+                                                     std::int32_t* const c[kBins]) {
+  return add_common_body(u, n, top, c[0], c[1], c[2], c[3]);
+}
+[[gnu::target("avx2")]] void fold_counters_avx2(const std::uint8_t* top, std::int32_t* const c[kBins], std::int64_t n,
+                                                std::int32_t block_top, std::int64_t* out) {
+  fold_counters_body(top, c[0], c[1], c[2], c[3], n, block_top, out);
+}
+[[gnu::target("avx2")]] void to_f32_avx2(const std::int64_t* w, std::int64_t n, double scale, double divisor,
+                                         float* out) {
+  to_f32_body(w, n, scale, divisor, out);
+}
+const bool kAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+}  // namespace
+
+std::uint8_t top_of_magnitude(std::uint32_t a) {
+  if (a == 0) return 0;
+  if (a >= 0x7f800000u) return 255;
+  const std::uint32_t biased = a >> 23;
+  // The highest set bit of |x| in units of 2^-149: biased + 22 for a normal number.
+  const int high_bit = biased != 0 ? static_cast<int>(biased) + 22 : static_cast<int>(std::bit_width(a)) - 1;
+  return static_cast<std::uint8_t>(high_bit / kW + 1);
+}
+
+#ifdef LOCKSTEP_EXACT_AVX2
+#define LOCKSTEP_EXACT_PICK(name, ...) \
+  if (kAvx2) return name##_avx2(__VA_ARGS__)
+#else
+#define LOCKSTEP_EXACT_PICK(name, ...)
+#endif
+
+std::uint32_t max_magnitude(const std::uint32_t* u, std::int64_t n) {
+  LOCKSTEP_EXACT_PICK(max_magnitude, u, n);
+  return max_magnitude_body(u, n);
+}
+
+void fold_values(const std::uint32_t* u, std::int64_t n, int low, std::int64_t* out) {
+  LOCKSTEP_EXACT_PICK(fold_values, u, n, low, out);
+  fold_values_body(u, n, low, out);
+}
+
+std::int64_t add_common(const std::uint32_t* u, std::int64_t n, std::uint8_t* top, std::int32_t* const c[kBins]) {
+  LOCKSTEP_EXACT_PICK(add_common, u, n, top, c);
+  return add_common_body(u, n, top, c[0], c[1], c[2], c[3]);
+}
+
+void fold_counters(const std::uint8_t* top, std::int32_t* const c[kBins], std::int64_t n, std::int32_t block_top,
+                   std::int64_t* out) {
+  LOCKSTEP_EXACT_PICK(fold_counters, top, c, n, block_top, out);
+  fold_counters_body(top, c[0], c[1], c[2], c[3], n, block_top, out);
+}
+
+void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor, float* out) {
+  LOCKSTEP_EXACT_PICK(to_f32, w, n, scale, divisor, out);
+  to_f32_body(w, n, scale, divisor, out);
+}
+
+}  // namespace lockstep::detail::exact
