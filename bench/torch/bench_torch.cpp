@@ -6,6 +6,8 @@
 //                lockstep-sharded: shard_optimizer_state (ZeroRedundancyOptimizer: each rank
 //                steps its own parameters, then one broadcast per bucket of each owner's);
 //                lockstep-bf16: wire_dtype bf16 (gradients sent as 16-bit floats);
+//                lockstep-deterministic: DistributedOptions::deterministic (exact sums after
+//                backward, the same bits at any rank count: docs/training.md);
 //   ls-blocking  ls::MPIBackend::allreduce (blocking: its shared-memory path) per gradient after
 //                backward, no overlap: what the bucket transfers alone cost on the fast path;
 //   mpi-loop     a hand-written MPI_Allreduce per parameter after backward, then grad /= size
@@ -40,7 +42,8 @@
 // same shape on every rank), each rank's time, the slowest rank's median.
 //
 // Run: mpiexec -n 2 ./bench_torch [--model mlp] [--batch 64] [--warmup 3] [--steps 20]
-//      [--variants lockstep,lockstep-25m,lockstep-sharded,lockstep-bf16,ls-blocking,mpi-loop,gloo,local]
+//      [--variants lockstep,lockstep-25m,lockstep-sharded,lockstep-bf16,lockstep-deterministic,ls-blocking,
+//                  mpi-loop,gloo,local]
 //      [--optimizer sgd|adam] [--threads 1] [--json out.json]
 #include <torch/script.h>
 #include <torch/torch.h>
@@ -223,11 +226,11 @@ int main(int argc, char** argv) {
   Config c;
   int threads = 1;
 #ifdef LOCKSTEP_BENCH_GLOO
-  std::vector<std::string> names = {"lockstep", "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
-                                    "ls-blocking", "mpi-loop", "gloo", "local"};
+  std::vector<std::string> names = {"lockstep",    "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
+                                    "lockstep-deterministic", "ls-blocking", "mpi-loop", "gloo", "local"};
 #else
-  std::vector<std::string> names = {"lockstep", "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
-                                    "ls-blocking", "mpi-loop", "local"};
+  std::vector<std::string> names = {"lockstep",    "lockstep-25m", "lockstep-sharded", "lockstep-bf16",
+                                    "lockstep-deterministic", "ls-blocking", "mpi-loop", "local"};
 #endif
   if (size == 1) names = {"local"};
   {
@@ -288,6 +291,8 @@ int main(int argc, char** argv) {
           o.shard_optimizer_state = true;
         else if (n == "lockstep-bf16")
           o.wire_dtype = ls::DType::bf16;
+        else if (n == "lockstep-deterministic")  // exact sums (docs/training.md)
+          o.deterministic = true;
         else if (n != "lockstep")
           o.bucket_bytes = std::stoull(n.substr(9)) << 20;
         if (rr->rep.module) lt::synchronize(backend, *rr->rep.module, 0);
