@@ -135,11 +135,13 @@ void ExactSum::tops_of_parts(const std::vector<Part>& parts) {
   }
 }
 
-void ExactSum::fold_parts(const std::vector<Part>& parts) {
+void ExactSum::fold_parts(const std::vector<Part>& parts, std::int64_t lo, std::int64_t hi) {
   for (const Part& part : parts) {
-    const std::uint32_t* u = bits_of(part.x);
-    std::int64_t* w = wide_.data() + part.at;
-    for_each_block_piece(part.at, part.n, [&](std::int64_t block, std::int64_t first, std::int64_t len) {
+    const std::int64_t from = std::max(lo, part.at), to = std::min(hi, part.at + part.n);
+    if (from >= to) continue;
+    const std::uint32_t* u = bits_of(part.x) + (from - part.at);
+    std::int64_t* w = wide_.data() + 1 + from;
+    for_each_block_piece(from, to - from, [&](std::int64_t block, std::int64_t first, std::int64_t len) {
       const std::uint8_t bt = block_top_[static_cast<std::size_t>(block)];
       if (bt == kNonFinite || bt == kEmpty) {
         std::fill(w + first, w + first + len, std::int64_t{0});
@@ -151,18 +153,17 @@ void ExactSum::fold_parts(const std::vector<Part>& parts) {
   }
 }
 
-void ExactSum::fold_bins() {
-  const std::int64_t n = numel();
-  const std::size_t stride = static_cast<std::size_t>(n);
-  for (std::int64_t lo = 0; lo < n; lo += kBlock) {
-    const std::uint8_t bt = block_top_[static_cast<std::size_t>(lo / kBlock)];
-    const std::int64_t len = std::min(kBlock, n - lo);
-    std::int64_t* w = wide_.data() + lo;
+void ExactSum::fold_bins(std::int64_t lo, std::int64_t hi) {
+  const std::size_t stride = static_cast<std::size_t>(numel());
+  for (std::int64_t at = lo; at < hi; at += kBlock) {  // lo is a block's first element
+    const std::uint8_t bt = block_top_[static_cast<std::size_t>(at / kBlock)];
+    const std::int64_t len = std::min(kBlock, hi - at);
+    std::int64_t* w = wide_.data() + 1 + at;
     if (bt == kNonFinite || bt == kEmpty) {
       std::fill(w, w + len, std::int64_t{0});
       continue;
     }
-    const std::size_t i0 = static_cast<std::size_t>(lo);
+    const std::size_t i0 = static_cast<std::size_t>(at);
     std::int32_t* const c[kK] = {bins_.data() + i0, bins_.data() + stride + i0, bins_.data() + 2 * stride + i0,
                                  bins_.data() + 3 * stride + i0};
     exact::fold_counters(top_.data() + i0, c, len, bt, w);
@@ -206,36 +207,48 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
                                  " micro-batches in one step (this rank: ", mine, ")", rank_suffix()));
   }
   // (2) Each element's part inside its block's window as one int64 in units of the window's
-  // lowest bin, and this rank's count as the last element: one exact SUM.
+  // lowest bin, and this rank's count before the first: exact SUMs, in chunks of chunk_elements_
+  // (the reducer's bucket size: one huge call is slower than several on most transports), each
+  // folded just before its call and (3) converted back just after it.
   wide_.resize(static_cast<std::size_t>(n) + 1);
-  if (direct)
-    fold_parts(only);
-  else
-    fold_bins();
-  wide_[static_cast<std::size_t>(n)] = mine;
-  backend.allreduce(TensorView{wide_.data(), n + 1, DType::i64, Device::cpu()}, ReduceOp::sum);
-  // The same total on every rank: a total above the bound (each rank below it) is refused on
-  // every rank alike, before the sums (which may have wrapped) are used.
-  const std::int64_t total = wide_[static_cast<std::size_t>(n)];
-  if (total > kMaxSummands) {
-    discard();
-    throw InvalidArgument(concat("deterministic mode: ", total, " micro-batches in one step over all ranks; at most ",
-                                 kMaxSummands, rank_suffix()));
-  }
-  // (3) Back to f32: the int64 to double (exact up to 2^53, otherwise rounded the same way
-  // everywhere), scaled by a power of two, divided by the count, rounded to f32.
-  // The power of two is one per block (2^-185 .. 2^128: normal doubles, so the product is exact).
-  const double divisor = mean && total > 0 ? static_cast<double>(total) : 1.0;
-  for (std::int64_t block = 0; block < blocks; ++block) {
-    const std::uint8_t bt = block_top_[static_cast<std::size_t>(block)];
-    const std::int64_t lo = block * kBlock, hi = std::min(n, lo + kBlock);
-    if (bt == kNonFinite || bt == kEmpty) {
-      std::fill(out + lo, out + hi, bt == kEmpty ? 0.0f : std::numeric_limits<float>::quiet_NaN());
-      continue;
+  wide_[0] = mine;
+  const std::int64_t chunk = std::max<std::int64_t>(kBlock, chunk_elements_ / kBlock * kBlock);
+  std::int64_t total = 0;
+  double divisor = 1.0;
+  for (std::int64_t lo = 0; lo == 0 || lo < n; lo += chunk) {
+    const std::int64_t hi = std::min(n, lo + chunk);
+    if (direct)
+      fold_parts(only, lo, hi);
+    else
+      fold_bins(lo, hi);
+    const std::int64_t first = lo == 0 ? 0 : 1 + lo;  // the first call carries the count
+    backend.allreduce(TensorView{wide_.data() + first, 1 + hi - first, DType::i64, Device::cpu()}, ReduceOp::sum);
+    if (lo == 0) {
+      // The same total on every rank: a total above the bound (each rank below it) is refused on
+      // every rank alike, before the sums (which may have wrapped) are used.
+      total = wide_[0];
+      if (total > kMaxSummands) {
+        discard();
+        throw InvalidArgument(concat("deterministic mode: ", total,
+                                     " micro-batches in one step over all ranks; at most ", kMaxSummands,
+                                     rank_suffix()));
+      }
+      divisor = mean && total > 0 ? static_cast<double>(total) : 1.0;
     }
-    const int window_low = (bt - 1) - kK + 1;
-    const double scale = std::ldexp(1.0, window_low * kW - kSubnormalExponent);
-    exact::to_f32(wide_.data() + lo, hi - lo, scale, divisor, out + lo);
+    // (3) Back to f32: the int64 to double (exact up to 2^53, otherwise rounded the same way
+    // everywhere), scaled by a power of two, divided by the count, rounded to f32. The power of
+    // two is one per block (2^-185 .. 2^128: normal doubles, so the product is exact).
+    for (std::int64_t at = lo; at < hi; at += kBlock) {
+      const std::uint8_t bt = block_top_[static_cast<std::size_t>(at / kBlock)];
+      const std::int64_t end = std::min(hi, at + kBlock);
+      if (bt == kNonFinite || bt == kEmpty) {
+        std::fill(out + at, out + end, bt == kEmpty ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const int window_low = (bt - 1) - kK + 1;
+      const double scale = std::ldexp(1.0, window_low * kW - kSubnormalExponent);
+      exact::to_f32(wide_.data() + 1 + at, end - at, scale, divisor, out + at);
+    }
   }
   discard();
   return total;

@@ -13,8 +13,9 @@
 // Across ranks (reduce): (1) the top of every block of kBlock elements, agreed with one MAX
 // allreduce of one byte per block; (2) each rank's counters inside its block's window folded
 // into one int64 in units of the window's lowest bin (exact: the window is kBins * kBinBits =
-// 48 bits and at most kMaxSummands values were added), one SUM allreduce of int64 with the
-// count of micro-batches as one element more; (3) the total scaled back and divided by the count,
+// 48 bits and at most kMaxSummands values were added), SUM allreduces of int64 in chunks, the
+// first with the count of micro-batches as one element more; (3) the total scaled back and
+// divided by the count,
 // rounded to f32 (the one place where rounding happens, the same on every rank). A rank whose
 // only value of the step is given to reduce() itself (parts: the common step of one micro-batch
 // per rank) never cuts it into bins: its block tops come from the values' magnitudes, and each
@@ -25,6 +26,7 @@
 // magnitude in its block, far below the f32 rounding of an ordinary sum.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,6 +78,11 @@ class ExactSum {
   std::int64_t reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean);
   /// Every element an empty sum again (what reduce() leaves too).
   void discard() noexcept;
+  /// reduce() sums in calls of about this many bytes (8 per element; default 16 MiB); the same
+  /// on every rank.
+  void set_chunk_bytes(std::size_t bytes) noexcept {
+    chunk_elements_ = std::max<std::int64_t>(kBlock, static_cast<std::int64_t>(bytes / sizeof(std::int64_t)));
+  }
 
  private:
   // Per element: the top bin reached (kEmpty: no value yet, kNonFinite: a NaN or infinity), and
@@ -94,8 +101,10 @@ class ExactSum {
   void add_to_bins(const float* x, std::int64_t at, std::int64_t n);
   void spill_first();                                  // first_ into the bins
   void tops_of_parts(const std::vector<Part>& parts);  // block_top_ from values given in place
-  void fold_parts(const std::vector<Part>& parts);     // wide_ from them, in the agreed windows
-  void fold_bins();                                    // wide_ from the counters
+  // wide_[1 + i] for the elements i in [lo, hi) (lo a block's first), in the agreed windows:
+  void fold_parts(const std::vector<Part>& parts, std::int64_t lo, std::int64_t hi);  // from values
+  void fold_bins(std::int64_t lo, std::int64_t hi);                                   // from counters
+  std::int64_t chunk_elements_ = std::int64_t{1} << 21;
 };
 
 }  // namespace lockstep::detail

@@ -18,6 +18,7 @@ void GradientReducer::Impl::setup_exact() {
     total += leaf.numel;
   }
   exact.reset(total);
+  exact.set_chunk_bytes(host_bucket_bytes(options, *backend));
   exact_flat = Tensor::zeros({total}, DType::f32);
   exact_out.clear();
   exact_ptrs.clear();
