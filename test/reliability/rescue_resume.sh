@@ -85,4 +85,10 @@ faulty 3 1 30 --samples 960 --batch 240 --epochs 3 --shard-optimizer-state --che
 n3=$(grep -c 'wrote no rescue state: the optimizer state is sharded (ZeRO-1).*newest full checkpoint' err.txt)
 [ "$n3" -eq 2 ] && pass "(3) sharded state: both survivors say no rescue state, resume from the newest checkpoint" ||
   fail "(3) sharded: $n3 survivors said so"
+# Flags: --rescue needs --checkpoint (refused on every rank); nothing anywhere is a fresh start.
+expect_refused 2 "rescue.*needs --checkpoint" --samples 96 --batch 48 --epochs 1 --rescue
+run 2 --samples 96 --batch 48 --epochs 1 --checkpoint fresh.st --rescue-dir fresh.rd --resume auto ||
+  fail "a fresh --rescue --resume auto run exited with $?"
+grep -q '^no checkpoint at fresh.st and no rescue state: starting afresh' out.txt &&
+  pass "--rescue --resume auto with nothing anywhere starts afresh" || fail "no fresh start"
 finish
