@@ -22,6 +22,10 @@
 //   # restartable: numbered checkpoints every 5 epochs, the last 3 kept; resume from the newest if any
 //   lockstep-run -n 4 -- build/examples/train/train --epochs 100 --checkpoint run/ck
 //       --checkpoint-every 5 --checkpoint-keep 3 --resume auto     (one line)
+//   # --rescue: a lost rank costs one step; the survivors write the last completed step to their
+//   # host's run/ck.rescue, and --resume auto goes on from the freshest state any rank can read
+//   LOCKSTEP_TIMEOUT=10 mpiexec -n 4 --enable-recovery build/examples/train/train --checkpoint run/ck
+//       --checkpoint-every 10 --checkpoint-keep 3 --rescue --resume auto     (one line)
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
 #include <lockstep/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
@@ -330,23 +334,21 @@ template <class State, class Grads>
 void deterministic_gradients(const ls::DistributedDataContainer<>& data, std::int64_t b, const std::vector<float>& xs,
                              const std::vector<float>& ys, Model& model, Grads& grads, State& state, Workspace& ws,
                              double* sums) {
-  {
-    const ls::MicroBatches mine = data.micro_batches(b);
-    // Each error's weight 2 M / rows: the M micro-batch gradients summed and divided by M give
-    // the gradient of the mean over the global batch's rows, also for a short last batch.
-    const float scale = 2.0f * static_cast<float>(mine.total) / static_cast<float>(data.global_rows(b));
-    for (const std::int64_t mb : mine) {
-      const auto idx = data.micro_batch(b, mb);
-      const auto m = static_cast<std::int64_t>(idx.size());
-      ws.resize(m);
-      for (std::int64_t i = 0; i < m; ++i) {
-        ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
-        ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
-      }
-      sums[0] += forward_backward(model, grads, ws, m, scale);
-      sums[1] += static_cast<double>(m);
-      ls::accumulate(state, grads);
+  const ls::MicroBatches mine = data.micro_batches(b);
+  // Each error's weight 2 M / rows: the M micro-batch gradients summed and divided by M give
+  // the gradient of the mean over the global batch's rows, also for a short last batch.
+  const float scale = 2.0f * static_cast<float>(mine.total) / static_cast<float>(data.global_rows(b));
+  for (const std::int64_t mb : mine) {
+    const auto idx = data.micro_batch(b, mb);
+    const auto m = static_cast<std::int64_t>(idx.size());
+    ws.resize(m);
+    for (std::int64_t i = 0; i < m; ++i) {
+      ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
+      ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
     }
+    sums[0] += forward_backward(model, grads, ws, m, scale);
+    sums[1] += static_cast<double>(m);
+    ls::accumulate(state, grads);
   }
 }
 

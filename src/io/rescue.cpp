@@ -102,13 +102,8 @@ void say_no_rescue(int rank, const std::string& why) {
   std::fflush(stderr);
 }
 
-bool write_rescue_file(const std::filesystem::path& path, const Checkpoint& ck, double seconds) {
+bool write_rescue_file(const std::filesystem::path& path, int rank, const Checkpoint& ck, double seconds) {
   const auto t0 = std::chrono::steady_clock::now();
-  const int rank = [&] {
-    const std::string name = path.filename().string();
-    const std::size_t r = name.rfind("-r");
-    return r == std::string::npos ? -1 : std::atoi(name.c_str() + r + 2);
-  }();
   // The bytes are made here (memory only) and handed to a thread that owns them: if the disk
   // hangs past the bound, the rank goes on (to end) and the thread keeps what it writes alive.
   // The file appears only when it is whole (write_file_atomically), so giving up leaves at

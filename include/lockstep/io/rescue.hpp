@@ -85,7 +85,7 @@ bool holds_sharded_state(const X& x) {
 /// Writes ck (already holding the step and rescue keys) to `path` atomically, giving up after
 /// `seconds` (the write goes on in a thread that owns the bytes; the file appears only when it
 /// is whole). Prints the one line that says where, or why not. Returns whether it was written.
-bool write_rescue_file(const std::filesystem::path& path, const Checkpoint& ck, double seconds);
+bool write_rescue_file(const std::filesystem::path& path, int rank, const Checkpoint& ck, double seconds);
 /// kRescueKey's value: "rank R on host H".
 std::string rescue_origin(int rank);
 /// One line on stderr: no rescue state written, and why.
@@ -143,7 +143,7 @@ std::optional<std::filesystem::path> write_rescue_state(const std::filesystem::p
     ck.metadata = std::move(metadata);
     add_to_checkpoint(ck, x);
     const std::filesystem::path path = rescue_path(dir, step, rank);
-    if (!detail::write_rescue_file(path, ck, seconds)) return std::nullopt;
+    if (!detail::write_rescue_file(path, rank, ck, seconds)) return std::nullopt;
     return path;
   } catch (...) {
     try {
