@@ -5,7 +5,8 @@
 # completed step to its rescue directory and says where; resumed at -n 3 with --resume auto,
 # the run goes on from that step (not from the last checkpoint) and ends with the model hash
 # of the uninterrupted -n 4 run, its loss curve the uninterrupted one. Then the same with the
-# ranks given different rescue directories and rank 0 killed: the only copy left is on rank 2
+# ranks given different rescue directories and rank 0 killed inside the step's reduction (the
+# failed step must not be half-applied): the only copy left is on rank 2
 # of the resumed run, which reads it and gives it to the others. And a sharded optimizer state
 # (ZeRO-1), which no rank holds whole: no rescue state, said on every survivor.
 # Called as: rescue_resume.sh MPIEXEC TRAIN_BINARY WORKDIR
@@ -63,7 +64,17 @@ WRAP
 chmod +x wrap.sh
 EXE_SAVED=$EXE
 EXE=./wrap.sh
-faulty 4 0 40 "${common[@]}" --checkpoint two/ck --checkpoint-every 1 --checkpoint-keep 2 --rescue
+# The kill lands inside apply_accumulated (the exact sum's collectives): a step whose reduction
+# failed must leave the state of the step before. The first such collective after #40 is taken.
+inside=""
+for after in 41 42 43 44; do
+  rm -rf two rd.*
+  faulty 4 0 "$after" "${common[@]}" --checkpoint two/ck --checkpoint-every 1 --checkpoint-keep 2 --rescue
+  inside=$(grep -m1 -o 'stall: [a-z_]* #[0-9]* ([^)]*) at [a-z_.]*:[0-9]* (inside the call at train.cpp:[0-9]*)' err.txt)
+  [ -n "$inside" ] && break
+done
+[ -n "$inside" ] && pass "(2) rank 0 killed inside the step's reduction: $inside" ||
+  fail "(2) no kill at collectives #41 to #44 came inside the optimizer's reduction"
 [ "$(grep -c 'error: lockstep: stall' err.txt)" -eq 3 ] || fail "(2) not every survivor's step failed"
 n2=$(grep -c 'lockstep: rescue state of step [0-9]* written to .*/rd\.[123]/' err.txt)
 [ "$n2" -eq 3 ] || fail "(2) $n2 rescue states written (3 expected, in rd.1, rd.2, rd.3)"
