@@ -8,6 +8,10 @@ lockstep_test_executable(test_checkpoint_rotation io/checkpoint_rotation_test.cp
 lockstep_add_unit_test(NAME checkpoint.rotation TARGET test_checkpoint_rotation LABELS checkpoint TIMEOUT 120)
 lockstep_test_executable(test_checkpoint_mpi io/checkpoint_mpi_test.cpp)
 lockstep_add_mpi_test(NAME checkpoint_mpi TARGET test_checkpoint_mpi RANKS 2 3 TIMEOUT 60)
+# Rescue states: written by one rank alone; the freshest verified state found where only its
+# holder can read it; damaged files passed over; a sharded state writes none.
+lockstep_test_executable(test_rescue io/rescue_test.cpp)
+lockstep_add_mpi_test(NAME rescue TARGET test_rescue RANKS 2 3 TIMEOUT 60 LABELS checkpoint)
 # Two processes saving one path at once: every save succeeds, the file is one of theirs.
 add_executable(lockstep_checkpoint_concurrent_writers io/checkpoint_concurrent_writers.cpp)
 target_link_libraries(lockstep_checkpoint_concurrent_writers PRIVATE lockstep::core lockstep_build_flags)

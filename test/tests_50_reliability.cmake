@@ -212,6 +212,11 @@ lockstep_add_unit_test(NAME reliability.killed_checkpoint_writer TARGET lockstep
 if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CBLAS_H))
   lockstep_add_script_test(NAME reliability.kill_resume SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/kill_resume.sh
     TARGET train PROCESSORS 3 TIMEOUT 300 LABELS reliability examples FAULTS)
+  # A lost rank costs one step: the survivors write rescue states, the run resumed at fewer
+  # ranks from the freshest (held by a rank other than 0 in one case) ends with the
+  # uninterrupted run's model hash (--deterministic); a sharded state writes none and says so.
+  lockstep_add_script_test(NAME reliability.rescue_resume SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/rescue_resume.sh
+    TARGET train PROCESSORS 4 TIMEOUT 240 LABELS reliability examples FAULTS)
   # tools/lockstep-run: a killed rank restarted and resumed, shrinking, --max-restarts,
   # --min-ranks, a blame report, a hung job ended, bad arguments.
   lockstep_add_script_test(NAME reliability.lockstep_run SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run.sh

@@ -22,6 +22,10 @@
 //   # restartable: numbered checkpoints every 5 epochs, the last 3 kept; resume from the newest if any
 //   lockstep-run -n 4 -- build/examples/train/train --epochs 100 --checkpoint run/ck
 //       --checkpoint-every 5 --checkpoint-keep 3 --resume auto     (one line)
+//   # --rescue: a lost rank costs one step; the survivors write the last completed step to their
+//   # host's run/ck.rescue, and --resume auto goes on from the freshest state any rank can read
+//   LOCKSTEP_TIMEOUT=10 mpiexec -n 4 --enable-recovery build/examples/train/train --checkpoint run/ck
+//       --checkpoint-every 10 --checkpoint-keep 3 --rescue --resume auto     (one line)
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
 #include <lockstep/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
@@ -96,6 +100,9 @@ struct Options {
   std::string wire_dtype = "f32";
   bool deterministic = false;
   std::int64_t micro_batch = 16;  // with --deterministic: 256 / 16 = 16 micro-batches, more than ranks
+  bool rescue = false;     // --rescue (or --rescue-dir)
+  std::string rescue_dir;  // "": LOCKSTEP_RESCUE_DIR, else STEM.rescue
+  double rescue_seconds = 30;
 };
 
 
@@ -140,8 +147,19 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   auto* micro = app.add_option("--micro-batch", o.micro_batch,
                                "with --deterministic: samples per micro-batch (--batch a multiple of it)")
                     ->type_name("M")->check(cli::at_least(1));
+  app.add_flag("--rescue", o.rescue,
+               "when a collective fails, each surviving rank writes the state of the last completed step to its "
+               "host's rescue directory; --resume auto takes the freshest state any rank can read");
+  app.add_option("--rescue-dir", o.rescue_dir,
+                 "this rank's rescue directory (implies --rescue; default: LOCKSTEP_RESCUE_DIR, else the "
+                 "checkpoint's STEM.rescue)")
+      ->type_name("DIR");
+  app.add_option("--rescue-seconds", o.rescue_seconds, "give up a rescue write after T seconds")
+      ->type_name("T")->check(cli::positive());
   // Checks across flags, after all of them are read.
   app.callback([&o, ranks, micro] {
+    if (!o.rescue_dir.empty()) o.rescue = true;
+    if (o.rescue && o.checkpoint.empty()) throw cli::refused("--rescue", "needs --checkpoint PATH");
     if (!o.deterministic && micro->count() > 0) throw cli::refused("--micro-batch", "needs --deterministic");
     // Deterministic: ranks take whole micro-batches, any number each, so only the micro-batch
     // must divide the global batch; otherwise the rank count must (equal shares).
@@ -305,36 +323,32 @@ std::string plot_losses(const std::string& csv, const std::string& png) {
   return "";
 }
 
-/// One epoch of --deterministic training: for each global batch, this rank's micro-batches by
-/// global index, each micro-batch's gradient accumulated alone (ls::accumulate), then one
-/// collective apply_accumulated: the exact sum over every micro-batch of every rank, divided by
-/// the number of micro-batches, then Adam. Invariant: a micro-batch's gradient depends only on
+/// The gradients of global batch b in --deterministic training: this rank's micro-batches by
+/// global index, each micro-batch's gradient accumulated alone (ls::accumulate); the caller
+/// then makes one collective apply_accumulated: the exact sum over every micro-batch of every
+/// rank, divided by the number of micro-batches, then Adam. Invariant: a micro-batch's gradient depends only on
 /// the parameters and its samples (one BLAS thread, a fixed size), never on which rank computes
 /// it or how many micro-batches that rank has; so the sum, being exact, is the same at any rank
 /// count. A rank without micro-batches in a global batch still calls apply_accumulated.
 template <class State, class Grads>
-void deterministic_epoch(const ls::DistributedDataContainer<>& data, const std::vector<float>& xs,
-                         const std::vector<float>& ys, Model& model, Grads& grads, State& state, Workspace& ws,
-                         double* sums) {
-  const std::int64_t nb = data.num_batches();
-  for (std::int64_t b = 0; b < nb; ++b) {
-    const ls::MicroBatches mine = data.micro_batches(b);
-    // Each error's weight 2 M / rows: the M micro-batch gradients summed and divided by M give
-    // the gradient of the mean over the global batch's rows, also for a short last batch.
-    const float scale = 2.0f * static_cast<float>(mine.total) / static_cast<float>(data.global_rows(b));
-    for (const std::int64_t mb : mine) {
-      const auto idx = data.micro_batch(b, mb);
-      const auto m = static_cast<std::int64_t>(idx.size());
-      ws.resize(m);
-      for (std::int64_t i = 0; i < m; ++i) {
-        ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
-        ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
-      }
-      sums[0] += forward_backward(model, grads, ws, m, scale);
-      sums[1] += static_cast<double>(m);
-      ls::accumulate(state, grads);
+void deterministic_gradients(const ls::DistributedDataContainer<>& data, std::int64_t b, const std::vector<float>& xs,
+                             const std::vector<float>& ys, Model& model, Grads& grads, State& state, Workspace& ws,
+                             double* sums) {
+  const ls::MicroBatches mine = data.micro_batches(b);
+  // Each error's weight 2 M / rows: the M micro-batch gradients summed and divided by M give
+  // the gradient of the mean over the global batch's rows, also for a short last batch.
+  const float scale = 2.0f * static_cast<float>(mine.total) / static_cast<float>(data.global_rows(b));
+  for (const std::int64_t mb : mine) {
+    const auto idx = data.micro_batch(b, mb);
+    const auto m = static_cast<std::int64_t>(idx.size());
+    ws.resize(m);
+    for (std::int64_t i = 0; i < m; ++i) {
+      ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
+      ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
     }
-    ls::apply_accumulated(state, model);
+    sums[0] += forward_backward(model, grads, ws, m, scale);
+    sums[1] += static_cast<double>(m);
+    ls::accumulate(state, grads);
   }
 }
 
@@ -406,7 +420,44 @@ int run(const Options& o, ls::Backend& backend) {
   // Where to resume from: the file itself, or (rotating) the one STEM.latest names. With
   // --resume auto, no checkpoint there is a fresh start. Rank 0 looks; every rank gets its answer.
   std::optional<std::filesystem::path> resume_from;
-  if (!o.resume.empty()) {
+  // --rescue: this rank's rescue directory (its host's), and the position of the last completed
+  // step: batches done in the current epoch, and the global loss sums of those batches.
+  const std::filesystem::path rescue_dir =
+      !o.rescue ? std::filesystem::path()
+      : !o.rescue_dir.empty() ? std::filesystem::path(o.rescue_dir)
+                              : ls::rescue_directory(ls::rotation_stem(o.checkpoint).string() + ".rescue");
+  std::int64_t batch_done = 0;
+  double done_sums[2] = {0, 0};
+  std::map<std::string, std::string> state_meta;  // of the state resumed from
+  bool resumed = false;
+  if (o.rescue && o.resume == "auto") {
+    // The freshest state anywhere: each host's first rank offers the newest checkpoint it sees,
+    // every rank the rescue states in its own directory; the ranks agree, the holder reads.
+    std::vector<std::filesystem::path> mine;
+    if (backend.local_rank() == 0) {
+      if (!rotation) {
+        mine.push_back(o.checkpoint);
+      } else {
+        try {
+          if (auto p = ls::latest_checkpoint(o.checkpoint)) mine.push_back(*p);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "train: %s\n", e.what());
+          mine.push_back(rotation->pointer_path());  // counted as a file that does not verify
+        }
+      }
+    }
+    if (auto found = ls::resume_freshest(backend, ts, rescue_dir, mine)) {
+      state_meta = std::move(found->metadata);
+      resumed = true;
+      if (root && found->rescue)
+        std::printf("resuming from the rescue state %s of rank %d (step %lld, %s)\n", found->path.c_str(),
+                    found->holder, static_cast<long long>(found->step), found->hash.c_str());
+      resume_from = found->path;
+    } else if (root) {
+      std::printf("no checkpoint at %s and no rescue state: starting afresh (--resume auto)\n",
+                  (rotation ? rotation->pointer_path().string() : o.checkpoint).c_str());
+    }
+  } else if (!o.resume.empty()) {
     if (rotation) {
       resume_from = ls::latest_checkpoint(backend, o.checkpoint);
       if (!resume_from && o.resume == "file")
@@ -423,27 +474,41 @@ int run(const Options& o, ls::Backend& backend) {
       std::printf("no checkpoint at %s: starting afresh (--resume auto)\n",
                   (rotation ? rotation->pointer_path().string() : o.checkpoint).c_str());
   }
+  if (resume_from && !resumed) state_meta = ls::load_checkpoint(backend, *resume_from, ts);
   if (resume_from) {
-    auto meta = ls::load_checkpoint(backend, *resume_from, ts);
     for (const char* key : {"seed", "samples", "batch", "micro_batch"}) {
       if (!run_meta.contains(key)) continue;
-      const auto it = meta.find(key);
+      const auto it = state_meta.find(key);
       // A checkpoint of an ordinary run may be continued deterministically (from there on the
       // run is reproducible); one of a deterministic run must keep its micro-batch size.
-      if (it == meta.end() && std::string(key) == "micro_batch") continue;
+      if (it == state_meta.end() && std::string(key) == "micro_batch") continue;
       std::string flag = key;  // the metadata key names the flag: micro_batch is --micro-batch
       for (char& c : flag) c = c == '_' ? '-' : c;
-      if (it == meta.end() || it->second != run_meta.at(key))
+      if (it == state_meta.end() || it->second != run_meta.at(key))
         throw ls::InvalidArgument("--resume: the checkpoint was written with --" + flag + " " +
-                                  (it == meta.end() ? std::string("(missing)") : it->second) +
+                                  (it == state_meta.end() ? std::string("(missing)") : it->second) +
                                   " but this run has " + run_meta.at(key) +
                                   "; resume with the same flags");
     }
-    losses = split_losses(meta["loss_history"]);
+    losses = split_losses(state_meta["loss_history"]);
     if (static_cast<std::int64_t>(losses.size()) != epoch)
       throw ls::CheckpointError("--resume: the checkpoint's loss history has " + std::to_string(losses.size()) +
                                 " entries for " + std::to_string(epoch) + " epochs");
-    if (root)
+    // A rescue state may end inside an epoch: the batches done of it and their loss sums.
+    if (state_meta.contains("batches_done")) {
+      batch_done = std::stoll(state_meta["batches_done"]);
+      const auto sums = split_losses(state_meta["epoch_sums"]);
+      if (batch_done < 0 || sums.size() != 2)
+        throw ls::CheckpointError("--resume: bad position in the state: batches_done " + state_meta["batches_done"] + ", epoch_sums " +
+                                  state_meta["epoch_sums"]);
+      done_sums[0] = sums[0];
+      done_sums[1] = sums[1];
+    }
+    if (root && batch_done > 0)
+      std::printf("resumed from %s in epoch %lld after batch %lld (step %lld)\n", resume_from->c_str(),
+                  static_cast<long long>(epoch + 1), static_cast<long long>(batch_done),
+                  static_cast<long long>(state.inner.step));
+    else if (root)
       std::printf("resumed from %s after epoch %lld (step %lld)\n", resume_from->c_str(),
                   static_cast<long long>(epoch), static_cast<long long>(state.inner.step));
   }
@@ -466,6 +531,7 @@ int run(const Options& o, ls::Backend& backend) {
     auto meta = run_meta;
     meta["epoch"] = std::to_string(epoch);
     meta["loss_history"] = join_losses(losses);
+    meta[std::string(ls::kStepKey)] = std::to_string(state.inner.step);
     if (rotation) {
       const auto p = rotation->save(backend, epoch, ts, meta);
       if (root) std::printf("checkpoint %s (epoch %lld)\n", p.c_str(), static_cast<long long>(epoch));
@@ -474,6 +540,8 @@ int run(const Options& o, ls::Backend& backend) {
     }
     last_save = std::chrono::steady_clock::now();
     saved_epoch = epoch;
+    // Rescue states of this step or older are superseded by the checkpoint just committed.
+    if (o.rescue) ls::prune_rescue_states(rescue_dir, state.inner.step);
   };
 
   const std::int64_t share = o.batch / ranks;
@@ -481,37 +549,51 @@ int run(const Options& o, ls::Backend& backend) {
   const auto t_start = std::chrono::steady_clock::now();
   double samples_done = 0;
   const std::int64_t first_epoch = epoch;
+  try {
   while (epoch < o.epochs) {
     const auto t0 = std::chrono::steady_clock::now();
     data.set_epoch(epoch);
-    double sums[3] = {0, 0, 0};  // squared errors, samples (this rank); a checkpoint due by time (rank 0)
-    if (o.deterministic) {
-      deterministic_epoch(data, xs, ys, model, *grads, state, ws, sums);
-    }
-    const std::int64_t nb = o.deterministic ? 0 : data.num_batches(share);
-    for (std::int64_t b = 0; b < nb; ++b) {
-      const auto idx = data.batch(b, share);
-      const auto m = static_cast<std::int64_t>(idx.size());
-      ws.resize(m);
-      for (std::int64_t i = 0; i < m; ++i) {
-        ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
-        ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
-      }
-#if LOCKSTEP_TRAIN_CUDA
-      if (gpu) {
-        Model& g = *grads;
-        sums[0] += gpu->forward_backward(model.w1.data<float>(), model.b1.data<float>(), model.w2.data<float>(),
-                                         model.b2.data<float>(), g.w1.data<float>(), g.b1.data<float>(),
-                                         g.w2.data<float>(), g.b2.data<float>(), ws.x.data(), ws.y.data(),
-                                         static_cast<int>(m));
+    // Squared errors, samples (this rank; rank 0 starts from those of the batches of this epoch
+    // done before a resume); a checkpoint due by time (rank 0).
+    double sums[3] = {root ? done_sums[0] : 0, root ? done_sums[1] : 0, 0};
+    const std::int64_t nb = o.deterministic ? data.num_batches() : data.num_batches(share);
+    for (std::int64_t b = batch_done; b < nb; ++b) {
+      if (o.deterministic) {
+        deterministic_gradients(data, b, xs, ys, model, *grads, state, ws, sums);
       } else {
-        sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
-      }
+        const auto idx = data.batch(b, share);
+        const auto m = static_cast<std::int64_t>(idx.size());
+        ws.resize(m);
+        for (std::int64_t i = 0; i < m; ++i) {
+          ws.x[i] = xs[static_cast<std::size_t>(idx[i])];
+          ws.y[i] = ys[static_cast<std::size_t>(idx[i])];
+        }
+#if LOCKSTEP_TRAIN_CUDA
+        if (gpu) {
+          Model& g = *grads;
+          sums[0] += gpu->forward_backward(model.w1.data<float>(), model.b1.data<float>(), model.w2.data<float>(),
+                                           model.b2.data<float>(), g.w1.data<float>(), g.b1.data<float>(),
+                                           g.w2.data<float>(), g.b2.data<float>(), ws.x.data(), ws.y.data(),
+                                           static_cast<int>(m));
+        } else {
+          sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
+        }
 #else
-      sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
+        sums[0] += forward_backward(model, *grads, ws, m, 2.0f / static_cast<float>(m));
 #endif
-      sums[1] += static_cast<double>(m);
-      ls::update(state, model, *grads);
+        sums[1] += static_cast<double>(m);
+      }
+      // --rescue: the epoch's global loss sums so far, this batch included, reduced before the
+      // step so that a rescue state's loss curve goes on; they count once the step is done.
+      double running[2] = {sums[0], sums[1]};
+      if (o.rescue) ls::allreduce(backend, ls::view_of(std::span<double>(running, 2)), ls::ReduceOp::sum);
+      if (o.deterministic)
+        ls::apply_accumulated(state, model);
+      else
+        ls::update(state, model, *grads);
+      ++batch_done;
+      done_sums[0] = running[0];
+      done_sums[1] = running[1];
     }
     // --checkpoint-seconds: rank 0's clock decides, and the decision travels with the sums.
     if (root && o.checkpoint_seconds > 0 &&
@@ -521,6 +603,8 @@ int run(const Options& o, ls::Backend& backend) {
     const double loss = sums[0] / sums[1];
     losses.push_back(loss);
     ++epoch;
+    batch_done = 0;
+    done_sums[0] = done_sums[1] = 0;
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     samples_done += sums[1];
@@ -529,6 +613,20 @@ int run(const Options& o, ls::Backend& backend) {
                   loss, sums[1] / dt, elapsed);
     const bool due = (o.checkpoint_every > 0 && epoch % o.checkpoint_every == 0) || sums[2] > 0;
     if (!o.checkpoint.empty() && due && epoch < o.epochs) save();
+  }
+  } catch (const std::exception& e) {
+    // A failed collective leaves the model and Adam's state at the last completed step (a
+    // step whose reduction failed was not applied): each surviving rank writes them, with the
+    // position (epoch, batches done, their loss sums), to its host's rescue directory.
+    if (o.rescue && ls::is_collective_failure(e)) {
+      auto meta = run_meta;
+      meta["epoch"] = std::to_string(epoch);
+      meta["batches_done"] = std::to_string(batch_done);
+      meta["epoch_sums"] = to_text(done_sums[0]) + "," + to_text(done_sums[1]);
+      meta["loss_history"] = join_losses(losses);
+      ls::write_rescue_state(rescue_dir, state.inner.step, rank, ts, meta, o.rescue_seconds);
+    }
+    throw;
   }
   if (!o.checkpoint.empty() && (saved_epoch != epoch || !rotation)) save();
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();

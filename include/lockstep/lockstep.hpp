@@ -20,4 +20,5 @@
 #include "lockstep/train/replicas.hpp"
 #include "lockstep/io/checkpoint.hpp"
 #include "lockstep/io/model_hash.hpp"
+#include "lockstep/io/rescue.hpp"
 #include "lockstep/remote/remote.hpp"
