@@ -373,6 +373,24 @@ struct DistributedOptimizer::Impl {
     std::fill(reports.begin(), reports.end(), 0);
   }
 
+  // Deterministic mode: what backward left since the last accumulate() dropped (a joined rank's
+  // zero-row gradient), the gradients zeroed as accumulate() leaves them.
+  void drop_micro_batch() {
+    ::torch::NoGradGuard no_grad;
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      try {
+        if (reports[j] > 0) {
+          ensure_slot(j);
+          slots[j].zero_();
+        }
+      } catch (...) {
+        keep_error(j);
+      }
+    }
+    for (auto& b : buffers) b.zero_();
+    std::fill(reports.begin(), reports.end(), 0);
+  }
+
   bool pending() const {
     return std::any_of(reports.begin(), reports.end(), [](int r) { return r > 0; });
   }
@@ -596,7 +614,14 @@ bool DistributedOptimizer::step(std::source_location loc) {
   if (m.options.deterministic) {
     // A gradient backward left since the last accumulate() is this rank's last micro-batch (the
     // one-micro-batch loop zero_grad, backward, step works unchanged); none: nothing is added.
-    if (m.pending()) m.accumulate_micro_batch();
+    // A rank taking a Join step without a batch (join.hpp) ran backward on no rows: not a
+    // micro-batch, so that the mean is over the micro-batches that had rows, as without Join.
+    if (m.pending()) {
+      if (internal::joined(m.backend))
+        m.drop_micro_batch();
+      else
+        m.accumulate_micro_batch();
+    }
     if (m.micro < m.options.accumulation_steps) return false;  // local: the cycle goes on
   } else if (m.micro < m.options.accumulation_steps) {
     // No collective here: a failure is kept, and every rank learns of it at the cycle's end.

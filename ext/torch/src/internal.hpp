@@ -151,4 +151,12 @@ bool deterministic_live();
 // The name of the first lt::SyncBatchNorm inside m (m itself included), or "" if none.
 std::string find_sync_batchnorm(const ::torch::nn::Module& m);
 
+// --- join.cpp ----------------------------------------------------------------------------------
+
+// Whether this rank takes the current step of a Join loop over `backend` without a batch (set by
+// Join::next; false once the loop ends). A deterministic DistributedOptimizer on that backend
+// then drops the step's zero-row gradient instead of counting it as a micro-batch.
+void set_joined(const Backend* backend, bool joined);
+bool joined(const Backend* backend);
+
 }  // namespace lockstep::torch::internal

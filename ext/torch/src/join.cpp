@@ -1,13 +1,35 @@
 // lockstep::torch::Join (see lockstep/torch/join.hpp).
 #include "lockstep/torch/join.hpp"
 
+#include <algorithm>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "internal.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/reliability/call_site.hpp"
 
 namespace lockstep::torch {
+
+namespace internal {
+namespace {
+std::mutex g_joined_mutex;
+std::vector<const Backend*> g_joined;  // the backends whose Join loop this rank takes without a batch
+}  // namespace
+
+void set_joined(const Backend* backend, bool joined) {
+  std::lock_guard lock(g_joined_mutex);
+  const auto it = std::find(g_joined.begin(), g_joined.end(), backend);
+  if (joined && it == g_joined.end()) g_joined.push_back(backend);
+  if (!joined && it != g_joined.end()) g_joined.erase(it);
+}
+
+bool joined(const Backend* backend) {
+  std::lock_guard lock(g_joined_mutex);
+  return std::find(g_joined.begin(), g_joined.end(), backend) != g_joined.end();
+}
+}  // namespace internal
 
 bool Join::next(bool has_batch, std::source_location loc) {
   detail::CallSiteScope site(loc, "lockstep::torch::Join::next");
@@ -41,6 +63,7 @@ bool Join::next(bool has_batch, std::source_location loc) {
         loc);
   }
   active_ = counts[0];
+  internal::set_joined(backend_, active_ > 0 && !has_batch);
   if (active_ == 0) {
     joined_at_ = -1;  // the loop has ended on every rank: the next call starts a new one
     return false;
