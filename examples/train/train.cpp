@@ -23,7 +23,7 @@
 //   lockstep-run -n 4 -- build/examples/train/train --epochs 100 --checkpoint run/ck
 //       --checkpoint-every 5 --checkpoint-keep 3 --resume auto     (one line)
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
-#include <lockstep/checkpoint.hpp>
+#include <lockstep/io/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
 
 #include "lockstep_cli.hpp"
