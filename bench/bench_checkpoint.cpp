@@ -28,7 +28,7 @@
 // sync(2) runs, untimed, so that one block's dirty pages are not written back during the next.
 //
 // Run: ./bench_checkpoint [--mib 1024] [--dir DIR] [--reps 3] [--json out.json] [--quick]
-#include <lockstep/checkpoint.hpp>
+#include <lockstep/io/checkpoint.hpp>
 
 #include <fcntl.h>
 #include <spawn.h>

@@ -23,8 +23,8 @@
 
 #include "bench_common.hpp"
 #include "gradsync_strategies.hpp"
-#include <lockstep/distributed_optimizer.hpp>
-#include <lockstep/reliability.hpp>
+#include <lockstep/train/distributed_optimizer.hpp>
+#include <lockstep/reliability/settings.hpp>
 
 namespace ls = lockstep;
 

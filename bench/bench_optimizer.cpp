@@ -18,7 +18,7 @@
 //
 // Run: ./bench_optimizer [--json out.json] [--reps 5] [--quick]   (mpiexec -n 1 works too)
 #include <lockstep/lockstep.hpp>
-#include <lockstep/rules.hpp>
+#include <lockstep/train/rules.hpp>
 
 #include <barrier>
 #include <cstring>

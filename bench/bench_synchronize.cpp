@@ -10,8 +10,8 @@
 // Run: mpiexec -n 2 ./bench_synchronize [--json out.json] [--reps 5] [--lists resnet50,gpt2_small]
 //      [--flat-lists resnet50] [--quick]
 #include <lockstep/lockstep.hpp>
-#include <lockstep/rules.hpp>
-#include <lockstep/synchronize.hpp>
+#include <lockstep/train/rules.hpp>
+#include <lockstep/train/synchronize.hpp>
 
 #include <cstring>
 #include <tuple>

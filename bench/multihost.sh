@@ -77,7 +77,7 @@ for p in bench_gradsync bench_synchronize bench_scale bench_link; do
   [ -x "$B/$p" ] || { echo "multihost.sh: $B/$p is missing; build it (cmake --build $BUILD --target $p)" >&2; exit 2; }
 done
 [ "$(id -u)" -eq 0 ] || { echo "multihost.sh: needs root (scripts/cluster.sh makes network namespaces); skipped" >&2; exit 77; }
-OUT=${OUT:-$ROOT/bench/results/multihost-$(date -u +%Y%m%d-%H%M)}
+OUT=${OUT:-$ROOT/results/multihost-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 trap '"$CLUSTER" down; exit 130' INT TERM

@@ -7,7 +7,7 @@
 #     from those files, with the target table (needs python3; skipped with a note otherwise).
 #
 # Usage: bench/run.sh [--quick] [--no-docs]
-# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results),
+# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (results/),
 #   MPIEXEC (mpiexec), LOCKSTEP_BENCH_MPIFLAGS (extra mpiexec flags, default "--bind-to none"),
 #   LOCKSTEP_SHAPES_DIR (shape lists, default bench/shapes),
 #   LOCKSTEP_CHECK (passed through: measures the reliability checks' cost).
@@ -17,7 +17,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(dirname "$here")
 build=${BUILD_DIR:-$top/build-bench}
 np=${NP:-2}
-results=${RESULTS_DIR:-$here/results}
+results=${RESULTS_DIR:-$top/results}
 mpiexec=${MPIEXEC:-mpiexec}
 # No binding: on a 2-core machine shared with other work, pinning both ranks can only hurt.
 read -r -a mpiflags <<< "${LOCKSTEP_BENCH_MPIFLAGS:---bind-to none}"

@@ -5,8 +5,8 @@
 # sources see no include/ and no src/ folder, only, through its links, one staging folder per
 # layer below it (and its own), build/layers/<layer>/{include/lockstep/<layer>, src/<layer>},
 # which are links to include/lockstep/<layer> and src/<layer>. So an include of a higher layer,
-# public ("lockstep/io/checkpoint.hpp") or internal ("mpi/monitor.hpp"), or of a 0.1.0
-# forwarding header ("lockstep/backend.hpp"), fails to build with "No such file or directory".
+# public ("lockstep/io/checkpoint.hpp") or internal ("mpi/monitor.hpp"), or of a path outside the
+# layers' folders ("lockstep/backend.hpp"), fails to build with "No such file or directory".
 # The test layers.includes (test/layers/check_includes.sh) catches the one escape the compiler
 # cannot see, a relative include that climbs out of its folder ("../mpi/...").
 #

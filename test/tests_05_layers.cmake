@@ -51,17 +51,15 @@ set_tests_properties(layers.upward_include_fails PROPERTIES LABELS unit
   PASS_REGULAR_EXPRESSION "lockstep/io/checkpoint.hpp: No such file or directory")
 
 # Every installed header compiles alone: the layers' own headers above, and here those in their
-# detail/ folders (what the public templates need) and the 0.1.0 forwarding headers, with
-# lockstep::core's include path as a user has it.
-file(GLOB _ls_more_headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/lockstep/*/detail/*.hpp
-     ${PROJECT_SOURCE_DIR}/include/compat/lockstep/*.hpp)
+# detail/ folders (what the public templates need), with lockstep::core's include path as a user
+# has it.
+file(GLOB _ls_more_headers CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/include/lockstep/*/detail/*.hpp)
 set(_tus "")
 foreach(h IN LISTS _ls_more_headers)
   file(RELATIVE_PATH _rel ${PROJECT_SOURCE_DIR}/include ${h})
-  string(REGEX REPLACE "^compat/" "" _inc "${_rel}")
   string(REPLACE "/" "_" _name "${_rel}")
   set(_tu ${CMAKE_CURRENT_BINARY_DIR}/layers/installed/${_name}.cpp)
-  file(CONFIGURE OUTPUT ${_tu} CONTENT "#include \"${_inc}\"\n")
+  file(CONFIGURE OUTPUT ${_tu} CONTENT "#include \"${_rel}\"\n")
   list(APPEND _tus ${_tu})
 endforeach()
 add_library(lockstep_headers_installed OBJECT ${_tus})

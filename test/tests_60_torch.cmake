@@ -1,10 +1,18 @@
 # lockstep::torch (ext/torch): real LibTorch models and optimizers under mpiexec at 1-4 ranks,
 # and a checkpoint read back by Python (python3-torch). Built when LOCKSTEP_WITH_TORCH is on.
 if(TARGET lockstep_torch)
-  lockstep_test_executable(test_torch ${PROJECT_SOURCE_DIR}/ext/torch/test/torch_test.cpp)
+  # One program for the four LibTorch test files, compiled as one unit (LibTorch's headers are
+  # slow to parse: once instead of four times); their helpers are torch_test_support.hpp. Each
+  # CTest test below runs one file's test cases (Catch2's -# tags each case with its file name;
+  # ~[.] keeps the hidden export case out, torch_checkpoint_python runs it).
+  set(torch_test_dir ${PROJECT_SOURCE_DIR}/ext/torch/test)
+  lockstep_test_executable(test_torch ${torch_test_dir}/torch_test.cpp ${torch_test_dir}/sync_batchnorm_test.cpp
+                           ${torch_test_dir}/deterministic_test.cpp ${torch_test_dir}/sharded_test.cpp)
   target_link_libraries(test_torch PRIVATE lockstep::torch)
+  set_target_properties(test_torch PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
+  # The bridge, synchronize, DistributedOptimizer and checkpoints (torch_test.cpp).
   lockstep_add_mpi_test(NAME torch TARGET test_torch RANKS 1 2 3 4 LABELS torch TIMEOUT 600
-    ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+    ARGS "-#" "[#torch_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # lt::SyncBatchNorm and lt::convert_sync_batchnorm: N ranks equal one process on the global
   # batch (even, uneven, a rank with 0 rows; f64, f16, bf16, channels_last, non-contiguous),
   # collectives counted, one rank's refused input an error on every rank, an input needing a
@@ -12,25 +20,19 @@ if(TARGET lockstep_torch)
   # one rank, every rank running out at a different step (sharded SGD inside), a SyncBatchNorm
   # error on one rank inside the loop caught on every rank, and a rank that has a batch again
   # refused on every rank; a SyncBatchNorm forward or backward after its backend was destroyed.
-  lockstep_test_executable(test_torch_sync_batchnorm ${PROJECT_SOURCE_DIR}/ext/torch/test/sync_batchnorm_test.cpp)
-  target_link_libraries(test_torch_sync_batchnorm PRIVATE lockstep::torch)
-  lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch_sync_batchnorm RANKS 1 2 3 4 LABELS torch
-    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  lockstep_add_mpi_test(NAME torch_sync_batchnorm TARGET test_torch RANKS 1 2 3 4 LABELS torch
+    TIMEOUT 300 ARGS "-#" "[#sync_batchnorm_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # Deterministic mode (DistributedOptions::deterministic): N ranks on uneven blocks of
   # micro-batches (some none) equal one process bit for bit, in any order; accumulation_steps,
   # skip_non_finite, unused parameters; LibTorch's settings held and restored; every refusal on
   # every rank (sharded, the 16-bit wire, f64, SyncBatchNorm); lt::model_hash.
-  lockstep_test_executable(test_torch_deterministic ${PROJECT_SOURCE_DIR}/ext/torch/test/deterministic_test.cpp)
-  target_link_libraries(test_torch_deterministic PRIVATE lockstep::torch)
-  lockstep_add_mpi_test(NAME torch_deterministic TARGET test_torch_deterministic RANKS 1 2 3 4 LABELS torch
-    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  lockstep_add_mpi_test(NAME torch_deterministic TARGET test_torch RANKS 1 2 3 4 LABELS torch
+    TIMEOUT 300 ARGS "-#" "[#deterministic_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # shard_optimizer_state (ZeroRedundancyOptimizer) and wire_dtype for torch optimizers: the
   # sharded form equals the replicated one, 1/N of the state per rank, the same checkpoint file,
   # read at any N (written at 2, read at 1 and 3); the 16-bit wire rounds and trains close to f32.
-  lockstep_test_executable(test_torch_sharded ${PROJECT_SOURCE_DIR}/ext/torch/test/sharded_test.cpp)
-  target_link_libraries(test_torch_sharded PRIVATE lockstep::torch)
-  lockstep_add_mpi_test(NAME torch_sharded TARGET test_torch_sharded RANKS 1 2 3 LABELS torch
-    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  lockstep_add_mpi_test(NAME torch_sharded TARGET test_torch RANKS 1 2 3 LABELS torch
+    TIMEOUT 300 ARGS "-#" "[#sharded_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).

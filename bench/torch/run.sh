@@ -18,7 +18,7 @@
 # pool set_num_threads does not limit: without them each rank runs 2 spinning BLAS threads).
 #
 # Usage: bench/torch/run.sh [--quick] [--no-resnet]
-# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (bench/results/torch),
+# Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (results/torch),
 #   MPIEXEC (mpiexec), PYTHON (/usr/bin/python3), STEPS (20), WARMUP (3), BATCH (64),
 #   RESNET_BATCH (16), RESNET_STEPS (6), BN_BATCH (32), PY_TIMEOUT (900: seconds a Python DDP run
 #   may take before it is ended and left out of the tables).
@@ -28,7 +28,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 top=$(cd "$here/../.." && pwd)
 build=${BUILD_DIR:-$top/build-bench}
 np=${NP:-2}
-results=${RESULTS_DIR:-$top/bench/results/torch}
+results=${RESULTS_DIR:-$top/results/torch}
 mpiexec=${MPIEXEC:-mpiexec}
 python=${PYTHON:-/usr/bin/python3}
 steps=${STEPS:-20}

@@ -37,6 +37,7 @@
 #include <lockstep/torch.hpp>
 
 #include "digits_data.hpp"
+#include "digits_training.hpp"
 #include "lockstep_cli.hpp"
 
 #include <charconv>
@@ -56,15 +57,9 @@ namespace lt = lockstep::torch;
 
 namespace {
 
-using namespace digits;  // the data set (digits_data.hpp)
+using namespace digits;  // the data set and the shared loop (digits_data.hpp, digits_training.hpp)
 
-struct Options {
-  std::int64_t epochs = 20;
-  std::int64_t batch = 60;
-  double lr = 1e-3;
-  std::uint64_t seed = 42;
-  int threads = 1;
-  std::string data = kDefaultData;
+struct Options : CommonOptions {
   std::string checkpoint;
   bool resume = false;
   bool deterministic = false;
@@ -74,16 +69,8 @@ struct Options {
 /// The flags, one line each; lockstep_cli::parse then checks them the same way on every rank.
 void add_flags(CLI::App& app, Options& o, int ranks) {
   namespace cli = lockstep_cli;
-  app.add_option("--epochs", o.epochs, "epochs to train in total")->type_name("E")->check(cli::at_least(0));
-  app.add_option("--batch", o.batch,
-                 "global batch size, split across ranks; a multiple of N (with --deterministic: of --micro-batch)")
-      ->type_name("B")
-      ->check(cli::at_least(1));
-  app.add_option("--lr", o.lr, "Adam learning rate")->type_name("LR")->check(cli::positive());
-  app.add_option("--seed", o.seed, "seed of the initial weights and the per-epoch shuffles")->type_name("SEED")
-      ->check(cli::at_least(0));
-  app.add_option("--threads", o.threads, "LibTorch intra-op threads per rank")->type_name("T")->check(cli::at_least(1));
-  app.add_option("--data", o.data, "digits.csv.gz (default: python3-sklearn's copy)")->type_name("PATH");
+  add_common_flags(app, o, "epochs to train in total",
+                   "global batch size, split across ranks; a multiple of N (with --deterministic: of --micro-batch)", 1);
   app.add_option("--checkpoint", o.checkpoint, "write a checkpoint there after every epoch")->type_name("PATH");
   app.add_flag("--resume", o.resume, "continue from --checkpoint PATH after its last epoch");
   app.add_flag("--deterministic", o.deterministic,
@@ -107,7 +94,6 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   });
 }
 
-
 struct NetImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
   torch::Tensor epochs_done;  // training bookkeeping, saved and loaded with the weights
@@ -120,63 +106,18 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-/// Loss and accuracy over the whole test set: each rank scores its contiguous share, the sums
-/// are reduced across ranks.
-struct Score {
-  double loss = 0;
-  std::int64_t correct = 0, total = 0;
-};
-Score evaluate(ls::Backend& backend, Net& net, const Digits& test) {
-  torch::NoGradGuard no_grad;
-  const std::int64_t n = test.y.size(0), rank = backend.rank(), ranks = backend.size();
-  const std::int64_t lo = n * rank / ranks, hi = n * (rank + 1) / ranks;
-  double loss_sum = 0;
-  std::int64_t correct = 0;
-  if (hi > lo) {
-    const auto x = test.x.narrow(0, lo, hi - lo), y = test.y.narrow(0, lo, hi - lo);
-    const auto logits = net->forward(x);
-    loss_sum = torch::nn::functional::cross_entropy(
-                   logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                   .item<double>();
-    correct = logits.argmax(1).eq(y).sum().item<std::int64_t>();
-  }
-  auto sums = torch::tensor({loss_sum}, torch::kDouble);
-  auto counts = torch::tensor({correct, hi - lo}, torch::kLong);
-  backend.allreduce(lt::view(sums), ls::ReduceOp::sum);
-  backend.allreduce(lt::view(counts), ls::ReduceOp::sum);
-  Score s;
-  s.correct = counts[0].item<std::int64_t>();
-  s.total = counts[1].item<std::int64_t>();
-  s.loss = sums[0].item<double>() / static_cast<double>(s.total);
-  return s;
-}
-
 int run(const Options& o, ls::Backend& backend) {
   const int rank = backend.rank();
   const int ranks = backend.size();
   const bool root = rank == 0;
-  torch::set_num_threads(o.threads);
 
-  // Every rank reads the file; they agree on success before the first collective that needs it.
-  Digits all;
-  const std::string read_error = read_digits(o.data, all);
-  std::int32_t ok = read_error.empty() ? 1 : 0;
-  backend.allreduce(ls::TensorView{&ok, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  if (!read_error.empty()) throw ls::InvalidArgument(read_error);
-  if (ok == 0) throw ls::InvalidArgument("another rank could not read the digits data set (see its message)");
-
-  // The split: a fixed shuffle, the last kTestRows rows held out.
-  const std::int64_t rows = all.y.size(0);
-  const auto split = permutation(rows, kSplitSeed);
-  const std::int64_t train_rows = rows - kTestRows;
-  const auto train_idx = index_tensor(split.data(), train_rows);
-  const auto test_idx = index_tensor(split.data() + train_rows, kTestRows);
-  const Digits train{all.x.index_select(0, train_idx), all.y.index_select(0, train_idx)};
-  const Digits test{all.x.index_select(0, test_idx), all.y.index_select(0, test_idx)};
-
-  // Each rank starts from its own random weights; synchronize makes them rank 0's.
-  torch::manual_seed(o.seed + static_cast<std::uint64_t>(rank));
+  // Every rank reads the file (they agree on success before the first collective that needs it)
+  // and starts from its own random weights; synchronize makes them rank 0's.
+  const Split data = start(backend, o);
+  const Digits &train = data.train, &test = data.test;
+  const std::int64_t train_rows = train.y.size(0);
   Net net;
+  const Forward forward = [&net](const torch::Tensor& x) { return net->forward(x); };
   lt::synchronize(backend, *net, 0);
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(o.lr));
   lt::synchronize(backend, adam, 0);
@@ -220,7 +161,7 @@ int run(const Options& o, ls::Backend& backend) {
   Score score;
   while (epoch < o.epochs) {
     net->train();
-    const auto order = permutation(train_rows, o.seed * 1000003u + static_cast<std::uint64_t>(epoch));
+    const auto order = epoch_order(train_rows, o.seed, epoch);
     double loss_sum = 0;  // this rank's summed cross-entropy
     for (std::int64_t b = 0; b < batches && o.deterministic; ++b) {
       // Each micro-batch's gradient alone (the mean over its rows: accumulate() zeroes the
@@ -237,33 +178,24 @@ int run(const Options& o, ls::Backend& backend) {
       }
       opt.step();  // also on a rank without micro-batches
     }
-    for (std::int64_t b = 0; b < batches && !o.deterministic; ++b) {
-      const auto idx = index_tensor(order.data() + b * o.batch + rank * share, share);
-      const auto x = train.x.index_select(0, idx), y = train.y.index_select(0, idx);
-      opt.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);  // mean over this rank's share
-      loss.backward();  // buckets of gradients are averaged across ranks as backward goes
-      opt.step();
-      loss_sum += loss.item<double>() * static_cast<double>(share);
-    }
+    if (!o.deterministic) loss_sum = train_epoch(opt, forward, train, order, o.batch, rank, ranks);
     auto sums = torch::tensor({loss_sum}, torch::kDouble);
     backend.allreduce(lt::view(sums), ls::ReduceOp::sum);
     train_loss = sums[0].item<double>() / static_cast<double>(batches * o.batch);
     net->eval();
-    score = evaluate(backend, net, test);
+    score = evaluate(backend, forward, test);
     ++epoch;
     net->epochs_done.fill_(epoch);
     if (root)
       std::printf("epoch %3lld  train loss %.6f  test loss %.6f  test accuracy %.4f (%lld/%lld)\n",
                   static_cast<long long>(epoch), train_loss, score.loss,
-                  static_cast<double>(score.correct) / static_cast<double>(score.total),
-                  static_cast<long long>(score.correct), static_cast<long long>(score.total));
+                  score.accuracy(), static_cast<long long>(score.correct), static_cast<long long>(score.total));
     if (!o.checkpoint.empty()) lt::save_checkpoint(backend, o.checkpoint, *net, adam);
   }
   if (epoch == first_epoch) {
     // Nothing trained in this run (--resume at or past --epochs): score the model as it is.
     net->eval();
-    score = evaluate(backend, net, test);
+    score = evaluate(backend, forward, test);
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (root) {
@@ -273,8 +205,7 @@ int run(const Options& o, ls::Backend& backend) {
     if (epoch > first_epoch) std::printf("final train loss %.17g\n", train_loss);
     std::printf("final test loss %.17g\n", score.loss);
     std::printf("final test accuracy %.4f (%lld/%lld)\n",
-                static_cast<double>(score.correct) / static_cast<double>(score.total),
-                static_cast<long long>(score.correct), static_cast<long long>(score.total));
+                score.accuracy(), static_cast<long long>(score.correct), static_cast<long long>(score.total));
     if (!o.checkpoint.empty()) std::printf("checkpoint: %s\n", o.checkpoint.c_str());
     // The last line: the parameters' bytes in name order, to compare runs bit for bit.
     std::printf("model hash %s\n", lt::model_hash(*net).c_str());

@@ -27,7 +27,7 @@
 //   LOCKSTEP_TIMEOUT=10 mpiexec -n 4 --enable-recovery build/examples/train/train --checkpoint run/ck
 //       --checkpoint-every 10 --checkpoint-keep 3 --rescue --resume auto     (one line)
 // `train --help` lists every flag; docs/examples.md describes the output and the checkpoint.
-#include <lockstep/checkpoint.hpp>
+#include <lockstep/io/checkpoint.hpp>
 #include <lockstep/lockstep.hpp>
 
 #include "lockstep_cli.hpp"

@@ -23,8 +23,8 @@ namespace {
 // bandwidth-bound, small enough that a 16 MiB gradient bucket is four chunks that overlap.
 constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
 // Smaller calls go flat: below it the three stages' latencies (and the agreement's) cost more
-// than the network time they save (bench_collectives at 4 ranks as two machines over TCP: 2.8x
-// slower than flat at 8 B, even at 32 KiB, 1.5x faster at 128 KiB; docs/performance.md).
+// than the network time they save (docs/performance.md, "Hierarchical allreduce across machines",
+// has the break-even).
 constexpr std::size_t kHierarchyMinBytes = std::size_t{64} << 10;
 constexpr int kCheckFields = 5;  // call number, count, dtype, op, memory
 // The collective is told apart in the agreement's op-or-root field: an allreduce sends its op

@@ -1,34 +1,27 @@
-// Collectives that know the topology: for communicators whose ranks span several machines with
-// the same number of ranks (two or more) on each. Used by MPIBackend for blocking host allreduce,
-// broadcast, reduce-scatter, all-gather and the 16-bit wire's allreduce and reduce-scatter (the
-// others below; the allreduce described here).
+// The collectives that know the topology: MPIBackend's path for blocking host allreduce,
+// broadcast, reduce-scatter, all-gather and the 16-bit wire's allreduce and reduce-scatter when
+// the ranks span two or more machines with the same number of ranks (two or more) on each.
 //
-// The 16-bit wire allreduce (allreduce_wire16) runs the same three stages with f32 in shared
-// memory and 16-bit values only between the machines (below).
+// Why: between machines every byte of a flat collective crosses the network, and Open MPI's
+// algorithms do not group the ranks by machine. Here each call runs in slices through a two-slot
+// pipeline: a shared-memory stage among the ranks of one machine (a ShmCollectives over them)
+// and a nonblocking MPI stage among the ranks with the same local rank (one per machine), so
+// each machine sends its share over its link once, and the network part of slice k overlaps the
+// memory part of slice k+1. docs/architecture.md ("Hierarchical allreduce, broadcast,
+// reduce-scatter and all-gather across machines") gives each collective's stages and sum order.
 //
-// Why: between machines every byte of a flat allreduce goes over the network, and Open MPI's
-// algorithms do not tell the ranks on one machine apart from the others. Here a call runs in three
-// stages, chunk by chunk:
-//   1. node-local reduce-scatter through shared memory (a ShmCollectives over the ranks of this
-//      machine): local rank j ends with the machine's sum of block j of the chunk;
-//   2. inter-host allreduce of that block among the ranks with the same local rank (one rank per
-//      machine, a communicator split by local rank), nonblocking, over the network;
-//   3. node-local all-gather through shared memory of the finished blocks.
-// Each machine then sends 1/L of the data per rank (L ranks per machine) over the network instead
-// of all of it, and the network part of chunk k overlaps the shared-memory reduce-scatter of
-// chunk k+1 (the wait hook of the node's ShmCollectives tests the pending request while it waits).
-//
-// The ranks agree before they act: while this object exists, every blocking collective of the
-// backend (those that may take this path, and reduce and barrier, which never do) first
-// exchanges its call (call number, count, dtype, op or root, memory) with every rank, as a max
-// over the ranks of the fields and of their complements (one small MPI allreduce among the
-// ranks of this local rank, then one shared-memory allreduce among the ranks of this machine:
-// every rank ends with the same global verdict). Only then is the path chosen, from the agreed
-// fields: a call whose size is above the threshold on one rank and below it on another is a
-// MismatchError on every rank naming the ranks and their values, never ranks on two paths. Every
-// wait is bounded: the MPI requests are polled with the collective's wait point (deadline, stall
-// notices), the shared-memory waits poll the same hook. Every MPI request targets memory this
-// object owns (InFlight), kept for the process when a call throws with a request pending.
+// Invariants:
+// - The ranks agree before they act. While this object exists, every blocking collective of the
+//   backend (reduce and barrier too, which never take this path) first exchanges its call (call
+//   number, count, dtype, op or root, memory) as a max over the ranks of each field and of its
+//   complement (a small MPI allreduce among the ranks of this local rank, then a shared-memory
+//   one within the machine): every rank gets the same verdict. Only then is the path chosen,
+//   from the agreed fields, so no two ranks take two paths; calls that differ are a
+//   MismatchError on every rank naming the ranks and their values, before any buffer is written.
+// - Every wait is bounded: the MPI requests are polled with the collective's wait point
+//   (deadline, stall notices), and the shared-memory waits poll the same hook.
+// - Every MPI request targets memory this object owns (InFlight), never the caller's buffers or
+//   the stack; when a call throws with a request pending, that memory is kept for the process.
 #pragma once
 
 #include <mpi.h>
@@ -65,74 +58,41 @@ class HierarchicalAllreduce {
   HierarchicalAllreduce(const HierarchicalAllreduce&) = delete;
   HierarchicalAllreduce& operator=(const HierarchicalAllreduce&) = delete;
 
-  /// Agrees on the call with every rank (MismatchError on every rank when the calls differ), then
-  /// returns false, having moved nothing, when the call goes over the flat communicator (decided
-  /// from the agreed fields, so the same answer on every rank): dtypes other than f32/f64/i32/i64
-  /// (bf16/f16 with sum or avg only), device memory, no elements, fewer than min_bytes().
-  /// Otherwise computes recv = op over ranks of send (send may equal recv) and returns true.
+  // Every collective below first agrees on the call (see the top of this file). It then returns
+  // false, having moved nothing, when the agreed call goes another way (the same answer on every
+  // rank; the caller runs it flat): device memory, no elements, fewer than min_bytes(), or a
+  // dtype and op it does not take. Otherwise it runs the call here and returns true.
+
+  /// recv = op over the ranks of send (send may equal recv). f32/f64/i32/i64 with any op,
+  /// bf16/f16 with sum or avg (16-bit on the network, summed in f32 within a machine). Integer
+  /// ops, min and max are bitwise the flat result; floating sums within rounding of it.
   bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
 
-  /// Broadcast of buf from `root` (a rank of comm) the same way: the call is agreed as above
-  /// (count, dtype, root, memory, call number), then, chunk by chunk, the rank on the root's
-  /// machine with the root's local rank sends the chunk once to each other machine (MPI_Ibcast
-  /// among the ranks with that local rank), and each machine spreads it through shared memory,
-  /// while the next chunk crosses the network. Each machine receives the data once over the
-  /// network, as the link bound allows, where a flat broadcast's tree may send it to several
-  /// ranks of one machine. Returns false after the agreement, having moved nothing, for the calls
-  /// allreduce() sends flat (device memory, no elements, fewer than min_bytes()); any dtype.
+  /// Broadcast of buf from `root` (a rank of comm), any dtype: each machine receives the data
+  /// once over the network (a flat broadcast's tree may send it to several ranks of a machine).
   bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
 
   /// Reduce-scatter (the sharded optimizer's gradient step): recv (`numel` elements) = op over
-  /// the ranks of block rank() of send (size() x numel elements); recv may be that very block (in
-  /// place). Slice by slice (a slice is the same part of every rank's block, about chunk_bytes()
-  /// of send in all): (1) each rank copies the slice of every block into a scratch ordered by
-  /// the owner's local rank, then by its machine, and a node-local reduce-scatter through shared
-  /// memory leaves local rank j with its machine's sum of the slice of every block owned by a
-  /// rank of local rank j; (2) among the ranks of local rank j (one per machine), point to
-  /// point and nonblocking, each sends every other its piece of those sums and sums the pieces
-  /// it receives (in machine order, MPI_Reduce_local) into its own block's slice in recv, while
-  /// the next slice runs its stage 1. Each machine sends (H-1)/H of the buffer over its link, once,
-  /// where a flat ring over all N ranks sends (N-1)/N of it across each machine boundary. Any
-  /// placement of the ranks on the machines (the copy reorders). The sum's order: each
-  /// machine sums its ranks in local rank order (the shared-memory reduce-scatter's order, as the
-  /// hierarchical allreduce), then the machines in machine order: at two machines bitwise the
-  /// hierarchical allreduce's result, and within float rounding of the flat path's. The dtypes,
-  /// ops and sizes of allreduce() (size: of send); false, having done nothing, otherwise.
+  /// the ranks of block rank() of send (size() x numel elements); recv may be that very block.
+  /// Any placement of the ranks on the machines. Sums each machine's ranks in local rank order,
+  /// then the machines in machine order: at two machines bitwise allreduce()'s result. The
+  /// dtypes and ops of allreduce(); min_bytes() counts send.
   bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
-  /// The same with a 16-bit wire on the inter-host part only (op: sum or avg; send and recv f32):
-  /// the node-local sums stay f32; each machine's sum of a slice is rounded once to `wire`, the
-  /// machines' values are summed in 16-bit (the backend's operator: each addition rounded to
-  /// `wire`), and the
-  /// result is widened into recv (divided by size() for avg). False for calls allreduce() would
-  /// send flat by size.
+  /// The same with the 16-bit wire on the inter-host part only (op sum or avg; send and recv
+  /// f32): each machine's f32 sum is rounded once to `wire`, the machines' values are summed in
+  /// 16-bit in machine order (each addition rounded to `wire`) and widened into recv (divided by
+  /// size() for avg).
   bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
-  /// It agrees first, like every call, and returns false after the agreement for calls below
-  /// one element or min_bytes() of send (the caller then runs them another way).
   /// Allreduce with the 16-bit wire on the inter-host part only (Backend::allreduce_wire16, the
   /// replicated optimizer's wire_dtype): buf (`numel` f32, host memory) becomes op (sum or avg)
-  /// over the ranks of buf, in place. Chunk by chunk (about chunk_bytes() of buf, a multiple of
-  /// size() elements): (1) a node-local reduce-scatter in f32 through shared memory leaves local
-  /// rank j with its machine's f32 sum of block j of the chunk, which it rounds once to `wire`;
-  /// (2) among the ranks of local rank j (one per machine), the 16-bit block is reduce-scattered
-  /// point to point as reduce_scatter_wire16's pieces are (each machine's rank sends every
-  /// other the piece it owns and sums the H pieces of its own in machine order with the
-  /// backend's 16-bit operator, each addition rounded to `wire`), then all-gathered
-  /// (MPI_Iallgather), still 16-bit; (3) the block is widened (divided by size() for avg) and
-  /// a node-local all-gather in f32 through shared memory gives every rank of the machine the
-  /// whole chunk. Chunk k+1's stage 1 runs while chunk k's pieces cross the network. The result
-  /// of an element: its machines' f32 sums (local rank order), each rounded once, summed in
-  /// 16-bit in machine order: the same bits on every rank, and bitwise reduce_scatter_wire16's
-  /// block of the same data at any number of machines. The call is agreed like the others
-  /// (MismatchError on every rank); false after the agreement, having moved nothing, for calls
-  /// below min_bytes() (the caller runs them another way), and for an op other than sum and avg.
+  /// over the ranks, in place. An element's result is reduce_scatter_wire16's for the same data,
+  /// bit for bit, at any number of machines (the replicated and sharded steps agree), and the
+  /// same bits on every rank. An op other than sum and avg: false at once, without agreeing
+  /// (so for reduce_scatter_wire16).
   bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
   /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
-  /// send in rank order; send may be block rank() of recv (in place). Slice by slice: (1) a
-  /// nonblocking MPI all-gather among the ranks of this local rank (one per machine) of the
-  /// slice of send, (2) a node-local all-gather through shared memory of what those brought,
-  /// copied to its places in recv, while the next slice crosses the network. Each rank's bytes
-  /// cross to each other machine once. Any dtype; host memory; from min_bytes() of recv; false,
-  /// having done nothing, otherwise. Bitwise the flat result (nothing is computed).
+  /// send in rank order; send may be block rank() of recv. Any dtype; min_bytes() counts recv.
+  /// Bitwise the flat result (nothing is computed).
   bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
 
   /// The agreement alone, for the collectives that never take this path (reduce, barrier): a

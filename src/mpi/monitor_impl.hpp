@@ -304,8 +304,8 @@ class CommMonitor {
   void announce_leaving();
 
   /// See detail::report_mpi_error(): an MPI error in a collective on this rank. The other ranks
-  /// may be inside the same collective, waiting for data that will never come (they used to
-  /// wait for the default deadline): they are told, as of a stall, and throw MpiError naming
+  /// may be inside the same collective, waiting for data that will never come (until their
+  /// deadline, if nobody told them): they are told, as of a stall, and throw MpiError naming
   /// this rank and its error; this communicator is unusable here too (its next collective would
   /// wait for ranks that throw).
   void on_local_mpi_error(const std::string& what, int code);

@@ -93,9 +93,8 @@ void MPIBackend::initialize_global() {
       // Between machines Open MPI's TCP transport opens one connection per pair of processes, and
       // a rendezvous acknowledgement then queues behind the bulk data going the other way in that
       // connection: traffic both ways at once (every allreduce's) got about half the link's rate
-      // per direction, on a shaped link as unshaped. Two connections per pair fill it (measured
-      // across two simulated hosts at 500 Mbit/s: 0.24-0.32 -> 0.41-0.47 Gbit/s for a 64 MiB
-      // allreduce; docs/performance.md, "Across hosts"). No effect within a machine (shared memory).
+      // per direction, on a shaped link as unshaped. Two connections per pair fill it
+      // (docs/performance.md, "Across hosts"). No effect within a machine (shared memory).
       if (ompi_defaults) ::setenv("OMPI_MCA_btl_tcp_links", "2", /*overwrite=*/0);
       int provided = 0;
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
@@ -209,9 +208,9 @@ void MPIBackend::finalize_global() {
         // in a barrier that this rank polls (a rank still inside a collective has been told that
         // this one left, and throws or ends the job), for at most the deadline.
         // Teardown never throws: the deadline is read without the settings' error, which was
-        // reported when initialize was refused (it used to be thrown again here, after the
-        // barrier below was issued, so that MPI was never finalised and mpiexec reported the job
-        // as exiting improperly). After a refused initialize the wait is bounded as at exit
+        // reported when initialize was refused (thrown again here, after the barrier below was
+        // issued, it would leave MPI never finalised, and mpiexec would report the job as
+        // exiting improperly). After a refused initialize the wait is bounded as at exit
         // (finalize_after_failed_init): every rank was refused alike, but one that was refused
         // alone must not keep the others here.
         double limit = 1e18;

@@ -282,10 +282,10 @@ struct Engine {
   /// of a run while an earlier one from the same rank is still arriving, parked behind it in
   /// `arriving` with its failure, to be failed in its turn (advance_arrivals): one rank's
   /// calls start in the order it sent them, failed or not (a failed request, or an end of run,
-  /// used to overtake a request still arriving). Called with poll_mu held.
+  /// never overtakes a request still arriving). Called with poll_mu held.
   void fail_or_park(Incoming&& in, Call::Failure kind, const std::string& why, bool malformed = false);
   /// Rank `r` left the session: it answers nothing more. Its calls still pending here fail now
-  /// with a TimeoutError naming it (they used to wait for their deadline, 600 s by default), later
+  /// with a TimeoutError naming it (not at their deadline, 600 s by default), later
   /// calls to it fail at once (start_call), and a serving rank whose driver left stops serving.
   void on_rank_left(int r);
   std::string left_text(int r, const std::string& fn) const;

@@ -80,7 +80,7 @@ void Engine::receive(MPI_Message& msg, MPI_Status& st) {
   }
   if (kHead + h.payload_len + h.name_len + h.table_len != static_cast<std::size_t>(n)) {
     // Lockstep's header, lengths that do not add up: the message is dropped, but what it was
-    // is known, and it is answered as such (a reply dropped uncounted used to leave its
+    // is known, and it is answered as such (a reply dropped uncounted would leave its
     // caller waiting for its deadline, and the closing rounds, which wait until every call
     // is answered, for ever).
     std::cerr << "lockstep remote: dropped a malformed message from rank " << in.source << rank_suffix() << "\n";

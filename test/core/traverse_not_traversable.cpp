@@ -2,7 +2,7 @@
 // passes when the compiler prints Lockstep's readable static_assert message.
 #include <string>
 
-#include "lockstep/traverse.hpp"
+#include "lockstep/core/traverse.hpp"
 
 struct Opaque {
   lockstep::Tensor w;

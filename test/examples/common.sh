@@ -84,6 +84,54 @@ rel_close() {
 # less A B: true if A < B numerically.
 less() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a != "" && a + 0 < b + 0) }'; }
 
+# The deterministic examples' checks (train --deterministic, torch_digits --deterministic). Every
+# run of those examples ends with the line `model hash crc32c:XXXXXXXX`.
+# last_hash: the last run's last line, which must be its model hash.
+last_hash() {
+  local last
+  last=$(tail -n 1 out.txt)
+  if [[ $last =~ ^model\ hash\ crc32c:[0-9a-f]{8}$ ]]; then echo "${last#model hash }"; else echo "BAD-LAST-LINE:$last"; fi
+}
+# expect_one_model N...: the deterministic runs' hashes at N ranks (the array `hash`, by N) are
+# one model hash.
+expect_one_model() {
+  local first=${hash[$1]} n same=1 seen=""
+  for n in "$@"; do
+    [ "${hash[$n]}" = "$first" ] || same=0
+    seen+=", -n $n ${hash[$n]}"
+  done
+  if [ $same -eq 1 ] && [[ $first == crc32c:* ]]; then
+    pass "--deterministic: one model at -n $* ($first)"
+  else
+    fail "--deterministic: hashes differ: ${seen#, }"
+  fi
+}
+# expect_plain_runs_differ ARGS...: without --deterministic the sums follow the rank count, so
+# runs at -n 1 and -n 4 with ARGS end with two different hashes: the check above can fail.
+expect_plain_runs_differ() {
+  local plain1 plain4
+  run 1 "$@" || fail "-n 1 ordinary run exited with $?"
+  plain1=$(last_hash)
+  run 4 "$@" || fail "-n 4 ordinary run exited with $?"
+  plain4=$(last_hash)
+  if [[ $plain1 == crc32c:* ]] && [[ $plain4 == crc32c:* ]] && [ "$plain1" != "$plain4" ]; then
+    pass "without --deterministic -n 1 and -n 4 differ ($plain1, $plain4)"
+  else
+    fail "without --deterministic: -n 1 $plain1, -n 4 $plain4 (expected two different hashes)"
+  fi
+}
+# expect_resumed_model FROM TO: the last run, resumed at TO ranks from a checkpoint written at
+# FROM, ends with the uninterrupted model (hash[1]).
+expect_resumed_model() {
+  local resumed
+  resumed=$(last_hash)
+  if [ "$resumed" = "${hash[1]}" ]; then
+    pass "stopped at -n $1, resumed at -n $2: the uninterrupted model ($resumed)"
+  else
+    fail "stopped at -n $1, resumed at -n $2: $resumed, uninterrupted ${hash[1]}"
+  fi
+}
+
 finish() {
   if [ "$failures" -ne 0 ]; then
     echo "$failures check(s) failed; last stdout/stderr:"

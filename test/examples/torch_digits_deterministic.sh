@@ -13,46 +13,20 @@ data=/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz
 common=(--epochs 2 --batch 60)
 det=(--deterministic --micro-batch 10)
 
-# last_hash: the run's last line, which must be its model hash.
-last_hash() {
-  local last
-  last=$(tail -n 1 out.txt)
-  if [[ $last =~ ^model\ hash\ crc32c:[0-9a-f]{8}$ ]]; then echo "${last#model hash }"; else echo "BAD-LAST-LINE:$last"; fi
-}
-
 declare -A hash
 for n in 1 2 4; do
   run "$n" "${common[@]}" "${det[@]}" || fail "-n $n --deterministic exited with $?"
   grep -q 'global batch 60 (6 micro-batches of 10, deterministic)' out.txt || fail "-n $n: no deterministic header"
   hash[$n]=$(last_hash)
 done
-if [ "${hash[1]}" = "${hash[2]}" ] && [ "${hash[1]}" = "${hash[4]}" ] && [[ ${hash[1]} == crc32c:* ]]; then
-  pass "--deterministic: one model at -n 1, 2 and 4 (${hash[1]})"
-else
-  fail "--deterministic: hashes differ: -n 1 ${hash[1]}, -n 2 ${hash[2]}, -n 4 ${hash[4]}"
-fi
-
-# Without --deterministic the sums follow the rank count: the check must be able to fail.
-run 1 "${common[@]}" || fail "-n 1 ordinary run exited with $?"
-plain1=$(last_hash)
-run 4 "${common[@]}" || fail "-n 4 ordinary run exited with $?"
-plain4=$(last_hash)
-if [[ $plain1 == crc32c:* ]] && [[ $plain4 == crc32c:* ]] && [ "$plain1" != "$plain4" ]; then
-  pass "without --deterministic -n 1 and -n 4 differ ($plain1, $plain4)"
-else
-  fail "without --deterministic: -n 1 $plain1, -n 4 $plain4 (expected two different hashes)"
-fi
+expect_one_model 1 2 4
+expect_plain_runs_differ "${common[@]}"
 
 # Stopped at 4 ranks after 1 epoch, resumed at 2 ranks to 2 epochs: the uninterrupted model.
 run 4 "${det[@]}" --batch 60 --epochs 1 --checkpoint ck.safetensors || fail "-n 4 first part exited with $?"
 run 2 "${common[@]}" "${det[@]}" --checkpoint ck.safetensors --resume || fail "-n 2 resume exited with $?"
 grep -q 'resumed from ck.safetensors after epoch 1' out.txt || fail "-n 2 resume did not report epoch 1"
-resumed=$(last_hash)
-if [ "$resumed" = "${hash[1]}" ]; then
-  pass "stopped at -n 4, resumed at -n 2: the uninterrupted model ($resumed)"
-else
-  fail "stopped at -n 4, resumed at -n 2: $resumed, uninterrupted ${hash[1]}"
-fi
+expect_resumed_model 4 2
 
 expect_refused 2 '--micro-batch.*needs --deterministic' "${common[@]}" --micro-batch 10
 expect_refused 2 '--batch.*60 is not a multiple of --micro-batch 16' --deterministic --micro-batch 16

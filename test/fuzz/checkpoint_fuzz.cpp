@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <span>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);

@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <string>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 
 namespace fs = std::filesystem;
 namespace ls = lockstep;

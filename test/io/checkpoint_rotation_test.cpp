@@ -16,7 +16,7 @@
 #include <string>
 #include <thread>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 
 namespace ls = lockstep;
 namespace fs = std::filesystem;

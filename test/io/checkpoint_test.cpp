@@ -20,7 +20,7 @@
 #include <string>
 #include <thread>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 #include "../../src/io/crc32c.hpp"
 
 namespace ls = lockstep;

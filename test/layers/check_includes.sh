@@ -3,8 +3,9 @@
 # The build already refuses an include of a higher layer (each layer's OBJECT library sees only
 # the layers it links, cmake/LockstepLayers.cmake); this check also catches what the compiler
 # cannot see: a relative include that climbs out of its folder ("../mpi/monitor.hpp"), a file
-# in src/ or include/lockstep/ outside every layer, a 0.1.0 forwarding path used inside the
-# library, and a forwarding header that holds more than includes.
+# in src/ or include/lockstep/ outside every layer, a path outside the layers' folders
+# ("lockstep/backend.hpp", 0.1.0's, removed in 0.4.0) used inside the library, and an umbrella
+# header that holds more than includes.
 #
 # Usage: check_includes.sh ROOT LAYER:BELOW,BELOW... ...   (the layers, as CMake defines them)
 #        check_includes.sh --self-test ROOT LAYER:... ...  (plants violations in a copy of the
@@ -28,7 +29,7 @@ if [ "${1:-}" = "--self-test" ]; then
   [ $rc -ne 0 ] || { echo "self-test: the planted tree passed"; ok=0; }
   for want in "train/synchronize.hpp: includes lockstep/io/checkpoint.hpp, of layer io" \
               "train/rules.cpp: ../mpi/monitor.hpp climbs out of its folder" \
-              "comm/backend.cpp: lockstep/backend.hpp is a 0.1.0 forwarding path" \
+              "comm/backend.cpp: lockstep/backend.hpp is no layer's path" \
               "src/stray.cpp is in no layer"; do
     grep -qF -- "$want" <<<"$out" || { echo "self-test: not reported: $want"; ok=0; }
   done
@@ -54,10 +55,10 @@ for f in $(find "$root/src" "$root/include" -type f | sort); do
     src/*/*) layer=${rel#src/}; layer=${layer%%/*} ;;
     include/lockstep/*/*) layer=${rel#include/lockstep/}; layer=${layer%%/*} ;;
     include/lockstep/config.hpp.in) continue ;;
-    include/lockstep/lockstep.hpp | include/compat/lockstep/*.hpp)
-      # The umbrella and the 0.1.0 forwarding headers: comments, #pragma once, includes only.
+    include/lockstep/lockstep.hpp)
+      # The umbrella header: comments, #pragma once, includes only.
       if grep -vE '^[[:space:]]*(//.*)?$|^#pragma once|^#include "lockstep/' "$f" | grep -q .; then
-        report "$rel: a forwarding header holds more than includes"
+        report "$rel: the umbrella header holds more than includes"
       fi
       continue ;;
     *) report "$rel is in no layer"; continue ;;
@@ -68,7 +69,7 @@ for f in $(find "$root/src" "$root/include" -type f | sort); do
       ../*|*/../*) report "$rel: $inc climbs out of its folder"; continue ;;
       lockstep/config.hpp) continue ;;
       lockstep/*/*) target=${inc#lockstep/}; target=${target%%/*} ;;
-      lockstep/*) report "$rel: $inc is a 0.1.0 forwarding path; include the layer's header"; continue ;;
+      lockstep/*) report "$rel: $inc is no layer's path (0.1.0's paths are gone); include the layer's header"; continue ;;
       */*) target=${inc%%/*} ;;
       *) [ -f "$(dirname "$f")/$inc" ] || report "$rel: $inc is not beside it"; continue ;;
     esac

@@ -12,7 +12,7 @@
 #include <string>
 #include <thread>
 
-#include "lockstep/checkpoint.hpp"
+#include "lockstep/io/checkpoint.hpp"
 
 namespace fs = std::filesystem;
 namespace ls = lockstep;

@@ -1,7 +1,7 @@
 // Compiled (not run) by a test with -fopt-info-vec: the span loops of optim_math.hpp must be
 // reported as vectorised with the flags the core uses (-O3 -fno-math-errno); one compilation
 // per rule (-DPROBE_ADAM, -DPROBE_SGD).
-#include "lockstep/optim_math.hpp"
+#include "lockstep/train/optim_math.hpp"
 
 namespace m = lockstep::math;
 

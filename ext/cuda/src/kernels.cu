@@ -48,7 +48,7 @@ bool pools_supported(int device) {
     if (v) {
       // The default pool's release threshold is 0: every synchronisation hands its free memory
       // back to the driver, and the next cudaMallocAsync asks the driver again. Keep it, as
-      // PyTorch's caching allocator keeps its memory. (Lockstep's chunk tables no longer come
+      // PyTorch's caching allocator keeps its memory. (Lockstep's chunk tables do not come
       // from the pool, see DeviceTable; stream-ordered allocations of the program still do.)
       cudaMemPool_t pool = nullptr;
       LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));

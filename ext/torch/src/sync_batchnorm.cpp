@@ -55,9 +55,11 @@ enum class GradState : int { no_graph = 0, graph = 1, input_grad = 2 };
 
 // Collective (one allgather). Each rank's share: [count, its GradState, mean per channel,
 // biased variance per channel], or, from a rank that refuses its input,
-// [-1 - refusal, what it got, ...]. Every rank combines the shares in rank order (the same bits
-// everywhere) by Chan's parallel formula, which needs no sum of squares and so loses nothing to
-// cancellation when the mean is large against the spread. Throws the same InvalidArgument on
+// [-1 - refusal, what it got, ...]. Every rank combines the shares with the law of total
+// variance, over all ranks at once: mean = sum(n_r mean_r) / n, var = sum(n_r (var_r +
+// (mean_r - mean)^2)) / n. It needs no sum of squares of the values, so it loses nothing to
+// cancellation when the mean is large against the spread, and every rank computes it from the
+// same gathered values with the same operations: the same statistics everywhere. Throws the same InvalidArgument on
 // every rank when a rank refused its input, when some rank's input needs a gradient and another
 // rank records no graph (backward's allreduce would wait for it), or when the global batch has
 // fewer than 2 values per channel.
@@ -164,9 +166,9 @@ Backend& live_backend(const BackendRef& ref, const std::string& who, const char*
 // torch::nn::BatchNorm2d's does: this rank's mean and variance per channel in one call
 // (batch_norm_update_stats, in gather_stats), the normalisation as an evaluation-mode batch norm
 // with the global statistics (native_batch_norm), and backward's two sums per channel as an
-// evaluation-mode batch-norm backward (native_batch_norm_backward). An earlier version composed
-// them from elementwise operations and sums (seven passes over the input forward, nine
-// backward, each with a temporary): 8-16x BatchNorm2d's time (docs/performance.md). f16 inputs,
+// evaluation-mode batch-norm backward (native_batch_norm_backward): one pass each, where the same
+// work composed from elementwise operations and sums takes several passes with a temporary each
+// (8-16x BatchNorm2d's time, docs/performance.md). f16 inputs,
 // which these CPU kernels do not take in LibTorch 1.13, are computed in f32 and the results
 // rounded back.
 struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {

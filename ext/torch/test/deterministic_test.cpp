@@ -17,33 +17,18 @@
 #include "lockstep/io/model_hash.hpp"
 #include "lockstep/lockstep.hpp"
 #include "lockstep/torch.hpp"
+#include "torch_test_support.hpp"
 #include "lockstep/torch/sync_batchnorm.hpp"
 
 namespace ls = lockstep;
 namespace lt = lockstep::torch;
 
+// This file's helpers and test cases (test_torch compiles the LibTorch tests as one unit).
+namespace deterministic_tests {
+
+using namespace lttest;
+
 namespace {
-
-ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-
-bool all_ranks(bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  backend().allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  return v == 1;
-}
-
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("other: ") + e.what();
-  }
-  return "";
-}
-bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 struct MlpImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
@@ -308,3 +293,5 @@ TEST_CASE("deterministic: clipping by the global norm (max_grad_norm) gives the 
       [&] { lt::DistributedOptimizer opt(b, sgd, {.deterministic = true}, {.max_grad_norm = -1.0}); });
   CHECK(all_ranks(mentions(e, "max_grad_norm must be positive")));
 }
+
+}  // namespace deterministic_tests

@@ -22,33 +22,17 @@
 #include "lockstep/lockstep.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "lockstep/torch.hpp"
+#include "torch_test_support.hpp"
 
 namespace ls = lockstep;
 namespace lt = lockstep::torch;
 
+// This file's helpers and test cases (test_torch compiles the LibTorch tests as one unit).
+namespace sharded_tests {
+
+using namespace lttest;
+
 namespace {
-
-ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-
-bool all_ranks(ls::Backend& b, bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  b.allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  return v == 1;
-}
-bool all_ranks(bool ok) { return all_ranks(backend(), ok); }
-
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("other: ") + e.what();
-  }
-  return "";
-}
-bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // A model with many tensors of varied sizes: `layers` Linear layers (weight and bias each).
 torch::nn::Sequential deep(int layers = 12, int in = 6, int out = 3) {
@@ -67,30 +51,6 @@ void copy_params(torch::nn::Module& from, torch::nn::Module& to) {
   torch::NoGradGuard g;
   auto a = from.parameters(), b = to.parameters();
   for (std::size_t i = 0; i < a.size(); ++i) b[i].copy_(a[i]);
-}
-
-float max_abs_diff(torch::nn::Module& a, torch::nn::Module& b) {
-  float d = 0;
-  auto pa = a.parameters(), pb = b.parameters();
-  for (std::size_t i = 0; i < pa.size(); ++i) d = std::max(d, (pa[i] - pb[i]).abs().max().item<float>());
-  return d;
-}
-
-bool replicas_equal(ls::Backend& b, torch::nn::Module& m) {
-  std::map<std::string, ls::Tensor> x;
-  for (const auto& p : m.named_parameters()) x.emplace(p.key(), lt::borrow(p.value()));
-  const std::string e = error_of<ls::MismatchError>([&] { ls::check_replicas(b, x); });
-  if (!e.empty()) UNSCOPED_INFO(e);
-  return e.empty();
-}
-
-std::pair<torch::Tensor, torch::Tensor> global_batch(int s, int rows) {
-  torch::manual_seed(1000 + s);
-  return {torch::randn({rows, 6}), torch::randn({rows, 3})};
-}
-torch::Tensor rows_of(const torch::Tensor& t, int rank, int size) {
-  const auto per = t.size(0) / size;
-  return t.narrow(0, rank * per, per);
 }
 
 enum class Which { adam, adamw, sgd };
@@ -142,14 +102,6 @@ class FailingAdam : public torch::optim::Adam {
 
  private:
   bool fail_;
-};
-
-class MyDescent : public torch::optim::Optimizer {
- public:
-  explicit MyDescent(std::vector<torch::Tensor> params)
-      : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
-                                std::make_unique<torch::optim::SGDOptions>(0.1)) {}
-  torch::Tensor step(LossClosure = nullptr) override { return {}; }
 };
 
 }  // namespace
@@ -350,7 +302,7 @@ TEST_CASE("sharded: clear errors on every rank", "[torch][mpi][sharded]") {
   // An optimizer Lockstep does not know field by field.
   {
     auto net = deep(2);
-    MyDescent mine(net->parameters());
+    MyDescent mine(net->parameters(), 0.1);
     const std::string e =
         error_of<ls::InvalidArgument>([&] { lt::DistributedOptimizer opt(b, mine, {.shard_optimizer_state = true}); });
     CHECK(all_ranks(mentions(e, "shard_optimizer_state needs Adam")));
@@ -566,3 +518,5 @@ TEST_CASE("wire_dtype with shard_optimizer_state: fewer trained tensors than ran
     CHECK(torch::equal(frozen_sh, torch::ones({5}, torch::kDouble)));
   }
 }
+
+}  // namespace sharded_tests

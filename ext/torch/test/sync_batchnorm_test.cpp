@@ -24,33 +24,17 @@
 #include "lockstep/torch.hpp"
 #include "lockstep/torch/join.hpp"
 #include "lockstep/torch/sync_batchnorm.hpp"
-#include "test_support.hpp"
+#include "torch_test_support.hpp"
 
 namespace ls = lockstep;
 namespace lt = lockstep::torch;
 
+// This file's helpers and test cases (test_torch compiles the LibTorch tests as one unit).
+namespace sync_batchnorm_tests {
+
+using namespace lttest;
+
 namespace {
-
-ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-
-bool all_ranks(bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  backend().allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  return v == 1;
-}
-
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("other: ") + e.what();
-  }
-  return "";
-}
-bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // Counts the collectives that reach the real backend.
 class Counting final : public lstest::ForwardingBackend {
@@ -121,7 +105,7 @@ double max_diff(torch::nn::Module& a, torch::nn::Module& b) {
 }
 
 // The global batch of step s, the same on every rank.
-std::pair<torch::Tensor, torch::Tensor> global_batch(int s, std::int64_t rows) {
+std::pair<torch::Tensor, torch::Tensor> conv_batch(int s, std::int64_t rows) {
   torch::manual_seed(500 + s);
   return {torch::randn({rows, 1, 6, 6}) * 2 + 0.5, torch::randn({rows, 3})};
 }
@@ -148,7 +132,7 @@ double train_both(torch::nn::Module& dist, const std::function<torch::Tensor(con
   lt::DistributedOptimizer opt(b, sgd, o);
   double d = 0;
   for (int s = 0; s < 3; ++s) {
-    auto [x, y] = global_batch(s, total);
+    auto [x, y] = conv_batch(s, total);
     sgd_ref.zero_grad();
     const auto ref_out = ref_fwd(x);
     ((ref_out - y).pow(2).sum() / total).backward();
@@ -163,7 +147,7 @@ double train_both(torch::nn::Module& dist, const std::function<torch::Tensor(con
   d = std::max(d, max_diff(dist, ref));
   dist.eval();
   ref.eval();
-  auto [x, y] = global_batch(99, 5);
+  auto [x, y] = conv_batch(99, 5);
   d = std::max(d, diff(dist_fwd(x), ref_fwd(x)));
   return d;
 }
@@ -379,6 +363,58 @@ struct MlpImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
 };
 TORCH_MODULE(Mlp);
+
+// A reference Mlp from `seed` and a copy of it (the same parameters) whose BatchNorm1d
+// convert_sync_batchnorm made a SyncBatchNorm1d.
+std::pair<Mlp, Mlp> reference_and_sync(ls::Backend& b, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Mlp ref;
+  Mlp dist;
+  {
+    torch::NoGradGuard no_grad;
+    auto src = ref->named_parameters();
+    for (auto& p : dist->named_parameters()) p.value().copy_(src[p.key()]);
+  }
+  CHECK(lt::convert_sync_batchnorm(b, *dist) == 1);
+  return {ref, dist};
+}
+
+// Trains `dist` through `join` until every rank ran out of batches (rank r has batches_of(r),
+// each `rows` rows of the global batch drawn from seed + step; a joined rank steps on 0 rows),
+// and `ref` in this process on the active ranks' rows: each active rank's summed squared error
+// over 2 outputs, divided by rows x 2 x n (with by_active: x the active ranks instead of n, which
+// `dist` gets by scaling its mean loss by n / active_ranks()). Returns the steps run.
+std::int64_t train_joined(ls::Backend& b, Mlp& ref, Mlp& dist, torch::optim::Optimizer& ref_opt,
+                          lt::DistributedOptimizer& opt, lt::Join& join, const std::function<std::int64_t(int)>& batches_of,
+                          std::int64_t rows, int seed, bool by_active) {
+  const int n = b.size();
+  const std::int64_t mine = batches_of(b.rank());
+  std::int64_t i = 0;
+  for (; join.next(i < mine); ++i) {
+    torch::manual_seed(seed + static_cast<int>(i));
+    const auto x = torch::randn({n * rows, 4}), y = torch::randn({n * rows, 2});
+    // The reference: the active ranks' rows, each rank's mean loss, summed and divided by n.
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < n; ++r)
+      if (i < batches_of(r)) {
+        xs.push_back(x.narrow(0, r * rows, rows));
+        ys.push_back(y.narrow(0, r * rows, rows));
+      }
+    CHECK(join.active_ranks() == static_cast<int>(xs.size()));
+    ref_opt.zero_grad();
+    const double divisor = static_cast<double>(rows * 2 * (by_active ? static_cast<std::int64_t>(xs.size()) : n));
+    ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / divisor).backward();
+    ref_opt.step();
+    const std::int64_t k = i < mine ? rows : 0;  // a joined rank: 0 rows
+    opt.zero_grad();
+    const double scale = by_active ? static_cast<double>(n) / join.active_ranks() : 1.0;
+    (torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)), y.narrow(0, b.rank() * rows, k)) *
+     scale)
+        .backward();
+    CHECK(opt.step());
+  }
+  return i;
+}
 }  // namespace
 
 TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part with 0 rows until it is done, "
@@ -395,55 +431,19 @@ TEST_CASE("Join: a rank with 0, 1 or many extra batches; the others take part wi
     INFO(extra << " extra batches on the last rank; divided by " << (by_active ? "the active ranks" : "the world size"));
     // Rank r has base batches, the last rank base + extra.
     auto batches_of = [&](int r) { return base + (r == n - 1 ? extra : 0); };
-    const std::int64_t mine = batches_of(b.rank());
-    torch::manual_seed(3);
-    Mlp ref;
-    Mlp dist;
-    {
-      torch::NoGradGuard no_grad;
-      auto src = ref->named_parameters();
-      for (auto& p : dist->named_parameters()) p.value().copy_(src[p.key()]);
-    }
-    CHECK(lt::convert_sync_batchnorm(b, *dist) == 1);
+    auto [ref, dist] = reference_and_sync(b, 3);
     torch::optim::SGD sgd(dist->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     torch::optim::SGD sgd_ref(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     lt::DistributedOptimizer opt(b, sgd);  // ReduceOp::avg: divided by the world size
     lt::Join join(b);
-    std::int64_t i = 0;
-    for (; join.next(i < mine); ++i) {
-      torch::manual_seed(800 + static_cast<int>(i));
-      const auto x = torch::randn({n * rows, 4}), y = torch::randn({n * rows, 2});
-      // The reference: the active ranks' rows, each rank's mean loss, summed and divided by n.
-      std::vector<torch::Tensor> xs, ys;
-      for (int r = 0; r < n; ++r)
-        if (i < batches_of(r)) {
-          xs.push_back(x.narrow(0, r * rows, rows));
-          ys.push_back(y.narrow(0, r * rows, rows));
-        }
-      CHECK(join.active_ranks() == static_cast<int>(xs.size()));
-      sgd_ref.zero_grad();
-      const double divisor = static_cast<double>(rows * 2 * (by_active ? static_cast<std::int64_t>(xs.size()) : n));
-      ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / divisor).backward();
-      sgd_ref.step();
-      const std::int64_t k = i < mine ? rows : 0;  // a joined rank: 0 rows
-      opt.zero_grad();
-      const double scale = by_active ? static_cast<double>(n) / join.active_ranks() : 1.0;
-      (torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)),
-                                       y.narrow(0, b.rank() * rows, k)) *
-       scale)
-          .backward();
-      CHECK(opt.step());
-    }
+    const std::int64_t i = train_joined(b, ref, dist, sgd_ref, opt, join, batches_of, rows, 800, by_active);
     CHECK(i == base + extra);
     CHECK(join.steps() == base + extra);
     CHECK(join.joined_steps() == (b.rank() == n - 1 ? 0 : extra));
     CHECK(join.active_ranks() == 0);
     CHECK(all_ranks(max_diff(*dist, *ref) < 1e-4));
     UNSCOPED_INFO("largest difference " << max_diff(*dist, *ref));
-    std::map<std::string, ls::Tensor> t;
-    for (const auto& p : dist->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
-    for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
-    CHECK_NOTHROW(ls::check_replicas(b, t));
+    CHECK(replicas_equal(b, *dist));
   }
 }
 
@@ -657,10 +657,7 @@ TEST_CASE("Join: a SyncBatchNorm error on one rank inside the loop is thrown on 
   CHECK(all_ranks(caught == 1));
   CHECK(i == 4);
   CHECK(join.steps() == 4);
-  std::map<std::string, ls::Tensor> t;
-  for (const auto& p : net->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
-  for (const auto& x : net->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
-  CHECK_NOTHROW(ls::check_replicas(b, t));
+  CHECK(replicas_equal(b, *net));
 }
 
 TEST_CASE("Join: every rank runs out at a different step (rank r has r batches, rank 0 none), SyncBatchNorm and "
@@ -671,50 +668,21 @@ TEST_CASE("Join: every rank runs out at a different step (rank r has r batches, 
   const int n = b.size();
   const std::int64_t rows = 3;
   const std::int64_t mine = b.rank();
-  torch::manual_seed(4);
-  Mlp ref;
-  Mlp dist;
-  {
-    torch::NoGradGuard no_grad;
-    auto src = ref->named_parameters();
-    for (auto& p : dist->named_parameters()) p.value().copy_(src[p.key()]);
-  }
-  CHECK(lt::convert_sync_batchnorm(b, *dist) == 1);
+  auto [ref, dist] = reference_and_sync(b, 4);
   // SGD with momentum (state to shard). Not Adam: fc1's bias, which the BatchNorm subtracts
   // again, has a true gradient of 0, and Adam turns its rounding noise into steps of lr's size.
   torch::optim::SGD sgd(dist->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD sgd_ref(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   lt::DistributedOptimizer opt(b, sgd, {.shard_optimizer_state = true});
   lt::Join join(b);
-  std::int64_t i = 0;
-  for (; join.next(i < mine); ++i) {
-    torch::manual_seed(700 + static_cast<int>(i));
-    const auto x = torch::randn({n * rows, 4}), y = torch::randn({n * rows, 2});
-    std::vector<torch::Tensor> xs, ys;
-    for (int r = 0; r < n; ++r)
-      if (i < r) {
-        xs.push_back(x.narrow(0, r * rows, rows));
-        ys.push_back(y.narrow(0, r * rows, rows));
-      }
-    CHECK(join.active_ranks() == static_cast<int>(xs.size()));
-    sgd_ref.zero_grad();
-    ((ref->forward(torch::cat(xs)) - torch::cat(ys)).pow(2).sum() / static_cast<double>(rows * 2 * n)).backward();
-    sgd_ref.step();
-    const std::int64_t k = i < mine ? rows : 0;
-    opt.zero_grad();
-    torch::nn::functional::mse_loss(dist->forward(x.narrow(0, b.rank() * rows, k)), y.narrow(0, b.rank() * rows, k))
-        .backward();
-    CHECK(opt.step());
-  }
+  const std::int64_t i =
+      train_joined(b, ref, dist, sgd_ref, opt, join, [](int r) { return std::int64_t{r}; }, rows, 700, false);
   // At one rank no rank has a batch: the loop ends at once, nothing trained.
   CHECK(i == std::max(0, n - 1));
   CHECK(join.joined_steps() == i - mine);
   UNSCOPED_INFO("largest difference " << max_diff(*dist, *ref));
   CHECK(all_ranks(max_diff(*dist, *ref) < 1e-4));
-  std::map<std::string, ls::Tensor> t;
-  for (const auto& p : dist->named_parameters()) t.emplace(p.key(), lt::borrow(p.value()));
-  for (const auto& x : dist->named_buffers()) t.emplace(x.key(), lt::borrow(x.value()));
-  CHECK_NOTHROW(ls::check_replicas(b, t));
+  CHECK(replicas_equal(b, *dist));
 }
 
 TEST_CASE("Join: a rank that ran out of data and has a batch again is refused on every rank, naming it; a new loop "
@@ -766,3 +734,5 @@ TEST_CASE("SyncBatchNorm: a forward or backward after its backend was destroyed 
   bn->eval();
   CHECK(all_ranks(bn->forward(x).defined()));
 }
+
+}  // namespace sync_batchnorm_tests

@@ -17,34 +17,18 @@
 
 #include "lockstep/lockstep.hpp"
 #include "lockstep/torch.hpp"
+#include "torch_test_support.hpp"
 #include "../src/test_hooks.hpp"  // lt::testing::fail_next_gradient (not installed)
 
 namespace ls = lockstep;
 namespace lt = lockstep::torch;
 
+// This file's helpers and test cases (test_torch compiles the LibTorch tests as one unit).
+namespace torch_tests {
+
+using namespace lttest;
+
 namespace {
-
-ls::MPIBackend& backend() { return ls::get_distributed_backend<ls::MPIBackend>(); }
-
-bool all_ranks(bool ok) {
-  std::int32_t v = ok ? 1 : 0;
-  backend().allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
-  return v == 1;
-}
-
-// The message of the E thrown by f on this rank ("" if none, "other: ..." for another type).
-template <class E, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("other: ") + e.what();
-  }
-  return "";
-}
-bool mentions(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 struct NetImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
@@ -57,53 +41,6 @@ struct NetImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(bn->forward(fc1->forward(x)))); }
 };
 TORCH_MODULE(Net);
-
-// The module's parameters and buffers equal on every rank, bitwise.
-bool replicas_equal(torch::nn::Module& m) {
-  std::map<std::string, ls::Tensor> x;
-  for (const auto& p : m.named_parameters()) x.emplace(p.key(), lt::borrow(p.value()));
-  for (const auto& b : m.named_buffers()) x.emplace(b.key(), lt::borrow(b.value()));
-  const std::string e = error_of<ls::MismatchError>([&] { ls::check_replicas(backend(), x); });
-  if (!e.empty()) UNSCOPED_INFO(e);
-  return e.empty();
-}
-
-float max_abs_diff(torch::nn::Module& a, torch::nn::Module& b) {
-  float d = 0;
-  auto pa = a.parameters(), pb = b.parameters();
-  for (std::size_t i = 0; i < pa.size(); ++i) d = std::max(d, (pa[i] - pb[i]).abs().max().item<float>());
-  return d;
-}
-
-// The global batch of step s (the same on every rank), and this rank's rows of it.
-std::pair<torch::Tensor, torch::Tensor> global_batch(int s, int rows) {
-  torch::manual_seed(1000 + s);
-  return {torch::randn({rows, 6}), torch::randn({rows, 3})};
-}
-torch::Tensor rows_of(const torch::Tensor& t, int rank, int size) {
-  const auto per = t.size(0) / size;
-  return t.narrow(0, rank * per, per);
-}
-
-// A user's own optimizer: plain gradient descent with a step counter kept in the optimizer.
-class MyDescent : public torch::optim::Optimizer {
- public:
-  explicit MyDescent(std::vector<torch::Tensor> params, double lr)
-      : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
-                                std::make_unique<torch::optim::SGDOptions>(lr)),
-        lr_(lr) {}
-  torch::Tensor step(LossClosure = nullptr) override {
-    torch::NoGradGuard g;
-    for (auto& p : param_groups()[0].params())
-      if (p.grad().defined()) p.add_(p.grad(), -lr_);
-    ++steps;
-    return {};
-  }
-  int steps = 0;
-
- private:
-  double lr_;
-};
 
 }  // namespace
 
@@ -788,3 +725,5 @@ TEST_CASE("export a checkpoint for Python", "[.export]") {
   ls::save_checkpoint(dir / "io.safetensors", io);
   CHECK(std::filesystem::exists(dir / "model.safetensors"));
 }
+
+}  // namespace torch_tests

@@ -3,23 +3,21 @@
 // broadcast; everything else goes through MPI.
 //
 // Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
-// transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has
-// the figures). Here each rank copies
-// a slice of its buffer into its own slot of a shared segment, waits until every rank has done
-// the same, and computes the reduction of that slice itself, reading every rank's slot in rank
-// order and writing the result straight into its own buffer. The copy into the slot uses
-// streaming stores, so the peers read it from memory rather than out of the writer's cache, and
-// two slots per rank let the copy of slice k+1 overlap the peers' reading of slice k. Every rank
-// sums in the same order, so all ranks get bitwise identical results.
+// transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has the
+// figures). Here each rank copies a slice of its buffer into its own slot of a shared segment,
+// waits until every rank has done the same, and computes the reduction of that slice itself,
+// reading every rank's slot in rank order and writing the result straight into its own buffer. The
+// copy into the slot uses streaming stores, so the peers read it from memory rather than out of the
+// writer's cache, and two slots per rank let the copy of slice k+1 overlap the peers' reading of
+// slice k. Every rank sums in the same order, so all ranks get bitwise identical results.
 //
 // The ranks agree before they choose a path: every blocking allreduce, reduce, reduce_scatter,
-// allgather and broadcast on such a
-// communicator, whatever its size, dtype or memory, first publishes its call (count, dtype, op or
-// root, host or device memory) in its slot; only when every rank published the same call does
-// any rank act, and then all of them take the same path (this one, or MPI after the header-only
-// exchange). A rank whose call differs from a peer's throws MismatchError, on every rank, before
-// any buffer is written. Every wait polls a hook (stall notices, the collective's deadline), so
-// no wait here is unbounded.
+// allgather and broadcast on such a communicator, whatever its size, dtype or memory, first
+// publishes its call (count, dtype, op or root, host or device memory) in its slot; only when every
+// rank published the same call does any rank act, and then all of them take the same path (this
+// one, or MPI after the header-only exchange). A rank whose call differs from a peer's throws
+// MismatchError, on every rank, before any buffer is written. Every wait polls a hook (stall
+// notices, the collective's deadline), so no wait here is unbounded.
 #pragma once
 
 #include <mpi.h>

@@ -25,9 +25,9 @@
 #include <span>
 #include <utility>
 
-#include "lockstep/errors.hpp"
-#include "lockstep/optim_math.hpp"
-#include "lockstep/tensor.hpp"
+#include "lockstep/core/errors.hpp"
+#include "lockstep/train/optim_math.hpp"
+#include "lockstep/core/tensor.hpp"
 
 namespace lockstep::cuda {
 

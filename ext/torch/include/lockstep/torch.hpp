@@ -36,9 +36,9 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/backend.hpp"
+#include "lockstep/comm/backend.hpp"
 #include "lockstep/train/gradient_reducer.hpp"
-#include "lockstep/tensor.hpp"
+#include "lockstep/core/tensor.hpp"
 #include "lockstep/torch/join.hpp"
 
 namespace at {

@@ -1,2 +1,0 @@
-#pragma once  // the 0.1.0 path, kept for one release; removed in 0.3.0: include "lockstep/train/gradient_reducer.hpp" instead
-#include "lockstep/train/gradient_reducer.hpp"
