@@ -54,6 +54,12 @@ std::string send_report(const char* addr, const std::string& text) {
       failed = "no connection within 2 s";
       break;
     }
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (off == 0 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) {
+      failed = concat("connect: ", std::strerror(err));
+      break;
+    }
     const ssize_t n = ::send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL);
     if (n < 0 && errno != EAGAIN && errno != EINTR) failed = concat("send: ", std::strerror(errno));
     if (n > 0) off += static_cast<std::size_t>(n);

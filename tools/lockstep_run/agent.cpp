@@ -132,10 +132,24 @@ int agent_main(int argc, char** argv) {
   send_line(fd, std::string("agent ") + (token ? token : "") + " " + rank_from_env() + " " +
                     std::to_string(child) + " " + host);
   int status = 0;
+  // Its parent (mpiexec's daemon, or mpiexec) gone, the agent is an orphan no one will end:
+  // it ends the program itself, TERM then KILL 3 s later.
+  const pid_t daemon = ::getppid();
+  int orphan_ticks = -1;
   for (;;) {
     siginfo_t info{};
-    const int s = sigwaitinfo(&set, &info);
-    if (s < 0) continue;
+    const timespec tick{0, 500000000};
+    const int s = sigtimedwait(&set, &info, &tick);
+    if (s < 0) {
+      if (orphan_ticks < 0 && ::getppid() != daemon) {
+        orphan_ticks = 0;
+        send_line(fd, "signal " + std::to_string(SIGTERM));
+        ::kill(child, SIGTERM);
+      } else if (orphan_ticks >= 0 && ++orphan_ticks == 6) {
+        ::kill(child, SIGKILL);
+      }
+      continue;
+    }
     if (s == SIGCHLD) {
       const pid_t w = ::waitpid(child, &status, WNOHANG);
       if (w == child && (WIFEXITED(status) || WIFSIGNALED(status))) break;

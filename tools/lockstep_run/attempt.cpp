@@ -348,8 +348,12 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       if (fd < 0) break;
       conns.emplace_back(); conns.back().fd = fd;
     }
-    for (size_t i = 2; i < fds.size(); ++i)
-      if (fds[i].revents != 0 && conns[i - 2].fd >= 0) read_conn(conns[i - 2]);
+    // Every connection read, the reports and new ones before the agents': a rank sends its
+    // report before it exits, so a report and its rank's end heard together count in that order.
+    for (Conn& c : conns)
+      if (c.fd >= 0 && c.kind != Conn::Agent) read_conn(c);
+    for (Conn& c : conns)
+      if (c.fd >= 0 && c.kind == Conn::Agent) read_conn(c);
     conns.erase(std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }), conns.end());
     const double now = elapsed();
     if (!done) {

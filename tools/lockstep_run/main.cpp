@@ -7,7 +7,7 @@
 // library sends its blame reports to the same socket. lockstep-run judges the ranks by that
 // alone, never by what mpiexec or the program print. After a failure it drops the hosts that
 // were lost (their agents killed outright), that went silent (named silent by another host's
-// rank and not heard from since) or that fail a probe, and starts again on the rest.
+// rank, and sent no report themselves) or that fail a probe, and starts again on the rest.
 #include "launcher.hpp"
 
 #include <CLI/CLI.hpp>
@@ -540,7 +540,6 @@ int main(int argc, char** argv) {
     };
     for (const auto& [r, k] : a.ranks) {
       const std::string h = host_of_rank(hosts, r);
-      if (k.ended || k.signalled) heard.insert(h);
       if (k.vanished) vanished[h].push_back(r);
       if (k.ended && !k.signalled && (k.sig != 0 || k.code != 0)) {
         say("rank " + std::to_string(r) + " died on " + (k.node.empty() ? h : k.node) +
@@ -553,6 +552,8 @@ int main(int argc, char** argv) {
           " ran there and vanished without a word (their agents were killed: the host or its daemon lost)");
       lost.insert(h);
     }
+    // A host that reported is not silent towards lockstep-run: where the hosts blame each other,
+    // the probe decides.
     for (const Report& rep : a.reports) heard.insert(host_of_rank(hosts, rep.rank));
     for (const Report& rep : a.reports) {
       const std::string by = "rank " + std::to_string(rep.rank) + " (on " + rep.node + ")";
@@ -582,7 +583,7 @@ int main(int argc, char** argv) {
           say("dropping host " + h.name + ": its ranks vanished without a word (host or daemon lost)");
         } else if (silent.count(h.name)) {
           say("dropping host " + h.name + ": its ranks went silent (named by " + silent[h.name] +
-              ") and nothing was heard from it since; left out whatever a probe says");
+              ") and it sent no report; left out whatever a probe says");
         } else if (answered.count(h.name) && !answered.at(h.name)) {
           char b[32];
           std::snprintf(b, sizeof b, "%g", o.grace);
