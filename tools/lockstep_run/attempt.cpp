@@ -285,8 +285,10 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     } else if (c.kind == Conn::Agent && !c.ended) {
       Rank& r = a.ranks[c.rank];
       r.t_end = elapsed();
-      if (ending) {
-        r.signalled = true;  // ended by lockstep-run: no sign of anything
+      if (ending || r.signalled) {
+        // Killed by whoever was ending the job (lockstep-run, or mpiexec: TERM, then KILL a
+        // second later): no sign of anything.
+        r.signalled = true;
       } else {
         r.vanished = true;
         failure("rank " + std::to_string(c.rank) + " on " + where(c.rank, r.node) +
