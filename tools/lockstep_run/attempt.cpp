@@ -225,7 +225,9 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     const std::string h = host_of_rank(a.hosts, r);
     return !node.empty() ? node : (h.empty() ? std::string("this host") : h);
   };
+  static const bool debug = std::getenv("LOCKSTEP_RUN_DEBUG") != nullptr;  // every word heard, on stderr
   auto handle_line = [&](Conn& c, const std::string& line) {
+    if (debug) say("heard (rank " + std::to_string(c.rank) + "): " + line);
     std::istringstream in(line);
     std::string w;
     in >> w;
@@ -277,6 +279,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     }
   };
   auto closed = [&](Conn& c) {
+    if (debug) say("closed (rank " + std::to_string(c.rank) + ", " + (c.ended ? "ended" : "no end said") + ")");
     if (c.kind == Conn::Report) {
       Report rep = parse_report(c.buf);
       c.buf.clear();

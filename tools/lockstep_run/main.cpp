@@ -547,7 +547,16 @@ int main(int argc, char** argv) {
         suspect.insert(h);
       }
     }
+    // A host is lost when every rank it ran vanished (a host or daemon killed takes them all);
+    // one agent gone among others that spoke is a rank lost, not its host.
     for (const auto& [h, ranks] : vanished) {
+      int there = 0;
+      for (int r = 0; r < a.np; ++r) there += host_of_rank(hosts, r) == h;
+      if (static_cast<int>(ranks.size()) < there) {
+        say("rank(s) " + join(ranks) + " on " + (h.empty() ? std::string("this host") : h) +
+            " vanished without a word (their agents were killed)");
+        continue;
+      }
       say("lost host " + (h.empty() ? std::string("(this host)") : h) + ": ranks " + join(ranks) +
           " ran there and vanished without a word (their agents were killed: the host or its daemon lost)");
       lost.insert(h);
