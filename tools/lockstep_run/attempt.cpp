@@ -28,13 +28,14 @@ extern char** environ;
 namespace lockstep_run {
 namespace {
 
-volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_signal = 0, g_signals = 0;
 int g_sigpipe[2] = {-1, -1};
 int g_listen = -1;
 std::string g_addr;  // IP:PORT the agents and the library reach lockstep-run on
 
 void on_signal(int s) {
   if (g_signal == 0) g_signal = s;
+  g_signals = g_signals + 1;
   const int saved = errno;
   const char c = 1;
   [[maybe_unused]] ssize_t n = ::write(g_sigpipe[1], &c, 1);
@@ -392,7 +393,11 @@ void run_attempt(const Options& o, int index, Attempt& a) {
                              : "mpiexec still running " + std::string(b) +
                                    " after the failure: killing its process group " + std::to_string(group));
     }
-    if (ending && kill_at >= 0 && now > kill_at) {
+    if (ending && kill_at >= 0 && g_signals > 1) {
+      say("a second signal: KILL now");
+      kill_at = now;
+    }
+    if (ending && kill_at >= 0 && now >= kill_at) {
       say("mpiexec's process group " + std::to_string(group) + " still there " + std::to_string(int(o.term_grace)) +
           "s after TERM: KILL");
       signal_group(group, SIGKILL);

@@ -421,7 +421,12 @@ int main(int argc, char** argv) {
   app.add_option("--report-dir", o.report_dir);
   app.add_option("--log-dir", o.log_dir);
   app.add_option("--listen-address", o.listen_address);
-  for (CLI::Option* opt : app.get_options()) opt->allow_extra_args(false);
+  // A scalar option given twice keeps its last value (scripts add to a command line).
+  for (CLI::Option* opt : app.get_options()) {
+    opt->allow_extra_args(false);
+    if (opt->get_name() != "--host" && opt->get_name() != "--hostfile" && opt->get_name() != "-H")
+      opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  }
   std::vector<std::string> reversed(rest.rbegin(), rest.rend());
   try {
     app.parse(reversed);
@@ -495,6 +500,13 @@ int main(int argc, char** argv) {
     say("hosts from Slurm job " + slurm_job + " (SLURM_JOB_NODELIST=" + std::getenv("SLURM_JOB_NODELIST") +
         "): " + host_list(o.hosts));
   say("the ranks report to " + addr);
+  if (addr.rfind("127.", 0) == 0)
+    for (const Host& h : o.hosts)
+      if (h.name != "localhost" && h.name.rfind("127.", 0) != 0) {
+        say("note: no route to host " + h.name + " was found from here: ranks there may not reach " + addr +
+            " (give --listen-address)");
+        break;
+      }
 
   std::vector<Attempt> attempts;
   std::vector<Host> hosts = o.hosts;
@@ -504,6 +516,7 @@ int main(int argc, char** argv) {
     std::exit(status);
   };
   for (int attempt = 0;; ++attempt) {
+    if (pending_signal() != 0) finish(128 + pending_signal());  // sent between two attempts
     attempts.emplace_back();
     Attempt& a = attempts.back();
     a.np = np;
