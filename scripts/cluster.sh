@@ -13,23 +13,24 @@
 #       host in the hostfile. Idempotent: the same cluster up again is left as it is (processes
 #       left in it by a killed run are ended); a different one replaces it.
 #   cluster.sh run [mpiexec args] [--] program [args]
-#       mpiexec started in host 0, with the cluster's hostfile, rsh agent and transports
+#       mpiexec started in host 0 (as `exec 0` does), with the cluster's hostfile, rsh agent and transports
 #       (--mca btl tcp,self,vader over the bridge's subnet). E.g. 2 hosts x 2 ranks:
 #       cluster.sh run -n 4 --map-by ppr:2:node -- build/examples/hello_world
 #       Every process the run left in the cluster is ended when it returns or is killed. The
 #       first "--" is dropped (give one when the program's own arguments hold a "--"), so
 #       `cluster.sh run` can stand for mpiexec in scripts that take an MPIEXEC. One run at a time
-#       per cluster (the end of one ends every process in the cluster).
+#       per cluster (the end of one ends every process in the cluster, but for the processes
+#       it was started from: `exec 0 lockstep-run --mpiexec "cluster.sh run"` lives on).
 #   cluster.sh up --slurm H [options as above]
 #       The same hosts, plus a Slurm cluster on them (Debian's slurmctld, slurmd, munge): munged
 #       (in the bridge's namespace, its own key and socket), slurmctld in host 0, one slurmd per
-#       host in that host's namespace, each with its host name, spool and a /tmp of its own, and
+#       host in that host's namespaces, each with its host name, spool and /tmp, and
 #       a partition 'batch' (the default) holding every host with --slots CPUs each (default
 #       nproc). Slurm's commands run on a host through `exec`. Waits until every node is idle.
 #   cluster.sh exec HOST command...
-#       command (sbatch, srun, sinfo, scontrol, squeue, mpiexec...) on HOST (<cluster>-h<i>, h<i>,
-#       <i> or its address): in its network namespace, under its host name, with its /tmp (Slurm
-#       clusters), SLURM_CONF set to the cluster's slurm.conf, and Open MPI's settings for the
+#       command (sbatch, srun, sinfo, scontrol, squeue, mpiexec, lockstep-run...) on HOST
+#       (<cluster>-h<i>, h<i>, <i> or its address): in its network namespace, under its host name,
+#       with its /tmp, SLURM_CONF set to the cluster's slurm.conf, and Open MPI's settings for the
 #       cluster (root allowed, no binding, TCP on the bridge's subnet, yield when idle), which
 #       sbatch and srun pass on to the job. Exits with the command's status.
 #   cluster.sh down       removes every namespace, link, daemon and file of the cluster (idempotent).
@@ -47,9 +48,12 @@
 #
 # What is made: a namespace <cluster>-br holding bridge br0 (and no address); per host a namespace
 # <cluster>-h<i> holding lo and eth0 (<i+1> on the subnet, no default route), eth0's peer h<i>
-# attached to br0. Nothing is added to the root namespace's network, so no traffic can leave the
-# cluster. State (hostfile, agent; for --slurm slurm.conf, the munge key and socket, every
-# daemon's spool, log and pid file, a hosts file naming every host, each host's /tmp) in
+# attached to br0. Every process of a host (mpiexec, the orted daemons, the ranks, `exec`'s
+# command) runs in a mount namespace of its own where /tmp is the host's own folder
+# (/run/<cluster>-cluster/h<i>/tmp) and TMPDIR=/tmp: as on a real cluster, the hosts share no
+# /tmp, only the source and build tree (and the rest of the file system). Nothing is added to the root namespace's network, so no traffic can leave the
+# cluster. State (hostfile, agent, each host's /tmp; for --slurm slurm.conf, the munge key and
+# socket, every daemon's spool, log and pid file, a hosts file naming every host) in
 # /run/<cluster>-cluster, and nothing elsewhere. Interrupted (INT, TERM, HUP), `up` removes what
 # it made.
 set -uo pipefail
@@ -92,8 +96,14 @@ daemon_pids() {
 # TERM, then KILL whatever is left after 3 s. `end_processes keep-daemons` spares the Slurm
 # daemons (what `run` and a repeated `up` end is what a run left, not the cluster).
 end_processes() {
-  local ns pids sig keep=()
+  local ns pids sig keep=() p
   [ "${1:-}" = keep-daemons ] && mapfile -t keep < <(daemon_pids)
+  # The processes this one was started from (a lockstep-run in host 0 whose mpiexec this is).
+  p=$PPID
+  while [ -n "$p" ] && [ "$p" -gt 1 ]; do
+    keep+=("$p")
+    p=$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null)
+  done
   for sig in TERM KILL; do
     pids=""
     for ns in $(our_namespaces); do pids+=" $(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')"; done
@@ -182,6 +192,7 @@ cmd_up() {
     ip -n "$BR" link add "h$i" type veth peer name eth0 netns "$ns"
     ip -n "$BR" link set "h$i" master br0 up
     ip -n "$ns" addr add "$SUBNET.$((i + 1))/24" dev eth0
+    mkdir -p "$STATE/h$i/tmp" && chmod 1777 "$STATE/h$i/tmp"
     ip -n "$ns" link set eth0 up
     if [ -n "$rate" ]; then
       tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency "$latency"
@@ -247,8 +258,6 @@ cmd_run() {
   # exchange can wait a scheduler time slice (docs/performance.md, "Across hosts"). Yielding when
   # idle lets the peer run; a real cluster, with a core per rank, does not need it.
   export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
-  local h0
-  h0=$(host_ns 0)
   # mpiexec runs in host 0 (its network namespace, and a UTS namespace named after it); the
   # other hosts' orted daemons are started by the agent. Every address Open MPI may use, for its
   # own out-of-band channel and for MPI messages, is on the bridge's subnet. Given as
@@ -256,9 +265,7 @@ cmd_run() {
   export OMPI_MCA_plm_rsh_agent=$STATE/agent OMPI_MCA_plm_rsh_no_tree_spawn=1
   export OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,self,vader
   export OMPI_MCA_btl_tcp_if_include=$SUBNET.0/24 OMPI_MCA_oob_tcp_if_include=$SUBNET.0/24
-  ip netns exec "$h0" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$h0" \
-    mpiexec --hostfile "$STATE/hostfile" \
-    "${args[@]}" &
+  ( in_host 0 mpiexec --hostfile "$STATE/hostfile" "${args[@]}" ) &
   local pid=$! rc
   # On a signal or any exit, end mpiexec and whatever it left in the cluster.
   trap 'kill -TERM $pid 2>/dev/null; end_processes keep-daemons; exit 143' TERM INT HUP
@@ -270,8 +277,8 @@ cmd_run() {
 }
 
 # The rsh agent: Open MPI calls it as `agent [options] HOST command words...`, like ssh. HOST is
-# a hostfile address; the command (a shell command line, as ssh would pass it) runs in that
-# host's network namespace, in a new UTS namespace named after the host.
+# a hostfile address; the command (a shell command line, as ssh would pass it) runs on that host
+# (in_host: its network namespace, its name, its /tmp).
 cmd_agent() {
   while [ $# -gt 0 ] && [[ $1 == -* ]]; do shift; done
   [ $# -ge 2 ] || die "agent: expected HOST command..." 2
@@ -279,9 +286,7 @@ cmd_agent() {
   shift
   [[ $host == "$SUBNET".* ]] || die "agent: '$host' is not a host of cluster '$NAME' ($SUBNET.0/24)"
   i=$((${host##*.} - 1))
-  local ns
-  ns=$(host_ns "$i")
-  exec ip netns exec "$ns" unshare --uts -- sh -c 'hostname "$0" && exec sh -c "$1"' "$ns" "$*"
+  in_host "$i" sh -c "$*"
 }
 
 # ---- Slurm -------------------------------------------------------------------------------------
@@ -320,18 +325,19 @@ cluster_env() {
 }
 
 # in_host I command...: command in host I's network namespace, in UTS and mount namespaces of its
-# own: the host's name and, on Slurm clusters, the cluster's /etc/hosts (every host's name and
-# address) and the host's own /tmp bound over /etc/hosts and /tmp. Replaces this shell. (nsenter,
-# not `ip netns exec`, which remounts /sys and so hides the cgroup file systems slurmd needs.)
-# The source tree is the cluster's shared file system (as a build on NFS is): where it lies under
-# /tmp it is bound back into the host's own /tmp at the same path (held at $STATE/slurm/shared
-# while /tmp is replaced), so that a clone in /tmp runs there too.
+# own: the host's name, the host's own /tmp bound over /tmp (TMPDIR=/tmp) and, on Slurm clusters,
+# the cluster's /etc/hosts (every host's name and address) over /etc/hosts. Replaces this shell.
+# (nsenter, not `ip netns exec`, which remounts /sys and so hides the cgroup file systems slurmd
+# needs.) The source tree is the cluster's shared file system (as a build on NFS is): where it
+# lies under /tmp it is bound back into the host's own /tmp at the same path (held at
+# $STATE/shared while /tmp is replaced), so that a clone in /tmp runs there too.
 in_host() {
-  local i=$1 ns tmp hosts=$STATE/slurm/hosts shared="" keep=$STATE/slurm/shared
+  local i=$1 ns tmp hosts=$STATE/slurm/hosts shared="" keep=$STATE/shared
   shift
   ns=$(host_ns "$i")
-  tmp=$STATE/slurm/h$i/tmp
+  tmp=$STATE/h$i/tmp
   [ -d "$tmp" ] || tmp=""
+  export TMPDIR=/tmp
   [ -f "$hosts" ] || hosts=""
   case $SOURCE_ROOT in /tmp/*) shared=$SOURCE_ROOT ;; esac
   exec nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private -- \
@@ -403,10 +409,10 @@ EOF
     echo "NodeName=$(host_ns "$i") NodeAddr=$SUBNET.$((i + 1)) CPUs=$cpus State=UNKNOWN" >>"$s/slurm.conf"
   done
   echo "PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$s/slurm.conf"
-  # Every host sees the same /etc/hosts (every host's name and address) and a /tmp of its own.
+  # Every host sees the same /etc/hosts (every host's name and address).
   { printf '127.0.0.1\tlocalhost\n'; for ((i = 0; i < hosts; i++)); do printf '%s\t%s\n' "$SUBNET.$((i + 1))" "$(host_ns "$i")"; done; } >"$s/hosts"
   for ((i = 0; i < hosts; i++)); do
-    mkdir -p "$s/h$i/tmp" "$s/h$i/spool" && chmod 1777 "$s/h$i/tmp" || return 1
+    mkdir -p "$s/h$i/spool" || return 1
     ln -sfn "h$i" "$s/$(host_ns "$i")"   # %n in slurm.conf is the node name
   done
   ( cluster_env; in_host 0 slurmctld -i ) ||

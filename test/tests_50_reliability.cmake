@@ -101,6 +101,13 @@ lockstep_add_fault_test(NAME delay_report_unwritable ENDED_RANK 1
   ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_REPORT_DIR=/dev/null/reports "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
   LOG_HAS "lockstep: could not write the blame report /dev/null/reports/blame.0" "the report: rank 0;host "
   EXPECT "TimeoutError")
+# The report sent to lockstep-run (LOCKSTEP_RUN_ADDR): where nothing listens there, each rank
+# that found the stall says so, with the report's content, and ends as it would have. (Heard
+# where lockstep-run listens: reliability.lockstep_run, and across hosts, the multihost stage.)
+lockstep_add_fault_test(NAME delay_report_unsent ENDED_RANK 1
+  ENV LOCKSTEP_TIMEOUT=2 LOCKSTEP_RUN_ADDR=127.0.0.1:1 "LOCKSTEP_FAULT=rank=1,kind=delay,after=3,seconds=12"
+  LOG_HAS "lockstep: could not send the blame report to lockstep-run at LOCKSTEP_RUN_ADDR=127.0.0.1:1 (connect: Connection refused" "the report: rank 0;host "
+  EXPECT "TimeoutError")
 
 # The same with the nonblocking form (iallreduce + wait, as DistributedOptimizer's buckets): the
 # deadline and the blame apply to Request::wait too.
@@ -217,20 +224,31 @@ if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CB
   # uninterrupted run's model hash (--deterministic); a sharded state writes none and says so.
   lockstep_add_script_test(NAME reliability.rescue_resume SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/rescue_resume.sh
     TARGET train PROCESSORS 4 TIMEOUT 240 LABELS reliability examples FAULTS)
-  # tools/lockstep-run: a killed rank restarted and resumed, shrinking, --max-restarts,
-  # --min-ranks, a blame report, a hung job ended, bad arguments.
-  lockstep_add_script_test(NAME reliability.lockstep_run SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run.sh
-    TARGET train PROCESSORS 4 TIMEOUT 400 LABELS reliability examples FAULTS)
+  # lockstep-run: a killed rank restarted and resumed, shrinking, --max-restarts, --min-ranks, a
+  # blame report, a hung job ended, bad arguments, a silent host left out.
+  if(TARGET lockstep-run)
+    lockstep_add_script_test(NAME reliability.lockstep_run SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run.sh
+      TARGET train PROCESSORS 4 TIMEOUT 400 LABELS reliability examples FAULTS)
+    set_property(TEST reliability.lockstep_run APPEND PROPERTY ENVIRONMENT TEST_LOCKSTEP_RUN=$<TARGET_FILE:lockstep-run>)
+  endif()
 endif()
 
 # Trust (issue 11): checks above every backend, the shared-memory path agreeing on its calls,
 # settings agreed across ranks, and the job ending instead of hanging. In-process cases:
 lockstep_test_executable(test_trust reliability/trust_test.cpp)
 lockstep_add_mpi_test(NAME trust TARGET test_trust RANKS 1 2 3 4 TIMEOUT 120 LABELS reliability)
-# tools/lockstep-run with inputs a user gives it as a matter of course (a reused --report-dir,
-# hostfile words in either order); a trivial program, so any target serves as the binary.
-lockstep_add_script_test(NAME reliability.lockstep_run_inputs SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run_inputs.sh
-  TARGET test_trust PROCESSORS 2 TIMEOUT 120 LABELS reliability)
+# lockstep-run with inputs a user gives it as a matter of course (a reused --report-dir, hostfile
+# words in either order); and its own behaviour: INT, TERM, HUP, QUIT end every rank (exit
+# 128+N), the summary, --log-dir, printed text not taken for a failure. Trivial programs, so any
+# target serves as the binary.
+if(TARGET lockstep-run)
+  lockstep_add_script_test(NAME reliability.lockstep_run_inputs SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run_inputs.sh
+    TARGET test_trust PROCESSORS 2 TIMEOUT 120 LABELS reliability)
+  lockstep_add_script_test(NAME reliability.lockstep_run_signals SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run_signals.sh
+    TARGET test_trust PROCESSORS 3 TIMEOUT 120 LABELS reliability)
+  set_property(TEST reliability.lockstep_run_inputs reliability.lockstep_run_signals APPEND PROPERTY
+    ENVIRONMENT TEST_LOCKSTEP_RUN=$<TARGET_FILE:lockstep-run>)
+endif()
 # The same with the shared-memory path off (the calls go to MPI, the checks must not change).
 lockstep_add_mpi_test(NAME trust.noshm TARGET test_trust RANKS 2 3 TIMEOUT 120 LABELS reliability
                       ENV LOCKSTEP_SHM=0)

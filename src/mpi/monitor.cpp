@@ -14,11 +14,61 @@
 //   that a stalled rank can give up and throw instead of waiting forever.
 #include "mpi/monitor_impl.hpp"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <cerrno>
 #include <filesystem>
 
 namespace lockstep {
 namespace detail {
+namespace {
+
+// Sends a blame report to lockstep-run at LOCKSTEP_RUN_ADDR ("IP:PORT", with LOCKSTEP_RUN_TOKEN
+// naming its attempt): "report TOKEN\n" then the report, on a connection of its own. Reaches
+// the launcher from every host (a report folder may exist on the launch host only). Bounded: a
+// launcher that cannot be reached costs at most 2 s. Returns "" or what failed.
+std::string send_report(const char* addr, const std::string& text) {
+  const char* token = std::getenv("LOCKSTEP_RUN_TOKEN");
+  const std::string a = addr;
+  const auto colon = a.rfind(':');
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  if (colon == std::string::npos || inet_pton(AF_INET, a.substr(0, colon).c_str(), &sa.sin_addr) != 1)
+    return "not an IPv4 address and port";
+  sa.sin_port = htons(static_cast<std::uint16_t>(std::atoi(a.c_str() + colon + 1)));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return concat("socket: ", std::strerror(errno));
+  const std::string msg = concat("report ", token ? token : "", "\n", text);
+  std::string failed;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 && errno != EINPROGRESS)
+    failed = concat("connect: ", std::strerror(errno));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  std::size_t off = 0;
+  while (failed.empty() && off < msg.size()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLOUT, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) != 1) {
+      failed = "no connection within 2 s";
+      break;
+    }
+    int err = 0;
+    socklen_t len = sizeof err;
+    if (off == 0 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0) {
+      failed = concat("connect: ", std::strerror(err));
+      break;
+    }
+    const ssize_t n = ::send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL);
+    if (n < 0 && errno != EAGAIN && errno != EINTR) failed = concat("send: ", std::strerror(errno));
+    if (n > 0) off += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  return failed;
+}
+
+}  // namespace
 
 
 // ---------------------------------------------------------------------------------------------
@@ -167,7 +217,9 @@ void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std
                         const std::string& msg) noexcept {
   try {
     const char* dir = std::getenv("LOCKSTEP_REPORT_DIR");
-    if (dir == nullptr || *dir == '\0') return;
+    const char* addr = std::getenv("LOCKSTEP_RUN_ADDR");
+    const bool to_dir = dir != nullptr && *dir != '\0', to_launcher = addr != nullptr && *addr != '\0';
+    if (!to_dir && !to_launcher) return;
     MPI_Group group, world;
     MPI_Comm_group(comm, &group);
     MPI_Comm_group(MPI_COMM_WORLD, &world);
@@ -192,6 +244,17 @@ void write_blame_report(MPI_Comm comm, const std::vector<int>& silent, const std
     std::string first = msg.substr(0, msg.find('\n'));
     const std::string text = concat("rank ", me, "\nhost ", host, "\nsilent", silent_line, "\nbehind", behind_line,
                                     "\nmessage ", first, "\n");
+    if (to_launcher) {
+      const std::string failed = send_report(addr, text);
+      static std::atomic<bool> said{false};
+      if (!failed.empty() && !said.exchange(true)) {
+        std::string oneline = text;
+        std::replace(oneline.begin(), oneline.end(), '\n', ';');
+        std::cerr << "lockstep: could not send the blame report to lockstep-run at LOCKSTEP_RUN_ADDR=" << addr << " ("
+                  << failed << "); the report: " << oneline << std::endl;
+      }
+    }
+    if (!to_dir) return;
     const std::string path = concat(dir, "/blame.", me);
     const std::string tmp = concat(path, ".tmp.", ::getpid());
     // The directory may exist on the launcher's host only (no shared /tmp on a cluster): made

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A lost host, on the cluster on one machine (scripts/cluster.sh): faults between hosts, under
-# tools/lockstep-run, as scripts/test.sh's multihost stage runs them (issue 27).
+# lockstep-run, as scripts/test.sh's multihost stage runs them (issue 27). lockstep-run runs in
+# host 0 (cluster.sh exec 0), mpiexec too (cluster.sh run); every host has its own /tmp (issue
+# 43), so what a rank writes there the other hosts do not see.
 #
 # Usage: host_faults.sh CASE BUILD_DIR WORKDIR
 #   CASE is one of
@@ -52,21 +54,31 @@
 #              time to detect, to restart, and the work lost.
 #   train-kill-2x2  the same acceptance run with every process of host 1 (its orted too) killed
 #              after the epoch-50 checkpoint instead of its link cut: mpiexec ends the job,
-#              lockstep-run names the lost daemon's host and ranks, drops it, restarts at N=2 on
+#              lockstep-run names the lost host and its ranks (their agents vanished without a
+#              word), drops it, restarts at N=2 on
 #              host 0 and finishes 100 epochs with the same checks and figures. The
 #              uninterrupted run it compares with is train-2x2's when that case ran first in the
 #              same parent directory (scripts/test.sh runs it first), else its own.
+#   report-2x2 rank 0 late (LOCKSTEP_FAULT delay) at 2x2, LOCKSTEP_TIMEOUT=2, --report-dir
+#              /tmp/lsr (each host's own /tmp): the ranks of host 1 report rank 0 behind, and
+#              lockstep-run, in host 0, hears their reports over TCP; their report files are in
+#              host 1's /tmp, not in host 0's.
 # The cluster (LOCKSTEP_CLUSTER, LOCKSTEP_CLUSTER_SUBNET) is brought up here at the layout the
 # case needs; the caller takes it down. Figures are printed as "figures: ..." lines; they are
 # indications only (the machine is shared) and nothing here asserts a time, except that the job
 # ends within a bound far above the expected (a hang fails, it does not stall CI).
 set -uo pipefail
 CASE=$1 BIN=$2 WORK=$3
+[[ $BIN == /* ]] || BIN=$PWD/$BIN
+[[ $WORK == /* ]] || WORK=$PWD/$WORK
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 CLUSTER=(bash "$ROOT/scripts/cluster.sh")
 NAME=${LOCKSTEP_CLUSTER:-lockstep}
 SUBNET=${LOCKSTEP_CLUSTER_SUBNET:-10.231.0}
-RUNNER=$ROOT/tools/lockstep-run
+RUNNER=$BIN/tools/lockstep-run
+[ -x "$RUNNER" ] || { echo "host_faults.sh: $RUNNER is not built"; exit 1; }
+# lockstep-run in host 0, where the ranks' agents and reports reach it over the cluster's subnet.
+LR=("${CLUSTER[@]}" exec 0 "$RUNNER")
 rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK" || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 failures=0
@@ -131,7 +143,7 @@ lost_host_fault() {
   local hosts=${layout%x*} per=${layout#*x}
   up "$hosts" "$per"
   rm -rf out && mkdir out
-  LOCKSTEP_TIMEOUT=3 timeout -k 5 120 "$RUNNER" -H "$(hostlist "$hosts" "$per")" --mpiexec ./mpx \
+  LOCKSTEP_TIMEOUT=3 timeout -k 5 120 "${LR[@]}" -H "$(hostlist "$hosts" "$per")" --mpiexec ./mpx \
     --probe ./probe --per-host-timeout 20 --max-restarts 0 "$@" -- \
     "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 "$mode" >lr.out 2>lr.err &
   local pid=$!
@@ -199,7 +211,9 @@ remote_blamed() {
 }
 
 job_ended() {  # the job ended, and how long after the fault
-  if [ "$lr_rc" -eq 124 ] || [ "$lr_rc" -eq 137 ]; then
+  # 124, or 137 near the 120 s bound: `timeout` ended lockstep-run. (lockstep-run itself exits
+  # 137 when it had to KILL mpiexec's process group.)
+  if [ "$lr_rc" -eq 124 ] || { [ "$lr_rc" -eq 137 ] && awk -v a="$t_fault" -v b="$t_end" 'BEGIN { exit !(b - a > 100) }'; }; then
     fail "the job did not end within 120 s (lockstep-run exit $lr_rc)"; tail -20 lr.err
   elif [ "$lr_rc" -eq 0 ]; then
     fail "the job succeeded although a host was lost"
@@ -230,7 +244,10 @@ drop_check() {
   shift 2
   before=$(drop_count)
   t0=$(now)
-  timeout -k 5 120 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -- "$@" >"run-$name.log" 2>&1
+  # The checkpoint test's ranks share a temporary folder: one in the work folder (the hosts'
+  # own /tmp are apart).
+  mkdir -p "$WORK/shared-tmp"
+  timeout -k 5 120 "${CLUSTER[@]}" run -n 4 --map-by ppr:2:node -x TMPDIR="$WORK/shared-tmp" -- "$@" >"run-$name.log" 2>&1
   rc=$? t1=$(now)
   after=$(drop_count)
   local dropped=$((${after:-0} - ${before:-0}))
@@ -283,9 +300,9 @@ case $CASE in
     # A rank of host 0 writing to a killed rank's reset connection used to die of SIGPIPE before
     # mpiexec saw the lost daemon (about 1 run in 5), and mpiexec named only that rank;
     # initialize<MPIBackend> now ignores SIGPIPE (docs/reliability.md, "SIGPIPE"): a failure.
-    if grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err; then
+    if grep -q "lost host $SUBNET.2: ranks 2 3 ran there and vanished without a word" lr.err; then
       pass "lockstep-run names the lost host and its ranks"
-    elif grep -q "exited on signal 13" lr.err; then
+    elif grep -q "died on .* (signal 13)" lr.err; then
       fail "a rank of host 0 died of SIGPIPE before mpiexec saw the lost daemon (initialize<MPIBackend> ignores SIGPIPE)"
     else
       fail "lockstep-run does not name host $SUBNET.2 and ranks 2 3: $(grep lockstep-run lr.err | tail -5)"
@@ -397,7 +414,7 @@ case $CASE in
      now >t_fault; "$fault" 1) &
     cutter=$!
     t0=$(now)
-    LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "$RUNNER" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
+    LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "${LR[@]}" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
       --per-host-timeout 20 --max-restarts 2 --min-ranks 2 -- "${train[@]}" --checkpoint run/ck \
       --checkpoint-every 10 --checkpoint-keep 3 --resume auto >lr.out 2>lr.err
     rc=$? t_end=$(now)
@@ -411,7 +428,7 @@ case $CASE in
       grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
         pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
     else
-      grep -q "mpiexec lost the daemon of host $SUBNET.2 (ranks 2 3 ran there)" lr.err &&
+      grep -q "lost host $SUBNET.2: ranks 2 3 ran there and vanished without a word" lr.err &&
         pass "lockstep-run named the lost host $SUBNET.2 and its ranks 2 3" ||
         fail "lockstep-run did not name the lost host: $(grep 'lockstep-run' lr.err | head -12)"
     fi
@@ -440,6 +457,24 @@ case $CASE in
         "attempt 2 started at ${next}s (restart $(awk -v a="$seen" -v b="$next" 'BEGIN { printf "%.1f", b - a }') s after detection)," \
         "work lost $((reached - resumed)) epoch(s), finished at ${done_at}s; final loss $loss (uninterrupted $ref)"
     fi
+    ;;
+  report-2x2)
+    up 2 2
+    rm -rf out && mkdir out
+    rm -rf "/run/$NAME-cluster/h0/tmp/lsr" "/run/$NAME-cluster/h1/tmp/lsr"
+    LOCKSTEP_TIMEOUT=2 LOCKSTEP_FAULT=rank=0,kind=delay,after=20,seconds=8 timeout -k 5 120 "${LR[@]}" \
+      -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe --max-restarts 0 --report-dir /tmp/lsr -- \
+      "$BIN/test/lockstep_fault_program" "$WORK/out" 100000 blocking >lr.out 2>lr.err
+    lr_rc=$?
+    for r in 2 3; do
+      grep -q "rank $r (on $NAME-h1) reports rank 0 behind" lr.err &&
+        pass "rank $r's report, sent from host 1, heard by lockstep-run in host 0" ||
+        fail "no report from rank $r of host 1: $(grep 'lockstep-run' lr.err | tail -6)"
+      [ -f "/run/$NAME-cluster/h1/tmp/lsr/attempt-0/blame.$r" ] && [ ! -e "/run/$NAME-cluster/h0/tmp/lsr/attempt-0/blame.$r" ] &&
+        pass "rank $r's report file is in host 1's own /tmp only" || fail "rank $r's report file: not in host 1's /tmp alone"
+    done
+    [ ! -e "/tmp/lsr/attempt-0" ] && pass "nothing written to this machine's /tmp" || fail "a report in this machine's /tmp/lsr"
+    [ "$lr_rc" -ne 0 ] && [ "$lr_rc" -ne 124 ] && pass "the job ended (exit $lr_rc)" || fail "lockstep-run exit $lr_rc"
     ;;
   *) echo "host_faults.sh: unknown case '$CASE'"; exit 2 ;;
 esac

@@ -86,7 +86,7 @@ echo "job \$SLURM_JOB_ID: nodes \$SLURM_JOB_NODELIST, \$SLURM_NTASKS_PER_NODE ta
 srun --mpi=pmix $TRAIN --epochs 20
 EOF
 sed -e 's/train-srun/train-mpiexec/' -e "s|^srun --mpi=pmix $TRAIN|mpiexec $TRAIN|" -e '/hello_world/d' srun.sbatch >mpiexec.sbatch
-sed -e 's/train-srun/train-lsrun/' -e "s|^srun --mpi=pmix $TRAIN|$ROOT/tools/lockstep-run --max-restarts 0 -- $TRAIN|" -e '/hello_world/d' \
+sed -e 's/train-srun/train-lsrun/' -e "s|^srun --mpi=pmix $TRAIN|$BIN/tools/lockstep-run --max-restarts 0 -- $TRAIN|" -e '/hello_world/d' \
   srun.sbatch >lsrun.sbatch
 
 # check_job CASE: submits CASE.sbatch, waits, checks the training finished.
@@ -139,7 +139,7 @@ for c in "${CASES[@]}"; do
 #SBATCH --time=00:05:00
 #SBATCH --output=%x-%j.out
 export LOCKSTEP_TIMEOUT=3
-$ROOT/tools/lockstep-run --max-restarts 2 --min-ranks 2 --per-host-timeout 20 -- \\
+$BIN/tools/lockstep-run --max-restarts 2 --min-ranks 2 --per-host-timeout 20 -- \\
     $TRAIN --epochs 100 --batch 240 --checkpoint run/ck --checkpoint-every 10 --checkpoint-keep 3 --resume auto
 EOF
       rm -rf run

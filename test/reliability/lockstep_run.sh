@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tools/lockstep-run with real mpiexec runs of examples/train on this machine:
+# lockstep-run (tools/lockstep_run) with real mpiexec runs of examples/train on this machine:
 #  1. a rank SIGKILLed mid-run (LOCKSTEP_FAULT kind=kill, first attempt only): lockstep-run
 #     restarts the job once on the same host at the same N, the run resumes from the newest
 #     checkpoint, finishes all epochs with final loss < 1e-3, redoes at most one checkpoint
@@ -11,11 +11,14 @@
 #  3. --max-restarts 0: exits with mpiexec's failing status, no restart;
 #  4. --min-ranks above what is left: stops with a message naming it;
 #  5. a stall blame report (LOCKSTEP_REPORT_DIR) is read and the behind rank named;
-#  6. a hung job (a rank reports a failure, nobody exits) is ended after --per-host-timeout;
-#  7. bad arguments: exit 2 with a clear error.
+#  6. a hung job (a rank exits 3, mpiexec told not to end the job for it) is ended after
+#     --per-host-timeout;
+#  7. bad arguments: exit 64 with a clear error;
+#  8. a silent host: its rank frozen (SIGSTOP), named silent by the ranks of the other host, is
+#     left out of the restart although its probe answers.
 # Called as: lockstep_run.sh MPIEXEC TRAIN_BINARY WORKDIR
 source "$(dirname "$0")/../examples/common.sh"
-RUNNER=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../tools" && pwd)/lockstep-run
+RUNNER=${TEST_LOCKSTEP_RUN:?the built lockstep-run (set by ctest)}
 [ -x "$RUNNER" ] || { echo "no $RUNNER"; exit 1; }
 mpiargs=(--mpiexec "$MPIEXEC" --mpiexec-arg --oversubscribe --mpiexec-arg --bind-to --mpiexec-arg none)
 K=10     # checkpoint interval (epochs)
@@ -150,20 +153,23 @@ else
 fi
 
 # ---- 6. a hung job is ended after --per-host-timeout ---------------------------------------
+# Rank 1 exits 3 (its agent tells lockstep-run), the others sleep on, and mpiexec, told not to
+# end the job for a non-zero status, would wait for them for ever.
 marker=$((RANDOM + 1000))
 cat >hang.sh <<EOF
 #!/usr/bin/env bash
-[ "\$OMPI_COMM_WORLD_RANK" = 1 ] && echo "lockstep: stall: rank 1 gives up (test)" >&2
+[ "\$OMPI_COMM_WORLD_RANK" = 1 ] && exit 3
 exec sleep $marker
 EOF
 chmod +x hang.sh
 t0=$(date +%s)
-lr -n 3 --max-restarts 0 --per-host-timeout 3 "${mpiargs[@]}" -- ./hang.sh
+lr -n 3 --max-restarts 0 --per-host-timeout 3 --mca orte_abort_on_non_zero_status 0 "${mpiargs[@]}" -- ./hang.sh
 rc=$?
 took=$(($(date +%s) - t0))
 sleep 1
 left=$(pgrep -f "sleep $marker" | wc -l)
-if [ "$rc" -ne 0 ] && [ "$took" -le 20 ] && [ "$left" -eq 0 ] && grep -q 'killing its process group' err.txt; then
+if [ "$rc" -ne 0 ] && [ "$took" -le 20 ] && [ "$left" -eq 0 ] && grep -q 'killing its process group' err.txt &&
+  grep -q 'failure seen: rank 1 exited with status 3' err.txt; then
   pass "hung job: ended by lockstep-run after ${took}s (--per-host-timeout 3), exit $rc, no rank left"
 else
   fail "hung job: exit $rc after ${took}s, $left rank(s) left"
@@ -176,7 +182,7 @@ bad() {
   shift
   timeout 20 "$RUNNER" "$@" >out.txt 2>err.txt
   local rc=$?
-  if [ "$rc" -eq 2 ] && grep -q "^lockstep-run: error: .*$pattern" err.txt && grep -q -- "--help" err.txt; then
+  if [ "$rc" -eq 64 ] && grep -q "^lockstep-run: error: .*$pattern" err.txt && grep -q -- "--help" err.txt; then
     pass "'$*' refused: $(grep -m1 'error:' err.txt)"
   else
     fail "'$*': exit $rc, stderr: $(head -c 200 err.txt)"
@@ -197,4 +203,28 @@ bad "--mca: needs a key and a value" -n 2 --mca btl
 bad "-n N is needed" -- true
 bad "--mpiexec: '/nonexistent/mpiexec'" -n 1 --mpiexec /nonexistent/mpiexec -- true
 timeout 20 "$RUNNER" --help >out.txt 2>err.txt && grep -q '^Usage: lockstep-run' out.txt && pass "--help" || fail "--help"
+
+# ---- 8. a silent host is left out although it answers its probe -----------------------------
+# Rank 2, alone on host 127.0.0.1, is frozen: ranks 0 and 1 (host localhost) name it silent in
+# their blame reports; the probe ('true') answers for both hosts; the restart runs on localhost.
+cat >frozen.sh <<EOF
+#!/usr/bin/env bash
+if [ "\$LOCKSTEP_RUN_ATTEMPT" = 0 ] && [ "\$OMPI_COMM_WORLD_RANK" = 2 ]; then
+  "$EXE" "\$@" & pid=\$!
+  (sleep 2; kill -STOP \$pid) &
+  wait \$pid
+  exit \$?
+fi
+exec "$EXE" "\$@"
+EOF
+chmod +x frozen.sh
+LOCKSTEP_TIMEOUT=2 lr -H localhost:2,127.0.0.1:1 --probe true --max-restarts 1 --per-host-timeout 10 \
+  "${mpiargs[@]}" -- ./frozen.sh --batch 240 --epochs 30
+rc=$?
+if [ "$rc" -eq 0 ] && grep -q 'dropping host 127.0.0.1: its ranks went silent' err.txt &&
+  grep -q 'restarting on 2 ranks on localhost:2' err.txt && grep -q '^done: 30 epochs' out.txt; then
+  pass "silent host: 127.0.0.1 left out although its probe answers, restarted on localhost"
+else
+  fail "silent host: exit $rc; $(grep -E 'dropping|keeping|restarting|failure seen' err.txt | head -5)"
+fi
 finish

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# tools/lockstep-run against inputs a user gives it as a matter of course (adversarial pass of
+# lockstep-run against inputs a user gives it as a matter of course (adversarial pass of
 # issue 41), with real mpiexec and a trivial program (no training: seconds):
 #  1. a --report-dir reused from an earlier run that left blame reports: the healthy job runs
 #     to its end (it was read as this run's stall and killed 3 s in), the earlier reports kept
 #     aside;
 #  2. hostfile lines with slots= and max_slots= in either order give the slots= count (with
 #     max_slots before slots= the host had 1 slot, silently: the job ran on fewer ranks than the
-#     hostfile holds); a word that is neither is refused (exit 2);
+#     hostfile holds); a word that is neither is refused (exit 64);
 #  3. inside a Slurm allocation without -H or --hostfile (issue 46): the hosts and rank count
 #     come from SLURM_JOB_NODELIST and SLURM_NTASKS_PER_NODE (else SLURM_TASKS_PER_NODE), with a
 #     stand-in scontrol and mpiexec (the real mpiexec would take the variables for an allocation);
 #     -H given wins over them.
 # Called as: lockstep_run_inputs.sh MPIEXEC ANY_BINARY WORKDIR (the binary is not used).
-RUNNER=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../tools" && pwd)/lockstep-run  # before common.sh changes directory
+RUNNER=${TEST_LOCKSTEP_RUN:?the built lockstep-run (set by ctest)}
 source "$(dirname "$0")/../examples/common.sh"
 [ -x "$RUNNER" ] || { echo "no $RUNNER"; exit 1; }
 mpiargs=(--mpiexec "$MPIEXEC" --mpiexec-arg --oversubscribe --mpiexec-arg --bind-to --mpiexec-arg none)
@@ -53,7 +53,7 @@ for line in "localhost slots=2 bogus" "localhost slots=2 slots=3" "localhost:2 s
   echo "$line" >hosts.txt
   lr --hostfile hosts.txt --max-restarts 0 "${mpiargs[@]}" -- ./prog.sh
   rc=$?
-  [ "$rc" -eq 2 ] && grep -q "^lockstep-run: error: --hostfile hosts.txt: .*'$line'" err.txt &&
+  [ "$rc" -eq 64 ] && grep -q "^lockstep-run: error: --hostfile hosts.txt: .*'$line'" err.txt &&
     pass "hostfile '$line' refused: $(grep -m1 'error:' err.txt)" || fail "hostfile '$line': exit $rc, $(head -c 300 err.txt)"
 done
 # ---- 3. hosts and rank count from Slurm ----------------------------------------------------
