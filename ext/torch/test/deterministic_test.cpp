@@ -294,4 +294,44 @@ TEST_CASE("deterministic: clipping by the global norm (max_grad_norm) gives the 
   CHECK(all_ranks(mentions(e, "max_grad_norm must be positive")));
 }
 
+TEST_CASE("deterministic: with Join, a rank without a batch adds no micro-batch (the mean over those with rows)",
+          "[torch][mpi][deterministic]") {
+  // Rank r has batches for steps 0 .. r: at step s the ranks r >= s each compute micro-batch
+  // (s, r), the others run backward on 0 rows and step() (join.hpp's loop). One process that
+  // accumulates exactly those micro-batches per step must get the same bits.
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank(), n = b.size();
+  auto loss_of = [](Mlp& net, const std::pair<torch::Tensor, torch::Tensor>& xy) {
+    return torch::mse_loss(net->forward(xy.first), xy.second);
+  };
+  Mlp got = fresh_model();
+  {
+    torch::optim::Adam adam(got->parameters(), torch::optim::AdamOptions(1e-2));
+    lt::DistributedOptimizer opt(b, adam, {.deterministic = true}, lt::TorchOptions{.names_from = got.get()});
+    lt::Join join(b);
+    for (int s = 0; join.next(s <= rank); ++s) {
+      opt.zero_grad();
+      const auto xy = s <= rank ? micro_batch(s, rank) : std::pair{torch::zeros({0, 13}), torch::zeros({0, 5})};
+      loss_of(got, xy).backward();
+      opt.step();
+    }
+    CHECK(join.steps() == n);
+  }
+  ls::MPIBackend self(MPI_COMM_SELF);
+  Mlp one = fresh_model();
+  {
+    torch::optim::Adam adam(one->parameters(), torch::optim::AdamOptions(1e-2));
+    lt::DistributedOptimizer opt(self, adam, {.deterministic = true}, lt::TorchOptions{.names_from = one.get()});
+    for (int s = 0; s < n; ++s) {
+      opt.zero_grad();
+      for (int r = s; r < n; ++r) {
+        loss_of(one, micro_batch(s, r)).backward();
+        opt.accumulate();
+      }
+      opt.step();
+    }
+  }
+  CHECK(all_ranks(same_bits(*got, *one)));
+}
+
 }  // namespace deterministic_tests
