@@ -31,6 +31,14 @@ if(TARGET lockstep_torch)
   target_link_libraries(test_torch_sharded PRIVATE lockstep::torch)
   lockstep_add_mpi_test(NAME torch_sharded TARGET test_torch_sharded RANKS 1 2 3 LABELS torch
     TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  # What a real model (a transformer) brings, against one process with LibTorch alone: a tied weight
+  # refused when given twice, reduced once, saved, loaded and hashed once; parameters without a
+  # gradient in a step, clipped; the global norm (max_grad_norm) replicated, sharded and
+  # deterministic equal to clip_grad_norm_'s.
+  lockstep_test_executable(test_torch_real_model ${PROJECT_SOURCE_DIR}/ext/torch/test/real_model_test.cpp)
+  target_link_libraries(test_torch_real_model PRIVATE lockstep::torch)
+  lockstep_add_mpi_test(NAME torch_real_model TARGET test_torch_real_model RANKS 1 2 3 LABELS torch
+    TIMEOUT 300 ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).
@@ -40,6 +48,10 @@ if(TARGET lockstep_torch)
                               RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME torch_digits_resume SCRIPT torch_digits_resume.sh TARGET torch_digits
                               RANKS 2 TIMEOUT 120)
+    # gpt (tiny preset): the loss falls at -n 1 and 2, one hash with --deterministic; stop/resume
+    # continues the uninterrupted curve (ordinary at -n 2, deterministic from -n 2 to -n 1, rotation).
+    lockstep_add_example_test(NAME gpt_train SCRIPT gpt_train.sh TARGET gpt RANKS 2 TIMEOUT 240)
+    lockstep_add_example_test(NAME gpt_resume SCRIPT gpt_resume.sh TARGET gpt RANKS 2 TIMEOUT 240)
     # torch_digits_bn: a CNN with convert_sync_batchnorm, the same test loss at -n 1, 2 and 4.
     lockstep_add_example_test(NAME torch_digits_bn_scale SCRIPT torch_digits_bn_scale.sh TARGET torch_digits_bn
                               RANKS 4 TIMEOUT 240)
@@ -48,9 +60,9 @@ if(TARGET lockstep_torch)
     lockstep_add_example_test(NAME torch_digits_deterministic SCRIPT torch_digits_deterministic.sh
                               TARGET torch_digits RANKS 4 TIMEOUT 300)
     set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
-                 APPEND PROPERTY LABELS torch)
+                 gpt_train gpt_resume APPEND PROPERTY LABELS torch)
     set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
-                 APPEND PROPERTY ENVIRONMENT
+                 gpt_train gpt_resume APPEND PROPERTY ENVIRONMENT
                  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   endif()
 endif()
