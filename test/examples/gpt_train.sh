@@ -16,8 +16,8 @@ last_hash() {
 }
 # falls: the first and last validation losses printed, and whether the last is below the first by 0.3.
 falls() {
-  awk '/^step [0-9]+ train loss / {v = $7; if (first == "") first = v} END {
-    if (first != "" && v + 0.3 < first) { print "yes " first " -> " v } else { print "no " first " -> " v } }' out.txt
+  awk '/^step [0-9]+ train loss / {v = $8; if (first == "") first = v} END {
+    if (first != "" && v + 0.3 < first + 0) { print "yes " first " -> " v } else { print "no " first " -> " v } }' out.txt
 }
 
 run 1 --preset tiny --steps 30 --deterministic || fail "-n 1 --deterministic exited with $?"
