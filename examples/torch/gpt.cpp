@@ -36,7 +36,7 @@
 // At the end rank 0 prints a sample of generated text and, last, `model hash crc32c:XXXXXXXX`.
 //
 // Run (from the repository root, after building into build/):
-//   mpiexec -n 2 --oversubscribe build/examples/torch/gpt --preset small --steps 600 --log gpt.csv
+//   mpiexec -n 2 --oversubscribe build/examples/torch/gpt --preset small --log gpt.csv
 //   mpiexec -n 2 --oversubscribe build/examples/torch/gpt --preset tiny --deterministic
 //   lockstep-run -n 2 -- build/examples/torch/gpt --checkpoint run/ck --checkpoint-keep 3 --resume auto
 // `gpt --help` lists every flag; docs/examples.md describes the output and the checkpoint.
@@ -96,7 +96,7 @@ struct Preset {
   double lr;
 };
 Preset preset_of(const std::string& name) {
-  if (name == "small") return {{4, 4, 128, 64, 0.1}, 600, 32, 4, 50, 50, 300, 1e-3};
+  if (name == "small") return {{4, 4, 128, 64, 0.1}, 300, 32, 4, 25, 30, 300, 2e-3};
   return {{1, 2, 32, 32, 0.1}, 30, 8, 2, 10, 5, 80, 3e-3};
 }
 
