@@ -49,6 +49,7 @@
 #include "lockstep_cli.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -379,21 +380,29 @@ int run(const Options& o, ls::Backend& backend) {
   }
 
   // The CSV (rank 0): on a resume, the rows up to the checkpoint's step are kept.
+  // Whether it can be written is agreed (rank 0's failure is every rank's error, not a hang).
   std::ofstream csv;
+  std::int32_t csv_ok = 1;
   if (root && !o.log.empty()) {
     std::vector<std::string> kept;
     if (first_step > 0) {
       std::ifstream old(o.log);
       std::string line;
-      while (std::getline(old, line))
-        if (!line.empty() && line[0] != 's' && std::stoll(line.substr(0, line.find(','))) <= first_step)
+      while (std::getline(old, line)) {
+        const std::string step_field = line.substr(0, line.find(','));
+        if (!step_field.empty() && std::all_of(step_field.begin(), step_field.end(), ::isdigit) &&
+            std::stoll(step_field) <= first_step)
           kept.push_back(line);
+      }
     }
     csv.open(o.log, std::ios::trunc);
     csv << "step,lr,train_loss,val_loss\n";
     for (const auto& l : kept) csv << l << "\n";
-    if (!csv) throw ls::InvalidArgument("--log " + o.log + ": cannot write");
+    csv.flush();
+    csv_ok = csv ? 1 : 0;
   }
+  backend.broadcast(ls::TensorView{&csv_ok, 1, ls::DType::i32, ls::Device::cpu()}, 0);
+  if (csv_ok == 0) throw ls::InvalidArgument("--log " + o.log + ": rank 0 cannot write this file");
 
   const ls::MicroBatches mine =
       o.deterministic ? ls::micro_batches_of(o.batch, o.micro_batch, rank, ranks) : ls::MicroBatches{};

@@ -49,4 +49,5 @@ else
 fi
 expect_refused 2 '--batch.*7 is not a multiple of the 2 ranks' --batch 7
 expect_failure 2 'no such file or directory' --data /nonexistent/corpus.txt
+expect_failure 2 'rank 0 cannot write this file' --log /nonexistent/loss.csv
 finish
