@@ -30,8 +30,8 @@
 //
 // Models: --model mlp (Sequential of --layers Linear(--width, --width) + ReLU; 50 x 512: 13.1 M
 // parameters), --model gpt (examples/torch/gpt_model.hpp's byte-level GPT at its small preset: 4
-// layers, width 128, context 64, the head tied to the embedding; --batch sequences per rank,
-// next-byte cross-entropy on random bytes), or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
+// layers, width 128, context 64, the head tied to the embedding, no dropout; --batch sequences
+// per rank, next-byte cross-entropy on random bytes), or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
 // bench/torch/export_resnet50.py, input --image-size, 1000 classes, cross-entropy).
 //
 // --optimizer adam: the inner optimizer is Adam instead of SGD (state twice the parameters:
@@ -108,8 +108,10 @@ struct Config {
   std::string optimizer = "sgd";
 };
 
-// The GPT of --model gpt: examples/torch/gpt's small preset.
-constexpr gpt::Config kGpt{4, 4, 128, 64, 0.1};
+// The GPT of --model gpt: examples/torch/gpt's small preset, without dropout: the variants
+// interleave their steps, so each would draw other masks from the one generator, and their
+// results are compared.
+constexpr gpt::Config kGpt{4, 4, 128, 64, 0.0};
 
 // One model replica: an nn::Module (mlp, gpt) or a TorchScript module.
 struct Replica {

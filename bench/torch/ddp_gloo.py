@@ -90,7 +90,7 @@ class GPT(torch.nn.Module):
 def make_model(a):
     torch.manual_seed(0)
     if a.model == "gpt":
-        return GPT(a.gpt_layers, a.gpt_heads, a.gpt_width, a.gpt_block)
+        return GPT(a.gpt_layers, a.gpt_heads, a.gpt_width, a.gpt_block, dropout=0.0)  # as bench_torch's
     if a.model == "mlp":
         layers = []
         for _ in range(a.layers):
@@ -179,6 +179,10 @@ def worker(rank, a, out):
     dist.destroy_process_group()
 
 
+# Seconds a rank may still run after another exited normally before the group counts as stuck.
+EARLY_EXIT_GRACE_S = 30
+
+
 def free_port():
     """A TCP port nobody listens on now (the kernel's pick), for the group's rendezvous: a fixed
     port that a stale process still holds makes the rendezvous wait for the wrong server."""
@@ -189,8 +193,9 @@ def free_port():
 
 def run_group(a):
     """Starts the world_size processes and watches them: the first that exits with an error (or
-    is killed) ends the others at once, and this process exits saying which and why; so does the
-    group still running after --deadline seconds. Returns rank 0's result."""
+    is killed) ends the others at once, and this process exits saying which and why; so does a
+    rank that exited normally while others still run EARLY_EXIT_GRACE_S later, and the group
+    still running after --deadline seconds. Returns rank 0's result."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     procs = [ctx.Process(target=worker, args=(r, a, out), daemon=True) for r in range(a.world_size)]
@@ -198,15 +203,27 @@ def run_group(a):
         p.start()
     start = time.monotonic()
     reason = None
+    done_at = {}  # rank -> when it was first seen exited with status 0
     while reason is None:
         codes = [p.exitcode for p in procs]
+        now = time.monotonic()
+        for r, c in enumerate(codes):
+            if c == 0:
+                done_at.setdefault(r, now)
         bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        running = [r for r, c in enumerate(codes) if c is None]
         if bad:
             r, c = bad[0]
             how = f"was killed by signal {-c}" if c < 0 else f"exited with status {c} (its error is above)"
             reason = f"process {r} of {a.world_size} {how}"
-        elif all(c == 0 for c in codes):
+        elif not running:
             break
+        elif done_at and now - min(done_at.values()) > EARLY_EXIT_GRACE_S:
+            # The ranks leave together (the last collective, then destroy_process_group): one
+            # gone this long while others run left them waiting for it.
+            r = min(done_at, key=done_at.get)
+            reason = (f"process {r} of {a.world_size} exited (status 0) {now - done_at[r]:.0f} s before "
+                      f"processes {running}, which were still running (waiting for it)")
         elif time.monotonic() - start > a.deadline:
             reason = (f"the group was still running after --deadline {a.deadline:.0f} s "
                       f"(processes not done: {[r for r, c in enumerate(codes) if c is None]})")

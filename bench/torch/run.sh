@@ -11,7 +11,7 @@
 #     the same model without DDP;
 #   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank), the byte-level
 #   GPT of examples/torch/gpt (its small preset: 4 layers, width 128, context 64, 0.83 M
-#   parameters, GPT_BATCH sequences per rank) and, unless
+#   parameters, without dropout, GPT_BATCH sequences per rank) and, unless
 #   --no-resnet, ResNet-50 at 64x64 (torchvision: Debian's python3-torchvision; traced to TorchScript by export_resnet50.py,
 #   loaded by both sides; batch RESNET_BATCH per rank); and lt::SyncBatchNorm2d against
 #   torch::nn::BatchNorm2d, forward+backward at NP ranks (input [BN_BATCH, 64, 16, 16] per rank).
