@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import statistics
 import time
 
@@ -220,8 +221,17 @@ def run_group(a):
             break
         elif done_at and now - min(done_at.values()) > EARLY_EXIT_GRACE_S:
             # The ranks leave together (the last collective, then destroy_process_group): one
-            # gone this long while others run left them waiting for it.
+            # gone this long while others run left them waiting for it. Unless rank 0 sent the
+            # result: every rank then took part in every timed step (the figures are complete)
+            # and the others are stuck on their way out, which has been seen here under run.sh.
             r = min(done_at, key=done_at.get)
+            if 0 in done_at and not out.empty():
+                print(f"ddp_gloo.py: processes {running} still running {now - done_at[r]:.0f} s after process {r} "
+                      f"exited, with every step done (stuck on the way out?): ended them", file=sys.stderr)
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                break
             reason = (f"process {r} of {a.world_size} exited (status 0) {now - done_at[r]:.0f} s before "
                       f"processes {running}, which were still running (waiting for it)")
         elif time.monotonic() - start > a.deadline:
