@@ -37,11 +37,12 @@ without_cuda() {
 # stage main need it, and LOCKSTEP_REQUIRE_GNUPLOT=1 makes that test fail rather than skip
 # where it is missing. LibTorch (libtorch-dev) for lockstep::torch, with python3-torch (the
 # checkpoint test reads a file back in Python, the torch benchmark runs Python DDP) and
-# python3-sklearn (the torch example's handwritten digits); nftables (stage multihost drops a
+# python3-sklearn (the torch example's handwritten digits), fortunes (the gpt example's text:
+# /usr/share/games/fortunes, about 2.6 MB of English); nftables (stage multihost drops a
 # host's packets with it); Slurm and munge (stage multihost runs a Slurm cluster on the simulated
 # hosts: slurmctld, slurmd, slurm-client, munge; Debian 12's Slurm 22.05).
 stage_deps() {
-  bash scripts/install-deps.sh gnuplot-nox libtorch-dev python3-torch python3-sklearn nftables \
+  bash scripts/install-deps.sh gnuplot-nox libtorch-dev python3-torch python3-sklearn fortunes nftables \
     slurmctld slurmd slurm-client munge
 }
 export LOCKSTEP_REQUIRE_GNUPLOT=1
@@ -198,6 +199,10 @@ stage_multihost() (
   for t in train_converges train_resume train_deterministic; do
     check 2h "example_$t" bash "$ROOT/test/examples/$t.sh" "$mpiexec" "$bin/examples/train/train" "$logs/work-$t"
   done
+  # The gpt example (LibTorch, issue 45) at 2x2 for a few steps: one process's hash and loss lines.
+  if [ -x "$bin/examples/torch/gpt" ] && [ -d /usr/share/games/fortunes ]; then
+    check 2x2 example_gpt bash "$ROOT/test/multihost/gpt.sh" "$bin/examples/torch/gpt" "$logs/work-gpt"
+  fi
 
   # ---- A lost host (issue 27): test/multihost/host_faults.sh, under lockstep-run --------------
   # A host's link taken down for good and every process of a host killed, each during

@@ -1,13 +1,14 @@
 # lockstep::torch (ext/torch): real LibTorch models and optimizers under mpiexec at 1-4 ranks,
 # and a checkpoint read back by Python (python3-torch). Built when LOCKSTEP_WITH_TORCH is on.
 if(TARGET lockstep_torch)
-  # One program for the four LibTorch test files, compiled as one unit (LibTorch's headers are
-  # slow to parse: once instead of four times); their helpers are torch_test_support.hpp. Each
+  # One program for the five LibTorch test files, compiled as one unit (LibTorch's headers are
+  # slow to parse: once instead of five times); their helpers are torch_test_support.hpp. Each
   # CTest test below runs one file's test cases (Catch2's -# tags each case with its file name;
   # ~[.] keeps the hidden export case out, torch_checkpoint_python runs it).
   set(torch_test_dir ${PROJECT_SOURCE_DIR}/ext/torch/test)
   lockstep_test_executable(test_torch ${torch_test_dir}/torch_test.cpp ${torch_test_dir}/sync_batchnorm_test.cpp
-                           ${torch_test_dir}/deterministic_test.cpp ${torch_test_dir}/sharded_test.cpp)
+                           ${torch_test_dir}/deterministic_test.cpp ${torch_test_dir}/sharded_test.cpp
+                           ${torch_test_dir}/real_model_test.cpp)
   target_link_libraries(test_torch PRIVATE lockstep::torch)
   set_target_properties(test_torch PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
   # The bridge, synchronize, DistributedOptimizer and checkpoints (torch_test.cpp).
@@ -33,6 +34,12 @@ if(TARGET lockstep_torch)
   # read at any N (written at 2, read at 1 and 3); the 16-bit wire rounds and trains close to f32.
   lockstep_add_mpi_test(NAME torch_sharded TARGET test_torch RANKS 1 2 3 LABELS torch
     TIMEOUT 300 ARGS "-#" "[#sharded_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
+  # What a real model (a transformer) brings, against one process with LibTorch alone: a tied weight
+  # refused when given twice, reduced once, saved, loaded and hashed once; parameters without a
+  # gradient in a step, clipped; the global norm (max_grad_norm) replicated, sharded and
+  # deterministic equal to clip_grad_norm_'s.
+  lockstep_add_mpi_test(NAME torch_real_model TARGET test_torch RANKS 1 2 3 LABELS torch
+    TIMEOUT 300 ARGS "-#" "[#real_model_test]~[.]" ENV OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   # The torch_digits example (examples/torch) as a user runs it: accuracy on the held-out digits,
   # and stop/resume through lt::save_checkpoint/load_checkpoint bitwise equal to one run. The
   # target exists under the same condition examples/torch/CMakeLists.txt uses (zlib found).
@@ -42,6 +49,10 @@ if(TARGET lockstep_torch)
                               RANKS 2 TIMEOUT 120)
     lockstep_add_example_test(NAME torch_digits_resume SCRIPT torch_digits_resume.sh TARGET torch_digits
                               RANKS 2 TIMEOUT 120)
+    # gpt (tiny preset): the loss falls at -n 1 and 2, one hash with --deterministic; stop/resume
+    # continues the uninterrupted curve (ordinary at -n 2, deterministic from -n 2 to -n 1, rotation).
+    lockstep_add_example_test(NAME gpt_train SCRIPT gpt_train.sh TARGET gpt RANKS 2 TIMEOUT 240)
+    lockstep_add_example_test(NAME gpt_resume SCRIPT gpt_resume.sh TARGET gpt RANKS 2 TIMEOUT 240)
     # torch_digits_bn: a CNN with convert_sync_batchnorm, the same test loss at -n 1, 2 and 4.
     lockstep_add_example_test(NAME torch_digits_bn_scale SCRIPT torch_digits_bn_scale.sh TARGET torch_digits_bn
                               RANKS 4 TIMEOUT 240)
@@ -50,9 +61,9 @@ if(TARGET lockstep_torch)
     lockstep_add_example_test(NAME torch_digits_deterministic SCRIPT torch_digits_deterministic.sh
                               TARGET torch_digits RANKS 4 TIMEOUT 300)
     set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
-                 APPEND PROPERTY LABELS torch)
+                 gpt_train gpt_resume APPEND PROPERTY LABELS torch)
     set_property(TEST torch_digits_accuracy torch_digits_resume torch_digits_bn_scale torch_digits_deterministic
-                 APPEND PROPERTY ENVIRONMENT
+                 gpt_train gpt_resume APPEND PROPERTY ENVIRONMENT
                  OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1)
   endif()
 endif()

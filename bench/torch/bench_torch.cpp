@@ -31,7 +31,9 @@
 // the optimizer's virtual step()).
 //
 // Models: --model mlp (Sequential of --layers Linear(--width, --width) + ReLU; 50 x 512: 13.1 M
-// parameters) or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
+// parameters), --model gpt (examples/torch/gpt_model.hpp's byte-level GPT at its small preset: 4
+// layers, width 128, context 64, the head tied to the embedding, no dropout; --batch sequences
+// per rank, next-byte cross-entropy on random bytes), or --model script --script FILE (a TorchScript module, e.g. ResNet-50 traced by
 // bench/torch/export_resnet50.py, input --image-size, 1000 classes, cross-entropy).
 //
 // --optimizer adam: the inner optimizer is Adam instead of SGD (state twice the parameters:
@@ -51,6 +53,8 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/torch.hpp>
 #include <lockstep/torch/sync_batchnorm.hpp>
+
+#include "gpt_model.hpp"  // examples/torch
 
 #ifdef LOCKSTEP_BENCH_GLOO
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -107,15 +111,22 @@ struct Config {
   std::string optimizer = "sgd";
 };
 
-// One model replica: either an nn::Module (mlp) or a TorchScript module.
+// The GPT of --model gpt: examples/torch/gpt's small preset, without dropout: the variants
+// interleave their steps, so each would draw other masks from the one generator, and their
+// results are compared.
+constexpr gpt::Config kGpt{4, 4, 128, 64, 0.0};
+
+// One model replica: an nn::Module (mlp, gpt) or a TorchScript module.
 struct Replica {
-  std::shared_ptr<torch::nn::Module> module;  // mlp
+  std::shared_ptr<torch::nn::Module> module;  // mlp, gpt
   torch::nn::Sequential seq{nullptr};
+  gpt::GPT gpt{nullptr};
   std::unique_ptr<torch::jit::Module> script;  // script
   std::vector<torch::Tensor> params;
 
   torch::Tensor forward(const torch::Tensor& x) {
     if (script) return script->forward({x}).toTensor();
+    if (gpt) return gpt->forward(x);
     return seq->forward(x);
   }
 };
@@ -132,6 +143,11 @@ Replica make_replica(const Config& c) {
     r.seq = s;
     r.module = s.ptr();
     r.params = s->parameters();
+  } else if (c.model == "gpt") {
+    r.gpt = gpt::GPT(kGpt);
+    r.module = r.gpt.ptr();
+    for (const auto& p : r.gpt->named_parameters())  // the tied weight once
+      if (p.key() != "head.weight") r.params.push_back(p.value());
   } else {
     r.script = std::make_unique<torch::jit::Module>(torch::jit::load(c.script));
     r.script->train();
@@ -147,9 +163,13 @@ struct Batch {
 Batch make_batch(const Config& c, int rank) {
   torch::manual_seed(100 + rank);
   if (c.model == "mlp") return {torch::randn({c.batch, c.width}), torch::randn({c.batch, c.width})};
+  if (c.model == "gpt")
+    return {torch::randint(0, gpt::kVocab, {c.batch, kGpt.block}), torch::randint(0, gpt::kVocab, {c.batch, kGpt.block})};
   return {torch::randn({c.batch, 3, c.image, c.image}), torch::randint(0, c.classes, {c.batch})};
 }
 torch::Tensor loss_of(const Config& c, const torch::Tensor& out, const Batch& b) {
+  if (c.model == "gpt")
+    return torch::nn::functional::cross_entropy(out.reshape({-1, gpt::kVocab}), b.y.reshape({-1}));
   return c.model == "mlp" ? torch::mse_loss(out, b.y) : torch::nn::functional::cross_entropy(out, b.y);
 }
 
@@ -236,9 +256,9 @@ int main(int argc, char** argv) {
   {
     namespace cli = lockstep_cli;
     auto& app = opt.app;
-    app.add_option("--model", c.model, "mlp, script (a TorchScript module, --script), or bn (SyncBatchNorm2d "
-                   "against BatchNorm2d)")->type_name("mlp|script|bn")
-        ->check(cli::one_of({"mlp", "script", "bn"}));
+    app.add_option("--model", c.model, "mlp, gpt (examples/torch/gpt's small GPT), script (a TorchScript module, "
+                   "--script), or bn (SyncBatchNorm2d against BatchNorm2d)")->type_name("mlp|gpt|script|bn")
+        ->check(cli::one_of({"mlp", "gpt", "script", "bn"}));
     app.add_option("--optimizer", c.optimizer, "the inner optimizer")->type_name("sgd|adam")
         ->check(cli::one_of({"sgd", "adam"}));
     app.add_option("--channels", c.channels, "channels of --model bn")->type_name("N")->check(cli::at_least(1));
@@ -457,6 +477,7 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::string what = c.model == "mlp" ? "MLP " + std::to_string(c.layers) + " x Linear(" + std::to_string(c.width) +
                                                 "," + std::to_string(c.width) + ")+ReLU"
+                         : c.model == "gpt" ? "GPT 4 layers, width 128, context 64"
                                           : "TorchScript " + c.script + " at " + std::to_string(c.image) + "x" +
                                                 std::to_string(c.image);
       std::printf("## bench_torch: %s, %.2f M parameters, batch %d per rank, %s, %d rank(s)\n\n", what.c_str(),

@@ -9,7 +9,9 @@
 #   - C++ at 1 rank: no communication (backward alone, nothing else on the cores);
 #   - Python (/usr/bin/python3): torch DistributedDataParallel with gloo at NP processes, and
 #     the same model without DDP;
-#   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank) and, unless
+#   for the MLP (50 x Linear(512,512)+ReLU, 13.1 M parameters, batch 64 per rank), the byte-level
+#   GPT of examples/torch/gpt (its small preset: 4 layers, width 128, context 64, 0.83 M
+#   parameters, without dropout, GPT_BATCH sequences per rank) and, unless
 #   --no-resnet, ResNet-50 at 64x64 (torchvision: Debian's python3-torchvision; traced to TorchScript by export_resnet50.py,
 #   loaded by both sides; batch RESNET_BATCH per rank); and lt::SyncBatchNorm2d against
 #   torch::nn::BatchNorm2d, forward+backward at NP ranks (input [BN_BATCH, 64, 16, 16] per rank).
@@ -20,8 +22,9 @@
 # Usage: bench/torch/run.sh [--quick] [--no-resnet]
 # Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (results/torch),
 #   MPIEXEC (mpiexec), PYTHON (/usr/bin/python3), STEPS (20), WARMUP (3), BATCH (64),
-#   RESNET_BATCH (16), RESNET_STEPS (6), BN_BATCH (32), PY_TIMEOUT (900: seconds a Python DDP run
-#   may take before it is ended and left out of the tables).
+#   RESNET_BATCH (16), RESNET_STEPS (6), BN_BATCH (32), GPT_BATCH (16), PY_TIMEOUT (900: seconds a
+#   Python DDP run may take before it is ended and left out of the tables; ddp_gloo.py itself
+#   bounds every wait by 120 s and ends its group when one process fails or dies, saying which).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +40,7 @@ batch=${BATCH:-64}
 rbatch=${RESNET_BATCH:-16}
 rsteps=${RESNET_STEPS:-6}
 bnbatch=${BN_BATCH:-32}
+gbatch=${GPT_BATCH:-16}
 pytimeout=${PY_TIMEOUT:-900}
 resnet=1
 for a in "$@"; do
@@ -84,7 +88,8 @@ run_models() {  # run_models TAG ARGS...: the C++ (NP ranks, 1 rank) and Python 
   # does not finish within PY_TIMEOUT s is reported, and the tables go on without its rows.
   rm -f "$results/${tag}_ddp.json"
   local rc=0
-  timeout -k 10 "$pytimeout" "$python" "$here/ddp_gloo.py" --world-size "$np" --json "$results/${tag}_ddp.json" "$@" \
+  timeout -k 10 "$pytimeout" "$python" "$here/ddp_gloo.py" --world-size "$np" --json "$results/${tag}_ddp.json" \
+    --deadline "$pytimeout" "$@" \
     | tee "$results/${tag}_ddp.md" || rc=$?
   if [ "$rc" -ne 0 ]; then
     echo "run.sh: Python DDP ($tag) $([ "$rc" -eq 124 ] && echo "did not finish within ${pytimeout}s" || echo "exited with $rc"); no DDP figures for $tag" >&2
@@ -93,6 +98,7 @@ run_models() {  # run_models TAG ARGS...: the C++ (NP ranks, 1 rank) and Python 
 }
 
 run_models mlp --model mlp --batch "$batch" --steps "$steps" --warmup "$warmup"
+run_models gpt --model gpt --batch "$gbatch" --steps "$steps" --warmup "$warmup"
 echo "== mlp with Adam: C++, $np ranks (replicated, sharded, bf16 wire)" >&2
 "$mpiexec" -n "$np" "${mpiflags[@]}" "$exe" --json "$results/mlp_adam_cpp.json" --model mlp --optimizer adam \
   --variants lockstep,lockstep-sharded,lockstep-bf16,local --batch "$batch" --steps "$steps" --warmup "$warmup" \
@@ -113,12 +119,12 @@ fi
 
 # The summary: every variant's step and backward+comm, the ratio to the no-communication
 # backward of the same run, and the step against Python DDP's.
-"$python" - "$results" "$resnet" <<'PY' | tee "$results/summary.md"
+"$python" - "$results" "$resnet" "$np" "$gbatch" <<'PY' | tee "$results/summary.md"
 import json, sys, os
-d, resnet = sys.argv[1], sys.argv[2] == "1"
+d, resnet, np_, gbatch = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
 print("| model | variant | step ms | backward+comm ms | (backward+comm)/local backward | (backward+comm)/1-rank backward | DDP step / step |")
 print("|---|---|--:|--:|--:|--:|--:|")
-for tag in ["mlp"] + (["resnet50"] if resnet else []):
+for tag in ["mlp", "gpt"] + (["resnet50"] if resnet else []):
     cpp = json.load(open(os.path.join(d, f"{tag}_cpp.json")))
     one = json.load(open(os.path.join(d, f"{tag}_cpp_1rank.json")))["variants"][0]
     ddp_file = os.path.join(d, f"{tag}_ddp.json")
@@ -132,6 +138,21 @@ for tag in ["mlp"] + (["resnet50"] if resnet else []):
         ratio = f"{r:.2f}" if r is not None else "-"
         print(f"| {tag} | {name} | {v['step_s'] * 1e3:.1f} | {v['backward_comm_s'] * 1e3:.1f} | {ratio} | "
               f"{v['backward_comm_s'] / one['backward_comm_s']:.2f} | {vs_ddp} |")
+print()
+# The GPT in tokens per second (context 64): every rank's batch per step, and the step against
+# the same run's no-communication step (the target: at most 1.15 on one machine).
+cpp = json.load(open(os.path.join(d, "gpt_cpp.json")))["variants"]
+ddp_file = os.path.join(d, "gpt_ddp.json")
+ddp = json.load(open(ddp_file))["variants"] if os.path.exists(ddp_file) else []
+local = next(v["step_s"] for v in cpp if v["variant"] == "local")
+py_local = next((v["step_s"] for v in ddp if v["variant"] == "local"), None)
+print(f"| GPT, {np_} ranks x {gbatch} x 64 tokens | tokens/s | step / no-communication step |")
+print("|---|--:|--:|")
+for v in cpp:
+    print(f"| {v['variant']} | {np_ * gbatch * 64 / v['step_s']:.0f} | {v['step_s'] / local:.2f} |")
+for v in ddp:
+    r = f"{v['step_s'] / py_local:.2f}" if py_local else "-"
+    print(f"| python-{v['variant']} | {np_ * gbatch * 64 / v['step_s']:.0f} | {r} |")
 print()
 adam = json.load(open(os.path.join(d, "mlp_adam_cpp.json")))["variants"]
 rep = next(v for v in adam if v["variant"] == "lockstep")

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 
 #include "lockstep/io/model_hash.hpp"
@@ -87,9 +88,10 @@ std::string model_hash(const ::torch::nn::Module& module) {
   std::vector<std::string> names;
   const auto params = module.named_parameters(/*recurse=*/true);
   keep.reserve(params.size());
+  std::unordered_set<const void*> seen;  // a tied weight once, under its first name (as saved)
   for (const auto& item : params) {
+    if (!item.value().defined() || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     at::Tensor t = item.value().detach();
-    if (!t.defined()) continue;
     if (!t.device().is_cpu()) t = t.cpu();
     keep.push_back(t.contiguous());
     names.push_back(item.key());

@@ -417,12 +417,19 @@ DistributedOptimizer::DistributedOptimizer(Backend& backend, ::torch::optim::Opt
     LOCKSTEP_CHECK_ARG(options.accumulation_steps >= 1,
                        "lockstep::torch::DistributedOptimizer: accumulation_steps must be >= 1, got ",
                        options.accumulation_steps);
-    std::unordered_map<const void*, std::string> seen;
+    std::unordered_map<const void*, std::size_t> seen;  // position in the optimizer's list
     all = optimizer_params(optimizer, topts.names_from);
-    for (auto p : all) {
-      auto [it, fresh] = seen.emplace(p.p.unsafeGetTensorImpl(), p.name);
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      auto p = all[i];
+      auto [it, fresh] = seen.emplace(p.p.unsafeGetTensorImpl(), i);
+      // LibTorch's Module::parameters() lists a tied weight once per name (Python's lists it
+      // once): given twice, torch::optim would step it twice and its gradient would be reduced
+      // twice.
       LOCKSTEP_CHECK_ARG(fresh, "lockstep::torch::DistributedOptimizer: parameter '", p.name,
-                         "' is in the optimizer twice (also as '", it->second, "')");
+                         "' is in the optimizer twice (positions ", it->second, " and ", i,
+                         " of its parameter list): pass each tensor once (a tied weight, one tensor under several "
+                         "names, is listed once per name by LibTorch's Module::parameters(); torch::optim would "
+                         "step it twice)");
       if (!trained(p.p)) continue;
       {
         std::lock_guard lock(g_wrapped_mutex);

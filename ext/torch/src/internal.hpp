@@ -38,7 +38,8 @@ Shape shape_of(const at::Tensor& t);
 
 using TensorMap = std::map<std::string, Tensor>;
 
-// Every parameter and buffer of m, by name, as borrowed Lockstep tensors. Throws
+// Every parameter and buffer of m, by name, as borrowed Lockstep tensors; a tensor registered
+// under several names (a tied weight) once, under its first name (named_parameters order). Throws
 // InvalidArgument naming the first one that has no flat view; call it inside an agreement.
 void add_module(TensorMap& out, const ::torch::nn::Module& m);
 

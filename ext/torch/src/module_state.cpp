@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <unordered_set>
+
 #include "lockstep/core/errors.hpp"
 #include "lockstep/train/synchronize.hpp"
 
@@ -13,11 +15,16 @@ using namespace internal;
 
 namespace internal {
 
-// Every parameter and buffer of m, by name, as borrowed Lockstep tensors. Throws
+// Every parameter and buffer of m, by name (a tied one once), as borrowed Lockstep tensors. Throws
 // InvalidArgument naming the first one that has no flat view; call it inside an agreement.
 void add_module(TensorMap& out, const ::torch::nn::Module& m) {
+  // A tensor registered under several names (a tied weight: the embedding and the output head)
+  // is one tensor: listed once, under the first name the module gives it, so that it is
+  // broadcast, saved and loaded once.
+  std::unordered_set<const void*> seen;
   auto add = [&](const std::string& name, const at::Tensor& t, const char* kind) {
     if (!t.defined()) return;  // an unset optional parameter or buffer
+    if (!seen.insert(t.unsafeGetTensorImpl()).second) return;
     try {
       out.emplace(name, borrow(t));
     } catch (const InvalidArgument& e) {

@@ -64,6 +64,7 @@ Tensor borrow(const at::Tensor& t);
 /// by name, made bitwise equal to root's. First the ranks check that their modules have the
 /// same names, shapes, dtypes and devices: MismatchError on every rank naming the first
 /// difference otherwise, and nothing is changed.
+/// A tied weight (one tensor under several names) is broadcast once.
 void synchronize(Backend& backend, ::torch::nn::Module& module, int root = 0,
                  std::source_location loc = std::source_location::current());
 /// Collective: the optimizer's state (Adam's step and moments, SGD's momentum buffers...) and
@@ -110,6 +111,10 @@ struct TorchOptions {
 /// must wrap an optimizer over the same parameters (by name, in the same order and groups, with
 /// the same shapes, dtypes and devices, the same ones trained and frozen) with the same options:
 /// MismatchError on every rank naming the first difference otherwise, and nothing is changed.
+/// Each tensor once: a tied weight (the embedding and the output head sharing one tensor) is
+/// listed once per name by LibTorch's Module::parameters(), and an optimizer given it twice is
+/// refused (InvalidArgument on every rank; torch::optim would step it twice); given once, its
+/// gradient (the sum of both uses, as autograd makes it) is reduced once and named by its first name.
 /// Sparse gradients (Embedding(sparse)) are added into the dense buffers. A failure while taking
 /// a gradient on one rank is thrown by the cycle's last step() on every rank, naming the
 /// parameter and the rank; the step is not taken.
@@ -214,7 +219,8 @@ class DistributedOptimizer {
 
 /// "crc32c:" and 8 lowercase hex digits: the CRC-32C of the bytes of every parameter of `module`
 /// (named_parameters, recursively), in the order of their names compared bytewise (as Python
-/// sorts a state_dict's keys), the same hash ls::model_hash gives for Lockstep tensors. Buffers
+/// sorts a state_dict's keys), the same hash ls::model_hash gives for Lockstep tensors; a tied
+/// weight (one tensor registered under several names) once, under its first name. Buffers
 /// (BatchNorm's running statistics) are not hashed. Local: no communication.
 std::string model_hash(const ::torch::nn::Module& module);
 
@@ -224,7 +230,8 @@ std::string model_hash(const ::torch::nn::Module& module);
 std::int64_t state_bytes(::torch::optim::Optimizer& optimizer);
 
 /// Collective: root writes the module's parameters and buffers (names as the module names
-/// them: "0.weight", "bn.running_mean") and, when given, the optimizer's state
+/// them: "0.weight", "bn.running_mean"; a tied weight, one tensor registered under several names,
+/// once, under the first name named_parameters gives it, as safetensors' save_model does) and, when given, the optimizer's state
 /// ("optimizer.state.0.weight.exp_avg", "optimizer.param_groups.0.lr") to one safetensors file
 /// that Python reads (docs/torch.md has a reader for Debian 12, which lacks python3-safetensors). Atomic, checksummed, and the
 /// same error on every rank, as ls::save_checkpoint. Each parameter's optimizer state is root's,
