@@ -46,6 +46,7 @@
 #include <lockstep/torch.hpp>
 
 #include "gpt_model.hpp"
+#include "../common/loss_plot.hpp"
 #include "lockstep_cli.hpp"
 
 #include <algorithm>
@@ -527,6 +528,17 @@ int run(const Options& o, ls::Backend& backend) {
       // Sampled at temperature 0.8 from a generator of its own: the same text for the same model.
       const std::string sample = gpt::generate(*net, o.sample_bytes, 0.8, o.seed);
       std::printf("sample:\n%s\n", sample.c_str());
+    }
+    if (!o.log.empty()) {
+      csv.close();
+      const std::string png = o.log + ".png";
+      const std::string why_not = examples::plot_csv(
+          o.log, png, "set xlabel 'step'\nset ylabel 'loss (nats per byte)'\nset title 'lockstep gpt'\n",
+          "plot '%s' using 1:3 skip 1 with lines title 'train', '' using 1:4 skip 1 with linespoints title 'validation'");
+      if (why_not.empty())
+        std::printf("loss plot: %s\n", std::filesystem::absolute(png).c_str());
+      else
+        std::printf("loss plot: skipped: %s\n", why_not.c_str());
     }
     std::printf("model hash %s\n", lt::model_hash(*net).c_str());
     std::fflush(stdout);

@@ -31,6 +31,7 @@
 #include <lockstep/lockstep.hpp>
 
 #include "lockstep_cli.hpp"
+#include "../common/loss_plot.hpp"
 
 #include <cblas.h>
 #include <unistd.h>
@@ -296,31 +297,12 @@ std::vector<double> split_losses(const std::string& s) {
   return v;
 }
 
-bool gnuplot_available() {
-  const char* path = std::getenv("PATH");
-  if (path == nullptr) return false;
-  std::stringstream ss(path);
-  std::string dir;
-  while (std::getline(ss, dir, ':'))
-    if (!dir.empty() && ::access((dir + "/gnuplot").c_str(), X_OK) == 0) return true;
-  return false;
-}
-
 /// Plots the loss curve of `csv` into `png` with gnuplot; returns "" when it did, else why not.
 std::string plot_losses(const std::string& csv, const std::string& png) {
-  if (!gnuplot_available()) return "gnuplot is not installed (Debian: apt-get install gnuplot-nox)";
-  std::error_code ec;
-  std::filesystem::remove(png, ec);  // a picture left by an earlier run is not this run's
-  FILE* gp = ::popen("gnuplot >/dev/null 2>&1", "w");  // a PNG it cannot write would go to stdout
-  if (gp == nullptr) return "gnuplot could not be started";
-  std::fprintf(gp,
-               "set terminal png size 800,500\nset output '%s'\nset datafile separator ','\n"
-               "set logscale y\nset xlabel 'epoch'\nset ylabel 'training loss (MSE)'\n"
-               "set title 'lockstep train: Dense(1=>256, tanh), Dense(256=>1) on y = x^3'\n"
-               "set key off\nplot '%s' using 1:2 skip 1 with lines lw 2\n",
-               png.c_str(), csv.c_str());
-  if (::pclose(gp) != 0 || !std::filesystem::exists(png)) return "gnuplot failed to write the PNG";
-  return "";
+  return examples::plot_csv(csv, png,
+                            "set logscale y\nset xlabel 'epoch'\nset ylabel 'training loss (MSE)'\n"
+                            "set title 'lockstep train: Dense(1=>256, tanh), Dense(256=>1) on y = x^3'\nset key off\n",
+                            "plot '%s' using 1:2 skip 1 with lines lw 2");
 }
 
 /// The gradients of global batch b in --deterministic training: this rank's micro-batches by

@@ -47,6 +47,14 @@ if [ "$(head -n 1 loss.csv)" = "step,lr,train_loss,val_loss" ] && [ "$(wc -l <lo
 else
   fail "loss.csv: $(head -n 2 loss.csv | tr '\n' ';') $(wc -l <loss.csv) lines"
 fi
+# Its plot: a PNG at the path printed, or where gnuplot is missing, the reason.
+png=$(sed -n 's/^loss plot: \(\/.*\)$/\1/p' out.txt)
+if command -v gnuplot >/dev/null; then
+  [ -n "$png" ] && [ "$(head -c 4 "$png" | tail -c 3)" = PNG ] && pass "loss plot: $png" ||
+    fail "loss plot: $(grep '^loss plot' out.txt)"
+else
+  grep -q '^loss plot: skipped: gnuplot is not installed' out.txt || fail "loss plot without gnuplot: $(grep '^loss plot' out.txt)"
+fi
 expect_refused 2 '--batch.*7 is not a multiple of the 2 ranks' --batch 7
 expect_failure 2 'no such file or directory' --data /nonexistent/corpus.txt
 expect_failure 2 'rank 0 cannot write this file' --log /nonexistent/loss.csv
