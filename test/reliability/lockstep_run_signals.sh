@@ -26,6 +26,9 @@ for sig in INT TERM HUP QUIT; do
   kill -s "$sig" "$pid"
   wait "$pid"
   rc=$?
+  # Killed processes can be seen for a moment after lockstep-run returns (a loaded machine
+  # delivers the KILL and reaps them later): every rank must be gone within 5 s.
+  for _ in $(seq 100); do [ "$(ranks_left)" -eq 0 ] && break; sleep 0.05; done
   left=$(ranks_left)
   want=$((128 + $(kill -l "$sig")))
   if [ "$started" -eq 3 ] && [ "$rc" -eq "$want" ] && [ "$left" -eq 0 ] &&

@@ -85,6 +85,7 @@ struct Conn {
   enum { Unknown, Agent, Report } kind = Unknown;
   int rank = -1;
   bool ended = false;
+  bool eof = false;  // closed by the other end: handled after every connection's data of the round
 };
 
 std::vector<int> ints(std::istringstream& in) {
@@ -318,7 +319,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
         if (c.fd < 0) return;
         continue;
       }
-      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) closed(c);
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) c.eof = true;
       return;
     }
   };
@@ -356,10 +357,17 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     }
     // Every connection read, the reports and new ones before the agents': a rank sends its
     // report before it exits, so a report and its rank's end heard together count in that order.
+    // An agent's close comes after every agent's words of the round: an agent killed because
+    // another rank failed (mpiexec ends the job) closes after that rank's words are here, so the
+    // failure is that rank's, not the killed one's.
     for (Conn& c : conns)
       if (c.fd >= 0 && c.kind != Conn::Agent) read_conn(c);
     for (Conn& c : conns)
+      if (c.fd >= 0 && c.kind != Conn::Agent && c.eof) closed(c);
+    for (Conn& c : conns)
       if (c.fd >= 0 && c.kind == Conn::Agent) read_conn(c);
+    for (Conn& c : conns)
+      if (c.fd >= 0 && c.eof) closed(c);
     conns.erase(std::remove_if(conns.begin(), conns.end(), [](const Conn& c) { return c.fd < 0; }), conns.end());
     const double now = elapsed();
     if (!done) {
