@@ -29,9 +29,11 @@ if ! command -v nvcc >/dev/null; then
 fi
 
 timeout 300 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_UNITY_BUILD=ON \
-  -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON -DLOCKSTEP_WITH_TORCH=OFF \
+  -DLOCKSTEP_WITH_CUDA=ON -DLOCKSTEP_WITH_NCCL=ON -DLOCKSTEP_WITH_TORCH=OFF -DLOCKSTEP_BUILD_TOOLS=OFF \
   -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" \
   -DCMAKE_CXX_FLAGS_RELEASE="${LOCKSTEP_CUDA_STAGE_CXX_FLAGS:--O0 -DNDEBUG}"
+# lockstep-run is left out (the core stage builds, installs and tests it): this stage's package
+# test installs only what it built.
 # Only what this stage runs or what only it compiles: the libraries, the programs with CUDA code
 # (train has a CUDA path), and the executables of the tests it runs (labels nccl and nogpu,
 # read from CTest). The CPU tests, examples and benchmarks are the core stage's (same code, built
