@@ -31,6 +31,29 @@ without_cuda() {
   env -u CUDACXX -u CUDA_PATH -u CUDA_HOME -u CUDAToolkit_ROOT PATH="$path" "$@"
 }
 
+# What failed, by name, collected while the stages run and printed again at the very end, where
+# a CI log cut to its last lines still shows it (a failing test's own output scrolls far up).
+FAILURES_FILE=$(mktemp)
+trap 'rm -f "$FAILURES_FILE"' EXIT
+failure_note() { printf '%s\n' "$*" >>"$FAILURES_FILE"; }
+# ctest_failures STAGE DIR: the tests that failed in DIR's last ctest run, noted for the summary.
+ctest_failures() {
+  local log=$2/Testing/Temporary/LastTestsFailed.log
+  [ -s "$log" ] || return 0
+  failure_note "$1: failed tests: $(cut -d: -f2- "$log" | paste -sd' ' -)"
+  # The end of each one's output, from CTest's log of the run.
+  local name
+  for name in $(cut -d: -f2- "$log" | head -5); do
+    failure_note "  $name, the last lines of its output:"
+    awk -v t="$name" '
+      $0 ~ "^[0-9]+/[0-9]+ Test: " && $3 == t { on = 1; n = 0; next }
+      on && /^<end of output>/ { on = 0 }
+      on { buf[n++ % 15] = $0 }
+      END { for (i = (n > 15 ? n - 15 : 0); i < n; i++) print "    " buf[i % 15] }' \
+      "$2/Testing/Temporary/LastTest.log" >>"$FAILURES_FILE"
+  done
+}
+
 # --- stages -------------------------------------------------------------------------------
 
 # gnuplot-nox as scripts/run-main.sh installs it: the loss-plot test (example_train_plot) and
@@ -66,7 +89,8 @@ stage_core() {
   local leave=()
   if [[ " ${STAGES[*]} " == *" multihost "* ]]; then leave=(-LE across_hosts); fi
   # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
-  (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" "${leave[@]}" ${LOCKSTEP_CTEST_ARGS:-})
+  (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" "${leave[@]}" ${LOCKSTEP_CTEST_ARGS:-}) ||
+    { ctest_failures core "$BUILD_DIR"; return 1; }
 }
 
 # The README's main job as a user runs it, scripts/run-main.sh, in the core stage's build
@@ -146,6 +170,7 @@ stage_multihost() (
     printf '  %-4s %-28s %-42s %4d s\n' "$layout" "$name" "$verdict" $((SECONDS - start))
     if [ "$verdict" != ok ]; then
       failures=$((failures + 1))
+      failure_note "multihost: $layout $name $verdict"
       tail -25 "$log" | sed 's/^/      /'
     fi
   }
@@ -234,6 +259,7 @@ stage_multihost() (
     grep '^figures:' "$log" | sed 's/^/      /'
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; then
       failures=$((failures + 1))
+      failure_note "multihost: fault_$name $verdict"
       tail -25 "$log" | sed 's/^/      /'
     fi
   }
@@ -265,6 +291,7 @@ stage_multihost() (
   grep -E '^(figures|FAIL):' "$log" | sed 's/^/      /'
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; then
     failures=$((failures + 1))
+    failure_note "multihost: slurm_jobs_lost_node $verdict"
     tail -25 "$log" | sed 's/^/      /'
   fi
 
@@ -284,7 +311,8 @@ stage_cuda() {
 # and MPI tests (Open MPI's own leaks suppressed, each suppression commented). About 10-15 min
 # on 2 cores. See scripts/ci-sanitize.sh.
 stage_sanitize() {
-  BUILD_DIR="$ROOT/${LOCKSTEP_ASAN_BUILD_DIR:-build-asan}" JOBS=$JOBS bash scripts/ci-sanitize.sh
+  local dir=$ROOT/${LOCKSTEP_ASAN_BUILD_DIR:-build-asan}
+  BUILD_DIR="$dir" JOBS=$JOBS bash scripts/ci-sanitize.sh || { ctest_failures sanitize "$dir"; return 1; }
 }
 
 # libFuzzer over the checkpoint reader, for LOCKSTEP_FUZZ_SECONDS (default 60), from the corpus
@@ -303,7 +331,7 @@ main() {
   if [ $# -gt 0 ]; then
     STAGES=("$@")
   fi
-  local failed=() skipped=() name start rc
+  local failed=() skipped=() times=() name start rc
   for name in "${STAGES[@]}"; do
     if ! declare -F "stage_$name" >/dev/null; then
       echo "test.sh: no stage named '$name'; stages: $(declare -F | sed -n 's/^declare -f stage_//p' | paste -sd' ' -)" >&2
@@ -313,6 +341,7 @@ main() {
     start=$SECONDS
     "stage_$name"
     rc=$?
+    times+=("$name $((SECONDS - start)) s")
     if [ "$rc" -eq 0 ]; then
       echo "==== stage $name: passed ($((SECONDS - start)) s)"
     elif [ "$rc" -eq 77 ]; then
@@ -327,6 +356,11 @@ main() {
     fi
   done
 
+  echo "test.sh: stage times: $(IFS=,; echo "${times[*]}")"
+  if [ -s "$FAILURES_FILE" ]; then
+    echo "test.sh: what failed, by name:"
+    sed 's/^/  /' "$FAILURES_FILE"
+  fi
   if [ ${#failed[@]} -ne 0 ]; then
     echo "test.sh: failed stages: ${failed[*]}"
     return 1
