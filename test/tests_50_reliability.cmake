@@ -230,6 +230,13 @@ if(LOCKSTEP_BUILD_EXAMPLES AND (LOCKSTEP_TEST_OPENBLAS_FOUND OR LOCKSTEP_TEST_CB
     lockstep_add_script_test(NAME reliability.lockstep_run SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run.sh
       TARGET train PROCESSORS 4 TIMEOUT 400 LABELS reliability examples FAULTS)
     set_property(TEST reliability.lockstep_run APPEND PROPERTY ENVIRONMENT TEST_LOCKSTEP_RUN=$<TARGET_FILE:lockstep-run>)
+    # lockstep-run --rescue: a killed rank's survivors kept (--enable-recovery) write their
+    # rescue state, and the restart resumes from the step of the fault (about 10 s).
+    lockstep_add_script_test(NAME reliability.lockstep_run_rescue
+      SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/lockstep_run_rescue.sh
+      TARGET train PROCESSORS 4 TIMEOUT 120 LABELS reliability examples FAULTS)
+    set_property(TEST reliability.lockstep_run_rescue APPEND PROPERTY ENVIRONMENT
+      TEST_LOCKSTEP_RUN=$<TARGET_FILE:lockstep-run>)
   endif()
 endif()
 

@@ -531,6 +531,8 @@ int run(const Options& o, ls::Backend& backend) {
   const auto t_start = std::chrono::steady_clock::now();
   double samples_done = 0;
   const std::int64_t first_epoch = epoch;
+  // A resumed run says when its first step is done (lockstep-run's figures: fault to first step).
+  bool first_after_resume = resume_from.has_value();
   try {
   while (epoch < o.epochs) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -574,6 +576,11 @@ int run(const Options& o, ls::Backend& backend) {
       else
         ls::update(state, model, *grads);
       ++batch_done;
+      if (first_after_resume && root) {
+        std::printf("first step after the resume done: step %lld\n", static_cast<long long>(state.inner.step));
+        std::fflush(stdout);
+      }
+      first_after_resume = false;
       done_sums[0] = running[0];
       done_sums[1] = running[1];
     }

@@ -14,6 +14,10 @@
 #include <system_error>
 #include <thread>
 
+#if LOCKSTEP_FAULT_INJECTION
+#include "reliability/fault.hpp"
+#endif
+
 #include "core/env.hpp"
 #include "lockstep/io/model_hash.hpp"
 
@@ -111,10 +115,18 @@ bool write_rescue_file(const std::filesystem::path& path, int rank, const Checkp
   auto bytes = std::make_shared<std::vector<std::byte>>(serialize_checkpoint(ck));
   auto done = std::make_shared<std::promise<std::string>>();
   std::future<std::string> result = done->get_future();
-  std::thread([bytes, done, path] {
+  double stall = 0;
+#if LOCKSTEP_FAULT_INJECTION
+  stall = fault_rescue_delay(rank);
+  if (stall > 0)
+    std::fprintf(stderr, "lockstep: injecting fault kind=rescue_delay on rank %d: its rescue write waits %g s\n", rank,
+                 stall);
+#endif
+  std::thread([bytes, done, path, stall] {
     try {
       std::error_code ec;
       std::filesystem::create_directories(path.parent_path(), ec);
+      if (stall > 0) std::this_thread::sleep_for(std::chrono::duration<double>(stall));
       write_file_atomically(path, *bytes);
       done->set_value("");
     } catch (...) {

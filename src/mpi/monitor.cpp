@@ -164,7 +164,7 @@ CommMonitor::CommMonitor(MPI_Comm comm) {
 #if LOCKSTEP_FAULT_INJECTION
   const FaultSpec& f = fault_spec();
   fault_pending_ = f.kind != FaultKind::none && f.kind != FaultKind::no_segment &&
-                   f.kind != FaultKind::freeze_exchange && f.rank == rank_;
+                   f.kind != FaultKind::rescue_delay && f.kind != FaultKind::freeze_exchange && f.rank == rank_;
   exchange_fault_ = f.kind == FaultKind::freeze_exchange && f.rank == rank_;
 #endif
   int provided = MPI_THREAD_SINGLE;

@@ -28,14 +28,16 @@ FaultSpec parse_fault(const char* env) {
   std::string item;
   auto bad = [&](const std::string& why) {
     return InvalidArgument(concat("LOCKSTEP_FAULT=", spec, ": ", why,
-                                  " (expected rank=R,kind=delay|freeze|freeze_exchange|skip|shape|dtype|nan|kill|no_segment[,after=N][,seconds=S])"));
+                                  " (expected rank=R,kind=delay|freeze|freeze_exchange|skip|shape|dtype|nan|kill|no_segment|rescue_delay[,after=N][,seconds=S])"));
   };
   while (std::getline(ss, item, ',')) {
     auto eq = item.find('=');
     if (eq == std::string::npos) throw bad("item '" + item + "' has no '='");
     std::string key = item.substr(0, eq), value = item.substr(eq + 1);
     char* end = nullptr;
-    if (key == "rank") {
+    if (key == "rank" && value == "*") {
+      f.rank = kAllRanks;
+    } else if (key == "rank") {
       f.rank = static_cast<int>(std::strtol(value.c_str(), &end, 10));
       if (end == value.c_str() || *end != '\0' || f.rank < 0) throw bad("rank must be an integer >= 0");
     } else if (key == "after") {
@@ -54,13 +56,15 @@ FaultSpec parse_fault(const char* env) {
       else if (value == "nan") f.kind = FaultKind::nan;
       else if (value == "kill") f.kind = FaultKind::kill;
       else if (value == "no_segment") f.kind = FaultKind::no_segment;
+      else if (value == "rescue_delay") f.kind = FaultKind::rescue_delay;
       else throw bad("unknown kind '" + value + "'");
     } else {
       throw bad("unknown key '" + key + "'");
     }
   }
   if (f.kind == FaultKind::none) throw bad("kind is missing");
-  if (f.rank < 0) throw bad("rank is missing");
+  if (f.rank == -1) throw bad("rank is missing");
+  if (f.rank == kAllRanks && f.kind != FaultKind::rescue_delay) throw bad("rank=* is for kind=rescue_delay only");
   return f;
 }
 
@@ -76,6 +80,7 @@ const char* fault_name(FaultKind k) {
     case FaultKind::no_segment: return "no_segment";
     case FaultKind::freeze: return "freeze";
     case FaultKind::freeze_exchange: return "freeze_exchange";
+    case FaultKind::rescue_delay: return "rescue_delay";
   }
   return "?";
 }
@@ -163,6 +168,7 @@ bool inject_fault(const FaultSpec& f, int rank, std::int64_t seq, const char* wh
       // The hardest way to die: no destructor, no MPI_Finalize, no message.
       std::raise(SIGKILL);
       break;
+    case FaultKind::rescue_delay:  // not a collective's fault: write_rescue_file asks fault_rescue_delay
     case FaultKind::no_segment:  // not a collective's fault: allocate_reduce_buffer asks fault_no_segment
     case FaultKind::none: break;
   }

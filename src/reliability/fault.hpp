@@ -15,14 +15,16 @@
 
 namespace lockstep::detail {
 
-enum class FaultKind { none, delay, skip, shape, dtype, nan, kill, no_segment, freeze, freeze_exchange };
+enum class FaultKind { none, delay, skip, shape, dtype, nan, kill, no_segment, freeze, freeze_exchange, rescue_delay };
 
 struct FaultSpec {
   FaultKind kind = FaultKind::none;
-  int rank = -1;
+  int rank = -1;  // kAllRanks: every rank (rank=*, rescue_delay only)
   std::int64_t after = 0;  // the fault hits the collective with this sequence number
   double seconds = 0;
 };
+
+inline constexpr int kAllRanks = -2;
 
 /// The fault LOCKSTEP_FAULT asks for (kind none when it is unset); parsed on the first call,
 /// throwing InvalidArgument when malformed (the settings read it with the other variables, so
@@ -34,6 +36,13 @@ const FaultSpec& fault_spec();
 inline bool fault_no_segment(int rank) {
   const FaultSpec& f = fault_spec();
   return f.kind == FaultKind::no_segment && f.rank == rank;
+}
+/// Seconds rank `rank` holds up its rescue write (kind=rescue_delay; `after` is ignored): the
+/// writer thread waits that long before it writes (a disk that stalls, or a host lost in the
+/// middle of the write). 0 for any other fault.
+inline double fault_rescue_delay(int rank) {
+  const FaultSpec& f = fault_spec();
+  return f.kind == FaultKind::rescue_delay && (f.rank == rank || f.rank == kAllRanks) ? f.seconds : 0;
 }
 /// Injects `f` into collective #seq (`what`: its name) that `rank` is entering: sleeps (delay),
 /// shortens the view and count (shape), changes the dtype to one of the same size (dtype), writes

@@ -46,19 +46,23 @@
 #              under LOCKSTEP_TIMEOUT=3 finish without a stall; then at 100 kbit/s with
 #              LOCKSTEP_STRAGGLER_WARN=0.2, one epoch: a straggler warning from host 0 names ranks
 #              2, 3 and host <cluster>-h1, once per rank and rank set, and the epoch finishes.
-#   train-2x2  the acceptance run: the train example at 2 hosts x 2 ranks under lockstep-run,
-#              checkpoints every 10 epochs, host 1's link taken down after the epoch-50
-#              checkpoint; lockstep-run restarts at N=2 on host 0 from the newest checkpoint and
-#              finishes 100 epochs: final loss < 1e-3 and within 10% of an uninterrupted run (the
-#              same run at 4 ranks on one host), at most one checkpoint interval redone; prints the
-#              time to detect, to restart, and the work lost.
-#   train-kill-2x2  the same acceptance run with every process of host 1 (its orted too) killed
-#              after the epoch-50 checkpoint instead of its link cut: mpiexec ends the job,
-#              lockstep-run names the lost host and its ranks (their agents vanished without a
-#              word), drops it, restarts at N=2 on
-#              host 0 and finishes 100 epochs with the same checks and figures. The
-#              uninterrupted run it compares with is train-2x2's when that case ran first in the
-#              same parent directory (scripts/test.sh runs it first), else its own.
+#   rescue-kill-2x2  the acceptance run of issue 43: the train example (100 epochs) at 2 hosts x
+#              2 ranks under lockstep-run --rescue (mpiexec --enable-recovery), both hosts'
+#              egress at 500 Mbit/s (tc tbf), checkpoints only every 50 epochs, train --rescue
+#              with each host's rescue states in its own /tmp, LOCKSTEP_TIMEOUT=3; every process
+#              of host 1 killed after epoch 30: host 0's ranks write their rescue state,
+#              lockstep-run drops host 1 and restarts at N=2 on host 0, which resumes from the
+#              rescue state (at most one epoch redone) and finishes 100 epochs, final loss < 1e-3
+#              and within 10% of an uninterrupted run (4 ranks on one host; a sibling case's of
+#              the same build is reused). Prints the fault to rescue written, to restart, to
+#              state loaded and to first step.
+#   rescue-link-2x2  the same with host 1's link taken down after epoch 30 instead.
+#   rescue-lost-2x2  host 1 lost during the rescue write itself: every rank's rescue write held up
+#              30 s (LOCKSTEP_FAULT rank=*,kind=rescue_delay), past train --rescue-seconds 4 on
+#              host 0; host 1's link taken down after epoch 55 and its processes killed once its
+#              ranks began their write. No rescue state completes anywhere: host 0's ranks say
+#              they wrote none, and the restart falls back to the newest verified state, the
+#              epoch-50 checkpoint, and finishes 100 epochs.
 #   report-2x2 rank 0 late (LOCKSTEP_FAULT delay) at 2x2, LOCKSTEP_TIMEOUT=2, --report-dir
 #              /tmp/lsr (each host's own /tmp): the ranks of host 1 report rank 0 behind, and
 #              lockstep-run, in host 0, hears their reports over TCP; their report files are in
@@ -386,76 +390,114 @@ case $CASE in
     [ -z "$dup" ] && pass "each warning printed once per rank and rank set" || fail "a warning printed twice: $dup"
     echo "figures: 1 epoch at 2x2 with host 1 at 100 kbit/s: $(secs "$t0" "$t1") s, $(grep -c 'straggler warning' warn.log) warning(s)"
     ;;
-  train-2x2 | train-kill-2x2)
-    fault=link_down what="link taken down"
-    [ "$CASE" = train-kill-2x2 ] && fault=kill_host what="processes killed"
+  rescue-kill-2x2 | rescue-link-2x2 | rescue-lost-2x2)
+    # The acceptance runs of issue 43: the train example at 2x2 under lockstep-run --rescue,
+    # both hosts' egress shaped to 500 Mbit/s, checkpoints only every 50 epochs, each host's
+    # rescue states in its own /tmp (LOCKSTEP_RESCUE_DIR).
+    fault=kill_host what="processes killed" at=30
+    [ "$CASE" = rescue-link-2x2 ] && fault=link_down what="link taken down"
+    [ "$CASE" = rescue-lost-2x2 ] && fault=link_down what="link taken down, then its processes killed during their rescue write" at=55
     train=("$BIN/examples/train/train" --epochs 100 --batch 240)
-    # The uninterrupted run: the same training at 4 ranks on one host (the sums are the same
-    # arithmetic as across hosts; the final loss is compared, not bits). Deterministic, so
-    # train-kill-2x2 reuses train-2x2's (same build) when it is there.
-    shared=$(dirname "$WORK")/work-fault-train-2x2/ref.out
-    if [ "$CASE" = train-kill-2x2 ] && [ -s "$shared" ] && [ "$shared" -nt "$BIN/examples/train/train" ] &&
-      grep -q '^final loss' "$shared"; then
-      cp "$shared" ref.out
+    # The uninterrupted run: the same training at 4 ranks on one host (the final loss is
+    # compared, not bits); deterministic, so a sibling case's of the same build is reused.
+    ref_from=""
+    for f in "$(dirname "$WORK")"/work-fault-rescue-*/ref.out; do
+      [ -s "$f" ] && [ "$f" -nt "$BIN/examples/train/train" ] && grep -q '^final loss' "$f" && ref_from=$f && break
+    done
+    if [ -n "$ref_from" ]; then
+      cp "$ref_from" ref.out
     else
       timeout 120 mpiexec -n 4 --oversubscribe --bind-to none "${train[@]}" >ref.out 2>ref.err ||
         { fail "the uninterrupted run failed"; tail ref.err; }
     fi
     ref=$(awk '/^final loss/ {print $3}' ref.out)
     up 2 2
+    for i in 0 1; do
+      tc -n "$NAME-h$i" qdisc replace dev eth0 root tbf rate 500mbit burst 500kb latency 20ms ||
+        { fail "could not shape host $i's link"; exit 1; }
+      rm -rf "/run/$NAME-cluster/h$i/tmp/lsrescue"
+    done
     rm -rf run
-    # Host 1's link goes down (or its processes are killed) once the epoch-50 checkpoint is
-    # committed (or a later one, on a machine fast enough to pass it between two looks).
-    (for _ in $(seq 2400); do
-       e=$(sed -n -E 's/^ck-0*([0-9]+)\.safetensors$/\1/p' run/ck.latest 2>/dev/null)
-       [ -n "$e" ] && [ "$e" -ge 50 ] && break
-       sleep 0.05
-     done
-     now >t_fault; "$fault" 1) &
+    fault_env=()
+    # rescue-lost-2x2: every rank's rescue write held up 30 s, past --rescue-seconds 4 on host 0
+    # (its survivors give up: a disk that stalls), and host 1 killed once its ranks' write began.
+    [ "$CASE" = rescue-lost-2x2 ] && fault_env=(LOCKSTEP_FAULT='rank=*,kind=rescue_delay,seconds=30')
+    # Every line of lockstep-run (its own, the ranks' output) with the time it arrived.
+    (while [ ! -s lr.log ] || ! grep -qE "^[0-9.]+ epoch +$at " lr.log; do sleep 0.05; done
+     now >t_fault; "$fault" 1
+     if [ "$CASE" = rescue-lost-2x2 ]; then
+       for _ in $(seq 600); do [ -d "/run/$NAME-cluster/h1/tmp/lsrescue" ] && break; sleep 0.05; done
+       [ -d "/run/$NAME-cluster/h1/tmp/lsrescue" ] && now >t_kill && kill_host 1
+     fi) &
     cutter=$!
     t0=$(now)
-    LOCKSTEP_TIMEOUT=3 timeout -k 5 240 "${LR[@]}" -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe \
-      --per-host-timeout 20 --max-restarts 2 --min-ranks 2 -- "${train[@]}" --checkpoint run/ck \
-      --checkpoint-every 10 --checkpoint-keep 3 --resume auto >lr.out 2>lr.err
-    rc=$? t_end=$(now)
+    env LOCKSTEP_TIMEOUT=3 LOCKSTEP_RESCUE_DIR=/tmp/lsrescue "${fault_env[@]}" timeout -k 5 240 "${LR[@]}" \
+      -H "$(hostlist 2 2)" --mpiexec ./mpx --probe ./probe --per-host-timeout 20 --max-restarts 2 --min-ranks 2 \
+      --rescue -- "${train[@]}" --checkpoint run/ck --checkpoint-every 50 --checkpoint-keep 3 --rescue \
+      --rescue-seconds 4 --resume auto 2>&1 | while IFS= read -r l; do printf '%s %s\n' "${EPOCHREALTIME/,/.}" "$l"; done >lr.log
+    rc=${PIPESTATUS[0]} t_end=$(now)
     kill "$cutter" 2>/dev/null; wait "$cutter" 2>/dev/null
-    [ "$rc" -eq 0 ] && pass "lockstep-run succeeded" || { fail "lockstep-run exited $rc"; tail -30 lr.err; }
-    [ -s t_fault ] || fail "the link was never taken down (no epoch-50 checkpoint seen)"
-    grep -q "dropping host $SUBNET.2" lr.err && pass "host $SUBNET.2 dropped" || fail "host $SUBNET.2 not dropped"
-    grep -q "keeping host $SUBNET.1\|attempt 2 (restart 1 of at most 2): 2 ranks on $SUBNET.1:2" lr.err &&
-      pass "restarted at N=2 on host 0" || fail "no restart at N=2 on $SUBNET.1: $(grep 'attempt 2' lr.err)"
-    if [ "$fault" = link_down ]; then
-      grep -q "No answer from ranks 2, 3 (host $NAME-h1)" lr.err &&
-        pass "the survivors named ranks 2, 3 and host $NAME-h1" || fail "no TimeoutError naming host $NAME-h1"
+    for i in 0 1; do tc -n "$NAME-h$i" qdisc del dev eth0 root 2>/dev/null; done
+    cut -d' ' -f2- lr.log >lr.out
+    [ "$rc" -eq 0 ] && pass "lockstep-run succeeded" || { fail "lockstep-run exited $rc"; tail -30 lr.out; }
+    [ -s t_fault ] || fail "the fault never came (no epoch $at seen)"
+    grep -q "dropping host $SUBNET.2" lr.out && pass "host $SUBNET.2 dropped" || fail "host $SUBNET.2 not dropped"
+    grep -q "attempt 2 (restart 1 of at most 2): 2 ranks on $SUBNET.1:2" lr.out &&
+      pass "restarted at N=2 on host 0" || fail "no restart at N=2 on $SUBNET.1: $(grep 'attempt 2' lr.out)"
+    grep -q -- "--enable-recovery" lr.out && pass "mpiexec ran with --enable-recovery (--rescue)" ||
+      fail "lockstep-run --rescue did not pass --enable-recovery"
+    reached=$(awk '/^resum/ {exit} /^epoch/ {e = $2} END {print e + 0}' lr.out)
+    if [ "$CASE" != rescue-lost-2x2 ]; then
+      # Host 0's survivors (kept by --enable-recovery, their step failed at the deadline) wrote
+      # the last completed step; the restart took it: at most one epoch redone.
+      for r in 0 1; do
+        grep -q "^lockstep: rescue state of step [0-9]* written to /tmp/lsrescue/.*(rank $r, host $NAME-h0" lr.out &&
+          pass "rank $r wrote its rescue state in host 0's /tmp" || fail "no rescue state from rank $r"
+      done
+      grep -q "^resuming from the rescue state /tmp/lsrescue/" lr.out && pass "resumed from a rescue state" ||
+        fail "not resumed from a rescue state: $(grep -m2 '^resum' lr.out)"
+      line=$(grep -m1 -E '^resumed from .* (in|after) epoch' lr.out)
+      done_before=$(sed -n -E 's/.* in epoch ([0-9]+) after batch.*/\1/p; s/.* after epoch ([0-9]+) .*/\1/p' <<<"$line")
+      if [ -n "$done_before" ] && [ "$done_before" -ge "$at" ] && [ $((reached - done_before)) -le 1 ]; then
+        pass "reached epoch $reached, resumed with $done_before epoch(s) done (${line#resumed from }): at most one epoch redone"
+      else
+        fail "reached epoch $reached, resumed: '$line'"
+      fi
     else
-      grep -q "lost host $SUBNET.2: ranks 2 3 ran there and vanished without a word" lr.err &&
-        pass "lockstep-run named the lost host $SUBNET.2 and its ranks 2 3" ||
-        fail "lockstep-run did not name the lost host: $(grep 'lockstep-run' lr.err | head -12)"
-    fi
-    reached=$(awk '/^resumed from/ {exit} /^epoch/ {e = $2} END {print e + 0}' lr.out)
-    resumed=$(sed -n -E 's/^resumed from run\/ck-0*([0-9]+)\.safetensors after epoch ([0-9]+).*/\2/p' lr.out)
-    if [ -n "$resumed" ] && [ "$resumed" -ge 50 ] && [ $((reached - resumed)) -ge 0 ] && [ $((reached - resumed)) -le 10 ]; then
-      pass "resumed from epoch $resumed after reaching $reached: $((reached - resumed)) epoch(s) redone (<= 10)"
-    else
-      fail "resumed from '$resumed' after reaching epoch $reached"
+      # No rescue state anywhere: host 0's ranks gave up their stalled write (and said so),
+      # host 1's died in theirs; the restart fell back to the newest verified state, ck-50.
+      [ -s t_kill ] && pass "host 1 killed during its ranks' rescue write" ||
+        fail "host 1's ranks never began their rescue write (no /tmp/lsrescue there)"
+      for r in 0 1; do
+        grep -q "^lockstep: rank $r wrote no rescue state: writing /tmp/lsrescue/.* did not end within 4" lr.out &&
+          pass "rank $r said it wrote no rescue state (its write held up past --rescue-seconds)" ||
+          fail "rank $r did not say it wrote no rescue state"
+      done
+      line=$(grep -m1 -E '^resumed from ' lr.out)
+      [[ $line == "resumed from run/ck-000050.safetensors after epoch 50 "* ]] &&
+        ! grep -q "^resuming from the rescue state" lr.out &&
+        pass "fell back to the newest verified state: $line" || fail "did not fall back to ck-50: '$line'"
+      [ -z "$(ls "/run/$NAME-cluster/h0/tmp/lsrescue" 2>/dev/null | grep -v '\.tmp')" ] &&
+        pass "no rescue state completed on host 0" || fail "a rescue state on host 0: $(ls "/run/$NAME-cluster/h0/tmp/lsrescue")"
     fi
     grep -q '^done: 100 epochs' lr.out && pass "all 100 epochs" || fail "the run did not finish 100 epochs"
     loss=$(awk '/^final loss/ {print $3}' lr.out)
     awk -v l="$loss" -v r="$ref" 'BEGIN { d = l - r; if (d < 0) d = -d; exit !(l != "" && l + 0 < 1e-3 && d <= 0.1 * r) }' &&
       pass "final loss $loss < 1e-3, within 10% of the uninterrupted run's $ref" ||
       fail "final loss '$loss' (uninterrupted: '$ref')"
-    # The checkpoints kept are complete: the pointer names the newest, each kept file is whole.
-    [ "$(cat run/ck.latest 2>/dev/null)" = ck-000100.safetensors ] && pass "ck.latest names epoch 100" ||
-      fail "ck.latest names '$(cat run/ck.latest 2>/dev/null)'"
+    grep -A4 "lockstep-run: summary" lr.out
     if [ -s t_fault ]; then
       tf=$(cat t_fault)
-      stamp() { sed -n -E "s/^lockstep-run: \[ *([0-9.]+)s\] $1.*/\1/p" lr.err | head -n1; }
-      seen=$(stamp 'failure seen') next=$(stamp 'attempt 2 ') done_at=$(stamp 'attempt 2 succeeded')
-      cut_at=$(secs "$t0" "$tf")
-      echo "figures: host 1's $what at ${cut_at}s (after epoch $reached), failure seen at ${seen}s" \
-        "(detect $(awk -v a="$cut_at" -v b="$seen" 'BEGIN { printf "%.1f", b - a }') s, LOCKSTEP_TIMEOUT=3)," \
-        "attempt 2 started at ${next}s (restart $(awk -v a="$seen" -v b="$next" 'BEGIN { printf "%.1f", b - a }') s after detection)," \
-        "work lost $((reached - resumed)) epoch(s), finished at ${done_at}s; final loss $loss (uninterrupted $ref)"
+      first() { awk -v re="$1" '$0 ~ re {print $1; exit}' lr.log; }
+      rescued=$(first ' lockstep: (rescue state of step|rank [0-9]+ wrote no rescue state)')
+      restart=$(first 'lockstep-run: [[] *[0-9.]+s[]] attempt 2 ')
+      resumed=$(first ' resumed from ')
+      stepped=$(first ' first step after the resume done')
+      rel() { [ -n "$1" ] && secs "$tf" "$1" || echo "?"; }
+      echo "figures: $CASE: host 1's $what after epoch $at (reached $reached); from the fault:" \
+        "rescue $( [ "$CASE" = rescue-lost-2x2 ] && echo 'given up' || echo written) $(rel "$rescued") s," \
+        "restart $(rel "$restart") s, state loaded $(rel "$resumed") s, first step $(rel "$stepped") s;" \
+        "job ended $(secs "$tf" "$t_end") s after the fault (LOCKSTEP_TIMEOUT=3, 500 Mbit/s); final loss $loss (uninterrupted $ref)"
     fi
     ;;
   report-2x2)

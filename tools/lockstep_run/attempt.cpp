@@ -201,7 +201,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
   const pid_t group = pid;
 
   std::vector<Conn> conns;
-  bool done = false, ending = false, accounted = false;
+  bool done = false, ending = false, accounted = false, gone = false;
   int status = 0;
   double deadline = -1, kill_at = -1;
   double failure_at = -1;
@@ -393,10 +393,23 @@ void run_attempt(const Options& o, int index, Attempt& a) {
           "mpiexec has not");
       deadline = std::min(deadline, now + 3);
     }
+    // Every rank has ended or vanished (the survivors of a lost host under --enable-recovery,
+    // each after writing its rescue state): nothing of the job is left to wait for, but mpiexec
+    // may wait on for the lost host's daemon.
+    if (!a.first_failure.empty() && !gone && !ending && all_ranks([&](int r) {
+          auto it = a.ranks.find(r);
+          return it != a.ranks.end() && (it->second.ended || it->second.vanished);
+        })) {
+      gone = true;
+      say("every rank has ended or vanished: ending the job in 1s if mpiexec has not");
+      deadline = std::min(deadline, now + 1);
+    }
     if (!ending && deadline >= 0 && now > deadline) {
       char b[64];
       std::snprintf(b, sizeof b, "%gs", o.grace);
-      begin_ending(accounted ? "mpiexec still running after every rank reported: killing its process group " +
+      begin_ending(gone        ? "mpiexec still running after every rank ended or vanished: killing its process group " +
+                                   std::to_string(group)
+                   : accounted ? "mpiexec still running after every rank reported: killing its process group " +
                                    std::to_string(group)
                              : "mpiexec still running " + std::string(b) +
                                    " after the failure: killing its process group " + std::to_string(group));

@@ -34,6 +34,7 @@ struct Options {
   std::string report_dir;
   std::string log_dir;
   std::string listen_address;
+  bool rescue = false;      // --rescue: survivors kept running (mpiexec --enable-recovery) to write rescue state
   std::vector<std::string> program;
   std::string self;  // this program's absolute path (the agent mpiexec starts)
 };

@@ -70,6 +70,13 @@ Options:
                            on the host of each reporting rank (lockstep-run hears them over TCP)
       --log-dir DIR        keep each rank's output: DIR/attempt-N/1/rank.R/{stdout,stderr}
                            (mpiexec --output-filename), and the summary in DIR/summary.txt
+      --rescue             a lost rank or host costs about one step, not a checkpoint interval:
+                           mpiexec runs with --enable-recovery (Open MPI: it keeps the surviving
+                           ranks running instead of ending them a second after the loss), the
+                           ranks get LOCKSTEP_TIMEOUT=10 unless it is set, so their collective
+                           fails, they write their rescue state and exit; the job is ended once
+                           every rank has ended or vanished, and the restart resumes from the
+                           freshest state (PROGRAM: train --rescue --resume auto)
       --listen-address IP  the address of this host the ranks reach lockstep-run on (default:
                            this host's address on the route to the first host; 127.0.0.1 alone)
   -h, --help               this text
@@ -421,6 +428,7 @@ int main(int argc, char** argv) {
   app.add_option("--report-dir", o.report_dir);
   app.add_option("--log-dir", o.log_dir);
   app.add_option("--listen-address", o.listen_address);
+  app.add_flag("--rescue", o.rescue);
   // A scalar option given twice keeps its last value (scripts add to a command line).
   for (CLI::Option* opt : app.get_options()) {
     opt->allow_extra_args(false);
@@ -494,6 +502,19 @@ int main(int argc, char** argv) {
     g_summary_file = o.log_dir + "/summary.txt";
   }
 
+  if (o.rescue) {
+    // Open MPI's mpiexec ends every rank about a second after one dies: too soon for the
+    // survivors' collective to fail and their rescue state to be written. --enable-recovery
+    // keeps them; lockstep-run then ends the job itself once every rank has ended or vanished
+    // (attempt.cpp), or --per-host-timeout after the failure.
+    if (std::find(o.mpi_args.begin(), o.mpi_args.end(), "--enable-recovery") == o.mpi_args.end())
+      o.mpi_args.push_back("--enable-recovery");
+    // Without a deadline a survivor waits in its collective for ever (until the job is ended,
+    // with no rescue written).
+    if (std::getenv("LOCKSTEP_TIMEOUT") == nullptr || *std::getenv("LOCKSTEP_TIMEOUT") == '\0')
+      ::setenv("LOCKSTEP_TIMEOUT", "10", 1);
+  }
+
   install_signal_handlers();
   const std::string addr = start_listener(o);
   if (!slurm_job.empty())
@@ -522,6 +543,11 @@ int main(int argc, char** argv) {
     a.np = np;
     a.hosts = hosts;
     a.resumed_from = newest_checkpoint(o.checkpoint, nullptr);
+    // A rescue state is on the host of the rank that wrote it, where lockstep-run may not see it:
+    // the program says which state it took.
+    if (o.rescue && attempt > 0)
+      a.resumed_from = "the freshest state the ranks agree on (the program says which); newest checkpoint here: " +
+                       (a.resumed_from.empty() ? std::string("none") : a.resumed_from);
     say("attempt " + std::to_string(attempt + 1) + " (restart " + std::to_string(attempt) + " of at most " +
         std::to_string(o.max_restarts) + "): " + std::to_string(np) + " ranks" +
         (hosts.empty() ? "" : " on " + host_list(hosts)));
@@ -532,16 +558,23 @@ int main(int argc, char** argv) {
                  " (mpiexec exit status " + std::to_string(a.status) + ")";
       finish(128 + a.got_signal);
     }
-    if (a.status == 0 && !a.killed) {
+    // Under --enable-recovery mpiexec may exit 0 after ranks died or failed: the ranks' own ends decide.
+    const bool rank_failed = std::any_of(a.ranks.begin(), a.ranks.end(), [](const auto& kv) {
+      const Rank& k = kv.second;
+      return k.vanished || (k.ended && (k.code != 0 || k.sig != 0));
+    });
+    if (a.status == 0 && !a.killed && !rank_failed) {
       a.ending = "succeeded";
       say("attempt " + std::to_string(attempt + 1) + " succeeded after " + took + " (" + std::to_string(attempt) +
           " restart(s))");
       finish(0);
     }
     const int rc = a.status != 0 ? a.status : 1;
-    a.ending = "failed: mpiexec exit status " + std::to_string(rc) + (a.killed ? " (ended by lockstep-run)" : "");
+    a.ending = "failed: mpiexec exit status " + std::to_string(a.status) + (a.killed ? " (ended by lockstep-run)" : "") +
+               (a.status == 0 ? " (but a rank failed)" : "");
     say("attempt " + std::to_string(attempt + 1) + " failed after " + took + ": mpiexec exit status " +
-        std::to_string(rc) + (a.killed ? " (killed by lockstep-run)" : ""));
+        std::to_string(a.status) + (a.killed ? " (killed by lockstep-run)" : "") +
+        (a.status == 0 ? " (but a rank failed)" : ""));
 
     // Who failed, by what the agents said and the reports the library sent.
     std::set<std::string> suspect, lost, heard;
