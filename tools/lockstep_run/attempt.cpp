@@ -114,6 +114,12 @@ Report parse_report(const std::string& text) {
   return r;
 }
 
+std::string fmt_grace(double s) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", s);
+  return b;
+}
+
 void signal_group(pid_t group, int sig) {
   if (group > 0) ::kill(-group, sig);
 }
@@ -202,6 +208,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
 
   std::vector<Conn> conns;
   bool done = false, ending = false, accounted = false, gone = false;
+  double term_used = o.term_grace;
   int status = 0;
   double deadline = -1, kill_at = -1;
   double failure_at = -1;
@@ -210,7 +217,9 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     a.killed = true;
     ending = true;
     signal_group(group, SIGTERM);  // once: a second TERM makes Open MPI's mpiexec leave its ranks
-    kill_at = elapsed() + o.term_grace;
+    // Every rank already ended, vanished or cut off: mpiexec has nothing to end gracefully.
+    term_used = gone ? std::min(o.term_grace, 1.0) : o.term_grace;
+    kill_at = elapsed() + term_used;
   };
   auto failure = [&](const std::string& what) {
     if (!a.first_failure.empty() || ending) return;
@@ -386,7 +395,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       if (!open || now > drain_until) break;
       continue;
     }
-    if (!a.first_failure.empty() && !accounted && !ending && !a.reports.empty() && all_ranks(accounted_for) &&
+    if (!o.rescue && !a.first_failure.empty() && !accounted && !ending && !a.reports.empty() && all_ranks(accounted_for) &&
         !all_ranks([&](int r) { return a.ranks.count(r) && a.ranks[r].ended; })) {
       accounted = true;
       say("every rank reported the stall or was named silent by one that did, or ended: ending the job in 3s if "
@@ -394,14 +403,21 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       deadline = std::min(deadline, now + 3);
     }
     // Every rank has ended or vanished (the survivors of a lost host under --enable-recovery,
-    // each after writing its rescue state): nothing of the job is left to wait for, but mpiexec
-    // may wait on for the lost host's daemon.
+    // each after writing its rescue state), or with --rescue been named silent by another's
+    // report (a cut-off host: its ranks cannot be heard): nothing of the job is left to wait
+    // for, but mpiexec may wait on for the lost host's daemon. With --rescue a rank that
+    // reported the stall is waited for until it ends: it may still be writing its rescue state.
     if (!a.first_failure.empty() && !gone && !ending && all_ranks([&](int r) {
           auto it = a.ranks.find(r);
-          return it != a.ranks.end() && (it->second.ended || it->second.vanished);
+          if (it != a.ranks.end() && (it->second.ended || it->second.vanished)) return true;
+          if (!o.rescue) return false;
+          for (const Report& rep : a.reports)
+            if (rep.rank != r && std::count(rep.silent.begin(), rep.silent.end(), r) > 0) return true;
+          return false;
         })) {
       gone = true;
-      say("every rank has ended or vanished: ending the job in 1s if mpiexec has not");
+      say(o.rescue ? "every rank has ended, vanished or been named silent: ending the job in 1s if mpiexec has not"
+                   : "every rank has ended or vanished: ending the job in 1s if mpiexec has not");
       deadline = std::min(deadline, now + 1);
     }
     if (!ending && deadline >= 0 && now > deadline) {
@@ -419,8 +435,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       kill_at = now;
     }
     if (ending && kill_at >= 0 && now >= kill_at) {
-      say("mpiexec's process group " + std::to_string(group) + " still there " + std::to_string(int(o.term_grace)) +
-          "s after TERM: KILL");
+      say("mpiexec's process group " + std::to_string(group) + " still there " + fmt_grace(term_used) + "s after TERM: KILL");
       signal_group(group, SIGKILL);
       kill_at = -1;
     }
