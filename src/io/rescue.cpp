@@ -135,7 +135,9 @@ bool write_rescue_file(const std::filesystem::path& path, int rank, const Checkp
   }).detach();
   const auto bound = std::chrono::duration<double>(seconds > 0 ? seconds : 0);
   if (result.wait_for(bound) != std::future_status::ready) {
-    say_no_rescue(rank, "writing " + path.string() + " did not end within " + std::to_string(seconds) +
+    char limit[32];
+    std::snprintf(limit, sizeof limit, "%g", seconds);
+    say_no_rescue(rank, "writing " + path.string() + " did not end within " + limit +
                             " s (given up; the file appears only if it is ever complete)");
     return false;
   }

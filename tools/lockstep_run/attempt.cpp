@@ -423,7 +423,8 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     if (!ending && deadline >= 0 && now > deadline) {
       char b[64];
       std::snprintf(b, sizeof b, "%gs", o.grace);
-      begin_ending(gone        ? "mpiexec still running after every rank ended or vanished: killing its process group " +
+      begin_ending(gone        ? "mpiexec still running after every rank ended" + std::string(o.rescue ? ", vanished or was named silent" : " or vanished") +
+                                   ": killing its process group " +
                                    std::to_string(group)
                    : accounted ? "mpiexec still running after every rank reported: killing its process group " +
                                    std::to_string(group)

@@ -75,7 +75,8 @@ Options:
                            ranks running instead of ending them a second after the loss), the
                            ranks get LOCKSTEP_TIMEOUT=10 unless it is set, so their collective
                            fails, they write their rescue state and exit; the job is ended once
-                           every rank has ended or vanished, and the restart resumes from the
+                           every rank has ended, vanished or been named silent (a rank that
+                           reported the stall is waited for), and the restart resumes from the
                            freshest state (PROGRAM: train --rescue --resume auto)
       --listen-address IP  the address of this host the ranks reach lockstep-run on (default:
                            this host's address on the route to the first host; 127.0.0.1 alone)
