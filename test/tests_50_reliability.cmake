@@ -145,6 +145,10 @@ lockstep_add_fault_test(NAME bad_setting RANKS 2
 lockstep_add_fault_test(NAME bad_fault_spec RANKS 2
   ENV "LOCKSTEP_FAULT=rank=1,kind=explode"
   EXPECT "InvalidArgument" "unknown kind 'explode'")
+# rank=* (every rank) is for kind=rescue_delay alone: a collective's fault on every rank is refused.
+lockstep_add_fault_test(NAME bad_fault_all_ranks RANKS 2
+  ENV "LOCKSTEP_FAULT=rank=*,kind=delay,seconds=1"
+  EXPECT "InvalidArgument" "rank=* is for kind=rescue_delay only")
 # A build without fault injection (LOCKSTEP_FAULT_INJECTION=OFF, a library to install) refuses
 # LOCKSTEP_FAULT on every rank at initialisation instead of ignoring it (package.subdir checks
 # the same of a vendored build).
