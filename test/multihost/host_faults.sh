@@ -457,7 +457,9 @@ case $CASE in
       grep -q "^resuming from the rescue state /tmp/lsrescue/" lr.out && pass "resumed from a rescue state" ||
         fail "not resumed from a rescue state: $(grep -m2 '^resum' lr.out)"
       line=$(grep -m1 -E '^resumed from .* (in|after) epoch' lr.out)
+      # "in epoch E after batch B": E-1 epochs and B steps of epoch E done; "after epoch E": E.
       done_before=$(sed -n -E 's/.* in epoch ([0-9]+) after batch.*/\1/p; s/.* after epoch ([0-9]+) .*/\1/p' <<<"$line")
+      [[ $line == *" in epoch "* ]] && [ -n "$done_before" ] && done_before=$((done_before - 1))
       if [ -n "$done_before" ] && [ "$done_before" -ge "$at" ] && [ $((reached - done_before)) -le 1 ]; then
         pass "reached epoch $reached, resumed with $done_before epoch(s) done (${line#resumed from }): at most one epoch redone"
       else
@@ -485,7 +487,7 @@ case $CASE in
     awk -v l="$loss" -v r="$ref" 'BEGIN { d = l - r; if (d < 0) d = -d; exit !(l != "" && l + 0 < 1e-3 && d <= 0.1 * r) }' &&
       pass "final loss $loss < 1e-3, within 10% of the uninterrupted run's $ref" ||
       fail "final loss '$loss' (uninterrupted: '$ref')"
-    grep -A4 "lockstep-run: summary" lr.out
+    grep -A7 "lockstep-run: summary" lr.out
     if [ -s t_fault ]; then
       tf=$(cat t_fault)
       first() { awk -v re="$1" '$0 ~ re {print $1; exit}' lr.log; }

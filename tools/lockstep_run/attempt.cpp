@@ -395,8 +395,8 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       if (!open || now > drain_until) break;
       continue;
     }
-    if (!o.rescue && !a.first_failure.empty() && !accounted && !ending && !a.reports.empty() && all_ranks(accounted_for) &&
-        !all_ranks([&](int r) { return a.ranks.count(r) && a.ranks[r].ended; })) {
+    if (!o.rescue && !a.first_failure.empty() && !accounted && !ending && !a.reports.empty() &&
+        all_ranks(accounted_for) && !all_ranks([&](int r) { return a.ranks.count(r) && a.ranks[r].ended; })) {
       accounted = true;
       say("every rank reported the stall or was named silent by one that did, or ended: ending the job in 3s if "
           "mpiexec has not");
@@ -423,9 +423,9 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     if (!ending && deadline >= 0 && now > deadline) {
       char b[64];
       std::snprintf(b, sizeof b, "%gs", o.grace);
-      begin_ending(gone        ? "mpiexec still running after every rank ended" + std::string(o.rescue ? ", vanished or was named silent" : " or vanished") +
-                                   ": killing its process group " +
-                                   std::to_string(group)
+      const std::string settled = o.rescue ? ", vanished or was named silent" : " or vanished";
+      begin_ending(gone        ? "mpiexec still running after every rank ended" + settled +
+                                   ": killing its process group " + std::to_string(group)
                    : accounted ? "mpiexec still running after every rank reported: killing its process group " +
                                    std::to_string(group)
                              : "mpiexec still running " + std::string(b) +
@@ -436,7 +436,8 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       kill_at = now;
     }
     if (ending && kill_at >= 0 && now >= kill_at) {
-      say("mpiexec's process group " + std::to_string(group) + " still there " + fmt_grace(term_used) + "s after TERM: KILL");
+      say("mpiexec's process group " + std::to_string(group) + " still there " + fmt_grace(term_used) +
+          "s after TERM: KILL");
       signal_group(group, SIGKILL);
       kill_at = -1;
     }

@@ -571,8 +571,8 @@ int main(int argc, char** argv) {
       finish(0);
     }
     const int rc = a.status != 0 ? a.status : 1;
-    a.ending = "failed: mpiexec exit status " + std::to_string(a.status) + (a.killed ? " (ended by lockstep-run)" : "") +
-               (a.status == 0 ? " (but a rank failed)" : "");
+    a.ending = "failed: mpiexec exit status " + std::to_string(a.status) +
+               (a.killed ? " (ended by lockstep-run)" : "") + (a.status == 0 ? " (but a rank failed)" : "");
     say("attempt " + std::to_string(attempt + 1) + " failed after " + took + ": mpiexec exit status " +
         std::to_string(a.status) + (a.killed ? " (killed by lockstep-run)" : "") +
         (a.status == 0 ? " (but a rank failed)" : ""));
