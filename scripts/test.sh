@@ -246,7 +246,9 @@ stage_multihost() (
   # 17+16+16+18+13+34+24+10+15+20+39+14 s, about 3.9 min, on this 2-core machine at load 8-15
   # (link-sync-3x1, kill-ckpt-2x2 and drop-ops-2x2 added about 45 s; the remote case went from
   # 50 to 24 s when remote errors stopped waiting again for lost ranks: the stage grew about
-  # 20 s); a case that cannot run here (no nft) is reported skipped, not passed.
+  # 20 s; rescue-kill-2x2, rescue-link-2x2 and rescue-lost-2x2, 25-31, 19-27 and 40-43 s at load
+  # 5-11, took the place of train-2x2 and train-kill-2x2, 39 and 14 s: about 40 s more); a case
+  # that cannot run here (no nft) is reported skipped, not passed.
   fault() {
     local name=$1 start=$SECONDS log="$logs/fault-$1.log"
     timeout -k 10 300 bash "$ROOT/test/multihost/host_faults.sh" "$name" "$bin" "$logs/work-fault-$name" >"$log" 2>&1
