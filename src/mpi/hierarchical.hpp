@@ -34,29 +34,28 @@
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "mpi/shm/shm_collectives.hpp"
+#include "mpi/wait_hook.hpp"
 
 namespace lockstep::detail {
 
-class HierarchicalAllreduce {
- public:
-  /// How the backend reduces over MPI and divides for avg (its own helpers).
-  struct MpiOps {
-    MPI_Datatype (*type)(DType);
-    MPI_Op (*op)(ReduceOp, DType);
-    void (*scale)(TensorView, int);  // divides every element by n (host memory)
-  };
+class CommMonitor;
 
+// Of the shared-memory path's waits it is the WaitHook (private: only its ShmCollectives calls it).
+class HierarchicalCollectives final : private WaitHook {
+ public:
   /// Collective over `comm`. `node` is this rank's machine (a communicator over its ranks, which
   /// this object takes over and frees). Returns nullptr on every rank alike unless the ranks span
   /// two or more machines, every machine holds the same number of ranks, at least two, and the
   /// shared-memory segment of every machine could be created (and `enabled` on every rank).
   /// `chunk_bytes`: the pipeline's chunk (0: the default, 4 MiB); `min_bytes`: smaller calls go
-  /// flat (negative: the default, 64 KiB). `monitor`: the backend's CommMonitor (wait_point).
-  static std::unique_ptr<HierarchicalAllreduce> create(MPI_Comm comm, MPI_Comm node, bool enabled, MpiOps ops,
-                                                       void* monitor, std::size_t chunk_bytes, std::int64_t min_bytes);
-  ~HierarchicalAllreduce();
-  HierarchicalAllreduce(const HierarchicalAllreduce&) = delete;
-  HierarchicalAllreduce& operator=(const HierarchicalAllreduce&) = delete;
+  /// flat (negative: the default, 64 KiB). `monitor`: the backend's CommMonitor, whose wait
+  /// point every wait here polls; it outlives this object.
+  static std::unique_ptr<HierarchicalCollectives> create(MPI_Comm comm, MPI_Comm node, bool enabled,
+                                                         CommMonitor* monitor, std::size_t chunk_bytes,
+                                                         std::int64_t min_bytes);
+  ~HierarchicalCollectives();
+  HierarchicalCollectives(const HierarchicalCollectives&) = delete;
+  HierarchicalCollectives& operator=(const HierarchicalCollectives&) = delete;
 
   // Every collective below first agrees on the call (see the top of this file). It then returns
   // false, having moved nothing, when the agreed call goes another way (the same answer on every
@@ -106,11 +105,10 @@ class HierarchicalAllreduce {
   std::size_t min_bytes() const noexcept { return min_bytes_; }
   std::size_t chunk_bytes() const noexcept { return chunk_bytes_; }
 
-  /// Called by the node ShmCollectives' waits (set as its wait hook).
-  static void hook(void* self);
-
  private:
-  HierarchicalAllreduce() = default;
+  HierarchicalCollectives() = default;
+  // The node ShmCollectives' waits: the monitor's wait point, then this object's requests.
+  void at_wait() override;
   bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
   // Every call's first step (see the top of this file). what: the collective; arg: its tag with
   // the op or the root (arg_name says which). MismatchError on every rank, naming the ranks and
@@ -119,21 +117,24 @@ class HierarchicalAllreduce {
   void wait(MPI_Request* req);
   void progress() noexcept;
   // wire (run, run_reduce_scatter): DType::f32 for the plain form (the dtype is then `dtype`),
-  // bf16/f16 for the 16-bit wire between the machines (dtype f32, op sum or avg).
-  void run(const char* in, char* out, std::size_t n, DType dtype, ReduceOp op, DType wire);
-  void run_broadcast(char* buf, std::size_t n, DType dtype, int root);
-  void run_reduce_scatter(const char* send, char* recv, std::size_t q, DType dtype, ReduceOp op, DType wire);
-  void run_allgather(const char* send, char* recv, std::size_t q, DType dtype);
+  // bf16/f16 for the 16-bit wire between the machines (dtype f32, op sum or avg). block_numel:
+  // the elements of each rank's block of a reduce-scatter or all-gather.
+  void run(const char* in, char* out, std::size_t total, DType dtype, ReduceOp op, DType wire);
+  void run_broadcast(char* buf, std::size_t total, DType dtype, int root);
+  void run_reduce_scatter(const char* send, char* recv, std::size_t block_numel, DType dtype, ReduceOp op,
+                          DType wire);
+  void run_allgather(const char* send, char* recv, std::size_t block_numel, DType dtype);
   // The inter-host reduce-scatter of the reduce-scatter and of the 16-bit allreduce, among the
-  // ranks of this local rank, point to point: `pieces` holds H pieces of c elements of `ps`
-  // bytes, piece h for machine h. post_exchange sends each other machine its piece and receives
-  // this machine's piece from every other (into the slot's inbox; requests in the slot's p2p);
-  // fold_exchange waits for them and sums the H pieces of this machine in machine order
-  // (acc = piece 0, then acc = piece h op acc, MPI_Reduce_local with dt and mop) into `acc`
-  // (nullptr: the inbox's own place, which is free) and returns it.
-  void post_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot);
-  char* fold_exchange(const char* pieces, std::size_t c, std::size_t ps, int slot, MPI_Datatype dt, MPI_Op mop,
-                      char* acc);
+  // ranks of this local rank, point to point: `pieces` holds hosts() pieces of piece_numel
+  // elements of elem_bytes bytes, piece h for machine h. post_exchange sends each other machine
+  // its piece and receives this machine's piece from every other (into the slot's inbox;
+  // requests in the slot's p2p); fold_exchange waits for them and sums the pieces of this
+  // machine in machine order (acc = piece 0, then acc = piece h op acc, MPI_Reduce_local with
+  // mpi_dtype and mpi_reduce) into `acc` (nullptr: the inbox's own place, which is free) and
+  // returns it.
+  void post_exchange(const char* pieces, std::size_t piece_numel, std::size_t elem_bytes, int slot);
+  char* fold_exchange(const char* pieces, std::size_t piece_numel, std::size_t elem_bytes, int slot,
+                      MPI_Datatype mpi_dtype, MPI_Op mpi_reduce, char* acc);
   // Runs a call's stages; if one throws, what a request still in flight may read or write is
   // kept for the life of the process (abandon) before the exception leaves.
   template <class Stages>
@@ -149,8 +150,7 @@ class HierarchicalAllreduce {
   MPI_Comm comm_ = MPI_COMM_NULL, node_ = MPI_COMM_NULL, cross_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, hosts_ = 1;
   std::unique_ptr<ShmCollectives> shm_;  // over node_
-  MpiOps ops_{};
-  void* monitor_ = nullptr;  // the backend's CommMonitor (wait_point)
+  CommMonitor* monitor_ = nullptr;  // the backend's (wait_point, exchange_point)
   std::size_t min_bytes_ = 0, chunk_bytes_ = 0;
   std::uint64_t calls_ = 0;
   std::vector<int> local_of_, host_of_;  // every rank's local rank and machine (its rank in cross_)

@@ -1,5 +1,5 @@
 // MPIBackend's 16-bit wire forms (allreduce_wire16, reduce_scatter_wire16 of f32 host data),
-// fused where the ranks share memory (ShmCollectives) or span machines (HierarchicalAllreduce:
+// fused where the ranks share memory (ShmCollectives) or span machines (HierarchicalCollectives:
 // only the inter-host part on the 16-bit wire); Backend's three passes otherwise.
 #include "mpi/mpi_backend_impl.hpp"
 

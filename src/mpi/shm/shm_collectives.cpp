@@ -440,7 +440,7 @@ void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64
   int polls = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++polls == 4096) {
-      if (hook_ != nullptr) hook_(hook_ctx_);
+      if (wait_hook_ != nullptr) wait_hook_->at_wait();
       sched_yield();
       polls = 0;
     }

@@ -32,6 +32,7 @@
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "mpi/wait_hook.hpp"
 
 namespace lockstep::detail {
 
@@ -128,12 +129,9 @@ class ShmCollectives {
   /// far: what the tests check the path by.
   std::uint64_t in_place_calls() const noexcept { return in_place_calls_.load(std::memory_order_relaxed); }
 
-  /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
-  /// (the communicator is then unusable, which the hook's owner knows).
-  void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
-    hook_ = hook;
-    hook_ctx_ = ctx;
-  }
+  /// Called every few thousand polls of every wait (null: none); it may throw to end the wait.
+  /// It must outlive this object.
+  void set_wait_hook(WaitHook* hook) noexcept { wait_hook_ = hook; }
 
   std::size_t slice_bytes() const noexcept { return slice_bytes_; }
   std::size_t min_bytes() const noexcept { return min_bytes_; }
@@ -175,8 +173,7 @@ class ShmCollectives {
   char* base_[kMaxRanks] = {};  // each rank's segment, mapped into this process
   std::uint64_t next_ = 0;      // slices completed so far, the same on every rank
   std::uint64_t calls_ = 0;     // calls so far, the same on every rank
-  void (*hook_)(void*) = nullptr;
-  void* hook_ctx_ = nullptr;
+  WaitHook* wait_hook_ = nullptr;
 };
 
 }  // namespace lockstep::detail
