@@ -5,13 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "core/wire16.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
-#include "comm/rank_list.hpp"
 #include "mpi/keep_for_process.hpp"
 #include "mpi/monitor.hpp"
 #include "mpi/mpi_types.hpp"
@@ -27,15 +25,6 @@ constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
 // than the network time they save (docs/performance.md, "Hierarchical allreduce across machines",
 // has the break-even).
 constexpr std::size_t kHierarchyMinBytes = std::size_t{64} << 10;
-constexpr int kCheckFields = 5;  // call number, count, dtype, op, memory
-// The collective is told apart in the agreement's op-or-root field: an allreduce sends its op
-// (small values), a broadcast 1 << 32 | root, the others their own tag | op.
-constexpr std::int64_t kHierReduceScatterTag = std::int64_t{2} << 32;
-constexpr std::int64_t kHierReduceScatterWireTag = std::int64_t{3} << 32;
-constexpr std::int64_t kHierAllgatherTag = std::int64_t{4} << 32;
-constexpr std::int64_t kHierAllreduceWireTag = std::int64_t{5} << 32;
-constexpr std::int64_t kHierReduceTag = std::int64_t{6} << 32;   // | root << 8 | op
-constexpr std::int64_t kHierBarrierTag = std::int64_t{7} << 32;
 
 // A slice of a pipelined call: elements [off, off + c) (of the buffer, or of every block), and
 // its slot (0 or 1: the scratch and the requests it uses).
@@ -70,7 +59,7 @@ void pipeline(std::size_t total, std::size_t step, Start&& start, Finish&& finis
 // Kept between calls (grown, never shrunk); see the invariant at HierarchicalCollectives::live_.
 struct HierarchicalCollectives::InFlight {
   std::vector<char> gather, slot[2], wire[2], inbox[2], stage[2], padded;
-  std::int64_t check[2 * kCheckFields] = {};  // the agreement's exchange
+  std::int64_t check[2 * CallRecord::kFields] = {};  // the agreement's exchange
   MPI_Request check_req = MPI_REQUEST_NULL;
   std::vector<MPI_Request> p2p[2];  // the inter-host sends and receives of post_exchange, per slot
   MPI_Request pending[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // stage 2 of the last two slices
@@ -227,95 +216,32 @@ bool HierarchicalCollectives::handles(std::int64_t numel, DType dtype, ReduceOp 
 }
 
 
-namespace {
-// The agreement's op-or-root field in words: the collective, and its op or root.
-std::string describe_arg(std::int64_t v) {
-  const auto tag = v >> 32;
-  const auto low = static_cast<std::uint32_t>(v & 0xffffffff);
-  const char* const colls[] = {"allreduce",      "broadcast",          "reduce_scatter", "reduce_scatter_wire16",
-                               "allgather",      "allreduce_wire16",   "reduce",         "barrier"};
-  if (tag < 0 || tag >= static_cast<std::int64_t>(std::size(colls))) return concat("field ", v);
-  std::string s = colls[tag];
-  if (tag == 1) return concat(s, " from root ", low);
-  if (tag == 4 || tag == 7) return s;
-  if (tag == 6) return concat(s, " to root ", low >> 8, " with op ", name(static_cast<ReduceOp>(low & 0xff)));
-  return concat(s, " with op ", name(static_cast<ReduceOp>(low)));
-}
-
-// One field's values over the ranks: "ranks 0, 1: 16384; rank 2: 16385" (values in the order
-// of the first rank holding each).
-template <class Show>
-std::string ranks_by_value(const std::vector<std::int64_t>& all, int size, int field, Show&& show) {
-  std::vector<std::int64_t> values;
-  std::vector<std::vector<int>> holders;
-  for (int r = 0; r < size; ++r) {
-    const std::int64_t v = all[static_cast<std::size_t>(r) * kCheckFields + static_cast<std::size_t>(field)];
-    auto at = std::find(values.begin(), values.end(), v);
-    if (at == values.end()) {
-      values.push_back(v);
-      holders.emplace_back();
-      at = values.end() - 1;
-    }
-    holders[static_cast<std::size_t>(at - values.begin())].push_back(r);
-  }
-  std::string s;
-  for (std::size_t k = 0; k < values.size(); ++k) s += concat(k ? "; " : "", rank_list(holders[k]), ": ", show(values[k]));
-  return s;
-}
-}  // namespace
-
-void HierarchicalCollectives::agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg,
-                                  const char* arg_name, bool host) {
-  const std::int64_t mine[kCheckFields] = {static_cast<std::int64_t>(calls_++), numel, static_cast<std::int64_t>(dtype),
-                                           arg, host ? 1 : 0};
-  // The max over every rank of each field and of its complement: all ranks agree on a field
-  // exactly when max(x) == ~max(~x). First among the ranks of this local rank (over the network),
-  // then among the ranks of this machine (shared memory): every rank ends with the max over all.
-  // The exchange's buffer and request live in *live_: a wait that throws leaves them to MPI.
+void HierarchicalCollectives::agree(const CallRecord& mine, const char* what) {
+  // First among the ranks of this local rank (over the network), then among the ranks of this
+  // machine (shared memory): every rank ends with the max over all ranks of every field and of
+  // its complement, and so with the same verdict (agreement.hpp). The exchange's buffer and
+  // request live in *live_: a wait that throws leaves them to MPI.
+  constexpr int kWords = 2 * CallRecord::kFields;
   std::int64_t* const buf = live_->check;
   guarded([&] {
-    for (int i = 0; i < kCheckFields; ++i) {
-      buf[i] = mine[i];
-      buf[kCheckFields + i] = ~mine[i];
-    }
-    LOCKSTEP_MPI_CHECK(
-        MPI_Iallreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, cross_, &live_->check_req));
+    agreement_encode(mine, buf);
+    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf, kWords, MPI_INT64_T, MPI_MAX, cross_, &live_->check_req));
     wait(&live_->check_req);
-    if (!shm_->allreduce(buf, buf, 2 * kCheckFields, DType::i64, ReduceOp::max, true))
-      LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, 2 * kCheckFields, MPI_INT64_T, MPI_MAX, node_));
+    if (!shm_->allreduce(buf, buf, kWords, DType::i64, ReduceOp::max, true))
+      LOCKSTEP_MPI_CHECK(guarded_allreduce(MPI_IN_PLACE, buf, kWords, MPI_INT64_T, MPI_MAX, node_));
   });
-  bool same = true;
-  for (int i = 0; i < kCheckFields; ++i) same = same && buf[i] == ~buf[kCheckFields + i];
-  if (same) return;
+  if (agreement_holds(buf, CallRecord::kFields)) return;
   // Every rank has the same verdict: every rank gathers every rank's call to name who differs.
-  std::vector<std::int64_t> all(static_cast<std::size_t>(size_) * kCheckFields);
-  LOCKSTEP_MPI_CHECK(guarded_allgather(mine, kCheckFields, MPI_INT64_T, all.data(), kCheckFields, MPI_INT64_T, comm_));
-  const char* const names[kCheckFields] = {"call number", "element count", "dtype", "collective (op or root)",
-                                           "memory"};
-  std::string differ;
-  for (int i = 0; i < kCheckFields; ++i) {
-    if (buf[i] == ~buf[kCheckFields + i]) continue;
-    differ += concat(differ.empty() ? "" : "; and in ", names[i], ": ",
-                     ranks_by_value(all, size_, i, [i](std::int64_t v) -> std::string {
-                       switch (i) {
-                         case 2: return v >= 0 && v < 64 ? name(static_cast<DType>(v)) : std::to_string(v);
-                         case 3: return describe_arg(v);
-                         case 4: return v ? "host" : "device";
-                         default: return std::to_string(v);
-                       }
-                     }));
-  }
-  throw MismatchError(concat(what, ": ranks called different collectives: they differ in ", differ,
-                             ". This rank (", rank_, ") called ", what, " of ", numel, " ", name(dtype),
-                             " elements with ", arg_name, host ? "" : " in device memory", " (call number ",
-                             mine[0], " on this communicator; found by the hierarchical path's agreement, before "
-                             "any path was chosen)", rank_suffix()));
+  std::vector<CallRecord> by_rank(static_cast<std::size_t>(size_));
+  LOCKSTEP_MPI_CHECK(guarded_allgather(&mine, static_cast<int>(sizeof mine), MPI_BYTE, by_rank.data(),
+                                       static_cast<int>(sizeof mine), MPI_BYTE, comm_));
+  throw_call_mismatch(what, by_rank, rank_, "the hierarchical path's agreement");
 }
 
 bool HierarchicalCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                       bool host) {
   // Agreed first, then the path chosen from the agreed fields: the same on every rank.
-  agree("allreduce", numel, dtype, static_cast<std::int64_t>(op), concat("op ", name(op)).c_str(), host);
+  agree(call_record(calls_++, CallKind::allreduce, numel, dtype, static_cast<int>(op), -1, host), "allreduce");
   if (!handles(numel, dtype, op, host)) return false;
   guarded([&] {
     run(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel), dtype, op,
@@ -416,10 +342,11 @@ void HierarchicalCollectives::run(const char* in, char* out, std::size_t total, 
 }
 
 bool HierarchicalCollectives::allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) {
+  agree(call_record(calls_++, CallKind::allreduce_wire16, numel, wire, static_cast<int>(op), -1, true),
+        "allreduce_wire16");
+  // Agreed: the caller's other way, the same on every rank.
   if (op != ReduceOp::sum && op != ReduceOp::avg) return false;
-  agree("allreduce_wire16", numel, wire, kHierAllreduceWireTag | static_cast<std::int64_t>(op),
-        concat("op ", name(op)).c_str(), true);
-  if (!handles(numel, DType::f32, ReduceOp::sum, true)) return false;  // agreed: the caller's other way
+  if (!handles(numel, DType::f32, ReduceOp::sum, true)) return false;
   guarded([&] {
     run(reinterpret_cast<const char*>(buf), reinterpret_cast<char*>(buf), static_cast<std::size_t>(numel), DType::f32,
         op, wire);
@@ -428,10 +355,8 @@ bool HierarchicalCollectives::allreduce_wire16(float* buf, std::int64_t numel, D
 }
 
 bool HierarchicalCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
-  // The root is encoded apart from every ReduceOp value, so that an allreduce and a broadcast of
-  // the same size disagree; a root out of range is the backend's InvalidArgument before this.
-  agree("broadcast", numel, dtype, std::int64_t{1} << 32 | static_cast<std::uint32_t>(root),
-        concat("root ", root).c_str(), host);
+  // A root out of range is the backend's InvalidArgument before this.
+  agree(call_record(calls_++, CallKind::broadcast, numel, dtype, -1, root, host), "broadcast");
   if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) < min_bytes_) return false;
   guarded([&] { run_broadcast(static_cast<char*>(buf), static_cast<std::size_t>(numel), dtype, root); });
   return true;
@@ -473,8 +398,8 @@ void HierarchicalCollectives::run_broadcast(char* buf, std::size_t total, DType 
 
 bool HierarchicalCollectives::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                            bool host) {
-  agree("reduce_scatter", numel, dtype, kHierReduceScatterTag | static_cast<std::int64_t>(op),
-        concat("op ", name(op)).c_str(), host);
+  agree(call_record(calls_++, CallKind::reduce_scatter, numel, dtype, static_cast<int>(op), -1, host),
+        "reduce_scatter");
   if (numel <= 0 || !handles(numel * size_, dtype, op, host)) return false;
   guarded([&] {
     run_reduce_scatter(static_cast<const char*>(send), static_cast<char*>(recv), static_cast<std::size_t>(numel),
@@ -485,9 +410,9 @@ bool HierarchicalCollectives::reduce_scatter(const void* send, void* recv, std::
 
 bool HierarchicalCollectives::reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                                                   ReduceOp op) {
-  if (op != ReduceOp::sum && op != ReduceOp::avg) return false;
-  agree("reduce_scatter_wire16", numel, wire, kHierReduceScatterWireTag | static_cast<std::int64_t>(op),
-        concat("op ", name(op)).c_str(), true);
+  agree(call_record(calls_++, CallKind::reduce_scatter_wire16, numel, wire, static_cast<int>(op), -1, true),
+        "reduce_scatter_wire16");
+  if (op != ReduceOp::sum && op != ReduceOp::avg) return false;  // agreed: the same on every rank
   if (numel <= 0 || !handles(numel * size_, DType::f32, ReduceOp::sum, true)) return false;
   guarded([&] {
     run_reduce_scatter(reinterpret_cast<const char*>(send), reinterpret_cast<char*>(recv),
@@ -497,7 +422,7 @@ bool HierarchicalCollectives::reduce_scatter_wire16(const float* send, float* re
 }
 
 bool HierarchicalCollectives::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
-  agree("allgather", numel, dtype, kHierAllgatherTag, "no op", host);
+  agree(call_record(calls_++, CallKind::allgather, numel, dtype, -1, -1, host), "allgather");
   if (!host || numel <= 0 || static_cast<std::size_t>(numel) * size_of(dtype) * static_cast<std::size_t>(size_) < min_bytes_)
     return false;
   guarded([&] {
@@ -507,12 +432,11 @@ bool HierarchicalCollectives::allgather(const void* send, void* recv, std::int64
 }
 
 void HierarchicalCollectives::agree_reduce(std::int64_t numel, DType dtype, ReduceOp op, int root, bool host) {
-  agree("reduce", numel, dtype,
-        kHierReduceTag | static_cast<std::int64_t>(static_cast<std::uint32_t>(root) << 8) | static_cast<std::int64_t>(op),
-        concat("op ", name(op), " and root ", root).c_str(), host);
+  agree(call_record(calls_++, CallKind::reduce, numel, dtype, static_cast<int>(op), root, host), "reduce");
 }
 
-void HierarchicalCollectives::agree_barrier() { agree("barrier", 0, DType::u8, kHierBarrierTag, "no op", true);
+void HierarchicalCollectives::agree_barrier() {
+  agree(call_record(calls_++, CallKind::barrier, 0, DType::u8, -1, -1, true), "barrier");
 }
 
 void HierarchicalCollectives::post_exchange(const char* pieces, std::size_t piece_numel, std::size_t elem_bytes,

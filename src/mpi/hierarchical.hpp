@@ -12,12 +12,12 @@
 //
 // Invariants:
 // - The ranks agree before they act. While this object exists, every blocking collective of the
-//   backend (reduce and barrier too, which never take this path) first exchanges its call (call
-//   number, count, dtype, op or root, memory) as a max over the ranks of each field and of its
-//   complement (a small MPI allreduce among the ranks of this local rank, then a shared-memory
-//   one within the machine): every rank gets the same verdict. Only then is the path chosen,
-//   from the agreed fields, so no two ranks take two paths; calls that differ are a
-//   MismatchError on every rank naming the ranks and their values, before any buffer is written.
+//   backend (reduce and barrier too, which never take this path) first exchanges its call (a
+//   CallRecord, agreement.hpp) as a max over the ranks of each field and of its complement (a
+//   small MPI allreduce among the ranks of this local rank, then a shared-memory one within the
+//   machine): every rank gets the same verdict. Only then is the path chosen, from the agreed
+//   call, so no two ranks take two paths; calls that differ are a MismatchError on every rank
+//   naming the ranks and their values (throw_call_mismatch), before any buffer is written.
 // - Every wait is bounded: the MPI requests are polled with the collective's wait point
 //   (deadline, stall notices), and the shared-memory waits poll the same hook.
 // - Every MPI request targets memory this object owns (InFlight), never the caller's buffers or
@@ -33,6 +33,7 @@
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "mpi/agreement.hpp"
 #include "mpi/shm/shm_collectives.hpp"
 #include "mpi/wait_hook.hpp"
 
@@ -86,8 +87,8 @@ class HierarchicalCollectives final : private WaitHook {
   /// replicated optimizer's wire_dtype): buf (`numel` f32, host memory) becomes op (sum or avg)
   /// over the ranks, in place. An element's result is reduce_scatter_wire16's for the same data,
   /// bit for bit, at any number of machines (the replicated and sharded steps agree), and the
-  /// same bits on every rank. An op other than sum and avg: false at once, without agreeing
-  /// (so for reduce_scatter_wire16).
+  /// same bits on every rank. An op other than sum and avg: false, after agreeing (so for
+  /// reduce_scatter_wire16).
   bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
   /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
   /// send in rank order; send may be block rank() of recv. Any dtype; min_bytes() counts recv.
@@ -110,10 +111,9 @@ class HierarchicalCollectives final : private WaitHook {
   // The node ShmCollectives' waits: the monitor's wait point, then this object's requests.
   void at_wait() override;
   bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
-  // Every call's first step (see the top of this file). what: the collective; arg: its tag with
-  // the op or the root (arg_name says which). MismatchError on every rank, naming the ranks and
-  // their values, when the calls differ.
-  void agree(const char* what, std::int64_t numel, DType dtype, std::int64_t arg, const char* arg_name, bool host);
+  // Every call's first step (see the top of this file): MismatchError on every rank, naming the
+  // ranks and their values (throw_call_mismatch), when the calls differ.
+  void agree(const CallRecord& mine, const char* what);
   void wait(MPI_Request* req);
   void progress() noexcept;
   // wire (run, run_reduce_scatter): DType::f32 for the plain form (the dtype is then `dtype`),

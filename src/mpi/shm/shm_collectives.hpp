@@ -13,11 +13,11 @@
 //
 // The ranks agree before they choose a path: every blocking allreduce, reduce, reduce_scatter,
 // allgather and broadcast on such a communicator, whatever its size, dtype or memory, first
-// publishes its call (count, dtype, op or root, host or device memory) in its slot; only when every
-// rank published the same call does any rank act, and then all of them take the same path (this
-// one, or MPI after the header-only exchange). A rank whose call differs from a peer's throws
-// MismatchError, on every rank, before any buffer is written. Every wait polls a hook (stall
-// notices, the collective's deadline), so no wait here is unbounded.
+// publishes its call (a CallRecord, agreement.hpp) in its slot; only when every rank published the
+// same call does any rank act, and then all of them take the same path (this one, or MPI after
+// the header-only exchange). Calls that differ are the same MismatchError on every rank
+// (throw_call_mismatch, from every rank's header), before any buffer is written. Every wait
+// polls a hook (stall notices, the collective's deadline), so no wait here is unbounded.
 #pragma once
 
 #include <mpi.h>
@@ -32,6 +32,7 @@
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "mpi/agreement.hpp"
 #include "mpi/wait_hook.hpp"
 
 namespace lockstep::detail {
@@ -146,7 +147,8 @@ class ShmCollectives {
   void agree(const SliceHeader& mine, const char* what);
   SliceHeader* header(int peer, std::uint64_t k) const;
   char* slot(int peer, std::uint64_t k) const;
-  std::string mismatch_message(int peer, const SliceHeader& mine, const char* what) const;
+  // Every rank's record of the slice being agreed (this rank's is `mine`).
+  std::vector<CallRecord> records(const SliceHeader& mine) const;
   template <class Fill, class Use>
   void run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what, Fill&& fill,
            Use&& use);
