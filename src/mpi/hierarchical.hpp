@@ -34,6 +34,7 @@
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "mpi/agreement.hpp"
+#include "mpi/collective_path.hpp"
 #include "mpi/shm/shm_collectives.hpp"
 #include "mpi/wait_hook.hpp"
 
@@ -41,8 +42,9 @@ namespace lockstep::detail {
 
 class CommMonitor;
 
-// Of the shared-memory path's waits it is the WaitHook (private: only its ShmCollectives calls it).
-class HierarchicalCollectives final : private WaitHook {
+// A CollectivePath (collective_path.hpp). Of the shared-memory path's waits it is the WaitHook
+// (private: only its ShmCollectives calls it).
+class HierarchicalCollectives final : public CollectivePath, private WaitHook {
  public:
   /// Collective over `comm`. `node` is this rank's machine (a communicator over its ranks, which
   /// this object takes over and frees). Returns nullptr on every rank alike unless the ranks span
@@ -66,34 +68,36 @@ class HierarchicalCollectives final : private WaitHook {
   /// recv = op over the ranks of send (send may equal recv). f32/f64/i32/i64 with any op,
   /// bf16/f16 with sum or avg (16-bit on the network, summed in f32 within a machine). Integer
   /// ops, min and max are bitwise the flat result; floating sums within rounding of it.
-  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host) override;
 
   /// Broadcast of buf from `root` (a rank of comm), any dtype: each machine receives the data
   /// once over the network (a flat broadcast's tree may send it to several ranks of a machine).
-  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
+  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) override;
 
   /// Reduce-scatter (the sharded optimizer's gradient step): recv (`numel` elements) = op over
   /// the ranks of block rank() of send (size() x numel elements); recv may be that very block.
   /// Any placement of the ranks on the machines. Sums each machine's ranks in local rank order,
   /// then the machines in machine order: at two machines bitwise allreduce()'s result. The
   /// dtypes and ops of allreduce(); min_bytes() counts send.
-  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                      bool host) override;
   /// The same with the 16-bit wire on the inter-host part only (op sum or avg; send and recv
   /// f32): each machine's f32 sum is rounded once to `wire`, the machines' values are summed in
   /// 16-bit in machine order (each addition rounded to `wire`) and widened into recv (divided by
   /// size() for avg).
-  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
+  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
+                             ReduceOp op) override;
   /// Allreduce with the 16-bit wire on the inter-host part only (Backend::allreduce_wire16, the
   /// replicated optimizer's wire_dtype): buf (`numel` f32, host memory) becomes op (sum or avg)
   /// over the ranks, in place. An element's result is reduce_scatter_wire16's for the same data,
   /// bit for bit, at any number of machines (the replicated and sharded steps agree), and the
   /// same bits on every rank. An op other than sum and avg: false, after agreeing (so for
   /// reduce_scatter_wire16).
-  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
+  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) override;
   /// All-gather (the sharded optimizer's parameter step): recv (size() x numel) = every rank's
   /// send in rank order; send may be block rank() of recv. Any dtype; min_bytes() counts recv.
   /// Bitwise the flat result (nothing is computed).
-  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) override;
 
   /// The agreement alone, for the collectives that never take this path (reduce, barrier): a
   /// rank in one of them while another is in a call of this path gets MismatchError, on every

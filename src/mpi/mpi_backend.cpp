@@ -120,6 +120,8 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<detail::MPIBacken
     impl_->hier = detail::HierarchicalCollectives::create(impl_->comm, node, hier_on, impl_->monitor.get(),
                                                           static_cast<std::size_t>(hier_chunk), hier_min);
   }
+  if (impl_->shm) impl_->path = impl_->shm.get();
+  else if (impl_->hier) impl_->path = impl_->hier.get();
 }
 
 MPIBackend::~MPIBackend() = default;

@@ -57,11 +57,10 @@ void MPIBackend::do_broadcast(TensorView buf, int root) try {
   if (guard.skipped()) return;
   if (impl_->size == 1) return;  // one rank: the data is already everywhere
   mpib::Staged s(*impl_, buf, impl_->rank == root);
-  // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
-  // returns false, on every rank alike, when the call goes to MPI instead).
+  // On a path every rank first agrees on the call (CollectivePath::broadcast returns false, on
+  // every rank alike, when the call goes to MPI instead).
   const bool host = s.host().device.is_cpu();
-  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, host)) &&
-      !(impl_->hier && impl_->hier->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
+  if (!(impl_->path && impl_->path->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
     mpib::chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
 } catch (const MpiError& e) {
@@ -78,9 +77,7 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) try {
   // The hierarchical path works on the host: device memory is staged for it, CUDA-aware or not.
   mpib::Staged s(*impl_, buf, true, op == ReduceOp::avg || !mpib::is_mpi_native(buf.dtype) || impl_->hier);
   const bool host = s.host().device.is_cpu();
-  if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
-    // avg included
-  } else if (impl_->hier && impl_->hier->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
+  if (impl_->path && impl_->path->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
     // avg included
   } else {
     if (buf.numel <= mpib::kMaxChunk)  // one MPI call (every small message): no chunk loop

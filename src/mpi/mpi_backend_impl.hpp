@@ -76,6 +76,9 @@ struct detail::MPIBackendImpl {
   // Host allreduce when the ranks span machines with the same number (>= 2) on each (null
   // otherwise, and whenever shm is set).
   std::unique_ptr<detail::HierarchicalCollectives> hier;
+  // Whichever of shm and hier exists (null: flat MPI only): the path every blocking collective
+  // tries first (collective_path.hpp).
+  detail::CollectivePath* path = nullptr;
 
   // Frees the communicator, unless MPI may still be progressing operations on it
   // (mpi_backend.cpp).
