@@ -21,6 +21,9 @@ class CollectivePath {
  public:
   /// recv = op over the ranks of send (send may equal recv); avg divides by the rank count.
   virtual bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host) = 0;
+  /// root's recv = op over the ranks of send (recv unused elsewhere, may be null there).
+  virtual bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+                      bool host) = 0;
   /// buf on every rank = buf on root.
   virtual bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) = 0;
   /// recv (numel) = op over the ranks of block rank() of send (size() x numel); recv may be that block.

@@ -431,8 +431,10 @@ bool HierarchicalCollectives::allgather(const void* send, void* recv, std::int64
   return true;
 }
 
-void HierarchicalCollectives::agree_reduce(std::int64_t numel, DType dtype, ReduceOp op, int root, bool host) {
-  agree(call_record(calls_++, CallKind::reduce, numel, dtype, static_cast<int>(op), root, host), "reduce");
+bool HierarchicalCollectives::reduce(const void*, void*, std::int64_t numel, DType dtype, ReduceOp op, int root,
+                                     bool) {
+  agree(call_record(calls_++, CallKind::reduce, numel, dtype, static_cast<int>(op), root, true), "reduce");
+  return false;
 }
 
 void HierarchicalCollectives::agree_barrier() {

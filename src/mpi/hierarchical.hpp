@@ -99,10 +99,12 @@ class HierarchicalCollectives final : public CollectivePath, private WaitHook {
   /// Bitwise the flat result (nothing is computed).
   bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) override;
 
-  /// The agreement alone, for the collectives that never take this path (reduce, barrier): a
-  /// rank in one of them while another is in a call of this path gets MismatchError, on every
-  /// rank, instead of two communicators waiting for each other.
-  void agree_reduce(std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  /// The agreement alone, for the collectives that never take this path: a rank in one of them
+  /// while another is in a call of this path gets MismatchError, on every rank, instead of two
+  /// communicators waiting for each other. reduce always returns false (flat MPI); it agrees on
+  /// host memory whatever `host` says, since a reduce's memory may differ by rank.
+  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+              bool host) override;
   void agree_barrier();
 
   int hosts() const noexcept { return hosts_; }

@@ -66,7 +66,8 @@ class ShmCollectives final : public CollectivePath {
   /// The same for reduce: root's recv = op over ranks of send (recv unused elsewhere); the
   /// dtypes and sizes of allreduce. Every rank copies its slice into its slot and only root
   /// reads them, so a sharded gradient reduction moves each byte once.
-  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+              bool host) override;
   /// The same for allgather: recv (size() x numel) = every rank's send in rank order; any dtype,
   /// host memory, from min_bytes() of recv up.
   bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) override;
