@@ -338,9 +338,6 @@ TEST_CASE("ranks or whole machines that disagree about an allreduce get Mismatch
     INFO(r.text);
     CHECK(all_ranks(r.text.find(ls::detail::concat("rank 1: ", edge - 1)) != std::string::npos));
     CHECK(all_ranks(r.text.find(ls::detail::concat(": ", edge)) != std::string::npos));
-    // And what each rank called, in the report both paths share (agreement.hpp).
-    CHECK(all_ranks(r.text.find(ls::detail::concat("rank 1: allreduce of ", edge - 1, " f32 elements with op sum")) !=
-                    std::string::npos));
   } else {
     ++round;
   }
