@@ -307,13 +307,15 @@ void report_mpi_error(CommMonitor* m, const std::string& what, int code) noexcep
   }
 }
 
-void wait_point(void* monitor) {
-  if (monitor != nullptr) static_cast<CommMonitor*>(monitor)->wait_point();
+void wait_point(CommMonitor* monitor) {
+  if (monitor != nullptr) monitor->wait_point();
 }
 
-void exchange_point([[maybe_unused]] void* monitor) {
+WaitHook* as_wait_hook(CommMonitor* monitor) noexcept { return monitor; }
+
+void exchange_point([[maybe_unused]] CommMonitor* monitor) {
 #if LOCKSTEP_FAULT_INJECTION
-  if (monitor != nullptr) static_cast<CommMonitor*>(monitor)->exchange_point();
+  if (monitor != nullptr) monitor->exchange_point();
 #endif
 }
 

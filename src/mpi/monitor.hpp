@@ -14,6 +14,7 @@
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/reliability/settings.hpp"
 #include "mpi/blame_report.hpp"
+#include "mpi/wait_hook.hpp"
 
 // Whether this build injects the faults of LOCKSTEP_FAULT (CMake option of the same name; the
 // layers that need it get it as a compile definition): required, so that no file of the layer
@@ -138,12 +139,14 @@ int guarded_barrier(MPI_Comm comm);
 /// A point inside a long wait of the collective running on this thread (the shared-memory path
 /// calls it while it waits for its peers): throws TimeoutError / MismatchError if another rank
 /// reported a stall or a refused collective, or if this collective's deadline passed (with the
-/// blame report). `monitor` is the CommMonitor* of the communicator.
-void wait_point(void* monitor);
+/// blame report). A null monitor: nothing to check.
+void wait_point(CommMonitor* monitor);
+/// The monitor as the hook of the shared-memory path's waits: its at_wait() is wait_point().
+WaitHook* as_wait_hook(CommMonitor* monitor) noexcept;
 /// The point where this rank's part of a collective is on its way and its wait has not begun:
 /// where a test's LOCKSTEP_FAULT kind=freeze_exchange stops the process (a no-op in builds
 /// without fault injection).
-void exchange_point(void* monitor);
+void exchange_point(CommMonitor* monitor);
 
 /// An MPI error (`what`, the MpiError's text; `code`) in a collective or a request's wait on m's
 /// communicator on this rank: tells every other rank (they throw MpiError naming this rank and

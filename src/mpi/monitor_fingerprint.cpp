@@ -3,12 +3,13 @@
 
 #include <array>
 
+#include "mpi/agreement.hpp"
+
 namespace lockstep {
 namespace detail {
 
 void CommMonitor::compare_fingerprints(const Fingerprint& fp, const CallSite& site) {
-  // One small allreduce: the maximum of every field and of its bitwise complement, from which
-  // the minimum follows (min x = ~max ~x); the fields agree iff max == min.
+  // One small allreduce of every field and of its complement (agreement_encode).
   // On the heap: the request must never target a stack frame a throwing wait leaves.
   auto owner = std::make_shared<std::array<std::int64_t, 2 * kFields>>();
   std::int64_t* buf = owner->data();
@@ -17,18 +18,12 @@ void CommMonitor::compare_fingerprints(const Fingerprint& fp, const CallSite& si
   if (!agree(buf)) report_mismatch(fp, site);
 }
 
+// The agreement's encoding (agreement.hpp), the one the shared-memory and hierarchical paths use.
 void CommMonitor::fill_check_buffer(const Fingerprint& fp, std::int64_t* buf) {
-  for (int i = 0; i < kFields; ++i) {
-    buf[i] = fp.v[i];
-    buf[kFields + i] = ~fp.v[i];
-  }
+  agreement_encode(fp.v, kFields, buf);
 }
 
-bool CommMonitor::agree(const std::int64_t* buf) {
-  bool same = true;
-  for (int i = 0; i < kFields; ++i) same = same && buf[i] == ~buf[kFields + i];
-  return same;
-}
+bool CommMonitor::agree(const std::int64_t* buf) { return agreement_holds(buf, kFields); }
 
 void CommMonitor::finish_deferred(DeferredCheck& d) {
   if (d.req == MPI_REQUEST_NULL) return;

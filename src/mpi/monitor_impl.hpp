@@ -40,6 +40,7 @@
 #include "mpi/keep_for_process.hpp"
 #include "mpi/monitor.hpp"
 #include "mpi/straggler.hpp"
+#include "mpi/wait_hook.hpp"
 #include "reliability/settings_state.hpp"
 #if LOCKSTEP_FAULT_INJECTION
 #include "reliability/fault.hpp"
@@ -165,7 +166,7 @@ struct DeferredCheck {
 };
 
 
-class CommMonitor {
+class CommMonitor final : public WaitHook {
  public:
   explicit CommMonitor(MPI_Comm comm);
 
@@ -285,6 +286,8 @@ class CommMonitor {
 
   /// See detail::wait_point().
   void wait_point();
+  /// The shared-memory path's waits call it (see detail::as_wait_hook()).
+  void at_wait() override { wait_point(); }
 #if LOCKSTEP_FAULT_INJECTION
   /// See detail::exchange_point().
   void exchange_point();

@@ -73,7 +73,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<detail::MPIBacken
   // Every LOCKSTEP_* setting, parsed on each rank and then agreed: a value that is malformed or
   // differs on any rank is the same InvalidArgument on every rank (no rank is left waiting).
   detail::agree_on_settings(impl_->comm);
-  // The hierarchical allreduce (docs/architecture.md): LOCKSTEP_HIERARCHICAL=0 turns it off.
+  // The hierarchical path (docs/architecture.md): LOCKSTEP_HIERARCHICAL=0 turns it off.
   const bool hier_on = agreed_setting(impl_->comm, "LOCKSTEP_HIERARCHICAL", 1, [] {
     auto b = detail::env::get_bool("LOCKSTEP_HIERARCHICAL");
     return b ? std::optional<int>(*b ? 1 : 0) : std::nullopt;
@@ -112,15 +112,16 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<detail::MPIBacken
   if (impl_->shm) {
     // Every wait of the shared-memory path is bounded: it polls the reliability hook (stall
     // notices from other ranks, this collective's deadline).
-    impl_->shm->set_wait_hook(&detail::wait_point, impl_->monitor.get());
+    impl_->shm->set_wait_hook(detail::as_wait_hook(impl_->monitor.get()));
     LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
   } else {
-    // Not all on one machine (the same verdict on every rank): the hierarchical allreduce where
+    // Not all on one machine (the same verdict on every rank): the hierarchical collectives where
     // the placement allows it. It takes over `node`, and frees it when it says no.
-    impl_->hier = detail::HierarchicalAllreduce::create(
-        impl_->comm, node, hier_on, {&mpib::mpi_type, &mpib::mpi_op, &mpib::scale_host}, impl_->monitor.get(),
-        static_cast<std::size_t>(hier_chunk), hier_min);
+    impl_->hier = detail::HierarchicalCollectives::create(impl_->comm, node, hier_on, impl_->monitor.get(),
+                                                          static_cast<std::size_t>(hier_chunk), hier_min);
   }
+  if (impl_->shm) impl_->path = impl_->shm.get();
+  else if (impl_->hier) impl_->path = impl_->hier.get();
 }
 
 MPIBackend::~MPIBackend() = default;

@@ -57,11 +57,10 @@ void MPIBackend::do_broadcast(TensorView buf, int root) try {
   if (guard.skipped()) return;
   if (impl_->size == 1) return;  // one rank: the data is already everywhere
   mpib::Staged s(*impl_, buf, impl_->rank == root);
-  // On the shared-memory path every rank first agrees on the call (ShmCollectives::broadcast
-  // returns false, on every rank alike, when the call goes to MPI instead).
+  // On a path every rank first agrees on the call (CollectivePath::broadcast returns false, on
+  // every rank alike, when the call goes to MPI instead).
   const bool host = s.host().device.is_cpu();
-  if (!(impl_->shm && impl_->shm->broadcast(s.host().data, buf.numel, buf.dtype, root, host)) &&
-      !(impl_->hier && impl_->hier->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
+  if (!(impl_->path && impl_->path->broadcast(s.host().data, buf.numel, buf.dtype, root, host)))
     mpib::chunked_bcast(impl_->comm, s.host().data, buf.numel, buf.dtype, root);
   if (impl_->rank != root) s.copy_out();  // root's device buffer already holds the data
 } catch (const MpiError& e) {
@@ -78,9 +77,7 @@ void MPIBackend::do_allreduce(TensorView buf, ReduceOp op) try {
   // The hierarchical path works on the host: device memory is staged for it, CUDA-aware or not.
   mpib::Staged s(*impl_, buf, true, op == ReduceOp::avg || !mpib::is_mpi_native(buf.dtype) || impl_->hier);
   const bool host = s.host().device.is_cpu();
-  if (impl_->shm && impl_->shm->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
-    // avg included
-  } else if (impl_->hier && impl_->hier->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
+  if (impl_->path && impl_->path->allreduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, host)) {
     // avg included
   } else {
     if (buf.numel <= mpib::kMaxChunk)  // one MPI call (every small message): no chunk loop
@@ -138,8 +135,7 @@ void MPIBackend::do_reduce(TensorView buf, ReduceOp op, int root) try {
   if (guard.skipped()) return;
   mpib::Staged s(*impl_, buf, true, op == ReduceOp::avg || !mpib::is_mpi_native(buf.dtype));
   const bool host = s.host().device.is_cpu();
-  if (impl_->hier) impl_->hier->agree_reduce(buf.numel, buf.dtype, op, root, true);  // memory may differ by rank
-  if (impl_->shm && impl_->shm->reduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, root, host)) {
+  if (impl_->path && impl_->path->reduce(s.host().data, s.host().data, buf.numel, buf.dtype, op, root, host)) {
     if (impl_->rank == root) s.copy_out();  // avg included
     return;
   }
@@ -162,14 +158,13 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
   const bool host_work = op == ReduceOp::avg || !mpib::is_mpi_native(send.dtype);
   mpib::Staged ss(*impl_, send, true, host_work);
   const bool host = ss.host().device.is_cpu() && (is_root ? recv.device.is_cpu() : true);
-  if (impl_->hier) impl_->hier->agree_reduce(send.numel, send.dtype, op, root, true);  // memory may differ by rank
   if (!is_root) {
-    if (impl_->shm && impl_->shm->reduce(ss.host().data, nullptr, send.numel, send.dtype, op, root, host)) return;
+    if (impl_->path && impl_->path->reduce(ss.host().data, nullptr, send.numel, send.dtype, op, root, host)) return;
     mpib::chunked_reduce(impl_->comm, ss.host().data, nullptr, send.numel, send.dtype, op, root, impl_->rank);
     return;
   }
   mpib::Staged rs(*impl_, recv, false, host_work);
-  if (impl_->shm && impl_->shm->reduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, root, host)) {
+  if (impl_->path && impl_->path->reduce(ss.host().data, rs.host().data, send.numel, send.dtype, op, root, host)) {
     rs.copy_out();  // avg included
     return;
   }

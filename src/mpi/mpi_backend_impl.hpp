@@ -32,6 +32,7 @@
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "mpi/hierarchical.hpp"  // allreduce across machines: shared memory within, MPI between
 #include "mpi/monitor.hpp"       // reliability hooks (fingerprints, deadlines, fault injection)
+#include "mpi/mpi_types.hpp"     // datatypes and operators of every DType and ReduceOp
 #include "mpi/shm/shm_collectives.hpp"  // node-local collectives through shared memory
 
 namespace lockstep {
@@ -74,7 +75,10 @@ struct detail::MPIBackendImpl {
   std::unique_ptr<detail::ShmCollectives> shm;
   // Host allreduce when the ranks span machines with the same number (>= 2) on each (null
   // otherwise, and whenever shm is set).
-  std::unique_ptr<detail::HierarchicalAllreduce> hier;
+  std::unique_ptr<detail::HierarchicalCollectives> hier;
+  // Whichever of shm and hier exists (null: flat MPI only): the path every blocking collective
+  // tries first (collective_path.hpp).
+  detail::CollectivePath* path = nullptr;
 
   // Frees the communicator, unless MPI may still be progressing operations on it
   // (mpi_backend.cpp).
@@ -85,16 +89,7 @@ namespace detail::mpib {
 
 // ---- mpi_backend_types.cpp: datatypes and reduction operators ---------------------------------
 
-/// The MPI datatype of t (f16 and bf16 travel as MPI_UINT16_T).
-MPI_Datatype mpi_type(DType t);
-/// The MPI operator of op for t (avg is sum; f16/bf16: Lockstep's user-defined operators,
-/// created on first use and freed by free_half_ops()).
-MPI_Op mpi_op(ReduceOp op, DType t);
-/// Frees the f16/bf16 operators (finalize<MPIBackend>, before MPI_Finalize); mpi_op() creates
-/// them again if MPI lives on (a program that owns MPI may initialise the backend again).
-void free_half_ops() noexcept;
-/// Divides every element of host memory by n, for avg.
-void scale_host(TensorView v, int n);
+// mpi_type, mpi_op, free_half_ops, scale_host: mpi/mpi_types.hpp.
 
 /// At one rank the mean is the sum, which is the data itself: no pass over the buffer, no staging.
 inline ReduceOp one_rank_op(ReduceOp op, int size) noexcept {

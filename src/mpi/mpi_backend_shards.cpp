@@ -22,13 +22,9 @@ void MPIBackend::do_allgather(TensorView send, TensorView recv) try {
   mpib::Staged ss(*impl_, send, true, host_work);
   mpib::Staged rs(*impl_, recv, false, host_work);
   const bool host_in_place = in_place && ss.host().data == static_cast<const char*>(rs.host().data) + impl_->rank * n * es;
-  if (impl_->shm && impl_->shm->allgather(ss.host().data, rs.host().data, n, send.dtype,
-                                          ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
-    rs.copy_out();
-    return;
-  }
-  // Across machines of two or more ranks each: each rank's bytes cross to each machine once.
-  if (impl_->hier && impl_->hier->allgather(ss.host().data, rs.host().data, n, send.dtype,
+  // The path (one machine: shared memory; machines of two or more ranks each: each rank's bytes
+  // cross to each machine once), after agreeing on the call.
+  if (impl_->path && impl_->path->allgather(ss.host().data, rs.host().data, n, send.dtype,
                                             ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
     rs.copy_out();
     return;
@@ -64,15 +60,9 @@ void MPIBackend::do_reduce_scatter(TensorView send, TensorView recv, ReduceOp op
   mpib::Staged rs(*impl_, recv, false, host_work);
   char* const sh = static_cast<char*>(ss.host().data);
   const bool host_in_place = in_place && rs.host().data == sh + impl_->rank * n * es;
-  // The shared-memory path: each rank reduces only its block (avg included).
-  if (impl_->shm && impl_->shm->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
-                                               ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
-    rs.copy_out();
-    return;
-  }
-  // Across machines of two or more ranks each: node-local reduce-scatter, then among the
-  // machines (avg included).
-  if (impl_->hier && impl_->hier->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
+  // The path (avg included): on one machine each rank reduces only its block; across machines
+  // of two or more ranks each, a node-local reduce-scatter, then one among the machines.
+  if (impl_->path && impl_->path->reduce_scatter(ss.host().data, rs.host().data, n, send.dtype, op,
                                                  ss.host().device.is_cpu() && rs.host().device.is_cpu())) {
     rs.copy_out();
     return;

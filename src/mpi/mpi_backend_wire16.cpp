@@ -1,12 +1,12 @@
 // MPIBackend's 16-bit wire forms (allreduce_wire16, reduce_scatter_wire16 of f32 host data),
-// fused where the ranks share memory (ShmCollectives) or span machines (HierarchicalAllreduce:
+// fused where the ranks share memory (ShmCollectives) or span machines (HierarchicalCollectives:
 // only the inter-host part on the 16-bit wire); Backend's three passes otherwise.
 #include "mpi/mpi_backend_impl.hpp"
 
 namespace lockstep {
 
 void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) try {
-  if (impl_->hier && (op == ReduceOp::sum || op == ReduceOp::avg)) {
+  if (impl_->hier) {
     // Across machines of two or more ranks each: the node-local sums in f32, only the
     // inter-host part on the 16-bit wire (hierarchical.hpp). Fingerprinted as below. Every rank
     // agrees on the call first; one below the path's threshold (the same verdict everywhere)
@@ -43,7 +43,7 @@ void MPIBackend::do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) tr
 }
 
 void MPIBackend::do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) try {
-  if (impl_->hier && (op == ReduceOp::sum || op == ReduceOp::avg)) {
+  if (impl_->hier) {
     // Across machines of two or more ranks each: the node-local sums in f32, only the
     // inter-host part on the 16-bit wire (hierarchical.hpp). Agreed first, as above.
     bool taken = false;

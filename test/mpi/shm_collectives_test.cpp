@@ -310,6 +310,20 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
   });
   CHECK(round == 8);
+  // The report is built from every rank's header: each field that differs with the ranks
+  // holding each value, and what each rank called.
+  const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
+    b.allreduce(x.view().slice(0, rank == 0 ? count : count - 1), ls::ReduceOp::sum);
+  });
+  std::string others = b.size() == 2 ? "rank 1" : "ranks 1";
+  for (int p = 2; p < b.size(); ++p) others += ", " + std::to_string(p);
+  INFO(r.text);
+  CHECK(all_ranks(r.threw));
+  CHECK(all_ranks(r.text.find("element count: rank 0: " + std::to_string(count) + "; " + others + ": " +
+                              std::to_string(count - 1)) != std::string::npos));
+  CHECK(all_ranks(r.text.find("What each rank called: rank 0: allreduce of " + std::to_string(count) +
+                              " f32 elements with op sum; " + others + ": allreduce of " +
+                              std::to_string(count - 1) + " f32 elements") != std::string::npos));
 }
 
 TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {

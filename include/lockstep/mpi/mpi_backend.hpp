@@ -78,7 +78,7 @@ class MPIBackend final : public Backend {
   /// On the shared-memory path, fused (ShmCollectives::allreduce_wire16: each rank rounds into
   /// its slot, sums the slots in f32 and writes f32); on the hierarchical path (from 64 KiB),
   /// the machines' sums in f32 through shared memory and only the inter-host part in 16-bit
-  /// (HierarchicalAllreduce::allreduce_wire16); otherwise Backend's three passes, whose 16-bit
+  /// (HierarchicalCollectives::allreduce_wire16); otherwise Backend's three passes, whose 16-bit
   /// allreduce goes to MPI with Lockstep's f16/bf16 operator.
   void do_allreduce_wire16(TensorView buf, DType wire, ReduceOp op) override;
   void do_reduce_scatter_wire16(TensorView send, TensorView recv, DType wire, ReduceOp op) override;

@@ -39,16 +39,6 @@ constexpr std::size_t kShmMinBytes = 0;
 // below it the second rendezvous costs more than the copies it saves.
 constexpr std::size_t kInPlaceMinBytes = std::size_t{64} << 10;
 
-enum class Kind : std::uint32_t {
-  allreduce = 1,
-  broadcast = 2,
-  reduce = 3,
-  allgather = 4,
-  reduce_scatter = 5,
-  allreduce_wire16 = 6,       // f32 data, 16-bit slots (the header's dtype is the wire dtype)
-  reduce_scatter_wire16 = 7,
-};
-
 #if defined(__SSE2__)
 // Streams whole 64-byte blocks of src from offset i to dst (16-byte aligned at d + i) with
 // non-temporal stores; returns the offset where the blocks end (the caller copies the rest).
@@ -311,12 +301,7 @@ struct ShmCollectives::Control {
 
 // What a rank was asked to do, stored with each slice so the peers can compare.
 struct ShmCollectives::SliceHeader {
-  std::uint64_t call;     // calls so far on this communicator
-  std::int64_t numel;     // the caller's element count
-  std::uint32_t kind;     // Kind
-  std::uint32_t dtype;    // DType
-  std::int32_t op_root;   // ReduceOp for allreduce, root for broadcast
-  std::uint32_t host;     // 1: host memory; 0: device memory handed to MPI directly
+  CallRecord call;  // what the agreement compares (agreement.hpp); host 0: device memory for MPI
   // An in-place allreduce of a buffer in a registered region: its id and the buffer's offset
   // in it (-1: none). Not compared: ranks whose buffers differ here take the slots instead.
   std::int64_t region = -1;
@@ -440,7 +425,7 @@ void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64
   int polls = 0;
   while (a.load(std::memory_order_acquire) < v) {
     if (++polls == 4096) {
-      if (hook_ != nullptr) hook_(hook_ctx_);
+      if (wait_hook_ != nullptr) wait_hook_->at_wait();
       sched_yield();
       polls = 0;
     }
@@ -457,34 +442,11 @@ void ShmCollectives::wait_done_all(std::uint64_t k) {
   for (int p = 0; p < size_; ++p) spin_until(reinterpret_cast<Control*>(base_[p])->done, k - 1);
 }
 
-std::string ShmCollectives::mismatch_message(int peer, const SliceHeader& mine, const char* what) const {
-  const SliceHeader& theirs = *header(peer, next_);
-  auto describe = [](const SliceHeader& h) {
-    const auto k = static_cast<Kind>(h.kind);
-    const bool wire16 = k == Kind::allreduce_wire16 || k == Kind::reduce_scatter_wire16;
-    std::string s = k == Kind::allreduce                ? "allreduce"
-                    : k == Kind::broadcast              ? "broadcast"
-                    : k == Kind::reduce                 ? "reduce"
-                    : k == Kind::reduce_scatter         ? "reduce_scatter"
-                    : k == Kind::allreduce_wire16       ? "allreduce_wire16"
-                    : k == Kind::reduce_scatter_wire16 ? "reduce_scatter_wire16"
-                                                        : "allgather";
-    if (wire16)
-      s += concat(" of ", h.numel, " f32 elements sent as ", name(static_cast<DType>(h.dtype)));
-    else
-      s += concat(" of ", h.numel, " ", name(static_cast<DType>(h.dtype)), " elements");
-    if (k == Kind::allreduce || k == Kind::reduce_scatter || wire16)
-      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root)));
-    else if (k == Kind::broadcast)
-      s += concat(" from root ", h.op_root);
-    else if (k == Kind::reduce)
-      s += concat(" with op ", name(static_cast<ReduceOp>(h.op_root & 0xff)), " onto root ", h.op_root >> 8);
-    if (!h.host) s += " in device memory";
-    s += concat(" (call number ", h.call, " on this communicator)");
-    return s;
-  };
-  return concat(what, ": ranks called different collectives: this rank (", rank_, ") called ", describe(mine),
-                ", rank ", peer, " called ", describe(theirs), rank_suffix());
+std::vector<CallRecord> ShmCollectives::records(const SliceHeader& mine) const {
+  std::vector<CallRecord> by_rank(static_cast<std::size_t>(size_));
+  for (int p = 0; p < size_; ++p)
+    by_rank[static_cast<std::size_t>(p)] = p == rank_ ? mine.call : header(p, next_)->call;
+  return by_rank;
 }
 
 // One call, slice by slice: write this rank's header (and data, through `fill`) into its slot,
@@ -501,20 +463,18 @@ void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t
     *header(rank_, next_) = mine;
     fill(slot(rank_, next_), off, m);
     me->written.store(next_ + 1, std::memory_order_release);
-    int bad = -1;
+    bool same = true;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       wait_written(p, next_);
-      const SliceHeader& h = *header(p, next_);
-      if (bad < 0 && (h.call != mine.call || h.numel != mine.numel || h.kind != mine.kind ||
-                      h.dtype != mine.dtype || h.op_root != mine.op_root || h.host != mine.host))
-        bad = p;
+      same = same && header(p, next_)->call.same_call(mine.call);
     }
-    if (bad >= 0) {
-      std::string msg = mismatch_message(bad, mine, what);
+    if (!same) {
+      // Every rank reads the same headers: the same report everywhere.
+      const std::vector<CallRecord> by_rank = records(mine);
       me->done.store(next_ + 1, std::memory_order_release);
       ++next_;
-      throw MismatchError(msg);
+      throw_call_mismatch(what, by_rank, rank_, "the shared-memory path's agreement");
     }
     use(off, m);
     me->done.store(next_ + 1, std::memory_order_release);
@@ -530,8 +490,7 @@ void ShmCollectives::agree(const SliceHeader& mine, const char* what) {
 bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                bool host) {
   const std::size_t es = size_of(dtype);
-  SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce),
-                   static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  SliceHeader mine{call_record(calls_++, CallKind::allreduce, numel, dtype, static_cast<int>(op), -1, host)};
   if (!handles_allreduce(numel, dtype, op, host)) {
     agree(mine, "allreduce");
     return false;
@@ -628,8 +587,7 @@ void ShmCollectives::reduce_in_place_share(const Region& r, std::size_t offset, 
 bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
                             bool host) {
   const std::size_t es = size_of(dtype);
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce), static_cast<std::uint32_t>(dtype),
-                         static_cast<std::int32_t>(static_cast<int>(op) | (root << 8)), host ? 1u : 0u};
+  const SliceHeader mine{call_record(calls_++, CallKind::reduce, numel, dtype, static_cast<int>(op), root, host)};
   if (!handles_allreduce(numel, dtype, op, host)) {
     agree(mine, "reduce");
     return false;
@@ -659,8 +617,8 @@ bool ShmCollectives::reduce(const void* send, void* recv, std::int64_t numel, DT
 bool ShmCollectives::reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                     bool host) {
   const std::size_t es = size_of(dtype);
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce_scatter),
-                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(op), host ? 1u : 0u};
+  const SliceHeader mine{
+      call_record(calls_++, CallKind::reduce_scatter, numel, dtype, static_cast<int>(op), -1, host)};
   if (!handles_allreduce(numel, dtype, op, host)) {
     agree(mine, "reduce_scatter");
     return false;
@@ -691,8 +649,7 @@ bool ShmCollectives::reduce_scatter(const void* send, void* recv, std::int64_t n
 
 bool ShmCollectives::allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) {
   const std::size_t es = size_of(dtype);
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allgather),
-                         static_cast<std::uint32_t>(dtype), 0, host ? 1u : 0u};
+  const SliceHeader mine{call_record(calls_++, CallKind::allgather, numel, dtype, -1, -1, host)};
   if (!(host && numel > 0 && static_cast<std::size_t>(numel) * es * static_cast<std::size_t>(size_) >= min_bytes_)) {
     agree(mine, "allgather");
     return false;
@@ -713,8 +670,7 @@ bool ShmCollectives::allgather(const void* send, void* recv, std::int64_t numel,
 
 bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) {
   const std::size_t es = size_of(dtype);
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::broadcast),
-                         static_cast<std::uint32_t>(dtype), static_cast<std::int32_t>(root), host ? 1u : 0u};
+  const SliceHeader mine{call_record(calls_++, CallKind::broadcast, numel, dtype, -1, root, host)};
   if (!handles_broadcast(numel, dtype, host)) {
     agree(mine, "broadcast");
     return false;
@@ -731,8 +687,8 @@ bool ShmCollectives::broadcast(void* buf, std::int64_t numel, DType dtype, int r
 }
 
 bool ShmCollectives::allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) {
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::allreduce_wire16),
-                         static_cast<std::uint32_t>(wire), static_cast<std::int32_t>(op), 1u};
+  const SliceHeader mine{
+      call_record(calls_++, CallKind::allreduce_wire16, numel, wire, static_cast<int>(op), -1, true)};
   if (!handles_wire16(numel)) {
     agree(mine, "allreduce_wire16");
     return false;
@@ -754,8 +710,8 @@ bool ShmCollectives::allreduce_wire16(float* buf, std::int64_t numel, DType wire
 
 bool ShmCollectives::reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                                            ReduceOp op) {
-  const SliceHeader mine{calls_++, numel, static_cast<std::uint32_t>(Kind::reduce_scatter_wire16),
-                         static_cast<std::uint32_t>(wire), static_cast<std::int32_t>(op), 1u};
+  const SliceHeader mine{
+      call_record(calls_++, CallKind::reduce_scatter_wire16, numel, wire, static_cast<int>(op), -1, true)};
   if (!handles_wire16(numel)) {
     agree(mine, "reduce_scatter_wire16");
     return false;

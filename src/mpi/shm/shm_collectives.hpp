@@ -13,11 +13,11 @@
 //
 // The ranks agree before they choose a path: every blocking allreduce, reduce, reduce_scatter,
 // allgather and broadcast on such a communicator, whatever its size, dtype or memory, first
-// publishes its call (count, dtype, op or root, host or device memory) in its slot; only when every
-// rank published the same call does any rank act, and then all of them take the same path (this
-// one, or MPI after the header-only exchange). A rank whose call differs from a peer's throws
-// MismatchError, on every rank, before any buffer is written. Every wait polls a hook (stall
-// notices, the collective's deadline), so no wait here is unbounded.
+// publishes its call (a CallRecord, agreement.hpp) in its slot; only when every rank published the
+// same call does any rank act, and then all of them take the same path (this one, or MPI after
+// the header-only exchange). Calls that differ are the same MismatchError on every rank
+// (throw_call_mismatch, from every rank's header), before any buffer is written. Every wait
+// polls a hook (stall notices, the collective's deadline), so no wait here is unbounded.
 #pragma once
 
 #include <mpi.h>
@@ -32,10 +32,13 @@
 
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
+#include "mpi/agreement.hpp"
+#include "mpi/collective_path.hpp"
+#include "mpi/wait_hook.hpp"
 
 namespace lockstep::detail {
 
-class ShmCollectives {
+class ShmCollectives final : public CollectivePath {
  public:
   /// Collective over `comm`; `node_size` is the number of its ranks on this machine (from
   /// MPI_Comm_split_type). Returns nullptr (on every rank) when the ranks are not all on one
@@ -59,22 +62,24 @@ class ShmCollectives {
   /// ranks of send (send may equal recv: in place; avg divides the sum by the rank count) and
   /// returns true; returns false (on every rank alike) when the caller must run it over MPI.
   /// Throws MismatchError on every rank when the ranks' calls differ.
-  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  bool allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host) override;
   /// The same for reduce: root's recv = op over ranks of send (recv unused elsewhere); the
   /// dtypes and sizes of allreduce. Every rank copies its slice into its slot and only root
   /// reads them, so a sharded gradient reduction moves each byte once.
-  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root, bool host);
+  bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
+              bool host) override;
   /// The same for allgather: recv (size() x numel) = every rank's send in rank order; any dtype,
   /// host memory, from min_bytes() of recv up.
-  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host);
+  bool allgather(const void* send, void* recv, std::int64_t numel, DType dtype, bool host) override;
   /// The same for reduce_scatter: recv (numel elements) = op over ranks of block rank() of send
   /// (size() x numel elements); recv may be that very block (in place). The dtypes and ops of
   /// allreduce. Slice by slice, every rank copies the other ranks' blocks of the slice into its
   /// slot and reduces only its own block, reading the slots in rank order: the same sum, bit
   /// for bit, as allreduce's, with each rank doing 1/size() of the arithmetic.
-  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, bool host);
+  bool reduce_scatter(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
+                      bool host) override;
   /// The same for broadcast: buf on every rank = buf on root.
-  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host);
+  bool broadcast(void* buf, std::int64_t numel, DType dtype, int root, bool host) override;
 
   /// Allreduce of host f32 data with a 16-bit wire dtype (bf16 or f16; Backend::allreduce_wire16),
   /// in place, the three passes of a compressed allreduce fused into one: slice by slice, every
@@ -86,7 +91,7 @@ class ShmCollectives {
   /// widen and divide), and the same on every rank. op: sum or avg. Returns false (every rank
   /// alike, after agreeing on the call) when the caller must run it another way: no elements,
   /// or fewer bytes than min_bytes().
-  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op);
+  bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) override;
   /// Whether allreduce_wire16 / reduce_scatter_wire16 (numel: recv's count) move a call's data
   /// themselves (the same answer on every rank for the same call): from one element and
   /// min_bytes() of f32 up.
@@ -97,7 +102,8 @@ class ShmCollectives {
   /// (size() x numel f32), with block rank() of the 16-bit reduce-scatter's rounding; recv may be
   /// that very block. Each rank rounds the other ranks' blocks of the slice into its slot and
   /// reduces its own block: the same bits as allreduce_wire16 of the whole of send.
-  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire, ReduceOp op);
+  bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
+                             ReduceOp op) override;
 
   /// Memory every rank of this machine maps (MPIBackend::allocate_reduce_buffer): region
   /// `id` is the `id`-th allocation on this communicator (allocations are collective, so the
@@ -128,12 +134,9 @@ class ShmCollectives {
   /// far: what the tests check the path by.
   std::uint64_t in_place_calls() const noexcept { return in_place_calls_.load(std::memory_order_relaxed); }
 
-  /// Called every few thousand polls of every wait, with `ctx`; may throw to end the wait
-  /// (the communicator is then unusable, which the hook's owner knows).
-  void set_wait_hook(void (*hook)(void*), void* ctx) noexcept {
-    hook_ = hook;
-    hook_ctx_ = ctx;
-  }
+  /// Called every few thousand polls of every wait (null: none); it may throw to end the wait.
+  /// It must outlive this object.
+  void set_wait_hook(WaitHook* hook) noexcept { wait_hook_ = hook; }
 
   std::size_t slice_bytes() const noexcept { return slice_bytes_; }
   std::size_t min_bytes() const noexcept { return min_bytes_; }
@@ -148,7 +151,8 @@ class ShmCollectives {
   void agree(const SliceHeader& mine, const char* what);
   SliceHeader* header(int peer, std::uint64_t k) const;
   char* slot(int peer, std::uint64_t k) const;
-  std::string mismatch_message(int peer, const SliceHeader& mine, const char* what) const;
+  // Every rank's record of the slice being agreed (this rank's is `mine`).
+  std::vector<CallRecord> records(const SliceHeader& mine) const;
   template <class Fill, class Use>
   void run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what, Fill&& fill,
            Use&& use);
@@ -175,8 +179,7 @@ class ShmCollectives {
   char* base_[kMaxRanks] = {};  // each rank's segment, mapped into this process
   std::uint64_t next_ = 0;      // slices completed so far, the same on every rank
   std::uint64_t calls_ = 0;     // calls so far, the same on every rank
-  void (*hook_)(void*) = nullptr;
-  void* hook_ctx_ = nullptr;
+  WaitHook* wait_hook_ = nullptr;
 };
 
 }  // namespace lockstep::detail
