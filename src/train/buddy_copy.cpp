@@ -1,0 +1,134 @@
+// Buddy copies of a sharded optimizer state (buddy_copy.hpp): the host map, the plan, and the
+// copy taken at the end of each step.
+#include "lockstep/train/buddy_copy.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/env.hpp"
+#include "lockstep/core/errors.hpp"
+#include "lockstep/train/distributed_optimizer.hpp"
+
+namespace lockstep::detail {
+
+namespace {
+std::string this_host(int rank) {
+  char buf[256] = {};
+  std::string h = ::gethostname(buf, sizeof buf - 1) == 0 && buf[0] != '\0' ? buf : "unknown-host";
+  // MPIBackend refuses this setting outside fault-injection builds, before any optimizer exists.
+  if (const auto k = env::get("LOCKSTEP_TEST_HOST_SIZE")) {
+    const long size = std::strtol(k->c_str(), nullptr, 10);
+    if (size > 0) h += "/simulated-host-" + std::to_string(rank / size);
+  }
+  return h;
+}
+std::int64_t hash_name(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+}  // namespace
+
+BuddyPlan plan_buddies(Backend& backend) {
+  const int n = backend.size(), me = backend.rank();
+  BuddyPlan plan;
+  plan.host = this_host(me);
+  Tensor mine = Tensor::zeros({1}, DType::i64), all = Tensor::zeros({n}, DType::i64);
+  *mine.data<std::int64_t>() = hash_name(plan.host);
+  backend.allgather(mine.view(), all.view());
+  const std::int64_t* h = all.data<std::int64_t>();
+  // Hosts in order of their lowest rank; ranks ordered by host, then rank.
+  std::vector<std::int64_t> hosts;
+  for (int r = 0; r < n; ++r)
+    if (std::find(hosts.begin(), hosts.end(), h[r]) == hosts.end()) hosts.push_back(h[r]);
+  std::vector<int> order;
+  int most = 0;
+  for (const std::int64_t host : hosts) {
+    int count = 0;
+    for (int r = 0; r < n; ++r)
+      if (h[r] == host) {
+        order.push_back(r);
+        ++count;
+      }
+    most = std::max(most, count);
+  }
+  plan.one_host = hosts.size() == 1;
+  int shift = most;
+  if (plan.one_host) {
+    shift = n > 1 ? 1 : 0;
+  } else {
+    LOCKSTEP_CHECK_ARG(2 * most <= n, "DistributedOptimizer setup: rescue_buddy keeps each shard's copy on another "
+                       "host, but one host runs ", most, " of the ", n, " ranks (more than half), so some copy "
+                       "would stay on its own host; place at most ", n / 2, " ranks on each host, or turn "
+                       "rescue_buddy off");
+  }
+  const int pos = static_cast<int>(std::find(order.begin(), order.end(), me) - order.begin());
+  plan.holder = order[static_cast<std::size_t>((pos + shift) % n)];
+  plan.source = order[static_cast<std::size_t>((pos - shift + n) % n)];
+  if (plan.one_host && me == 0 && n > 1) {
+    std::fprintf(stderr,
+                 "lockstep: rescue_buddy: every rank is on one host (%s): each shard's copy is kept by the next "
+                 "rank, which survives a lost rank but not a lost host\n",
+                 plan.host.c_str());
+    std::fflush(stderr);
+  }
+  return plan;
+}
+
+void take_buddy_copy(GradientReducer& red, const BuddyPlan& plan, const std::vector<Tensor*>& params,
+                     const std::vector<std::vector<Tensor*>>& fields, const std::vector<std::size_t>& field_bytes,
+                     std::int64_t rule_step, BuddyCopy& copy) {
+  Backend& b = red.backend();
+  const int n = b.size();
+  const std::size_t pe = params.empty() ? 4 : size_of(params[0]->dtype());
+  std::size_t per = pe;
+  for (const std::size_t fb : field_bytes) per += fb;
+  // Every rank's shard size, as every rank computes it: the block is the largest.
+  std::int64_t most = 0;
+  for (int r = 0; r < n; ++r) {
+    std::int64_t c = 0;
+    for (const auto& x : red.shard_ranges(r)) c += x.end - x.begin;
+    most = std::max(most, c);
+  }
+  const std::int64_t mine_n = red.shard_numel();
+  const auto block = static_cast<std::int64_t>(static_cast<std::size_t>(most) * per);
+  Tensor send = Tensor::zeros({std::max<std::int64_t>(block, 1)}, DType::u8);
+  std::byte* at = static_cast<std::byte*>(send.raw_data());
+  for (const auto& x : red.shard_ranges()) {
+    copy_flat_range(params, red.leaf_offsets(), x.begin, x.end - x.begin, at, true);
+    at += static_cast<std::size_t>(x.end - x.begin) * pe;
+  }
+  for (std::size_t f = 0; f < fields.size(); ++f)
+    for (const Tensor* p : fields[f]) {
+      std::memcpy(at, p->raw_data(), p->nbytes());
+      at += p->nbytes();
+    }
+  Tensor all = Tensor::zeros({std::max<std::int64_t>(block, 1) * n}, DType::u8);
+  if (block > 0) b.allgather(send.view().slice(0, block), all.view().slice(0, block * n));
+  // Only now, the exchange done, is the previous copy replaced.
+  BuddyCopy next;
+  next.world = n;
+  next.rule_step = rule_step;
+  next.owner[0] = b.rank();
+  next.owner[1] = plan.source;
+  next.ranges[0] = red.shard_ranges();
+  next.ranges[1] = red.shard_ranges(plan.source);
+  std::int64_t src_n = 0;
+  for (const auto& x : next.ranges[1]) src_n += x.end - x.begin;
+  next.blob[0] = Tensor::zeros({std::max<std::int64_t>(mine_n * static_cast<std::int64_t>(per), 1)}, DType::u8);
+  std::memcpy(next.blob[0].raw_data(), send.raw_data(), static_cast<std::size_t>(mine_n) * per);
+  next.blob[1] = Tensor::zeros({std::max<std::int64_t>(src_n * static_cast<std::int64_t>(per), 1)}, DType::u8);
+  std::memcpy(next.blob[1].raw_data(),
+              static_cast<const std::byte*>(all.raw_data()) + static_cast<std::size_t>(plan.source) * static_cast<std::size_t>(block),
+              static_cast<std::size_t>(src_n) * per);
+  for (const Tensor* p : params) next.leaf_numel.push_back(p->numel());
+  next.param_bytes = pe;
+  next.field_bytes = field_bytes;
+  copy = std::move(next);
+}
+
+}  // namespace lockstep::detail
