@@ -23,31 +23,34 @@ full=$(last_hash)
 [[ $full == crc32c:* ]] || { fail "the uninterrupted run printed no model hash"; cat out.txt err.txt; }
 rm -rf rd.*
 
-# Collectives per step here: 4 buckets reduce-scattered and all-gathered, one buddy exchange;
-# the kill at #50 lands in step 6.
-LOCKSTEP_FAULT="rank=3,kind=kill,after=50" timeout 120 "$MPIEXEC" -n 4 --oversubscribe --bind-to none \
-  --enable-recovery "$EXE" "$STEPS" >out.txt 2>err.txt
-grep -q "injecting fault kind=kill on rank 3" err.txt || fail "the fault was not injected"
-written=$(grep -c 'lockstep: rescue state of step [0-9]* written to .*/rd.host[01]/shard-' err.txt)
-steps=$(sed -n -E 's/^lockstep: rescue state of step ([0-9]+) written.*/\1/p' err.txt | sort -u | tr '\n' ' ')
-if [ "$written" -eq 3 ]; then pass "the 3 survivors wrote shard rescue files (steps: $steps)"; else
-  fail "$written shard rescue files written"; cat err.txt; fi
-ls rd.host0 rd.host1 2>&1 | tr '\n' ' '; echo
-rm -rf rd.host1  # host 1 is lost, its disk too
-run 2 "$STEPS" resume || { fail "-n 2 resume exited with $?"; cat out.txt err.txt; }
-grep -h '^resumed\|assembled' out.txt err.txt
-grep -q "lockstep: the 4 shards of step [0-9]* assembled from the shard rescue files" err.txt &&
-  pass "host 0's files hold all 4 shards: assembled" || fail "the shards were not assembled"
-step=$(sed -n -E 's/^resumed from .* \(step ([0-9]+), .*rescue 1\)$/\1/p' out.txt)
-if [ -n "$step" ] && [ "$step" -gt 0 ]; then pass "resumed at -n 2 from the rescue state of step $step"; else
-  fail "did not resume from a rescue state"; fi
-grep -q "^done: $STEPS steps on 2 ranks" out.txt || fail "the resumed run did not finish"
-if [ -n "$full" ] && [ "$(last_hash)" = "$full" ]; then pass "the model hash of the uninterrupted -n 4 run ($full)"; else
-  fail "model hash $(last_hash), uninterrupted $full"; fi
+# Rank 3 killed inside step 5's all-gather of the updated parameters (collective #45: the live
+# parameters are then half updated, so what the survivors write must come from the copy of
+# step 4), and inside step 5's buddy exchange (#47, after the update: again step 4's copy).
+for case in "45 shard_gather.cpp" "47 buddy_copy.cpp"; do
+  read -r after where <<<"$case"
+  rm -rf rd.*
+  LOCKSTEP_FAULT="rank=3,kind=kill,after=$after" timeout 120 "$MPIEXEC" -n 4 --oversubscribe --bind-to none \
+    --enable-recovery "$EXE" "$STEPS" >out.txt 2>err.txt
+  grep -q "injecting fault kind=kill on rank 3" err.txt || fail "($after) the fault was not injected"
+  grep -q "rank 0: step 5 failed: lockstep: stall: [a-z_]* #$after .* at $where" err.txt &&
+    pass "($after) rank 3 killed in step 5, in $where" || { fail "($after) not killed in $where"; grep -m1 failed err.txt; }
+  written=$(grep -c 'lockstep: rescue state of step 4 written to .*/rd.host[01]/shard-' err.txt)
+  if [ "$written" -eq 3 ]; then pass "($after) the 3 survivors wrote shard rescue files of step 4"; else
+    fail "($after) $written shard rescue files of step 4 written"; cat err.txt; fi
+  rm -rf rd.host1  # host 1 is lost, its disk too
+  run 2 "$STEPS" resume || { fail "($after) -n 2 resume exited with $?"; cat out.txt err.txt; }
+  grep -q "lockstep: the 4 shards of step 4 assembled from the shard rescue files" err.txt &&
+    pass "($after) host 0's files hold all 4 shards: assembled" || fail "($after) the shards were not assembled"
+  grep -q '^resumed from .*/rd.host0/rescue-000000004-r0.safetensors of rank 0 (step 4, .*rescue 1)$' out.txt &&
+    pass "($after) resumed at -n 2 from the assembled rescue state of step 4" || fail "($after) not resumed from it"
+  grep -q "^done: $STEPS steps on 2 ranks" out.txt || fail "($after) the resumed run did not finish"
+  if [ -n "$full" ] && [ "$(last_hash)" = "$full" ]; then pass "($after) the model hash of the uninterrupted -n 4 run ($full)"
+  else fail "($after) model hash $(last_hash), uninterrupted $full"; fi
+done
 
 # Without rescue_buddy: no rescue state of a sharded state, and the line says why.
 rm -rf rd.*
-LOCKSTEP_FAULT="rank=3,kind=kill,after=50" timeout 120 "$MPIEXEC" -n 4 --oversubscribe --bind-to none \
+LOCKSTEP_FAULT="rank=3,kind=kill,after=47" timeout 120 "$MPIEXEC" -n 4 --oversubscribe --bind-to none \
   --enable-recovery "$EXE" "$STEPS" plain >out.txt 2>err.txt
 n3=$(grep -c 'wrote no rescue state: the optimizer state is sharded (ZeRO-1).*rescue_buddy' err.txt)
 [ "$n3" -eq 3 ] && pass "without rescue_buddy the 3 survivors say no rescue state" || fail "plain: $n3 survivors said so"
