@@ -42,13 +42,14 @@ struct BuddyCopy {
   std::vector<std::int64_t> leaf_numel;  ///< every trainable tensor's, in flat order
   std::size_t param_bytes = 0;          ///< bytes per element of the parameters
   std::vector<std::size_t> field_bytes;  ///< bytes per element of each used field
+  Tensor send, all;                      ///< the exchange's buffers, kept between steps
 };
 
 /// Collective, at the end of a step: packs this rank's shard (`params`: every trainable tensor,
 /// full size; `fields[f]`: this rank's pieces of used field f) and exchanges it (one allgather of
 /// one block, the largest shard), so that `copy` holds this rank's and its source's shard of
-/// this step. `copy` is replaced only once the exchange succeeded: a failed one leaves the copy
-/// of the previous step whole.
+/// this step. The blobs are written only once the exchange succeeded: a failed one leaves the
+/// copy of the previous step whole (the blobs and rule_step are of one step).
 void take_buddy_copy(GradientReducer& red, const BuddyPlan& plan, const std::vector<Tensor*>& params,
                      const std::vector<std::vector<Tensor*>>& fields, const std::vector<std::size_t>& field_bytes,
                      std::int64_t rule_step, BuddyCopy& copy);
