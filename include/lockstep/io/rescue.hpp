@@ -283,6 +283,9 @@ struct FreshestState {
 /// not verify is skipped with a line on stderr; when no rank has one that verifies but some
 /// rank had one that did not, every rank throws CheckpointError. Holders of the newest step that
 /// disagree on its content hash are reported on stderr by the lowest one (its copy is taken).
+/// First, the shard rescue files (rescue_buddy) of the newest step any rank has in its
+/// `rescue_dir` are assembled into a whole rescue state when together they hold every shard
+/// (assemble_shard_rescue), which then takes part as any rescue state.
 template <class X>
 std::optional<FreshestState> resume_freshest(Backend& backend, X& x, const std::filesystem::path& rescue_dir,
                                              const std::vector<std::filesystem::path>& checkpoints) {
