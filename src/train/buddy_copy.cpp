@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "core/env.hpp"
 #include "lockstep/core/errors.hpp"
@@ -94,17 +95,22 @@ void take_buddy_copy(GradientReducer& red, const BuddyPlan& plan, const std::vec
     for (const auto& x : red.shard_ranges(r)) c += x.end - x.begin;
     most = std::max(most, c);
   }
-  const std::int64_t mine_n = red.shard_numel();
   // Sent as 4-byte words (every element size here is 4 or 8 bytes): MPI moves i32 faster than u8.
   const auto block = static_cast<std::int64_t>(static_cast<std::size_t>(most) * per);
   const std::int64_t words = (block + 3) / 4;
-  // The buffers are made at the first step and kept: fresh ones each step cost page faults
-  // over the whole block, many times the exchange itself.
-  auto keep = [](Tensor& t, std::int64_t numel, DType dt) {
-    if (t.numel() != numel || t.dtype() != dt) t = Tensor::zeros({numel}, dt);
+  // The buffers are made at the first step and kept (fresh ones each step cost page faults over
+  // the whole block, many times the exchange itself): this step's own shard and the source's are
+  // packed and received into spares, swapped with the copy once the exchange is done; the
+  // allgather goes in chunks of at most kChunkWords per rank, so that its scratch (N chunks)
+  // stays small whatever the state's size.
+  constexpr std::int64_t kChunkWords = std::int64_t{1} << 20;  // 4 MiB
+  const std::int64_t chunk = std::min(std::max<std::int64_t>(words, 1), kChunkWords);
+  auto keep = [](Tensor& t, std::int64_t numel) {
+    if (t.numel() != numel || t.dtype() != DType::i32) t = Tensor::zeros({numel}, DType::i32);
   };
-  keep(copy.send, std::max<std::int64_t>(words, 1), DType::i32);
-  keep(copy.all, std::max<std::int64_t>(words, 1) * n, DType::i32);
+  keep(copy.send, std::max<std::int64_t>(words, 1));
+  keep(copy.recv, std::max<std::int64_t>(words, 1));
+  keep(copy.all, chunk * n);
   std::byte* at = static_cast<std::byte*>(copy.send.raw_data());
   for (const auto& x : red.shard_ranges()) {
     copy_flat_range(params, red.leaf_offsets(), x.begin, x.end - x.begin, at, true);
@@ -115,7 +121,12 @@ void take_buddy_copy(GradientReducer& red, const BuddyPlan& plan, const std::vec
       std::memcpy(at, p->raw_data(), p->nbytes());
       at += p->nbytes();
     }
-  if (words > 0) b.allgather(copy.send.view().slice(0, words), copy.all.view().slice(0, words * n));
+  for (std::int64_t off = 0; off < words; off += chunk) {
+    const std::int64_t c = std::min(chunk, words - off);
+    b.allgather(copy.send.view().slice(off, c), copy.all.view().slice(0, c * n));
+    std::memcpy(copy.recv.data<std::int32_t>() + off, copy.all.data<std::int32_t>() + static_cast<std::int64_t>(plan.source) * c,
+                static_cast<std::size_t>(c) * 4);
+  }
   // Only now, the exchange done, is the previous copy replaced.
   if (copy.world != n) {
     copy.world = n;
@@ -128,15 +139,8 @@ void take_buddy_copy(GradientReducer& red, const BuddyPlan& plan, const std::vec
     copy.param_bytes = pe;
     copy.field_bytes = field_bytes;
   }
-  std::int64_t src_n = 0;
-  for (const auto& x : copy.ranges[1]) src_n += x.end - x.begin;
-  keep(copy.blob[0], std::max<std::int64_t>(mine_n * static_cast<std::int64_t>(per), 1), DType::u8);
-  keep(copy.blob[1], std::max<std::int64_t>(src_n * static_cast<std::int64_t>(per), 1), DType::u8);
-  std::memcpy(copy.blob[0].raw_data(), copy.send.raw_data(), static_cast<std::size_t>(mine_n) * per);
-  std::memcpy(copy.blob[1].raw_data(),
-              static_cast<const std::byte*>(copy.all.raw_data()) +
-                  static_cast<std::size_t>(plan.source) * static_cast<std::size_t>(words) * 4,
-              static_cast<std::size_t>(src_n) * per);
+  std::swap(copy.blob[0], copy.send);
+  std::swap(copy.blob[1], copy.recv);
   copy.rule_step = rule_step;
 }
 

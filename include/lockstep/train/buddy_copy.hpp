@@ -38,11 +38,11 @@ struct BuddyCopy {
   std::int64_t rule_step = -1;  ///< the rule's step count at the copy; -1: no step completed yet
   int owner[2] = {-1, -1};
   std::vector<FlatRange> ranges[2];
-  Tensor blob[2];                       ///< u8
+  Tensor blob[2];                       ///< the packed bytes (i32 words; the tail past the shard unused)
   std::vector<std::int64_t> leaf_numel;  ///< every trainable tensor's, in flat order
   std::size_t param_bytes = 0;          ///< bytes per element of the parameters
   std::vector<std::size_t> field_bytes;  ///< bytes per element of each used field
-  Tensor send, all;                      ///< the exchange's buffers, kept between steps
+  Tensor send, recv, all;                ///< the exchange's buffers, kept between steps
 };
 
 /// Collective, at the end of a step: packs this rank's shard (`params`: every trainable tensor,

@@ -122,8 +122,8 @@ struct DistributedOptions {
   /// rank as many places further on as the largest host has ranks); a host with more than half
   /// of the ranks is an InvalidArgument at setup, and with every rank on one host the copy goes
   /// to the next rank (it then survives a lost rank, not a lost host; rank 0 says so once).
-  /// Holds 2/N of the state per rank instead of 1/N; costs one allgather of one block (the
-  /// largest shard) per step. write_rescue_state then writes this rank's shard and its buddy's
+  /// Holds 2/N of the state per rank instead of 1/N (4/N with the exchange's spares); costs one
+  /// allgather of one block (the largest shard, in chunks of 4 MiB per rank) per step. write_rescue_state then writes this rank's shard and its buddy's
   /// copy, and resume_freshest assembles the whole state from the survivors' files. Host
   /// (cpu) tensors only.
   bool rescue_buddy = false;
