@@ -6,6 +6,8 @@
 //                 of the replicated figure within 5%;
 //   time:         a whole step (gradient sync + update), sharded against replicated; target
 //                 sharded <= 1.0x replicated;
+//   rescue_buddy: the sharded step with the buddy copy of DistributedOptions::rescue_buddy (its
+//                 cost per step: one allgather of one block, the largest shard);
 //   compression:  the gradient sync alone (GradientReducer::reduce) with bf16 on the wire against
 //                 f32; target <= 0.6x on GPT-2. Beside it, the three passes of an unfused
 //                 compressed sync (what the reducer did before Backend::allreduce_wire16), each
@@ -150,15 +152,20 @@ int main(int argc, char** argv) {
     }
 
     // --- time: whole steps, and the gradient sync alone -------------------------------------
-    Model m_rep = make_model(shapes), m_sh = make_model(shapes);
+    Model m_rep = make_model(shapes), m_sh = make_model(shapes), m_bd = make_model(shapes);
     // One gradient buffer for every variant (each fills it before it runs): the GPT-2 list
     // needs 0.5 GB per copy.
     ls::Flat<Model> grads = ls::flat_zeros_like(m_rep);
-    ls::Flat<Model>&g_rep = grads, &g_sh = grads, &g32 = grads, &g16 = grads;
+    ls::Flat<Model>&g_rep = grads, &g_sh = grads, &g_bd = grads, &g32 = grads, &g16 = grads;
     auto o_rep = ls::DistributedOptimizer(b, ls::Adam{.lr = 1e-4f});
     auto o_sh = ls::DistributedOptimizer(b, ls::Adam{.lr = 1e-4f}, ls::DistributedOptions{.shard_optimizer_state = true});
     auto s_rep = ls::setup(o_rep, m_rep);
     auto s_sh = ls::setup(o_sh, m_sh);
+    // rescue_buddy: the same sharded step plus the copy of a buddy's shard (one allgather of one
+    // block per step).
+    auto o_bd = ls::DistributedOptimizer(
+        b, ls::Adam{.lr = 1e-4f}, ls::DistributedOptions{.shard_optimizer_state = true, .rescue_buddy = true});
+    auto s_bd = ls::setup(o_bd, m_bd);
     ls::GradientReducer r32(b, *g32), r16(b, *g16, ls::DistributedOptions{.wire_dtype = ls::DType::bf16});
     auto mean_ok = [&](ls::Flat<Model>& g, float tol) {
       // (i % 7 + rank) * 1e-3 averaged over the ranks.
@@ -230,6 +237,9 @@ int main(int argc, char** argv) {
                   [&] { fill_grads(g_sh, rank); }, [] { return true; }});
     vs.push_back({"  sharded: parameter gather", [&] { ls::detail::ReducerSteps::gather_shards(s_sh.reducer(), sh_params); }, [] {},
                   [&] { return same_everywhere(b, hash_of(m_sh)); }});
+    const std::size_t buddy_at = vs.size();
+    vs.push_back({"step, sharded + rescue_buddy", [&] { ls::update(s_bd, m_bd, *g_bd); }, [&] { fill_grads(g_bd, rank); },
+                  [&] { return same_everywhere(b, hash_of(m_bd)); }});
     const int reps = opt.quick ? 1 : opt.reps;
     const auto res = bench::interleave(vs, reps, 1);
     bool ok = true;
@@ -266,7 +276,7 @@ int main(int argc, char** argv) {
     }
     jl.set("step_replicated_s", t_rep).set("step_sharded_s", t_sh).set("sync_f32_s", t32).set("sync_bf16_s", t16);
     jl.set("unfused_round_s", res[4].s.min).set("unfused_allreduce16_s", res[5].s.min).set("unfused_widen_s", res[6].s.min);
-    jl.set("sync_bf16_unfused_s", res[7].s.min);
+    jl.set("sync_bf16_unfused_s", res[7].s.min).set("step_sharded_buddy_s", res[buddy_at].s.min);
     jlists.set(list, jl);
   }
   bench::Json::object().set("ranks", n).set("lists", jlists).write(opt.json);

@@ -471,3 +471,13 @@ if(LOCKSTEP_FAULT_INJECTION)
                         LABELS reliability
                         ENV LOCKSTEP_TIMEOUT=20 LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0)
 endif()
+
+# rescue_buddy: a sharded state's shards each kept on two simulated hosts; a rank killed at -n 4,
+# its host's files removed, and the run resumed at -n 2 from the other host's shard rescue files
+# ends with the uninterrupted run's model hash (a few seconds).
+if(LOCKSTEP_FAULT_INJECTION)
+  add_executable(rescue_buddy_main reliability/rescue_buddy_main.cpp)
+  target_link_libraries(rescue_buddy_main PRIVATE lockstep::core lockstep_build_flags)
+  lockstep_add_script_test(NAME reliability.rescue_buddy SCRIPT ${CMAKE_CURRENT_SOURCE_DIR}/reliability/rescue_buddy.sh
+    TARGET rescue_buddy_main PROCESSORS 4 TIMEOUT 120 LABELS reliability FAULTS)
+endif()

@@ -98,6 +98,7 @@ struct Options {
   std::string resume;  // "" (start fresh), "file" (--resume) or "auto" (--resume auto)
   std::string log;
   bool shard_optimizer_state = false;
+  bool rescue_buddy = false;  // --rescue-buddy
   std::string wire_dtype = "f32";
   bool deterministic = false;
   std::int64_t micro_batch = 16;  // with --deterministic: 256 / 16 = 16 micro-batches, more than ranks
@@ -141,6 +142,9 @@ void add_flags(CLI::App& app, Options& o, int ranks) {
   app.add_option("--log", o.log, "write the per-epoch loss there, and its plot to CSV.png (needs gnuplot)")
       ->type_name("CSV");
   app.add_flag("--shard-optimizer-state", o.shard_optimizer_state, "ZeRO-1: each rank keeps Adam's state for 1/N of the parameters");
+  app.add_flag("--rescue-buddy", o.rescue_buddy,
+               "with --shard-optimizer-state: each shard also kept on a rank of another host, so that --rescue "
+               "writes the survivors' shards");
   app.add_option("--wire-dtype", o.wire_dtype, "dtype of the gradients on the wire (bf16, f16: half the bytes)")
       ->type_name("f32|bf16|f16")->check(cli::one_of({"f32", "bf16", "f16"}));
   app.add_flag("--deterministic", o.deterministic,
@@ -377,7 +381,7 @@ int run(const Options& o, ls::Backend& backend) {
   }
 #endif
   ls::synchronize(backend, model, 0);
-  ls::DistributedOptions dopt{.shard_optimizer_state = o.shard_optimizer_state};
+  ls::DistributedOptions dopt{.shard_optimizer_state = o.shard_optimizer_state, .rescue_buddy = o.rescue_buddy};
   if (o.wire_dtype != "f32") dopt.wire_dtype = o.wire_dtype == "bf16" ? ls::DType::bf16 : ls::DType::f16;
   dopt.deterministic = o.deterministic;
   auto opt = ls::DistributedOptimizer(backend, ls::Adam{.lr = o.lr}, dopt);
@@ -613,7 +617,10 @@ int run(const Options& o, ls::Backend& backend) {
       meta["batches_done"] = std::to_string(batch_done);
       meta["epoch_sums"] = to_text(done_sums[0]) + "," + to_text(done_sums[1]);
       meta["loss_history"] = join_losses(losses);
-      ls::write_rescue_state(rescue_dir, state.inner.step, rank, ts, meta, o.rescue_seconds);
+      // Sharded with a buddy copy: the copy's step (a failed all-gather of the parameters may
+      // have counted the failed step already).
+      const std::int64_t done = state.buddy_copy() ? state.buddy_copy()->rule_step : state.inner.step;
+      ls::write_rescue_state(rescue_dir, done, rank, ts, meta, o.rescue_seconds);
     }
     throw;
   }

@@ -94,7 +94,7 @@ std::size_t prune_rescue_states(const std::filesystem::path& dir, std::int64_t s
   }
   for (const auto& p : stale)
     if (std::filesystem::remove(p, ec)) ++removed;
-  return removed;
+  return removed + detail::prune_shard_files(dir, step);
 }
 
 namespace detail {

@@ -48,6 +48,9 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
         return concat("deterministic mode sums f32 gradients exactly; '", path(j), "' is ", name(leaves[j].dtype));
     }
   }
+  if (o.rescue_buddy && !o.shard_optimizer_state)
+    return "rescue_buddy keeps a copy of another rank's shard of the optimizer state: it needs "
+           "shard_optimizer_state (a replicated state is whole on every rank already)";
   if (o.shard_optimizer_state) {
     for (std::size_t j = 0; j < leaves.size(); ++j) {
       if (leaves[j].dtype != DType::f32 && leaves[j].dtype != DType::f64)
@@ -56,6 +59,8 @@ std::string check_options(const DistributedOptions& o, const std::vector<GradLea
       if (leaves[j].dtype != leaves[0].dtype)
         return concat("shard_optimizer_state needs every trainable tensor of one dtype; '", path(0), "' is ",
                       name(leaves[0].dtype), " and '", path(j), "' is ", name(leaves[j].dtype));
+      if (o.rescue_buddy && !leaves[j].device.is_cpu())
+        return concat("rescue_buddy copies host shards; '", path(j), "' is on ", to_string(leaves[j].device));
       if (leaves[j].device != leaves[0].device)
         return concat("shard_optimizer_state needs every trainable tensor on one device; '", path(0), "' is on ",
                       to_string(leaves[0].device), " and '", path(j), "' is on ", to_string(leaves[j].device));
@@ -87,7 +92,7 @@ std::string reducer_signature(const DistributedOptions& o, const std::vector<Gra
                          " accumulation_steps=", o.accumulation_steps,
                          " skip_non_finite=", o.skip_non_finite,
                          " check_replicas_every=", o.check_replicas_every, " comm_thread=", o.comm_thread,
-                         " shard_optimizer_state=", o.shard_optimizer_state,
+                         " shard_optimizer_state=", o.shard_optimizer_state, " rescue_buddy=", o.rescue_buddy,
                          " wire_dtype=", o.wire_dtype ? name(*o.wire_dtype) : "none",
                          " deterministic=", o.deterministic, ";");
   // Names carry their length, so that no two lists of names make the same text.

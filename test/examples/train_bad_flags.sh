@@ -19,6 +19,7 @@ expect_refused "$n" '--checkpoint-seconds: needs --checkpoint' --checkpoint-seco
 expect_refused "$n" '--checkpoint-keep: must be >= 0' --checkpoint ck --checkpoint-keep -1
 expect_refused "$n" '--resume: bogus not in' --checkpoint ck --resume bogus
 grep -q "Run 'train --help'" err.txt && pass "--help named" || fail "the error does not point at --help"
+expect_refused "$n" 'rescue_buddy .*needs shard_optimizer_state' --samples 96 --batch 48 --epochs 1 --rescue-buddy
 # A bad flag on one rank only (two programs in one job): both ranks stop with it, none waits.
 timeout 120 "$MPIEXEC" --oversubscribe --bind-to none -n 1 "$EXE" --epochs 1 : -n 1 "$EXE" --epochs 1 --bogus \
   >out.txt 2>err.txt

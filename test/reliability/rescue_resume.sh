@@ -96,6 +96,20 @@ faulty 3 1 30 --samples 960 --batch 240 --epochs 3 --shard-optimizer-state --che
 n3=$(grep -c 'wrote no rescue state: the optimizer state is sharded (ZeRO-1).*newest full checkpoint' err.txt)
 [ "$n3" -eq 2 ] && pass "(3) sharded state: both survivors say no rescue state, resume from the newest checkpoint" ||
   fail "(3) sharded: $n3 survivors said so"
+# (4) Sharded with --rescue-buddy, two simulated hosts of 2 ranks: rank 3 killed in step 4, the 3
+# survivors write shard files; host 1's (rank 2's) removed, host 0's hold all 4 shards: resumed at
+# -n 2 from the step of the fault, assembled, with no checkpoint on disk.
+sharded=(--samples 960 --batch 240 --epochs 3 --shard-optimizer-state --rescue-buddy --checkpoint y/ck --rescue)
+LOCKSTEP_TEST_HOST_SIZE=2 faulty 4 3 30 "${sharded[@]}"
+n4=$(grep -c 'lockstep: rescue state of step 3 written to y/ck.rescue/shard-000000003-r[012].safetensors' err.txt)
+[ "$n4" -eq 3 ] && pass "(4) --rescue-buddy: the 3 survivors wrote shard rescue files of step 3" ||
+  { fail "(4) $n4 shard rescue files of step 3"; cat err.txt; }
+rm -f y/ck.rescue/shard-*-r2.safetensors
+LOCKSTEP_TEST_HOST_SIZE=2 run 2 "${sharded[@]}" --resume auto || fail "(4) -n 2 resume exited with $?"
+grep -q 'lockstep: the 4 shards of step 3 assembled' err.txt &&
+  grep -q '^resuming from the rescue state y/ck.rescue/rescue-000000003-r0.safetensors of rank 0 (step 3,' out.txt &&
+  grep -q '^done: 3 epochs .* on 2 ranks' out.txt && pass "(4) resumed at -n 2 from host 0's shards, step 3, and finished" ||
+  { fail "(4) not resumed from the assembled shards"; cat out.txt err.txt; }
 # Flags: --rescue needs --checkpoint (refused on every rank); nothing anywhere is a fresh start.
 expect_refused 2 "rescue.*needs --checkpoint" --samples 96 --batch 48 --epochs 1 --rescue
 run 2 --samples 96 --batch 48 --epochs 1 --checkpoint fresh.st --rescue-dir fresh.rd --resume auto ||

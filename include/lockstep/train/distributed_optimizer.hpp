@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "lockstep/comm/backend.hpp"
+#include "lockstep/train/buddy_copy.hpp"
 #include "lockstep/train/gradient_reducer.hpp"
 #include "lockstep/train/rules.hpp"
 #include "lockstep/train/replicas.hpp"
@@ -157,7 +158,9 @@ class DistributedState {
         sharded_(other.sharded_),
         pieces_(std::move(other.pieces_)),
         shapes_(std::move(other.shapes_)),
-        dtype_(other.dtype_) {
+        dtype_(other.dtype_),
+        buddy_plan_(std::move(other.buddy_plan_)),
+        buddy_(std::move(other.buddy_)) {
     other.reset_to_empty();
   }
   DistributedState& operator=(DistributedState&& other) noexcept(
@@ -172,6 +175,8 @@ class DistributedState {
       pieces_ = std::move(other.pieces_);
       shapes_ = std::move(other.shapes_);
       dtype_ = other.dtype_;
+      buddy_plan_ = std::move(other.buddy_plan_);
+      buddy_ = std::move(other.buddy_);
       full_.clear();
       materialized_ = false;
       other.reset_to_empty();
@@ -230,6 +235,45 @@ class DistributedState {
         break;
     }
   }
+  /// rescue_buddy (DistributedOptions): the plan (who holds whose copy) and the copy of the
+  /// last completed step; null without rescue_buddy.
+  const detail::BuddyCopy* buddy_copy() const noexcept { return buddy_.get(); }
+  const detail::BuddyPlan& buddy_plan() const noexcept { return buddy_plan_; }
+  /// Used by setup(): turns the buddy copy on with `plan`.
+  void set_buddy_plan(detail::BuddyPlan plan) {
+    buddy_plan_ = std::move(plan);
+    buddy_ = std::make_shared<detail::BuddyCopy>();
+  }
+  /// Used by update() at the end of an applied sharded step (collective; nothing without
+  /// rescue_buddy): this rank's shard and its source's, of this step.
+  void take_buddy_copy(const std::vector<Tensor*>& params) {
+    if (!buddy_) return;
+    std::vector<std::vector<Tensor*>> fields;
+    std::vector<std::size_t> bytes;
+    for_each_field([&](const std::vector<Tensor*>& mine, const std::vector<Tensor*>&, DType dt) {
+      fields.push_back(mine);
+      bytes.push_back(size_of(dt));
+    });
+    detail::take_buddy_copy(live_reducer("update"), buddy_plan_, params, fields, bytes, inner.step, *buddy_);
+  }
+  /// For write_rescue_state (local, no communication): on, the traversal shows full-size zero
+  /// slots as a checkpoint does, for the rescue file's names; off, as before.
+  void rescue_view(bool on) const {
+    full_.clear();
+    if (on) make_full();
+    materialized_ = on;
+  }
+  /// During rescue_view(true): each used field's full-size tensors, one per trainable tensor.
+  std::vector<std::vector<const Tensor*>> rescue_fields() const {
+    std::vector<std::vector<const Tensor*>> out;
+    for_each_field([&](const std::vector<Tensor*>&, const std::vector<Tensor*>& full, DType) {
+      out.emplace_back(full.begin(), full.end());
+    });
+    return out;
+  }
+  /// Where the rule's step count lives (the rescue file takes the copy's count there).
+  const void* rule_step_address() const noexcept { return &inner.step; }
+
   /// Sharded, during a checkpoint: the full-size slots (empty otherwise).
   std::vector<typename R::Slot>& checkpoint_slots() const noexcept { return full_; }
   bool checkpoint_view() const noexcept { return materialized_; }
@@ -276,6 +320,8 @@ class DistributedState {
     shapes_.clear();
     full_.clear();
     materialized_ = false;
+    buddy_plan_ = {};
+    buddy_.reset();
   }
   // Full-size slots, one per trainable tensor, made by the rule from zeros of its shape.
   void make_full() const {
@@ -313,6 +359,8 @@ class DistributedState {
   std::vector<detail::ShardPiece> pieces_;
   std::vector<Shape> shapes_;
   DType dtype_ = DType::f32;
+  detail::BuddyPlan buddy_plan_;
+  std::shared_ptr<detail::BuddyCopy> buddy_;
   mutable std::vector<typename R::Slot> full_;
   mutable bool materialized_ = false;
 };
@@ -375,8 +423,10 @@ template <OptimizerRule R, class M>
         static_cast<std::byte*>(const_cast<void*>(t.raw_data())) + static_cast<std::size_t>(p.lo) * size_of(dtype),
         {p.hi - p.lo}, dtype, t.device())));
   }
-  return DistributedState<R>(std::move(inner), std::move(reducer), options, std::move(pieces),
-                             std::move(shapes), dtype);
+  DistributedState<R> state(std::move(inner), std::move(reducer), options, std::move(pieces), std::move(shapes),
+                            dtype);
+  if (options.rescue_buddy) state.set_buddy_plan(detail::plan_buddies(opt.backend()));
+  return state;
 }
 
 namespace detail {
@@ -463,6 +513,8 @@ void update(DistributedState<R>& state, M& model, G& grads,
     detail::apply_all(in.rule, in.slots, ppp, ggp, in.step);
     Steps::gather_shards(red, params);
     state.count_step(false);
+    // rescue_buddy: the copy of this step, now complete on every rank (never mid-update).
+    state.take_buddy_copy(params);
     if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
       check_replicas(red.backend(), std::tie(model, state.inner.step));
     return;

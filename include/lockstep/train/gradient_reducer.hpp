@@ -115,6 +115,18 @@ struct DistributedOptions {
   /// ncclAllGather included; the rule runs on the shard's pieces in one multi-tensor launch).
   /// After update() only this rank's shard of the gradients holds the reduced values.
   bool shard_optimizer_state = false;
+  /// With shard_optimizer_state: at the end of every applied step each rank also keeps a copy
+  /// of another rank's shard (its parameters and rule state), the buddy copy, so that one lost
+  /// host never loses a shard (docs/reliability.md, "Rescue state"). The buddy of a rank is on
+  /// another host, from the world's host map (ranks ordered by host, each shard copied to the
+  /// rank as many places further on as the largest host has ranks); a host with more than half
+  /// of the ranks is an InvalidArgument at setup, and with every rank on one host the copy goes
+  /// to the next rank (it then survives a lost rank, not a lost host; rank 0 says so once).
+  /// Holds 2/N of the state per rank instead of 1/N (4/N with the exchange's spares); costs one
+  /// allgather of one block (the largest shard, in chunks of 4 MiB per rank) per step. write_rescue_state then writes this rank's shard and its buddy's
+  /// copy, and resume_freshest assembles the whole state from the survivors' files. Host
+  /// (cpu) tensors only.
+  bool rescue_buddy = false;
   /// Send f32 gradients as bf16 or f16 (half the bytes), through Backend::allreduce_wire16 and
   /// reduce_scatter_wire16. Each gradient is rounded once into the wire dtype; the sum is
   /// accumulated in f32 where the path allows it (the shared-memory path, where rounding, sum and
