@@ -18,6 +18,7 @@ namespace {
 constexpr const char* kWorld = "lockstep.shard.world";    // ranks of the run that wrote it
 constexpr const char* kOwners = "lockstep.shard.owners";  // "A,B": the shards it holds
 constexpr const char* kLayout = "lockstep.shard.layout";  // per trainable tensor: "param\tfield..."
+constexpr const char* kRuleStep = "lockstep.shard.rule_step";  // the optimizer's steps in the copy
 std::string ranges_key(int owner) { return "lockstep.shard.ranges." + std::to_string(owner); }
 
 std::string encode_ranges(const std::vector<FlatRange>& rs) {
@@ -159,6 +160,7 @@ void fill_shard_rescue(Checkpoint& ck, const BuddyCopy& copy, const ShardNames& 
   }
   ck.metadata[kLayout] = layout;
   ck.metadata[kWorld] = std::to_string(copy.world);
+  ck.metadata[kRuleStep] = std::to_string(copy.rule_step);
   ck.metadata[kOwners] = std::to_string(copy.owner[0]) + "," + std::to_string(copy.owner[1]);
   for (int k = 0; k < 2; ++k) ck.metadata[ranges_key(copy.owner[k])] = encode_ranges(copy.ranges[k]);
   // The live parameters may be mid-update (the failed step): the file gets copies, filled in
@@ -190,7 +192,15 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
   constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::min() / 4;
   // This rank's shard files of the newest step among those that verify (ranks of one host may
   // share the directory: each reads every file of it).
+  // What each file says of itself, read and checked before any collective: a file that lacks
+  // it or says nonsense is skipped here like one that does not verify, on its own rank only,
+  // and every rank then makes the same calls below.
+  struct ShardFile {
+    std::int64_t world = 0, rule_step = 0;
+    int owner[2] = {0, 0};
+  };
   std::vector<Checkpoint> cks;
+  std::vector<ShardFile> metas;
   std::int64_t step = kNone;
   {
     std::vector<std::pair<std::int64_t, std::filesystem::path>> files;
@@ -208,9 +218,21 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
       try {
         Checkpoint ck = load_checkpoint(p);
         const std::int64_t st = int_of(ck.metadata, std::string(kStepKey));
+        ShardFile m;
+        m.world = int_of(ck.metadata, kWorld);
+        m.rule_step = int_of(ck.metadata, kRuleStep);
+        LOCKSTEP_CHECK_ARG(m.world > 0 && m.world <= (1 << 24), "shard rescue file: ", kWorld, " is ", m.world);
+        const auto owners = split(ck.metadata.count(kOwners) ? ck.metadata.at(kOwners) : std::string(), ',');
+        LOCKSTEP_CHECK_ARG(owners.size() == 2, "shard rescue file: ", kOwners, " does not name two shards");
+        for (int k = 0; k < 2; ++k) {
+          const std::int64_t o = std::stoll(owners[static_cast<std::size_t>(k)]);
+          LOCKSTEP_CHECK_ARG(o >= 0 && o < m.world, "shard rescue file: shard ", o, " of a run of ", m.world, " ranks");
+          m.owner[k] = static_cast<int>(o);
+        }
         if (step != kNone && st != step) continue;
         step = st;
         cks.push_back(std::move(ck));
+        metas.push_back(m);
       } catch (...) {
         std::fprintf(stderr, "lockstep: skipping %s, which does not verify: %s\n", p.c_str(),
                      current_error_message().c_str());
@@ -222,13 +244,28 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
   backend.allreduce(TensorView{a, 1, DType::i64, Device::cpu()}, ReduceOp::max);
   if (a[0] == kNone) return;
   const std::int64_t newest = a[0];
-  if (step != newest) cks.clear();
-  std::int64_t w[2] = {0, kNone};
-  for (const auto& ck : cks) {
-    w[0] = std::max(w[0], int_of(ck.metadata, kWorld));
-    w[1] = std::max(w[1], -int_of(ck.metadata, kWorld));
+  if (step != newest) {
+    cks.clear();
+    metas.clear();
   }
-  backend.allreduce(TensorView{w, 2, DType::i64, Device::cpu()}, ReduceOp::max);
+  // The run's size and the optimizer step the copies hold, the same in every file (max and
+  // max of the negation): files of one label can hold two steps when a buddy exchange ended on
+  // some ranks only, and such shards are never put together.
+  std::int64_t w[4] = {0, kNone, kNone, kNone};
+  for (const auto& m : metas) {
+    w[0] = std::max(w[0], m.world);
+    w[1] = std::max(w[1], -m.world);
+    w[2] = std::max(w[2], m.rule_step);
+    w[3] = std::max(w[3], -m.rule_step);
+  }
+  backend.allreduce(TensorView{w, 4, DType::i64, Device::cpu()}, ReduceOp::max);
+  if (w[0] > 0 && w[0] == -w[1] && w[2] != -w[3]) {
+    if (backend.rank() == 0)
+      std::fprintf(stderr, "lockstep: the shard rescue files of step %lld hold copies of two optimizer steps (%lld "
+                   "and %lld: a buddy exchange ended on some ranks only); not assembling them\n",
+                   static_cast<long long>(newest), static_cast<long long>(-w[3]), static_cast<long long>(w[2]));
+    return;
+  }
   if (w[0] != -w[1] || w[0] <= 0) {
     if (backend.rank() == 0)
       std::fprintf(stderr, "lockstep: the shard rescue files of step %lld come from runs of different sizes (%lld "
@@ -242,8 +279,7 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
   std::vector<std::int64_t> holder(static_cast<std::size_t>(world), kNone);
   std::map<int, std::size_t> file_of;
   for (std::size_t k = 0; k < cks.size(); ++k)
-    for (const auto& o : split(cks[k].metadata.at(kOwners), ',')) {
-      const int owner = std::stoi(o);
+    for (const int owner : metas[k].owner) {
       if (owner < 0 || owner >= world || file_of.count(owner) != 0) continue;
       file_of[owner] = k;
       holder[static_cast<std::size_t>(owner)] = -static_cast<std::int64_t>(backend.rank());
@@ -336,7 +372,7 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
         if (o > 0) holders += ',';
         holders += std::to_string(-holder[static_cast<std::size_t>(o)]);
       }
-      for (const char* k : {kWorld, kOwners, kLayout}) ck.metadata.erase(k);
+      for (const char* k : {kWorld, kOwners, kLayout, kRuleStep}) ck.metadata.erase(k);
       for (int o = 0; o < world; ++o) ck.metadata.erase(ranges_key(o));
       ck.metadata[std::string(kRescueKey)] =
           concat(rescue_origin(backend.rank()), ", assembled from the shard rescue files of ", world,

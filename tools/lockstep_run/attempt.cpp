@@ -411,8 +411,13 @@ void run_attempt(const Options& o, int index, Attempt& a) {
           auto it = a.ranks.find(r);
           if (it != a.ranks.end() && (it->second.ended || it->second.vanished)) return true;
           if (!o.rescue) return false;
+          // A rank that sent a report of its own is alive (it reports just before it writes its
+          // rescue state), whatever another rank says of it: it is waited for until it ends. Two
+          // sides of a partition that both reach lockstep-run name each other silent.
           for (const Report& rep : a.reports)
-            if (rep.rank != r && std::count(rep.silent.begin(), rep.silent.end(), r) > 0) return true;
+            if (rep.rank == r) return false;
+          for (const Report& rep : a.reports)
+            if (std::count(rep.silent.begin(), rep.silent.end(), r) > 0) return true;
           return false;
         })) {
       gone = true;

@@ -77,7 +77,9 @@ Options:
                            fails, they write their rescue state and exit; the job is ended once
                            every rank has ended, vanished or been named silent (a rank that
                            reported the stall is waited for), and the restart resumes from the
-                           freshest state (PROGRAM: train --rescue --resume auto)
+                           freshest state (PROGRAM: train --rescue --resume auto);
+                           --per-host-timeout defaults to LOCKSTEP_TIMEOUT + 50 s with it, room
+                           for the deadline and a rescue write of up to 30 s
       --listen-address IP  the address of this host the ranks reach lockstep-run on (default:
                            this host's address on the route to the first host; 127.0.0.1 alone)
   -h, --help               this text
@@ -514,6 +516,13 @@ int main(int argc, char** argv) {
     // with no rescue written).
     if (std::getenv("LOCKSTEP_TIMEOUT") == nullptr || *std::getenv("LOCKSTEP_TIMEOUT") == '\0')
       ::setenv("LOCKSTEP_TIMEOUT", "10", 1);
+    // The survivors need their deadline to pass and then their rescue write (train's
+    // --rescue-seconds, 30 by default) before they end: unless --per-host-timeout was given,
+    // mpiexec is not ended before LOCKSTEP_TIMEOUT + 30 s + 20 s of margin after the failure.
+    if (app.count("--per-host-timeout") == 0) {
+      const double timeout = std::strtod(std::getenv("LOCKSTEP_TIMEOUT"), nullptr);
+      o.grace = std::max(o.grace, (timeout > 0 ? timeout : 10) + 50);
+    }
   }
 
   install_signal_handlers();

@@ -513,10 +513,11 @@ void update(DistributedState<R>& state, M& model, G& grads,
     detail::apply_all(in.rule, in.slots, ppp, ggp, in.step);
     Steps::gather_shards(red, params);
     state.count_step(false);
-    // rescue_buddy: the copy of this step, now complete on every rank (never mid-update).
-    state.take_buddy_copy(params);
     if (o.check_replicas_every > 0 && state.applied_steps() % o.check_replicas_every == 0)
       check_replicas(red.backend(), std::tie(model, state.inner.step));
+    // rescue_buddy: the copy of this step, now complete on every rank (never mid-update), and
+    // the step's last act: an update that throws before it leaves the previous step's copy.
+    state.take_buddy_copy(params);
     return;
   }
   detail::apply_reduced(state, model, params, reduced, local_bad, [&] { return detail::trainable_paths(grads); });
