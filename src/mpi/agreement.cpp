@@ -13,7 +13,7 @@ static_assert(std::is_trivially_copyable_v<CallRecord> && sizeof(CallRecord) == 
               "CallRecord travels as bytes and fits a slice header");
 
 namespace {
-const char* const kFieldNames[CallRecord::kFields] = {"call number", "collective", "element count", "dtype",
+const char* const kCallFieldNames[CallRecord::kFields] = {"call number", "collective", "element count", "dtype",
                                                       "op",          "root",       "memory"};
 
 const char* kind_name(std::uint32_t kind) {
@@ -139,7 +139,7 @@ void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_ran
     bool same = true;
     for (const CallRecord& r : by_rank) same = same && r.field(i) == by_rank[0].field(i);
     if (same) continue;
-    differ += concat(differ.empty() ? "" : "; and in the ", kFieldNames[i], ": ",
+    differ += concat(differ.empty() ? "" : "; and in the ", kCallFieldNames[i], ": ",
                      ranks_by(by_rank, [i](const CallRecord& r) { return r.field(i); },
                               [i](std::int64_t v) { return show_field(i, v); }));
   }

@@ -42,7 +42,7 @@ struct CallRecord {
   std::uint32_t unused = 0;
 
   static constexpr int kFields = 7;
-  /// Field i as an integer (the order of kFieldNames), for the max-and-complement exchange.
+  /// Field i as an integer (the order of kCallFieldNames in agreement.cpp), for the max-and-complement exchange.
   std::int64_t field(int i) const noexcept;
   bool same_call(const CallRecord& other) const noexcept;
 };
