@@ -451,7 +451,7 @@ case $CASE in
       # Host 0's survivors (kept by --enable-recovery, their step failed at the deadline) wrote
       # the last completed step; the restart took it: at most one epoch redone.
       for r in 0 1; do
-        grep -q "^lockstep: rescue state of step [0-9]* written to /tmp/lsrescue/.*(rank $r, host $NAME-h0" lr.out &&
+        grep -q "lockstep: rescue state of step [0-9]* written to /tmp/lsrescue/[^ ]* (rank $r, host $NAME-h0" lr.out &&
           pass "rank $r wrote its rescue state in host 0's /tmp" || fail "no rescue state from rank $r"
       done
       grep -q "^resuming from the rescue state /tmp/lsrescue/" lr.out && pass "resumed from a rescue state" ||

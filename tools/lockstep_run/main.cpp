@@ -644,11 +644,13 @@ int main(int argc, char** argv) {
       if (pending_signal() != 0) finish(128 + pending_signal());
       std::vector<Host> keep;
       for (const Host& h : hosts) {
-        if (lost.count(h.name)) {
-          say("dropping host " + h.name + ": its ranks vanished without a word (host or daemon lost)");
-        } else if (silent.count(h.name)) {
+        // Named silent by another host's report comes first: such ranks went silent before
+        // mpiexec's end of the job killed their agents (and made them vanish too).
+        if (silent.count(h.name)) {
           say("dropping host " + h.name + ": its ranks went silent (named by " + silent[h.name] +
               ") and it sent no report; left out whatever a probe says");
+        } else if (lost.count(h.name)) {
+          say("dropping host " + h.name + ": its ranks vanished without a word (host or daemon lost)");
         } else if (answered.count(h.name) && !answered.at(h.name)) {
           char b[32];
           std::snprintf(b, sizeof b, "%g", o.grace);
