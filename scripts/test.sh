@@ -36,21 +36,27 @@ without_cuda() {
 FAILURES_FILE=$(mktemp)
 trap 'rm -f "$FAILURES_FILE"' EXIT
 failure_note() { printf '%s\n' "$*" >>"$FAILURES_FILE"; }
-# ctest_failures STAGE DIR: the tests that failed in DIR's last ctest run, noted for the summary.
+# ctest_failures STAGE DIR LOG: the tests that failed in DIR's last ctest run, noted for the
+# summary with what their output said, from LOG (that run's --output-log; CTest's own
+# LastTest.log can be overwritten by a test that runs ctest -N in the build directory).
 ctest_failures() {
-  local log=$2/Testing/Temporary/LastTestsFailed.log
-  [ -s "$log" ] || return 0
-  failure_note "$1: failed tests: $(cut -d: -f2- "$log" | paste -sd' ' -)"
-  # The end of each one's output, from CTest's log of the run.
+  local failed=$2/Testing/Temporary/LastTestsFailed.log
+  [ -s "$failed" ] || return 0
+  failure_note "$1: failed tests: $(cut -d: -f2- "$failed" | paste -sd' ' -)"
+  [ -s "$3" ] || return 0
   local name
-  for name in $(cut -d: -f2- "$log" | head -5); do
-    failure_note "  $name, the last lines of its output:"
+  for name in $(cut -d: -f2- "$failed" | head -5); do
+    failure_note "  $name: its FAIL lines and the last lines of its output:"
     awk -v t="$name" '
-      $0 ~ "^[0-9]+/[0-9]+ Test: " && $3 == t { on = 1; n = 0; next }
-      on && /^<end of output>/ { on = 0 }
-      on { buf[n++ % 15] = $0 }
-      END { for (i = (n > 15 ? n - 15 : 0); i < n; i++) print "    " buf[i % 15] }' \
-      "$2/Testing/Temporary/LastTest.log" >>"$FAILURES_FILE"
+      /^ *[0-9]+\/[0-9]+ Test +#[0-9]+: / || /^ *Start +[0-9]+: / { on = 0 }
+      /^ *[0-9]+\/[0-9]+ Test +#[0-9]+: / && $4 == t && /\*\*\*/ { on = 1; n = 0; f = 0; next }
+      on && /FAIL/ && f < 5 { fails[f++] = $0 }
+      on { buf[n++ % 8] = $0 }
+      END {
+        for (i = 0; i < f; i++) print "    " substr(fails[i], 1, 300)
+        print "    ..."
+        for (i = (n > 8 ? n - 8 : 0); i < n; i++) print "    " substr(buf[i % 8], 1, 300)
+      }' "$3" >>"$FAILURES_FILE"
   done
 }
 
@@ -89,8 +95,8 @@ stage_core() {
   local leave=()
   if [[ " ${STAGES[*]} " == *" multihost "* ]]; then leave=(-LE across_hosts); fi
   # shellcheck disable=SC2086  # LOCKSTEP_CTEST_ARGS is a list of arguments
-  (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --parallel "$JOBS" "${leave[@]}" ${LOCKSTEP_CTEST_ARGS:-}) ||
-    { ctest_failures core "$BUILD_DIR"; return 1; }
+  (cd "$BUILD_DIR" && without_cuda ctest --output-on-failure --output-log ctest-core.log --parallel "$JOBS" "${leave[@]}" \
+    ${LOCKSTEP_CTEST_ARGS:-}) || { ctest_failures core "$BUILD_DIR" "$BUILD_DIR/ctest-core.log"; return 1; }
 }
 
 # The README's main job as a user runs it, scripts/run-main.sh, in the core stage's build
@@ -317,7 +323,8 @@ stage_cuda() {
 # on 2 cores. See scripts/ci-sanitize.sh.
 stage_sanitize() {
   local dir=$ROOT/${LOCKSTEP_ASAN_BUILD_DIR:-build-asan}
-  BUILD_DIR="$dir" JOBS=$JOBS bash scripts/ci-sanitize.sh || { ctest_failures sanitize "$dir"; return 1; }
+  BUILD_DIR="$dir" JOBS=$JOBS bash scripts/ci-sanitize.sh --output-log "$dir/ctest-sanitize.log" ||
+    { ctest_failures sanitize "$dir" "$dir/ctest-sanitize.log"; return 1; }
 }
 
 # libFuzzer over the checkpoint reader, for LOCKSTEP_FUZZ_SECONDS (default 60), from the corpus
