@@ -31,20 +31,6 @@ std::string host_name() {
   return buf;
 }
 
-// The step of a rescue file name "rescue-SSSSSSSSS-rR.safetensors", or -1 for another name.
-std::int64_t step_of_rescue_name(const std::string& name) {
-  constexpr std::string_view head = "rescue-", tail = ".safetensors";
-  if (!name.starts_with(head) || !name.ends_with(tail)) return -1;
-  const std::size_t dash = name.find("-r", head.size());
-  if (dash == std::string::npos || dash == head.size()) return -1;
-  std::int64_t step = 0;
-  for (std::size_t i = head.size(); i < dash; ++i) {
-    const char c = name[i];
-    if (c < '0' || c > '9' || step > (std::numeric_limits<std::int64_t>::max() - 9) / 10) return -1;
-    step = step * 10 + (c - '0');
-  }
-  return step;
-}
 
 std::int64_t step_of_metadata(const std::map<std::string, std::string>& meta) {
   const auto it = meta.find(std::string(kStepKey));
@@ -84,17 +70,38 @@ std::filesystem::path rescue_path(const std::filesystem::path& dir, std::int64_t
   return dir / name;
 }
 
+namespace detail {
+std::int64_t step_of_state_file(const std::string& name, std::string_view head) noexcept {
+  constexpr std::string_view tail = ".safetensors";
+  if (!name.starts_with(head) || name.size() <= head.size() || name[head.size()] != '-' || !name.ends_with(tail))
+    return -1;
+  const std::size_t first = head.size() + 1;
+  const std::size_t dash = name.find("-r", first);
+  if (dash == std::string::npos || dash == first) return -1;
+  std::int64_t step = 0;
+  for (std::size_t i = first; i < dash; ++i) {
+    const char c = name[i];
+    if (c < '0' || c > '9' || step > (std::numeric_limits<std::int64_t>::max() - 9) / 10) return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+}  // namespace detail
+
 std::size_t prune_rescue_states(const std::filesystem::path& dir, std::int64_t step) noexcept {
   std::size_t removed = 0;
   std::error_code ec;
   std::vector<std::filesystem::path> stale;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::int64_t s = step_of_rescue_name(it->path().filename().string());
+    // Whole rescue states and shard rescue files alike.
+    const std::string name = it->path().filename().string();
+    std::int64_t s = detail::step_of_state_file(name, "rescue");
+    if (s < 0) s = detail::step_of_state_file(name, "shard");
     if (s >= 0 && s <= step) stale.push_back(it->path());
   }
   for (const auto& p : stale)
     if (std::filesystem::remove(p, ec)) ++removed;
-  return removed + detail::prune_shard_files(dir, step);
+  return removed;
 }
 
 namespace detail {
@@ -163,7 +170,7 @@ std::optional<StateCandidate> best_local_state(const std::filesystem::path& dir,
   std::error_code ec;
   if (!dir.empty())
     for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-      const std::int64_t s = step_of_rescue_name(it->path().filename().string());
+      const std::int64_t s = detail::step_of_state_file(it->path().filename().string(), "rescue");
       if (s >= 0) rescues.emplace_back(s, it->path());
     }
   std::sort(rescues.begin(), rescues.end(), [](const auto& a, const auto& b) {

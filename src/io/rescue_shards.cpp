@@ -115,13 +115,6 @@ std::int64_t int_of(const std::map<std::string, std::string>& meta, const std::s
   LOCKSTEP_CHECK_ARG(it != meta.end(), "shard rescue file: no ", key);
   return std::stoll(it->second);
 }
-// The step of a shard file name "shard-SSSSSSSSS-rR.safetensors", or -1.
-std::int64_t step_of_shard_name(const std::string& name) {
-  if (!name.starts_with("shard-") || !name.ends_with(".safetensors") || name.size() < 16) return -1;
-  const std::string digits = name.substr(6, 9);
-  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) return -1;
-  return std::stoll(digits);
-}
 }  // namespace
 
 std::filesystem::path shard_rescue_path(const std::filesystem::path& dir, std::int64_t step, int rank) {
@@ -132,19 +125,6 @@ std::filesystem::path shard_rescue_path(const std::filesystem::path& dir, std::i
 }
 
 namespace detail {
-
-std::size_t prune_shard_files(const std::filesystem::path& dir, std::int64_t step) noexcept {
-  std::size_t removed = 0;
-  std::error_code ec;
-  std::vector<std::filesystem::path> stale;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::int64_t s = step_of_shard_name(it->path().filename().string());
-    if (s >= 0 && s <= step) stale.push_back(it->path());
-  }
-  for (const auto& p : stale)
-    if (std::filesystem::remove(p, ec)) ++removed;
-  return removed;
-}
 
 void fill_shard_rescue(Checkpoint& ck, const BuddyCopy& copy, const ShardNames& names) {
   LOCKSTEP_CHECK_ARG(names.params.size() == copy.leaf_numel.size(), "x holds ", names.params.size(),
@@ -207,7 +187,7 @@ void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir) {
     std::error_code ec;
     if (!dir.empty())
       for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-        const std::int64_t s = step_of_shard_name(it->path().filename().string());
+        const std::int64_t s = step_of_state_file(it->path().filename().string(), "shard");
         if (s >= 0) files.emplace_back(s, it->path());
       }
     std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) {

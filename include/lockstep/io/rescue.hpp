@@ -134,8 +134,9 @@ void fill_shard_rescue(Checkpoint& ck, const BuddyCopy& copy, const ShardNames& 
 /// otherwise says why on rank 0 (resume then goes on from the other states). One allreduce
 /// when no rank has a shard file.
 void assemble_shard_rescue(Backend& backend, const std::filesystem::path& dir);
-/// Removes the shard rescue files in `dir` of a step at or below `step`; local, never throws.
-std::size_t prune_shard_files(const std::filesystem::path& dir, std::int64_t step) noexcept;
+/// The step of a state file name "HEAD-SSSSSSSSS-rR.safetensors" (HEAD "rescue" or "shard"), or
+/// -1 for another name.
+std::int64_t step_of_state_file(const std::string& name, std::string_view head) noexcept;
 
 /// Writes ck (already holding the step and rescue keys) to `path` atomically, giving up after
 /// `seconds` (the write goes on in a thread that owns the bytes; the file appears only when it
