@@ -299,10 +299,20 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     } else if (c.kind == Conn::Agent && !c.ended) {
       Rank& r = a.ranks[c.rank];
       r.t_end = elapsed();
-      if (ending || r.signalled) {
+      // Another rank that already died of its own failure makes mpiexec end the job (unless
+      // --enable-recovery keeps the survivors: --rescue), and its KILL can reach an agent before
+      // the agent says a word: that vanishing is the job's end, not a lost host. The death is
+      // always heard first: its agent said so before it exited, mpiexec ends the job only after,
+      // and every agent's words of a round are read before any agent's close.
+      const bool died_before = !o.rescue && std::any_of(a.ranks.begin(), a.ranks.end(), [&](const auto& kv) {
+        const Rank& k = kv.second;
+        return kv.first != c.rank && k.ended && !k.signalled && (k.code != 0 || k.sig != 0);
+      });
+      if (ending || r.signalled || died_before) {
         // Killed by whoever was ending the job (lockstep-run, or mpiexec: TERM, then KILL a
-        // second later): no sign of anything.
+        // second later, or at once): no sign of anything.
         r.signalled = true;
+        if (died_before && debug) say("rank " + std::to_string(c.rank) + "'s agent closed after another rank died: mpiexec ending the job");
       } else {
         r.vanished = true;
         failure("rank " + std::to_string(c.rank) + " on " + where(c.rank, r.node) +
