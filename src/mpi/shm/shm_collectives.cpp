@@ -8,6 +8,7 @@
 #endif
 #include <sched.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <new>
 #include <string>
 
+#include "comm/drain.hpp"
 #include "lockstep/core/errors.hpp"
 #include "lockstep/mpi/mpi_backend.hpp"
 #include "mpi/monitor.hpp"
@@ -422,11 +424,25 @@ void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64
   // (pause-loop exiting), which costs far more than the wait; Open MPI's polling does not pause
   // either. At every yield the hook runs (stall notices, the deadline): it may throw, so no wait
   // here outlives a stall, a dead peer past the deadline, or a refused collective elsewhere.
-  int polls = 0;
+  // On a communication thread (GradientReducer's, reducing buckets while backward runs) a long
+  // wait means a peer still computing, and this thread's polling takes a core from this rank's
+  // own backward wherever ranks and threads outnumber the cores: after about 30 us of polling it
+  // sleeps instead, 20 us at first, doubling up to 160 us (a wake-up costs the bucket at most
+  // about 200 us, against a quarter of a core for the whole wait). The caller's thread keeps
+  // polling: it has nothing else to do, and its latency is the collective's.
+  const bool background = detail::t_on_comm_thread;
+  int polls = 0, rounds = 0;
+  long sleep_ns = 20'000;
   while (a.load(std::memory_order_acquire) < v) {
     if (++polls == 4096) {
       if (wait_hook_ != nullptr) wait_hook_->at_wait();
-      sched_yield();
+      if (background && ++rounds > 8) {
+        const timespec pause{0, sleep_ns};
+        nanosleep(&pause, nullptr);
+        sleep_ns = std::min(2 * sleep_ns, 160'000L);
+      } else {
+        sched_yield();
+      }
       polls = 0;
     }
   }
