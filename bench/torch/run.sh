@@ -18,6 +18,10 @@
 # One thread per rank: torch::set_num_threads(1) / torch.set_num_threads(1), and
 # OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 (Debian's LibTorch calls OpenBLAS, whose own thread
 # pool set_num_threads does not limit: without them each rank runs 2 spinning BLAS threads).
+# glibc's allocator keeps freed memory, for every variant, C++ and Python alike
+# (MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, as examples/common/allocator.hpp sets them
+# in the examples): otherwise each step's temporaries are unmapped and faulted in again, which
+# slowed the C++ GPT step about 1.35x. ALLOCATOR=default leaves glibc's defaults.
 #
 # Usage: bench/torch/run.sh [--quick] [--no-resnet]
 # Environment: BUILD_DIR (default build-bench), NP (2), RESULTS_DIR (results/torch),
@@ -64,6 +68,13 @@ fi
 ncores=$(nproc)
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 mpiflags=(--bind-to none -x OPENBLAS_NUM_THREADS -x OMP_NUM_THREADS)
+allocator=${ALLOCATOR:-keep}
+case $allocator in
+  keep) export MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912
+        mpiflags+=(-x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_) ;;
+  default) ;;
+  *) echo "run.sh: ALLOCATOR must be keep or default, not '$allocator'" >&2; exit 2 ;;
+esac
 if [ "$np" -gt "$ncores" ]; then mpiflags+=(--oversubscribe); fi
 mkdir -p "$results"
 
@@ -71,6 +82,7 @@ mkdir -p "$results"
   echo "- CPU: $(lscpu | sed -n 's/^Model name: *//p') ($ncores cores visible, $(lscpu | sed -n 's/^Thread(s) per core: *//p') thread(s) per core); hypervisor: $(lscpu | sed -n 's/^Hypervisor vendor: *//p')"
   echo "- LibTorch $("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null) (Debian, CPU); $("$mpiexec" --version 2>&1 | head -n 1)"
   echo "- Threads: 1 per rank (set_num_threads(1), OPENBLAS_NUM_THREADS=1, OMP_NUM_THREADS=1); $np ranks, mpiexec ${mpiflags[*]}"
+  echo "- Allocator: $allocator (glibc; keep: MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-unset} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-unset}, for C++ and Python alike)"
   echo "- Run: $(date -u '+%Y-%m-%d %H:%M UTC'); load at the start: $(uptime | sed 's/.*load average: //')"
 } | tee "$results/machine.md"
 echo

@@ -46,6 +46,7 @@
 #include <lockstep/torch.hpp>
 
 #include "gpt_model.hpp"
+#include "../common/allocator.hpp"
 #include "../common/loss_plot.hpp"
 #include "lockstep_cli.hpp"
 
@@ -549,6 +550,7 @@ int run(const Options& o, ls::Backend& backend) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  examples::keep_freed_memory();  // each step's temporaries stay mapped (examples/common/allocator.hpp)
   ls::initialize<ls::MPIBackend>();
   ls::Backend& backend = ls::get_distributed_backend<ls::MPIBackend>();
   const int ranks = backend.size();
