@@ -35,6 +35,9 @@ class CollectivePath {
   virtual bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) = 0;
   virtual bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                                      ReduceOp op) = 0;
+  /// Agrees on a barrier with every rank. The agreement is itself the barrier: no rank returns
+  /// before every rank has published its call, so there is nothing left for MPI to do.
+  virtual void barrier() = 0;
 
  protected:
   CollectivePath() = default;

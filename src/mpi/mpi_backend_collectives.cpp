@@ -179,8 +179,8 @@ void MPIBackend::do_reduce(TensorView send, TensorView recv, ReduceOp op, int ro
 void MPIBackend::do_barrier() try {
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::barrier, nullptr, 0, -1, -1);  // reliability hook
   if (guard.skipped()) return;
-  // Across machines the agreement is itself a barrier (every rank's call reaches every rank).
-  if (impl_->hier) return impl_->hier->agree_barrier();
+  // On a path the agreement is itself the barrier (every rank's call reaches every rank).
+  if (impl_->path) return impl_->path->barrier();
   LOCKSTEP_MPI_CHECK(detail::guarded_barrier(impl_->comm));
 } catch (const MpiError& e) {
   mpib::report_mpi_error(impl_.get(), e);  // reliability hook: the other ranks are told

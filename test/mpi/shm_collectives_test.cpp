@@ -309,7 +309,26 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     if (rank == 0) b.allreduce(x.view().slice(0, c), ls::ReduceOp::sum);
     else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
   });
-  CHECK(round == 8);
+  // A 16-bit call that one rank makes with no elements: every rank agrees on the call before
+  // any of them decides whether the path moves it, so every rank's record is the 16-bit form's,
+  // and the report names the element count (not the three passes' 16-bit allreduce).
+  expect_mismatch("allreduce_wire16 with no elements on other ranks", "allreduce_wire16 of 0 f32 elements",
+                  [&](ls::Tensor& x) {
+                    b.allreduce_wire16(x.view().slice(0, rank == 0 ? count : 0), ls::DType::bf16,
+                                       ls::ReduceOp::sum);
+                  });
+  expect_mismatch("reduce_scatter_wire16 with no elements on other ranks", "reduce_scatter_wire16 of 0 f32 elements",
+                  [&](ls::Tensor& x) {
+                    const std::int64_t c = rank == 0 ? count / b.size() : 0;
+                    b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c),
+                                            ls::DType::f16, ls::ReduceOp::avg);
+                  });
+  // A barrier is agreed on the path too: against an allreduce it is the same MismatchError.
+  expect_mismatch("barrier against allreduce", "rank 0: barrier", [&](ls::Tensor& x) {
+    if (rank == 0) b.barrier();
+    else b.allreduce(x.view(), ls::ReduceOp::sum);
+  });
+  CHECK(round == 11);
   // The report is built from every rank's header: each field that differs with the ranks
   // holding each value, and what each rank called.
   const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
