@@ -286,11 +286,11 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     b.allreduce(x.view(), rank == 0 ? ls::ReduceOp::sum : ls::ReduceOp::max);
   });
   expect_mismatch("root", "root", [&](ls::Tensor& x) { b.broadcast(x.view(), rank == 0 ? 0 : 1); });
-  expect_mismatch("allreduce against broadcast", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("allreduce against broadcast", "disagree on the collective", [&](ls::Tensor& x) {
     if (rank == 0) b.allreduce(x.view(), ls::ReduceOp::sum);
     else b.broadcast(x.view(), 0);
   });
-  expect_mismatch("allreduce_wire16 against a 16-bit allreduce", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("allreduce_wire16 against a 16-bit allreduce", "disagree on the collective", [&](ls::Tensor& x) {
     // The same bytes would move (16-bit slots), but the calls differ.
     if (rank == 0) b.allreduce_wire16(x.view(), ls::DType::bf16, ls::ReduceOp::sum);
     else b.allreduce(ls::TensorView{x.raw_data(), count, ls::DType::bf16, ls::Device::cpu()}, ls::ReduceOp::sum);
@@ -298,13 +298,13 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   expect_mismatch("allreduce_wire16 with another wire dtype", "sent as", [&](ls::Tensor& x) {
     b.allreduce_wire16(x.view(), rank == 0 ? ls::DType::bf16 : ls::DType::f16, ls::ReduceOp::avg);
   });
-  expect_mismatch("reduce_scatter_wire16 against allreduce_wire16", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("reduce_scatter_wire16 against allreduce_wire16", "disagree on the collective", [&](ls::Tensor& x) {
     const std::int64_t c = count / b.size();
     if (rank == 0) b.allreduce_wire16(x.view().slice(0, c), ls::DType::bf16, ls::ReduceOp::sum);
     else b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::DType::bf16,
                                  ls::ReduceOp::sum);
   });
-  expect_mismatch("reduce_scatter against allreduce", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("reduce_scatter against allreduce", "disagree on the collective", [&](ls::Tensor& x) {
     const std::int64_t c = count / b.size();
     if (rank == 0) b.allreduce(x.view().slice(0, c), ls::ReduceOp::sum);
     else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
@@ -330,7 +330,7 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   });
   CHECK(round == 11);
   // The report is built from every rank's header: each field that differs with the ranks
-  // holding each value, and what each rank called.
+  // holding each value, what each rank called, and the odd ones out where a majority agrees.
   const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
     b.allreduce(x.view().slice(0, rank == 0 ? count : count - 1), ls::ReduceOp::sum);
   });
@@ -338,11 +338,15 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   for (int p = 2; p < b.size(); ++p) others += ", " + std::to_string(p);
   INFO(r.text);
   CHECK(all_ranks(r.threw));
-  CHECK(all_ranks(r.text.find("element count: rank 0: " + std::to_string(count) + "; " + others + ": " +
-                              std::to_string(count - 1)) != std::string::npos));
-  CHECK(all_ranks(r.text.find("What each rank called: rank 0: allreduce of " + std::to_string(count) +
-                              " f32 elements with op sum; " + others + ": allreduce of " +
-                              std::to_string(count - 1) + " f32 elements") != std::string::npos));
+  CHECK(all_ranks(r.text.find("disagree on the element count (rank 0: " + std::to_string(count) + "; " + others +
+                              ": " + std::to_string(count - 1) + ")") != std::string::npos));
+  bool lines = r.text.find("What each rank called:\n  rank 0: allreduce of " + std::to_string(count) +
+                           " f32 elements with op sum") != std::string::npos;
+  for (int p = 1; p < b.size(); ++p)
+    lines = lines && r.text.find("\n  rank " + std::to_string(p) + ": allreduce of " + std::to_string(count - 1) +
+                                 " f32 elements with op sum\n") != std::string::npos;
+  CHECK(all_ranks(lines));
+  CHECK(all_ranks((r.text.find("Odd one(s) out: rank 0.") != std::string::npos) == (b.size() > 2)));
 }
 
 TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {
