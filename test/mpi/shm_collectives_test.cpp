@@ -323,12 +323,22 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
                     b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c),
                                             ls::DType::f16, ls::ReduceOp::avg);
                   });
-  // A barrier is agreed on the path too: against an allreduce it is the same MismatchError.
-  expect_mismatch("barrier against allreduce", "rank 0: barrier", [&](ls::Tensor& x) {
+  // A barrier is agreed on the path too: against an allreduce it is the same MismatchError,
+  // found by the path (its record's field is "the collective"). With fingerprints on
+  // (LOCKSTEP_CHECK) the monitor finds it first (its field is "the operation"), with the call
+  // number and site.
+  auto barrier_against_allreduce = [&](ls::Tensor& x) {
     if (rank == 0) b.barrier();
     else b.allreduce(x.view(), ls::ReduceOp::sum);
-  });
-  CHECK(round == 11);
+  };
+  expect_mismatch("barrier against allreduce", "disagree on the collective (rank 0: barrier;",
+                  barrier_against_allreduce);
+  const ls::CheckLevel level = ls::check_level();
+  ls::set_check_level(ls::CheckLevel::always);
+  expect_mismatch("barrier against allreduce, checked", "disagree on the operation (rank 0: barrier;",
+                  barrier_against_allreduce);
+  ls::set_check_level(level);
+  CHECK(round == 12);
   // The report is built from every rank's header: each field that differs with the ranks
   // holding each value, what each rank called, and the odd ones out where a majority agrees.
   const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
