@@ -2,6 +2,7 @@
 #include "mpi/agreement.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <type_traits>
 
 #include "comm/rank_list.hpp"
@@ -33,7 +34,7 @@ const char* kind_name(std::uint32_t kind) {
 std::string dtype_name(std::int64_t v) { return v >= 0 && v < 64 ? name(static_cast<DType>(v)) : std::to_string(v); }
 std::string op_name(std::int64_t v) { return v < 0 ? "none" : name(static_cast<ReduceOp>(v)); }
 
-// Field `i` of a record in words.
+// Field `i` of a record in words (Disagreement::show).
 std::string show_field(int i, std::int64_t v) {
   switch (i) {
     case 1: return kind_name(static_cast<std::uint32_t>(v));
@@ -47,8 +48,8 @@ std::string show_field(int i, std::int64_t v) {
 
 // Groups the ranks by a key of their record: "ranks 0, 1: A; rank 2: B", the values in the order
 // of the first rank holding each.
-template <class Key, class Show>
-std::string ranks_by(const std::vector<CallRecord>& by_rank, Key&& key, Show&& show) {
+template <class Item, class Key, class Show>
+std::string ranks_by(const std::vector<Item>& by_rank, Key&& key, Show&& show) {
   using Value = decltype(key(by_rank[0]));
   std::vector<Value> values;
   std::vector<std::vector<int>> holders;
@@ -133,22 +134,54 @@ void agreement_encode(const CallRecord& r, std::int64_t* buf) noexcept {
   agreement_encode(fields, CallRecord::kFields, buf);
 }
 
-void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_rank, int rank, const char* found_by) {
-  std::string differ;
-  for (int i = 0; i < CallRecord::kFields; ++i) {
+void throw_mismatch(const Disagreement& d) {
+  const std::size_t ranks = d.values.size();
+  const int fields = static_cast<int>(d.field_names.size());
+  // The fields that differ, each with the ranks holding each value.
+  std::vector<std::string> differ;
+  for (int i = 0; i < fields; ++i) {
+    const auto field = [i](const std::vector<std::int64_t>& v) { return v[static_cast<std::size_t>(i)]; };
     bool same = true;
-    for (const CallRecord& r : by_rank) same = same && r.field(i) == by_rank[0].field(i);
-    if (same) continue;
-    differ += concat(differ.empty() ? "" : "; and in the ", kCallFieldNames[i], ": ",
-                     ranks_by(by_rank, [i](const CallRecord& r) { return r.field(i); },
-                              [i](std::int64_t v) { return show_field(i, v); }));
+    for (const auto& v : d.values) same = same && field(v) == field(d.values[0]);
+    if (!same)
+      differ.push_back(concat(d.field_names[static_cast<std::size_t>(i)], " (",
+                              ranks_by(d.values, field, [&](std::int64_t v) { return d.show(i, v); }), ")"));
   }
-  const CallRecord& mine = by_rank[static_cast<std::size_t>(rank)];
-  throw MismatchError(concat(
-      what, ": ranks called different collectives: they differ in the ", differ, ". What each rank called: ",
-      ranks_by(by_rank, [](const CallRecord& r) { return describe(r); }, [](const std::string& s) { return s; }),
-      ". (Call number ", mine.call, " on this communicator; found by ", found_by,
-      " before any data moved or any path was chosen.)", rank_suffix()));
+  // A strict majority of ranks that made one call tells which ranks are the odd ones out.
+  std::vector<int> odd;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const auto holders = std::count(d.values.begin(), d.values.end(), d.values[r]);
+    if (2 * static_cast<std::size_t>(holders) <= ranks) continue;
+    for (std::size_t q = 0; q < ranks; ++q)
+      if (d.values[q] != d.values[r]) odd.push_back(static_cast<int>(q));
+    break;
+  }
+  std::string text = concat(d.head, ": the ranks disagree on the ");
+  for (std::size_t i = 0; i < differ.size(); ++i)
+    text += concat(i == 0 ? "" : i + 1 == differ.size() ? " and the " : ", the ", differ[i]);
+  text += ". What each rank called:";
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const bool is_odd = std::find(odd.begin(), odd.end(), static_cast<int>(r)) != odd.end();
+    text += concat("\n  rank ", r, ": ", d.called[r], is_odd ? "   <-- differs from the majority" : "");
+  }
+  if (!odd.empty()) text += concat("\nOdd one(s) out: ", rank_list(odd), ".");
+  throw MismatchError(concat(text, "\n", d.tail));
+}
+
+void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_rank, int rank, const char* found_by) {
+  Disagreement d;
+  d.head = concat("lockstep: ", what, ": collective mismatch on a ", by_rank.size(), "-rank communicator");
+  d.field_names.assign(std::begin(kCallFieldNames), std::end(kCallFieldNames));
+  d.show = show_field;
+  for (const CallRecord& r : by_rank) {
+    std::vector<std::int64_t> fields(CallRecord::kFields);
+    for (int i = 0; i < CallRecord::kFields; ++i) fields[static_cast<std::size_t>(i)] = r.field(i);
+    d.values.push_back(std::move(fields));
+    d.called.push_back(describe(r));
+  }
+  d.tail = concat("Found by ", found_by, " at call number ", by_rank[static_cast<std::size_t>(rank)].call,
+                  " on this communicator, before any data moved or any path was chosen.", rank_suffix());
+  throw_mismatch(d);
 }
 
 }  // namespace lockstep::detail

@@ -4,8 +4,9 @@
 // two paths. The shared-memory path compares the records in the slice headers its peers publish;
 // the hierarchical path exchanges them as a max over the ranks of each field and of its
 // complement (agreement_encode / agreement_holds, the encoding the monitor's fingerprints use
-// too). Either way, a disagreement is seen by every rank alike, and throw_call_mismatch turns it
-// into the same MismatchError on every rank, naming the ranks and their values.
+// too). Either way, a disagreement is seen by every rank alike, and throw_mismatch (the monitor's
+// fingerprints and, through throw_call_mismatch, the paths' records) turns it into the same
+// MismatchError on every rank, naming the ranks and their values.
 #pragma once
 
 #include <cstdint>
@@ -64,10 +65,26 @@ bool agreement_holds(const std::int64_t* buf, int n) noexcept;
 /// The same for a CallRecord (buf: 2 * CallRecord::kFields).
 void agreement_encode(const CallRecord& r, std::int64_t* buf) noexcept;
 
-/// The one report of a disagreement: `by_rank[r]` is rank r's record (the same vector on every
+/// A disagreement every rank saw alike, in the terms of whoever found it (the monitor's
+/// fingerprints, a path's CallRecords): `values[r]` is rank r's value of each compared field,
+/// `called[r]` what rank r called, in words; both the same vectors on every rank.
+struct Disagreement {
+  std::string head;                               // what the message starts with
+  std::vector<const char*> field_names;           // the compared fields, in order
+  std::string (*show)(int field, std::int64_t value) = nullptr;  // a field's value in words
+  std::vector<std::vector<std::int64_t>> values;  // by rank, then by field
+  std::vector<std::string> called;                // by rank
+  std::string tail;                               // what became of the data; who reports it
+};
+
+/// The one place a disagreement becomes a MismatchError: the fields that differ, each with the
+/// ranks holding each value; what each rank called, one line a rank; the odd ranks out where a
+/// strict majority made one call. Every rank throws the same text but for what `tail` says.
+[[noreturn]] void throw_mismatch(const Disagreement& d);
+
+/// A path's disagreement: `by_rank[r]` is rank r's record (the same vector on every
 /// rank), `rank` this rank, `what` the collective this rank called, `found_by` the path whose
-/// agreement saw it. The message names the fields that differ with the ranks holding each value,
-/// and what each rank called; every rank throws the same text (but for the rank suffix).
+/// agreement saw it; through throw_mismatch.
 [[noreturn]] void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_rank, int rank,
                                       const char* found_by);
 

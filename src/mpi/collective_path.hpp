@@ -1,12 +1,14 @@
 // Internal to the mpi layer: what a path of MPIBackend's blocking collectives is, beside flat MPI.
 // ShmCollectives (all ranks on one machine) and HierarchicalCollectives (machines with the same
 // number of ranks) are the two; a backend has at most one (MPIBackendImpl::path), and a new path
-// is a third implementation (docs/architecture.md, "A collective's path").
+// is a third implementation (docs/architecture.md, "A collective's path"). Its one caller is
+// run_collective (collective_sequence.cpp), step 4 of every blocking collective.
 //
 // The contract of every call: the ranks first agree on it (agreement.hpp), whatever it is; then
 // the path either runs it and returns true, or returns false having moved nothing, the same
-// answer on every rank, and the caller runs it over MPI. Calls that differ are a MismatchError on
-// every rank before any buffer is written. Every wait polls the path's WaitHook. Buffers are host
+// answer on every rank, and the caller runs it another way (flat_mpi.cpp; Backend's three passes
+// for the 16-bit forms). Calls that differ are a MismatchError on every rank before any buffer
+// is written. Every wait polls the path's WaitHook. Buffers are host
 // memory when `host` is true (device memory is never moved here: false after agreeing).
 #pragma once
 
@@ -35,6 +37,9 @@ class CollectivePath {
   virtual bool allreduce_wire16(float* buf, std::int64_t numel, DType wire, ReduceOp op) = 0;
   virtual bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                                      ReduceOp op) = 0;
+  /// Agrees on a barrier with every rank. The agreement is itself the barrier: no rank returns
+  /// before every rank has published its call, so there is nothing left for MPI to do.
+  virtual void barrier() = 0;
 
  protected:
   CollectivePath() = default;

@@ -437,7 +437,7 @@ bool HierarchicalCollectives::reduce(const void*, void*, std::int64_t numel, DTy
   return false;
 }
 
-void HierarchicalCollectives::agree_barrier() {
+void HierarchicalCollectives::barrier() {
   agree(call_record(calls_++, CallKind::barrier, 0, DType::u8, -1, -1, true), "barrier");
 }
 

@@ -105,7 +105,7 @@ class HierarchicalCollectives final : public CollectivePath, private WaitHook {
   /// host memory whatever `host` says, since a reduce's memory may differ by rank.
   bool reduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op, int root,
               bool host) override;
-  void agree_barrier();
+  void barrier() override;
 
   int hosts() const noexcept { return hosts_; }
   int ranks_per_host() const noexcept { return local_size_; }

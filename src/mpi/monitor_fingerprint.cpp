@@ -2,6 +2,8 @@
 #include "mpi/monitor_impl.hpp"
 
 #include <array>
+#include <iterator>
+#include <string>
 
 #include "mpi/agreement.hpp"
 
@@ -59,6 +61,20 @@ void CommMonitor::start_deferred(const Fingerprint& fp, const CallSite& site) {
   deferred_ = std::move(d);
 }
 
+namespace {
+// Field `i` of a fingerprint in words (Disagreement::show; the order of kFieldNames).
+std::string show_fingerprint_field(int i, std::int64_t v) {
+  switch (i) {
+    case 0: return v >= 0 && v <= static_cast<std::int64_t>(Coll::ibroadcast) ? name_of(static_cast<Coll>(v)) : "?";
+    case 1: return v >= 0 && v <= static_cast<std::int64_t>(DType::u8) ? name(static_cast<DType>(v)) : "none";
+    case 3: return v < 0 ? "none" : std::to_string(v);
+    case 4: return v >= 0 && v <= static_cast<std::int64_t>(ReduceOp::avg) ? name(static_cast<ReduceOp>(v)) : "none";
+    case 6: return v ? "accepted" : "refused";
+    default: return std::to_string(v);
+  }
+}
+}  // namespace
+
 [[noreturn]] void CommMonitor::report_mismatch(const Fingerprint& fp, const CallSite& site, bool nothing_moved) {
   // Slow path, only on a mismatch: gather every rank's fingerprint and description.
   // What the request reads and writes, on the heap and kept if the wait throws (wait_keeping).
@@ -78,39 +94,22 @@ void CommMonitor::start_deferred(const Fingerprint& fp, const CallSite& site) {
             "MPI_Iallgather(fingerprints)");
   check_mpi(wait_keeping(&req, ex, [this](MPI_Request* q) { return wait(q); }), "MPI_Iallgather(fingerprints)");
 
-  // Group the ranks by fingerprint; a strict majority tells which ranks are the odd ones out.
-  std::map<std::vector<std::int64_t>, std::vector<int>> groups;
-  for (int r = 0; r < size_; ++r)
-    groups[std::vector<std::int64_t>(all[r].fp.v, all[r].fp.v + kFields)].push_back(r);
-  const std::vector<int>* majority = nullptr;
-  for (auto& [key, ranks] : groups)
-    if (2 * ranks.size() > static_cast<std::size_t>(size_)) majority = &ranks;
-  std::vector<std::string> fields;
-  for (int i = 0; i < kFields; ++i) {
-    bool same = true;
-    for (int r = 1; r < size_; ++r) same = same && all[r].fp.v[i] == all[0].fp.v[i];
-    if (!same) fields.emplace_back(kFieldNames[i]);
+  Disagreement d;
+  d.head = concat("lockstep: collective mismatch on a ", size_, "-rank communicator");
+  d.field_names.assign(std::begin(kFieldNames), std::end(kFieldNames));
+  d.show = show_fingerprint_field;
+  for (const MismatchMsg& m : all) {
+    d.values.emplace_back(m.fp.v, m.fp.v + kFields);
+    d.called.emplace_back(m.text);
   }
-  std::ostringstream os;
-  os << "lockstep: collective mismatch on a " << size_ << "-rank communicator: the ranks disagree on the ";
-  for (std::size_t i = 0; i < fields.size(); ++i)
-    os << (i == 0 ? "" : i + 1 == fields.size() ? " and " : ", ") << fields[i];
-  os << ". What each rank called:";
-  std::vector<int> odd;
-  for (int r = 0; r < size_; ++r) {
-    bool is_odd = majority != nullptr &&
-                  std::find(majority->begin(), majority->end(), r) == majority->end();
-    if (is_odd) odd.push_back(r);
-    os << "\n  rank " << r << ": " << all[r].text << (is_odd ? "   <-- differs from the majority" : "");
-  }
-  if (!odd.empty()) os << "\nOdd one(s) out: " << rank_list(odd) << ".";
-  os << (nothing_moved ? "\nNo data was exchanged." : "\nThe nonblocking operation was already issued; this backend is unusable now.")
-     << " [reported by rank " << rank_ << "/" << size_ << "]";
+  d.tail = concat(nothing_moved ? "No data was exchanged."
+                                : "The nonblocking operation was already issued; this backend is unusable now.",
+                  " [reported by rank ", rank_, "/", size_, "]");
   {
     std::lock_guard lock(mutex_);
     in_collective_ = false;
   }
-  throw MismatchError(os.str());
+  throw_mismatch(d);
 }
 
 }  // namespace detail

@@ -7,9 +7,9 @@
 //   mpi_backend_types.cpp        MPI datatypes and operators (f16/bf16 through user-defined
 //                                operators), avg's division on the host
 //   mpi_backend_staging.cpp      device memory for MPI: the pinned pool, Staged, producer waits
-//   mpi_backend_collectives.cpp  blocking broadcast, allreduce, reduce, barrier; the chunk loops
-//   mpi_backend_shards.cpp       blocking allgather and reduce_scatter
-//   mpi_backend_wire16.cpp       the fused 16-bit wire forms (shared memory, hierarchical)
+//   mpi_backend_collectives.cpp  the blocking collectives, each described as a CollectiveCall
+//                                for run_collective (collective_sequence.hpp: what happens to a
+//                                call; flat_mpi.cpp: its flat MPI form)
 //   mpi_backend_requests.cpp     nonblocking iallreduce and ibroadcast, and their requests
 //   mpi_backend_global.cpp       the global backend behind initialize / finalize<MPIBackend>
 // The shared helpers live in detail::mpib (mpib:: in these files): named, not anonymous, so that
@@ -146,14 +146,6 @@ class Staged {
   std::size_t cls_ = 0;
   bool staged_ = false;
 };
-
-// ---- mpi_backend_collectives.cpp: the chunk loops (above the int count limit) -----------------
-
-void chunked_allreduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op);
-void chunked_bcast(MPI_Comm comm, void* buf, std::int64_t n, DType t, int root);
-/// `send` MPI_IN_PLACE: root passes MPI_IN_PLACE, the others `recv` as their send buffer.
-void chunked_reduce(MPI_Comm comm, const void* send, void* recv, std::int64_t n, DType t, ReduceOp op, int root,
-                    int rank);
 
 // ---- mpi_backend_errors.cpp -------------------------------------------------------------------
 

@@ -286,11 +286,11 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
     b.allreduce(x.view(), rank == 0 ? ls::ReduceOp::sum : ls::ReduceOp::max);
   });
   expect_mismatch("root", "root", [&](ls::Tensor& x) { b.broadcast(x.view(), rank == 0 ? 0 : 1); });
-  expect_mismatch("allreduce against broadcast", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("allreduce against broadcast", "disagree on the collective", [&](ls::Tensor& x) {
     if (rank == 0) b.allreduce(x.view(), ls::ReduceOp::sum);
     else b.broadcast(x.view(), 0);
   });
-  expect_mismatch("allreduce_wire16 against a 16-bit allreduce", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("allreduce_wire16 against a 16-bit allreduce", "disagree on the collective", [&](ls::Tensor& x) {
     // The same bytes would move (16-bit slots), but the calls differ.
     if (rank == 0) b.allreduce_wire16(x.view(), ls::DType::bf16, ls::ReduceOp::sum);
     else b.allreduce(ls::TensorView{x.raw_data(), count, ls::DType::bf16, ls::Device::cpu()}, ls::ReduceOp::sum);
@@ -298,20 +298,49 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   expect_mismatch("allreduce_wire16 with another wire dtype", "sent as", [&](ls::Tensor& x) {
     b.allreduce_wire16(x.view(), rank == 0 ? ls::DType::bf16 : ls::DType::f16, ls::ReduceOp::avg);
   });
-  expect_mismatch("reduce_scatter_wire16 against allreduce_wire16", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("reduce_scatter_wire16 against allreduce_wire16", "disagree on the collective", [&](ls::Tensor& x) {
     const std::int64_t c = count / b.size();
     if (rank == 0) b.allreduce_wire16(x.view().slice(0, c), ls::DType::bf16, ls::ReduceOp::sum);
     else b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::DType::bf16,
                                  ls::ReduceOp::sum);
   });
-  expect_mismatch("reduce_scatter against allreduce", "different collectives", [&](ls::Tensor& x) {
+  expect_mismatch("reduce_scatter against allreduce", "disagree on the collective", [&](ls::Tensor& x) {
     const std::int64_t c = count / b.size();
     if (rank == 0) b.allreduce(x.view().slice(0, c), ls::ReduceOp::sum);
     else b.reduce_scatter(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c), ls::ReduceOp::sum);
   });
-  CHECK(round == 8);
+  // A 16-bit call that one rank makes with no elements: every rank agrees on the call before
+  // any of them decides whether the path moves it, so every rank's record is the 16-bit form's,
+  // and the report names the element count (not the three passes' 16-bit allreduce).
+  expect_mismatch("allreduce_wire16 with no elements on other ranks", "allreduce_wire16 of 0 f32 elements",
+                  [&](ls::Tensor& x) {
+                    b.allreduce_wire16(x.view().slice(0, rank == 0 ? count : 0), ls::DType::bf16,
+                                       ls::ReduceOp::sum);
+                  });
+  expect_mismatch("reduce_scatter_wire16 with no elements on other ranks", "reduce_scatter_wire16 of 0 f32 elements",
+                  [&](ls::Tensor& x) {
+                    const std::int64_t c = rank == 0 ? count / b.size() : 0;
+                    b.reduce_scatter_wire16(x.view().slice(0, c * b.size()), x.view().slice(rank * c, c),
+                                            ls::DType::f16, ls::ReduceOp::avg);
+                  });
+  // A barrier is agreed on the path too: against an allreduce it is the same MismatchError,
+  // found by the path (its record's field is "the collective"). With fingerprints on
+  // (LOCKSTEP_CHECK) the monitor finds it first (its field is "the operation"), with the call
+  // number and site.
+  auto barrier_against_allreduce = [&](ls::Tensor& x) {
+    if (rank == 0) b.barrier();
+    else b.allreduce(x.view(), ls::ReduceOp::sum);
+  };
+  expect_mismatch("barrier against allreduce", "disagree on the collective (rank 0: barrier;",
+                  barrier_against_allreduce);
+  const ls::CheckLevel level = ls::check_level();
+  ls::set_check_level(ls::CheckLevel::always);
+  expect_mismatch("barrier against allreduce, checked", "disagree on the operation (rank 0: barrier;",
+                  barrier_against_allreduce);
+  ls::set_check_level(level);
+  CHECK(round == 12);
   // The report is built from every rank's header: each field that differs with the ranks
-  // holding each value, and what each rank called.
+  // holding each value, what each rank called, and the odd ones out where a majority agrees.
   const lstest::Refusal r = lstest::refusal_on_marked_buffer(rank, count, [&](ls::Tensor& x) {
     b.allreduce(x.view().slice(0, rank == 0 ? count : count - 1), ls::ReduceOp::sum);
   });
@@ -319,11 +348,15 @@ TEST_CASE("ranks that disagree about a call get MismatchError on every rank, and
   for (int p = 2; p < b.size(); ++p) others += ", " + std::to_string(p);
   INFO(r.text);
   CHECK(all_ranks(r.threw));
-  CHECK(all_ranks(r.text.find("element count: rank 0: " + std::to_string(count) + "; " + others + ": " +
-                              std::to_string(count - 1)) != std::string::npos));
-  CHECK(all_ranks(r.text.find("What each rank called: rank 0: allreduce of " + std::to_string(count) +
-                              " f32 elements with op sum; " + others + ": allreduce of " +
-                              std::to_string(count - 1) + " f32 elements") != std::string::npos));
+  CHECK(all_ranks(r.text.find("disagree on the element count (rank 0: " + std::to_string(count) + "; " + others +
+                              ": " + std::to_string(count - 1) + ")") != std::string::npos));
+  bool lines = r.text.find("What each rank called:\n  rank 0: allreduce of " + std::to_string(count) +
+                           " f32 elements with op sum") != std::string::npos;
+  for (int p = 1; p < b.size(); ++p)
+    lines = lines && r.text.find("\n  rank " + std::to_string(p) + ": allreduce of " + std::to_string(count - 1) +
+                                 " f32 elements with op sum\n") != std::string::npos;
+  CHECK(all_ranks(lines));
+  CHECK(all_ranks((r.text.find("Odd one(s) out: rank 0.") != std::string::npos) == (b.size() > 2)));
 }
 
 TEST_CASE("allreduce of bf16 and f16: sums in f32, rounded once, on the shared-memory path", "[shm]") {

@@ -503,6 +503,10 @@ void ShmCollectives::agree(const SliceHeader& mine, const char* what) {
   run(mine, 1, 1, what, [](char*, std::size_t, std::size_t) {}, [](std::size_t, std::size_t) {});
 }
 
+void ShmCollectives::barrier() {
+  agree(SliceHeader{call_record(calls_++, CallKind::barrier, 0, DType::u8, -1, -1, true)}, "barrier");
+}
+
 bool ShmCollectives::allreduce(const void* send, void* recv, std::int64_t numel, DType dtype, ReduceOp op,
                                bool host) {
   const std::size_t es = size_of(dtype);

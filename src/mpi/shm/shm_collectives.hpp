@@ -105,6 +105,9 @@ class ShmCollectives final : public CollectivePath {
   bool reduce_scatter_wire16(const float* send, float* recv, std::int64_t numel, DType wire,
                              ReduceOp op) override;
 
+  /// A barrier: the agreement's header-only slice (every rank waits for every peer's header).
+  void barrier() override;
+
   /// Memory every rank of this machine maps (MPIBackend::allocate_reduce_buffer): region
   /// `id` is the `id`-th allocation on this communicator (allocations are collective, so the
   /// same index on every rank), `base[p]` rank p's segment as mapped into this process. The
