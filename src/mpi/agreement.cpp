@@ -170,7 +170,8 @@ void throw_mismatch(const Disagreement& d) {
 
 void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_rank, int rank, const char* found_by) {
   Disagreement d;
-  d.head = concat("lockstep: ", what, ": collective mismatch on a ", by_rank.size(), "-rank communicator");
+  // The head is the same on every rank (what this rank called goes in the tail, as its rank does).
+  d.head = concat("lockstep: collective mismatch on a ", by_rank.size(), "-rank communicator");
   d.field_names.assign(std::begin(kCallFieldNames), std::end(kCallFieldNames));
   d.show = show_field;
   for (const CallRecord& r : by_rank) {
@@ -180,7 +181,8 @@ void throw_call_mismatch(const char* what, const std::vector<CallRecord>& by_ran
     d.called.push_back(describe(r));
   }
   d.tail = concat("Found by ", found_by, " at call number ", by_rank[static_cast<std::size_t>(rank)].call,
-                  " on this communicator, before any data moved or any path was chosen.", rank_suffix());
+                  " on this communicator, in this rank's ", what,
+                  ", before any data moved or any path was chosen.", rank_suffix());
   throw_mismatch(d);
 }
 

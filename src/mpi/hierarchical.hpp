@@ -116,6 +116,7 @@ class HierarchicalCollectives final : public CollectivePath, private WaitHook {
   HierarchicalCollectives() = default;
   // The node ShmCollectives' waits: the monitor's wait point, then this object's requests.
   void at_wait() override;
+  bool drives_progress() const noexcept override { return true; }
   bool handles(std::int64_t numel, DType dtype, ReduceOp op, bool host) const noexcept;
   // Every call's first step (see the top of this file): MismatchError on every rank, naming the
   // ranks and their values (throw_call_mismatch), when the calls differ.

@@ -149,9 +149,10 @@ class Staged {
 
 // ---- mpi_backend_errors.cpp -------------------------------------------------------------------
 
-/// Every collective of MPIBackend is a function-try-block that hands an MpiError to this before
-/// it goes on: an MPI error on one rank is told to the others (monitor.hpp, report_mpi_error),
-/// which would otherwise wait in the same collective for the default deadline.
+/// run_collective (collective_sequence.cpp), which every blocking collective of MPIBackend goes
+/// through, hands an MpiError to this before it goes on: an MPI error on one rank is told to the
+/// others (monitor.hpp, report_mpi_error), which would otherwise wait in the same collective for
+/// the default deadline.
 void report_mpi_error(MPIBackendImpl* impl, const MpiError& e) noexcept;
 /// rank_suffix(), or "" if that throws.
 std::string rank_suffix_noexcept() noexcept;

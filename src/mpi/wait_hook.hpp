@@ -10,6 +10,10 @@ class WaitHook {
   /// Called every few thousand polls of a wait. May throw (TimeoutError, MismatchError,
   /// MpiError) to end the wait; the communicator is then unusable, which the hook's owner knows.
   virtual void at_wait() = 0;
+  /// True when at_wait() also moves MPI requests forward (the hierarchical path's network part,
+  /// which Open MPI progresses only inside MPI calls): a wait must then keep calling it often,
+  /// never sleep between calls.
+  virtual bool drives_progress() const noexcept { return false; }
 
  protected:
   WaitHook() = default;

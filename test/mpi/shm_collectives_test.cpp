@@ -240,6 +240,40 @@ TEST_CASE("hundreds of calls in a row: sizes, roots and kinds alternate") {
   CHECK(wrong == 0);
 }
 
+// Legal in MPI: every rank starts the nonblocking allreduce before the blocking call, but rank 0
+// enters the blocking call before it waits, and the others wait first. Open MPI moves a large
+// nonblocking allreduce only inside MPI calls, so rank 0's wait on the shared-memory path must
+// keep it going, or the others wait for it until the deadline (the barrier was MPI_Barrier once,
+// which did). A deadline turns a regression into a TimeoutError instead of a hang.
+TEST_CASE("a nonblocking allreduce in flight while one rank enters a shared-memory barrier or allreduce first") {
+  ls::MPIBackend& b = backend();
+  const int n = b.size(), rank = b.rank();
+  const double before = ls::timeout();
+  ls::set_timeout(30);
+  const std::int64_t count = std::int64_t{1} << 20;  // 4 MiB: Open MPI's rendezvous protocol
+  std::int64_t wrong = 0;
+  for (int form = 0; form < 2; ++form) {
+    ls::Tensor x(ls::Shape{count}), y(ls::Shape{4096});
+    for (std::int64_t i = 0; i < count; ++i) x.data<float>()[i] = static_cast<float>(rank + i % 5);
+    for (std::int64_t i = 0; i < 4096; ++i) y.data<float>()[i] = static_cast<float>(rank);
+    auto blocking = [&] { form == 0 ? b.barrier() : b.allreduce(y.view(), ls::ReduceOp::sum); };
+    auto r = b.iallreduce(x.view(), ls::ReduceOp::sum);
+    if (rank == 0) {
+      blocking();
+      r.wait();
+    } else {
+      r.wait();
+      blocking();
+    }
+    for (std::int64_t i = 0; i < count; ++i)
+      wrong += x.data<float>()[i] == static_cast<float>(n * (n - 1) / 2 + n * (i % 5)) ? 0 : 1;
+    if (form == 1)
+      for (std::int64_t i = 0; i < 4096; ++i) wrong += y.data<float>()[i] == static_cast<float>(n * (n - 1) / 2) ? 0 : 1;
+  }
+  ls::set_timeout(before);
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("a deadline keeps large calls correct (they go through MPI, which can time out)") {
   ls::MPIBackend& b = backend();
   const int n = b.size(), rank = b.rank();

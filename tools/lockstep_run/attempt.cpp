@@ -237,6 +237,10 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     return !node.empty() ? node : (h.empty() ? std::string("this host") : h);
   };
   static const bool debug = std::getenv("LOCKSTEP_RUN_DEBUG") != nullptr;  // every word heard, on stderr
+  // mpiexec ends the whole job when a rank fails, unless --enable-recovery keeps the survivors.
+  const bool recovery = std::find(o.mpi_args.begin(), o.mpi_args.end(), "--enable-recovery") != o.mpi_args.end();
+  std::uint64_t round = 0;                  // the poll loop's rounds, counted below
+  std::map<int, std::uint64_t> died_round;  // rank -> the round its end was heard in
   auto handle_line = [&](Conn& c, const std::string& line) {
     if (debug) say("heard (rank " + std::to_string(c.rank) + "): " + line);
     std::istringstream in(line);
@@ -281,6 +285,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
       r.ended = true;
       c.ended = true;
       r.t_end = elapsed();
+      died_round.emplace(c.rank, round);
       if (r.sig != 0)
         failure("rank " + std::to_string(c.rank) + " died on " + where(c.rank, r.node) + " (signal " +
                 std::to_string(r.sig) + ")");
@@ -299,14 +304,18 @@ void run_attempt(const Options& o, int index, Attempt& a) {
     } else if (c.kind == Conn::Agent && !c.ended) {
       Rank& r = a.ranks[c.rank];
       r.t_end = elapsed();
-      // Another rank that already died of its own failure makes mpiexec end the job (unless
-      // --enable-recovery keeps the survivors: --rescue), and its KILL can reach an agent before
-      // the agent says a word: that vanishing is the job's end, not a lost host. The death is
-      // always heard first: its agent said so before it exited, mpiexec ends the job only after,
-      // and every agent's words of a round are read before any agent's close.
-      const bool died_before = !o.rescue && std::any_of(a.ranks.begin(), a.ranks.end(), [&](const auto& kv) {
+      // A rank that died of its own failure makes mpiexec end the job (unless --enable-recovery
+      // keeps the survivors), and its KILL can reach an agent before the agent says a word: that
+      // vanishing is the job's end, not a lost host. Counted so only when the death was heard in
+      // an earlier round of this loop than the close: the death's agent spoke before it exited
+      // and mpiexec ends the job only after (daemon to mpiexec to daemons, milliseconds). Heard
+      // in the same round, the order is unknown (a survivor dying because a host was lost can
+      // come with that host's closes), and a host whose agents all closed stays lost.
+      const bool died_before = !recovery && std::any_of(a.ranks.begin(), a.ranks.end(), [&](const auto& kv) {
         const Rank& k = kv.second;
-        return kv.first != c.rank && k.ended && !k.signalled && (k.code != 0 || k.sig != 0);
+        const auto heard = died_round.find(kv.first);
+        return kv.first != c.rank && k.ended && !k.signalled && (k.code != 0 || k.sig != 0) &&
+               heard != died_round.end() && heard->second < round;
       });
       if (ending || r.signalled || died_before) {
         // Killed by whoever was ending the job (lockstep-run, or mpiexec: TERM, then KILL a
@@ -356,7 +365,7 @@ void run_attempt(const Options& o, int index, Attempt& a) {
   };
 
   double drain_until = -1;
-  for (;;) {
+  for (;; ++round) {
     std::vector<pollfd> fds{{g_sigpipe[0], POLLIN, 0}, {g_listen, POLLIN, 0}};
     for (const Conn& c : conns) fds.push_back({c.fd, POLLIN, 0});
     ::poll(fds.data(), fds.size(), 100);

@@ -429,8 +429,9 @@ void ShmCollectives::spin_until(const std::atomic<std::uint64_t>& a, std::uint64
   // own backward wherever ranks and threads outnumber the cores: after about 30 us of polling it
   // sleeps instead, 20 us at first, doubling up to 160 us (a wake-up costs the bucket at most
   // about 200 us, against a quarter of a core for the whole wait). The caller's thread keeps
-  // polling: it has nothing else to do, and its latency is the collective's.
-  const bool background = detail::t_on_comm_thread;
+  // polling: it has nothing else to do, and its latency is the collective's. A hook that
+  // progresses MPI requests (the hierarchical path's) is called as often as ever: no sleep.
+  const bool background = detail::t_on_comm_thread && (wait_hook_ == nullptr || !wait_hook_->drives_progress());
   int polls = 0, rounds = 0;
   long sleep_ns = 20'000;
   while (a.load(std::memory_order_acquire) < v) {
