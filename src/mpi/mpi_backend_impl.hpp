@@ -10,6 +10,7 @@
 //   mpi_backend_collectives.cpp  blocking broadcast, allreduce, reduce, barrier; the chunk loops
 //   mpi_backend_shards.cpp       blocking allgather and reduce_scatter
 //   mpi_backend_wire16.cpp       the fused 16-bit wire forms (shared memory, hierarchical)
+//   mpi_backend_exact.cpp        deterministic mode's exact sum, fused on the shared-memory path
 //   mpi_backend_requests.cpp     nonblocking iallreduce and ibroadcast, and their requests
 //   mpi_backend_global.cpp       the global backend behind initialize / finalize<MPIBackend>
 // The shared helpers live in detail::mpib (mpib:: in these files): named, not anonymous, so that

@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "lockstep/core/errors.hpp"
-#include "train/exact_sum_kernels.hpp"
+#include "core/exact_sum_kernels.hpp"
 
 namespace lockstep::detail {
 
@@ -190,7 +190,10 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
   // block's top kNonFinite everywhere.
   // One byte more says whether any rank added more values than the window's int64 can hold, so
   // that every rank refuses the step alike before anything is folded.
-  block_top_.assign(static_cast<std::size_t>(blocks) + 1, kEmpty);
+  // Another says whether any rank has other than one value given in place: where none has, every
+  // rank has exactly one, the same verdict everywhere, and the backend may fuse the rest into its
+  // own reduction (do_exact_sum, which agrees on the call itself before it chooses its path).
+  block_top_.assign(static_cast<std::size_t>(blocks) + 2, kEmpty);
   if (direct) {
     tops_of_parts(only);
   } else {
@@ -200,11 +203,21 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
     }
   }
   block_top_[static_cast<std::size_t>(blocks)] = mine > kMaxSummands ? 1 : 0;
-  backend.allreduce(TensorView{block_top_.data(), blocks + 1, DType::u8, Device::cpu()}, ReduceOp::max);
+  block_top_[static_cast<std::size_t>(blocks) + 1] = direct ? 0 : 1;
+  backend.allreduce(TensorView{block_top_.data(), blocks + 2, DType::u8, Device::cpu()}, ReduceOp::max);
   if (block_top_[static_cast<std::size_t>(blocks)] != 0) {
     discard();
     throw InvalidArgument(concat("deterministic mode: a rank added more than ", kMaxSummands,
                                  " micro-batches in one step (this rank: ", mine, ")", rank_suffix()));
+  }
+  if (block_top_[static_cast<std::size_t>(blocks) + 1] == 0) {
+    const std::int64_t total = backend.size();  // one value on every rank
+    const ExactSumCall call{only.data(), static_cast<std::int64_t>(only.size()), n, block_top_.data(),
+                            mean && total > 0 ? static_cast<double>(total) : 1.0, out};
+    if (backend.do_exact_sum(call)) {
+      discard();
+      return total;
+    }
   }
   // (2) Each element's part inside its block's window as one int64 in units of the window's
   // lowest bin, and this rank's count before the first: exact SUMs, in chunks of chunk_elements_

@@ -1,10 +1,12 @@
 // The vectorised loops of the exact sum (exact_sum_kernels.hpp). Each body is written once and
 // compiled twice, for the build's baseline and for AVX2 (chosen once, at load time).
-#include "train/exact_sum_kernels.hpp"
+#include "core/exact_sum_kernels.hpp"
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace lockstep::detail::exact {
 
@@ -18,16 +20,25 @@ constexpr int kW = kBinBits;
   return mx;
 }
 
+// One finite value's bits u truncated toward zero at 2^(low - 149), counted in those units.
+[[gnu::always_inline]] inline std::int64_t fold_one(std::uint32_t u, int low) {
+  const std::uint32_t biased = (u >> 23) & 0xffu;
+  const std::uint64_t m = (u & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
+  const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
+  const int d = p - low;
+  const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
+  return (u >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
+}
+
 [[gnu::always_inline]] inline void fold_values_body(const std::uint32_t* __restrict u, std::int64_t n, int low,
                                                      std::int64_t* __restrict out) {
-  for (std::int64_t k = 0; k < n; ++k) {
-    const std::uint32_t biased = (u[k] >> 23) & 0xffu;
-    const std::uint64_t m = (u[k] & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
-    const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
-    const int d = p - low;
-    const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
-    out[k] = (u[k] >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
-  }
+  for (std::int64_t k = 0; k < n; ++k) out[k] = fold_one(u[k], low);
+}
+
+// Adds the folds of u[k] to acc[k].
+[[gnu::always_inline]] inline void fold_add_body(const std::uint32_t* __restrict u, std::int64_t n, int low,
+                                                  std::int64_t* __restrict acc) {
+  for (std::int64_t k = 0; k < n; ++k) acc[k] += fold_one(u[k], low);
 }
 
 [[gnu::always_inline]] inline std::int64_t add_common_body(const std::uint32_t* __restrict u, std::int64_t n,
@@ -86,17 +97,50 @@ constexpr int kW = kBinBits;
   }
 }
 
+// double(w) as hi * 2^32 + lo: both parts exact, one rounding in the sum, the same as the
+// conversion of the whole int64 (which has no vector instruction before AVX-512).
+[[gnu::always_inline]] inline double to_double(std::int64_t w) {
+  constexpr double k2p32 = 4294967296.0, k2p52 = 4503599627370496.0;
+  const std::int32_t hi = static_cast<std::int32_t>(w >> 32);
+  const std::uint64_t lo_bits = 0x4330000000000000ull | (static_cast<std::uint64_t>(w) & 0xffffffffull);
+  const double lo = std::bit_cast<double>(lo_bits) - k2p52;
+  return static_cast<double>(hi) * k2p32 + lo;
+}
+
+// Whether dividing by `divisor` is multiplying by its reciprocal, bit for bit: a power of two
+// (1, 2, 4, ...), whose reciprocal is exact; both then scale the product exactly (the products
+// here lie far inside the normal doubles), and the one rounding is to f32.
+bool exact_reciprocal(double divisor) {
+  int e = 0;
+  return divisor > 0.0 && std::frexp(divisor, &e) == 0.5;
+}
+
 [[gnu::always_inline]] inline void to_f32_body(const std::int64_t* __restrict w, std::int64_t n, double scale,
                                                double divisor, float* __restrict out) {
-  // double(w) as hi * 2^32 + lo: both parts exact, one rounding in the sum, the same as the
-  // conversion of the whole int64 (which has no vector instruction before AVX-512).
-  constexpr double k2p32 = 4294967296.0, k2p52 = 4503599627370496.0;
-  for (std::int64_t k = 0; k < n; ++k) {
-    const std::int32_t hi = static_cast<std::int32_t>(w[k] >> 32);
-    const std::uint64_t lo_bits = 0x4330000000000000ull | (static_cast<std::uint64_t>(w[k]) & 0xffffffffull);
-    const double lo = std::bit_cast<double>(lo_bits) - k2p52;
-    const double v = static_cast<double>(hi) * k2p32 + lo;
-    out[k] = static_cast<float>(v * scale / divisor);
+  if (exact_reciprocal(divisor)) {
+    // scale / divisor is a power of two too (2^-188 and up): one multiplication, no division.
+    const double factor = scale / divisor;
+    for (std::int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(to_double(w[k]) * factor);
+    return;
+  }
+  for (std::int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(to_double(w[k]) * scale / divisor);
+}
+
+[[gnu::always_inline]] inline void fold_sum_to_f32_body(const std::uint32_t* const* u, int sources, std::int64_t n,
+                                                        const std::uint8_t* block_top, double divisor,
+                                                        float* __restrict out) {
+  alignas(64) std::int64_t acc[kBlock];  // one block's sums, in cache
+  for (std::int64_t at = 0; at < n; at += kBlock) {
+    const std::int64_t len = std::min(kBlock, n - at);
+    const std::uint8_t bt = block_top[at / kBlock];
+    if (bt == 0 || bt == 255) {
+      std::fill(out + at, out + at + len, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const int low = window_low_bit(bt);
+    fold_values_body(u[0] + at, len, low, acc);
+    for (int p = 1; p < sources; ++p) fold_add_body(u[p] + at, len, low, acc);
+    to_f32_body(acc, len, window_scale(bt), divisor, out + at);
   }
 }
 
@@ -119,6 +163,10 @@ constexpr int kW = kBinBits;
 [[gnu::target("avx2")]] void to_f32_avx2(const std::int64_t* w, std::int64_t n, double scale, double divisor,
                                          float* out) {
   to_f32_body(w, n, scale, divisor, out);
+}
+[[gnu::target("avx2")]] void fold_sum_to_f32_avx2(const std::uint32_t* const* u, int sources, std::int64_t n,
+                                                  const std::uint8_t* block_top, double divisor, float* out) {
+  fold_sum_to_f32_body(u, sources, n, block_top, divisor, out);
 }
 const bool kAvx2 = __builtin_cpu_supports("avx2");
 #endif
@@ -165,6 +213,19 @@ void fold_counters(const std::uint8_t* top, std::int32_t* const c[kBins], std::i
 void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor, float* out) {
   LOCKSTEP_EXACT_PICK(to_f32, w, n, scale, divisor, out);
   to_f32_body(w, n, scale, divisor, out);
+}
+
+int window_low_bit(std::uint8_t block_top) { return ((block_top - 1) - kBins + 1) * kW; }
+
+double window_scale(std::uint8_t block_top) {
+  // 2^(low - 149): 2^-185 .. 2^128, normal doubles, so every product with it is exact.
+  return std::ldexp(1.0, window_low_bit(block_top) - 149);
+}
+
+void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
+                     double divisor, float* out) {
+  LOCKSTEP_EXACT_PICK(fold_sum_to_f32, u, sources, n, block_top, divisor, out);
+  fold_sum_to_f32_body(u, sources, n, block_top, divisor, out);
 }
 
 }  // namespace lockstep::detail::exact
