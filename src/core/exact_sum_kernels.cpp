@@ -6,6 +6,9 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <limits>
 
 namespace lockstep::detail::exact {
@@ -35,11 +38,6 @@ constexpr int kW = kBinBits;
   for (std::int64_t k = 0; k < n; ++k) out[k] = fold_one(u[k], low);
 }
 
-// Adds the folds of u[k] to acc[k].
-[[gnu::always_inline]] inline void fold_add_body(const std::uint32_t* __restrict u, std::int64_t n, int low,
-                                                  std::int64_t* __restrict acc) {
-  for (std::int64_t k = 0; k < n; ++k) acc[k] += fold_one(u[k], low);
-}
 
 [[gnu::always_inline]] inline std::int64_t add_common_body(const std::uint32_t* __restrict u, std::int64_t n,
                                                            std::uint8_t* __restrict top, std::int32_t* __restrict c0,
@@ -126,21 +124,81 @@ bool exact_reciprocal(double divisor) {
   for (std::int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(to_double(w[k]) * scale / divisor);
 }
 
+// 2^e as a double, for e in the normal range (-1022 .. 1023): its bits, no library call.
+[[gnu::always_inline]] inline double pow2(int e) {
+  return std::bit_cast<double>(static_cast<std::uint64_t>(1023 + e) << 52);
+}
+
+// The fused sum in doubles rather than int64 words, the same integers: a value folded at the
+// window is trunc(x * 2^(149 - low)) (x widened to f64 and scaled by a power of two: exact; the
+// truncation toward zero is fold_one's), an integer below 2^48 in magnitude, so the sum of up to
+// kMaxFusedSources of them stays below 2^53, every partial sum exact and the order irrelevant,
+// and the total is the int64 sum's value, which to_f32 turns into the same f32. The sum starts
+// at +0, so folds of -0 give +0 as the int64 0 does.
+static_assert(kMaxFusedSources * (std::int64_t{1} << 48) <= (std::int64_t{1} << 53));
+// acc[k] += the fold of x[k]: trunc(x[k] * up).
+[[gnu::always_inline]] inline void add_folds(const float* __restrict x, std::int64_t n, double up,
+                                             double* __restrict acc) {
+  for (std::int64_t k = 0; k < n; ++k) acc[k] += std::trunc(static_cast<double>(x[k]) * up);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same four at a time (GCC does not vectorise trunc unless told that no floating-point
+// exception can be observed); acc 32-byte aligned.
+[[gnu::target("avx2")]] void add_folds_avx2(const float* __restrict x, std::int64_t n,
+                                                    double up, double* __restrict acc) {
+  const __m256d vup = _mm256_set1_pd(up);
+  std::int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vup);
+    const __m256d t = _mm256_round_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    _mm256_store_pd(acc + k, _mm256_add_pd(_mm256_load_pd(acc + k), t));
+  }
+  add_folds(x + k, n - k, up, acc + k);
+}
+#endif
+template <bool kVector>
 [[gnu::always_inline]] inline void fold_sum_to_f32_body(const std::uint32_t* const* u, int sources, std::int64_t n,
                                                         const std::uint8_t* block_top, double divisor,
                                                         float* __restrict out) {
-  alignas(64) std::int64_t acc[kBlock];  // one block's sums, in cache
+  alignas(64) double acc[kBlock];  // one block's sums, in cache
+  const bool reciprocal = exact_reciprocal(divisor);
   for (std::int64_t at = 0; at < n; at += kBlock) {
     const std::int64_t len = std::min(kBlock, n - at);
-    const std::uint8_t bt = block_top[at / kBlock];
+    std::uint8_t bt = 0;
+    if (block_top != nullptr) {
+      bt = block_top[at / kBlock];
+    } else {  // the block's top from every source's values (in cache for the fold below)
+      std::uint32_t mx = 0;
+      for (int p = 0; p < sources; ++p) mx = std::max(mx, max_magnitude_body(u[p] + at, len));
+      bt = top_of_magnitude(mx);
+    }
     if (bt == 0 || bt == 255) {
       std::fill(out + at, out + at + len, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
       continue;
     }
-    const int low = window_low_bit(bt);
-    fold_values_body(u[0] + at, len, low, acc);
-    for (int p = 1; p < sources; ++p) fold_add_body(u[p] + at, len, low, acc);
-    to_f32_body(acc, len, window_scale(bt), divisor, out + at);
+    const int low = ((bt - 1) - kBins + 1) * kW;
+    const double up = pow2(149 - low);  // 2^-130 .. 2^149
+    for (std::int64_t k = 0; k < len; ++k) acc[k] = 0.0;  // +0: a sum of folds of -0 is +0, as in int64
+    for (int p = 0; p < sources; ++p) {
+      const float* x = reinterpret_cast<const float*>(u[p] + at);
+#if defined(__x86_64__) && defined(__GNUC__)
+      if constexpr (kVector) {
+        add_folds_avx2(x, len, up, acc);
+        continue;
+      }
+#endif
+      add_folds(x, len, up, acc);
+    }
+    // As to_f32 converts the int64 sum: times the scale (over a power-of-two divisor: one factor),
+    // else times the scale, then divided.
+    const double scale = pow2(low - 149);
+    float* o = out + at;
+    if (reciprocal) {
+      const double factor = scale / divisor;
+      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * factor);
+    } else {
+      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * scale / divisor);
+    }
   }
 }
 
@@ -166,7 +224,7 @@ bool exact_reciprocal(double divisor) {
 }
 [[gnu::target("avx2")]] void fold_sum_to_f32_avx2(const std::uint32_t* const* u, int sources, std::int64_t n,
                                                   const std::uint8_t* block_top, double divisor, float* out) {
-  fold_sum_to_f32_body(u, sources, n, block_top, divisor, out);
+  fold_sum_to_f32_body<true>(u, sources, n, block_top, divisor, out);
 }
 const bool kAvx2 = __builtin_cpu_supports("avx2");
 #endif
@@ -215,17 +273,10 @@ void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor,
   to_f32_body(w, n, scale, divisor, out);
 }
 
-int window_low_bit(std::uint8_t block_top) { return ((block_top - 1) - kBins + 1) * kW; }
-
-double window_scale(std::uint8_t block_top) {
-  // 2^(low - 149): 2^-185 .. 2^128, normal doubles, so every product with it is exact.
-  return std::ldexp(1.0, window_low_bit(block_top) - 149);
-}
-
 void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
                      double divisor, float* out) {
   LOCKSTEP_EXACT_PICK(fold_sum_to_f32, u, sources, n, block_top, divisor, out);
-  fold_sum_to_f32_body(u, sources, n, block_top, divisor, out);
+  fold_sum_to_f32_body<false>(u, sources, n, block_top, divisor, out);
 }
 
 }  // namespace lockstep::detail::exact

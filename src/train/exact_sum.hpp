@@ -10,7 +10,8 @@
 // first would have dropped: what a sum holds depends only on the multiset of its values, not on
 // their order or grouping. Integer counters add exactly.
 //
-// Across ranks (reduce): (1) the top of every block of kBlock elements, agreed with one MAX
+// Across ranks (reduce): (0) two flags agreed (too many values; not one value given in place on
+// every rank), (1) the top of every block of kBlock elements, agreed with one MAX
 // allreduce of one byte per block; (2) each rank's counters inside its block's window folded
 // into one int64 in units of the window's lowest bin (exact: the window is kBins * kBinBits =
 // 48 bits and at most kMaxSummands values were added), SUM allreduces of int64 in chunks, the
@@ -91,6 +92,7 @@ class ExactSum {
   static constexpr std::uint8_t kEmpty = 0;         // tops are stored + 1
   static constexpr std::uint8_t kNonFinite = 255;
   std::vector<std::uint8_t> top_;
+  bool binned_ = false;  // a value went into the counters since the tops were last cleared
   std::vector<std::int32_t> bins_;  // kBins per element
   std::int64_t count_ = 0;
   // The first value of a step, when it covered every element: copied, not yet in the bins.

@@ -211,9 +211,10 @@ void bits_gradient_of(int r, Model& g) {
 TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int64 path's bits", "[deterministic]") {
   // One micro-batch per rank: on one machine MPIBackend folds the f32 values inside its
   // shared-memory reduction (exact_sums_fused counts it); through a user's Backend over it, which
-  // has no fused form, the exact sum takes its int64 path over allreduce. Both give the bits of
-  // one process that accumulates every rank's micro-batch (through the counters), mean and sum,
-  // over several shared-memory slices (2.4 MB) and a tail of 37 elements.
+  // has no fused form, the exact sum takes its int64 path over allreduce. Both give the same
+  // reduced gradients, bit for bit (signs of zero included), and the bits of one process that
+  // accumulates every rank's micro-batch (through the counters), mean and sum, over several
+  // shared-memory slices (2.4 MB) and a tail of 37 elements.
   ls::MPIBackend& b = backend();
   const int rank = b.rank(), n = b.size();
   lstest::ForwardingBackend plain(b);
@@ -227,29 +228,42 @@ TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int
         if (poison && r == n - 1) g.a.data<float>()[70] = std::numeric_limits<float>::quiet_NaN();
         if (poison && r == 0) g.a.data<float>()[300'000] = std::numeric_limits<float>::infinity();
       };
-      auto step = [&](ls::Backend& be, const std::vector<int>& rs) {
-        Model model = zeros(na, nb), g = zeros(na, nb);
-        auto opt = ls::DistributedOptimizer(be, ls::SGD{.lr = 1.0f},
-                                            ls::DistributedOptions{.op = op, .deterministic = true});
-        auto state = ls::setup(opt, model);
+      const ls::DistributedOptions o{.op = op, .deterministic = true};
+      // The reduced gradients themselves (an optimizer's update would hide the sign of a zero):
+      // rank micro-batches rs through accumulate(), then the step's exact sum.
+      auto accumulated = [&](ls::Backend& be, const std::vector<int>& rs) {
+        Model g = zeros(na, nb), got = zeros(na, nb);
+        ls::GradientReducer red(be, g, o);
+        const std::vector<ls::Tensor*> ptrs{&g.a, &g.b};
         for (int r : rs) {
           grad(r, g);
-          ls::accumulate(state, g);
+          ls::detail::ReducerSteps::bind(red, ptrs);
+          ls::detail::ReducerSteps::accumulate(red);
         }
-        ls::apply_accumulated(state, model);
-        return model;
+        const auto& out = ls::detail::ReducerSteps::reduce_accumulated(red);
+        std::memcpy(got.a.raw_data(), out[0]->raw_data(), got.a.nbytes());
+        std::memcpy(got.b.raw_data(), out[1]->raw_data(), got.b.nbytes());
+        return got;
       };
       const std::uint64_t before = b.exact_sums_fused();
-      const Model fused = step(b, {rank});
+      // This rank's micro-batch read where it lies (reduce(): the gradients given to the step).
+      Model fused = zeros(na, nb);
+      {
+        ls::GradientReducer red(b, fused, o);
+        grad(rank, fused);
+        red.reduce();
+      }
+      const Model fused_copy = accumulated(b, {rank});  // the copy the first accumulate() keeps
       const std::uint64_t after = b.exact_sums_fused();
-      const Model int64 = step(plain, {rank});
+      const Model int64 = accumulated(plain, {rank});
       const std::uint64_t later = b.exact_sums_fused();
       std::vector<int> all;
       for (int r = 0; r < n; ++r) all.push_back(r);
-      const Model one = step(self, all);
+      const Model one = accumulated(self, all);  // every rank's micro-batch through the counters
       INFO("op " << ls::name(op) << " poison " << poison << " rank " << rank << " of " << n);
-      CHECK(all_ranks(after == before + (b.shared_memory() ? 1 : 0) && later == after));
+      CHECK(all_ranks(after == before + (b.shared_memory() ? 2 : 0) && later == after));
       CHECK(all_ranks(same_bits(fused, int64)));
+      CHECK(all_ranks(same_bits(fused_copy, int64)));
       CHECK(all_ranks(same_bits(fused, one)));
       const float* a = fused.a.data<float>();
       if (poison) {

@@ -1,10 +1,11 @@
 // Deterministic mode's exact sum fused into the shared-memory path (ShmCollectives::exact_sum,
 // shm_collectives.hpp). The int64 path (src/train/exact_sum.cpp) folds each rank's values into
 // int64 words in memory, allreduces the words (twice the bytes of the values) and converts them
-// back; here the values cross the slots as f32, exactly as an f32 allreduce's do, and the fold,
-// the int64 sum and the conversion happen per block of 64 elements in cache
-// (exact::fold_sum_to_f32). Integer sums are exact whatever their order, so every rank that
-// computes a slice gets the bits of the int64 path.
+// back; here the values cross the slots as f32, exactly as an f32 allreduce's do, and the
+// block's top, the fold, the int64 sum and the conversion happen per block of 64 elements in
+// cache (exact::fold_sum_to_f32). Every rank reads every rank's values, so the block's top it
+// takes is the max that the int64 path agrees on; integer sums are exact whatever their order;
+// so every rank that computes a slice gets the bits of the int64 path.
 #include <algorithm>
 #include <cstdint>
 
@@ -12,6 +13,8 @@
 #include "mpi/shm/shm_collectives.hpp"
 
 namespace lockstep::detail {
+
+static_assert(ShmCollectives::kMaxRanks <= exact::kMaxFusedSources, "one source per rank");
 
 bool ShmCollectives::exact_sum(const ExactSumCall& call) {
   const ReduceOp op = call.divisor != 1.0 ? ReduceOp::avg : ReduceOp::sum;
@@ -42,8 +45,8 @@ bool ShmCollectives::exact_sum(const ExactSumCall& call) {
     // slice overwrites); the blocks' sums in rank order, which integer sums make irrelevant.
     const std::uint32_t* from[kMaxRanks];
     for (int p = 0; p < size_; ++p) from[p] = reinterpret_cast<const std::uint32_t*>(slot(p, next_));
-    exact::fold_sum_to_f32(from, size_, static_cast<std::int64_t>(m), call.block_top + off / exact::kBlock,
-                           call.divisor, call.out + off);
+    const std::uint8_t* tops = call.block_top != nullptr ? call.block_top + off / exact::kBlock : nullptr;
+    exact::fold_sum_to_f32(from, size_, static_cast<std::int64_t>(m), tops, call.divisor, call.out + off);
   };
   run_call(mine, static_cast<std::size_t>(call.numel), per, "exact_sum", fill, use);
   exact_sums_.fetch_add(1, std::memory_order_relaxed);
