@@ -113,12 +113,13 @@ class ShmCollectives final : public CollectivePath {
 
   /// Deterministic mode's exact sum of one f32 value per rank (Backend::do_exact_sum,
   /// comm/exact_sum_call.hpp), fused into this path's reduction (shm_exact.cpp): slice by slice
-  /// (whole blocks of the agreed tops), every rank copies its values into its slot as allreduce
-  /// does, then computes the whole slice itself from every rank's slot: each block's top from
-  /// every rank's values (unless call.block_top gives the agreed ones), each value folded into
-  /// an int64 at its block's window, the int64 summed (exact: no order can change it),
-  /// converted once to f32 and divided as the int64 path does, into call.out. The same bits as
-  /// the int64 path, on every rank. Returns false (every rank alike, after agreeing on the call)
+  /// (whole blocks), every rank copies its values into its slot as allreduce does, then reduces
+  /// its share of the slice from every rank's slot: each block's top from every rank's values
+  /// (unless call.block_top gives the agreed ones), each value folded at its block's window,
+  /// the folds summed exactly (no order can change it), converted once to f32 and divided as
+  /// the int64 path does, into call.out and after the values in its slot, from which the other
+  /// ranks copy it while the next slice is reduced. The same bits as the int64 path, on every
+  /// rank. Returns false (every rank alike, after agreeing on the call)
   /// when the caller must run the int64 path: no elements, or slices under one block.
   bool exact_sum(const ExactSumCall& call);
   /// Calls of exact_sum that took this path, so far (what the tests check the path by).
