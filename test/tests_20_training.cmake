@@ -15,6 +15,9 @@ endif()
 # as two simulated machines (every host call hierarchical: the placement changes nothing).
 lockstep_add_mpi_test(NAME deterministic TARGET test_deterministic SOURCES train/deterministic_test.cpp RANKS 1 2 3 4
                       TIMEOUT 120)
+# The fused exact sum (shared memory) over slices of 4 KiB: thousands of slices and shares.
+lockstep_add_mpi_test(NAME deterministic.small_slices TARGET test_deterministic RANKS 2
+                      ENV LOCKSTEP_SHM_SLICE_BYTES=4096 TIMEOUT 120)
 if(LOCKSTEP_FAULT_INJECTION)
   lockstep_add_mpi_test(NAME deterministic.hierarchical TARGET test_deterministic RANKS 4
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 LOCKSTEP_TEST_HIER_MIN_BYTES=0 TIMEOUT 120)

@@ -172,6 +172,8 @@ std::int64_t times(std::int64_t a, int b) {
 
 void Backend::abandon(const CallInfo&, const std::exception&) {}
 
+bool Backend::do_exact_sum(const detail::ExactSumCall&) { return false; }
+
 // Runs the checks; a rank whose arguments fail tells the backend (abandon) before throwing.
 namespace {
 // The drains of every backend (see detail::register_drain). g_drain_count lets the front end

@@ -27,6 +27,7 @@ const char* kind_name(std::uint32_t kind) {
     case CallKind::allreduce_wire16: return "allreduce_wire16";
     case CallKind::reduce_scatter_wire16: return "reduce_scatter_wire16";
     case CallKind::barrier: return "barrier";
+    case CallKind::exact_sum: return "exact_sum";
   }
   return "an unknown collective";
 }

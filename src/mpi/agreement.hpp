@@ -28,6 +28,7 @@ enum class CallKind : std::uint32_t {
   allreduce_wire16 = 6,  // f32 data, 16-bit between the ranks: dtype is the wire dtype
   reduce_scatter_wire16 = 7,
   barrier = 8,
+  exact_sum = 9,  // deterministic mode's exact sum of f32 values (Backend::do_exact_sum), op sum or avg
 };
 
 /// One call as the ranks agree on it. Trivially copyable and 40 bytes: it rides in a shared-memory

@@ -10,6 +10,7 @@
 //   mpi_backend_collectives.cpp  the blocking collectives, each described as a CollectiveCall
 //                                for run_collective (collective_sequence.hpp: what happens to a
 //                                call; flat_mpi.cpp: its flat MPI form)
+//   mpi_backend_exact.cpp        deterministic mode's exact sum, fused on the shared-memory path
 //   mpi_backend_requests.cpp     nonblocking iallreduce and ibroadcast, and their requests
 //   mpi_backend_global.cpp       the global backend behind initialize / finalize<MPIBackend>
 // The shared helpers live in detail::mpib (mpib:: in these files): named, not anonymous, so that

@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "lockstep/core/errors.hpp"
-#include "train/exact_sum_kernels.hpp"
+#include "core/exact_sum_kernels.hpp"
 
 namespace lockstep::detail {
 
@@ -40,6 +40,7 @@ void for_each_block_piece(std::int64_t at, std::int64_t n, F&& f) {
 
 void ExactSum::reset(std::int64_t numel) {
   top_.assign(static_cast<std::size_t>(numel), kEmpty);
+  binned_ = false;
   bins_.assign(static_cast<std::size_t>(numel) * kK, 0);
   count_ = 0;
   first_held_ = false;
@@ -76,6 +77,7 @@ void ExactSum::spill_first() {
 void ExactSum::add_to_bins(const float* xs, std::int64_t at, std::int64_t n) {
   if (n <= 0) return;
   if (at < 0 || at + n > numel()) throw Error("ExactSum::add: elements out of range");
+  binned_ = true;
   const std::uint32_t* us = bits_of(xs);
   const std::size_t stride = static_cast<std::size_t>(numel());
   std::int32_t* const c[kK] = {bins_.data(), bins_.data() + stride, bins_.data() + 2 * stride, bins_.data() + 3 * stride};
@@ -186,11 +188,33 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
   const std::int64_t n = numel();
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
   const std::int64_t mine = direct ? 1 : count_;
+  // (0) Two bytes, agreed (MAX) before anything else: whether any rank added more values than
+  // the window's int64 can hold, so that every rank refuses the step alike before anything is
+  // folded; and whether any rank has other than one value given in place. Where none has, every
+  // rank has exactly one (the same verdict everywhere), and the backend may fuse the rest into
+  // its own reduction (do_exact_sum, which agrees on the call itself before it chooses its
+  // path). It holds every rank's values there, so it takes each block's top from all of them:
+  // the max that the agreement in (1) gives (the top grows with the magnitude).
+  std::uint8_t flags[2] = {static_cast<std::uint8_t>(mine > kMaxSummands ? 1 : 0),
+                           static_cast<std::uint8_t>(direct ? 0 : 1)};
+  backend.allreduce(TensorView{flags, 2, DType::u8, Device::cpu()}, ReduceOp::max);
+  if (flags[0] != 0) {
+    discard();
+    throw InvalidArgument(concat("deterministic mode: a rank added more than ", kMaxSummands,
+                                 " micro-batches in one step (this rank: ", mine, ")", rank_suffix()));
+  }
+  if (flags[1] == 0) {
+    const std::int64_t total = backend.size();  // one value on every rank
+    const ExactSumCall call{only.data(), static_cast<std::int64_t>(only.size()), n, nullptr,
+                            mean && total > 0 ? static_cast<double>(total) : 1.0, out};
+    if (backend.do_exact_sum(call)) {
+      discard();
+      return total;
+    }
+  }
   // (1) The top of every block, agreed (MAX: exact, any order); a non-finite element makes its
   // block's top kNonFinite everywhere.
-  // One byte more says whether any rank added more values than the window's int64 can hold, so
-  // that every rank refuses the step alike before anything is folded.
-  block_top_.assign(static_cast<std::size_t>(blocks) + 1, kEmpty);
+  block_top_.assign(static_cast<std::size_t>(blocks), kEmpty);
   if (direct) {
     tops_of_parts(only);
   } else {
@@ -199,13 +223,7 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
       block_top_[static_cast<std::size_t>(block)] = *std::max_element(first, first + std::min(kBlock, n - block * kBlock));
     }
   }
-  block_top_[static_cast<std::size_t>(blocks)] = mine > kMaxSummands ? 1 : 0;
-  backend.allreduce(TensorView{block_top_.data(), blocks + 1, DType::u8, Device::cpu()}, ReduceOp::max);
-  if (block_top_[static_cast<std::size_t>(blocks)] != 0) {
-    discard();
-    throw InvalidArgument(concat("deterministic mode: a rank added more than ", kMaxSummands,
-                                 " micro-batches in one step (this rank: ", mine, ")", rank_suffix()));
-  }
+  if (blocks > 0) backend.allreduce(TensorView{block_top_.data(), blocks, DType::u8, Device::cpu()}, ReduceOp::max);
   // (2) Each element's part inside its block's window as one int64 in units of the window's
   // lowest bin, and this rank's count before the first: exact SUMs, in chunks of chunk_elements_
   // (the reducer's bucket size: one huge call is slower than several on most transports), each
@@ -258,7 +276,8 @@ void ExactSum::discard() noexcept {
   // The counters of an empty element are never read, and its first value clears them (add).
   count_ = 0;
   first_held_ = false;
-  std::fill(top_.begin(), top_.end(), kEmpty);
+  if (binned_) std::fill(top_.begin(), top_.end(), kEmpty);
+  binned_ = false;
 }
 
 }  // namespace lockstep::detail

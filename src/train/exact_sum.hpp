@@ -10,7 +10,8 @@
 // first would have dropped: what a sum holds depends only on the multiset of its values, not on
 // their order or grouping. Integer counters add exactly.
 //
-// Across ranks (reduce): (1) the top of every block of kBlock elements, agreed with one MAX
+// Across ranks (reduce): (0) two flags agreed (too many values; not one value given in place on
+// every rank), (1) the top of every block of kBlock elements, agreed with one MAX
 // allreduce of one byte per block; (2) each rank's counters inside its block's window folded
 // into one int64 in units of the window's lowest bin (exact: the window is kBins * kBinBits =
 // 48 bits and at most kMaxSummands values were added), SUM allreduces of int64 in chunks, the
@@ -20,7 +21,11 @@
 // only value of the step is given to reduce() itself (parts: the common step of one micro-batch
 // per rank) never cuts it into bins: its block tops come from the values' magnitudes, and each
 // value is cut once at its block's window (truncated toward zero there), which is what its bins
-// would have held inside that window: the same contribution, bit for bit. The result:
+// would have held inside that window: the same contribution, bit for bit. When every rank has
+// exactly one value so (agreed with the block tops), a backend may fold the values inside its
+// own reduction instead (Backend::do_exact_sum; MPIBackend's shared-memory path: each rank's f32
+// values through the slots, folded, summed in int64 and converted in registers, no int64 in
+// memory): the same bits, since an int64 sum is exact in any order. The result:
 // the same bits at any number of ranks, any split of the values over the ranks, and any
 // algorithm of the collectives. Its error: the dropped pieces, each below 2^-36 of the largest
 // magnitude in its block, far below the f32 rounding of an ordinary sum.
@@ -31,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/exact_sum_call.hpp"
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
 
@@ -55,11 +61,7 @@ class ExactSum {
   std::int64_t count() const noexcept { return count_; }
 
   /// Part of one value, in host memory: x[k] is the value of element at + k, for k < n.
-  struct Part {
-    const float* x;
-    std::int64_t at;
-    std::int64_t n;
-  };
+  using Part = ExactSumPart;
   /// Adds one value, given as parts over disjoint ranges of elements (an element no part holds
   /// adds nothing), and counts it. A NaN or infinity marks its element non-finite: reduce() then
   /// gives NaN for the whole block of that element. A first value that covers every element is
@@ -90,6 +92,7 @@ class ExactSum {
   static constexpr std::uint8_t kEmpty = 0;         // tops are stored + 1
   static constexpr std::uint8_t kNonFinite = 255;
   std::vector<std::uint8_t> top_;
+  bool binned_ = false;  // a value went into the counters since the tops were last cleared
   std::vector<std::int32_t> bins_;  // kBins per element
   std::int64_t count_ = 0;
   // The first value of a step, when it covered every element: copied, not yet in the bins.

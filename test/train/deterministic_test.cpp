@@ -187,6 +187,97 @@ TEST_CASE("deterministic: a last micro-batch given to update() adds exactly what
                   !std::isnan(model.a.data<float>()[127]) && !std::isnan(model.a.data<float>()[192])));
 }
 
+// Rank r's values drawn as bits: zeros of both signs, subnormals, mixed signs, magnitudes from
+// 2^-149 to 2^126 within one block, and blocks of one narrow range (both kinds of window).
+void bits_gradient_of(int r, Model& g) {
+  std::mt19937_64 rng(9000 + static_cast<std::uint64_t>(r));
+  std::uniform_int_distribution<std::uint32_t> frac(0, 0x7fffff), biased(1, 253), kind(0, 9);
+  for (ls::Tensor* t : {&g.a, &g.b})
+    for (std::int64_t i = 0; i < t->numel(); ++i) {
+      const std::uint32_t sign = static_cast<std::uint32_t>(rng() & 1) << 31;
+      std::uint32_t u = 0;
+      switch (i / 64 % 3 == 2 ? 9 : kind(rng)) {
+        case 0: u = 0; break;                                  // zero (either sign below)
+        case 1: u = frac(rng); break;                          // subnormal
+        case 2: u = (253u << 23) | frac(rng); break;           // near 2^126
+        case 9: u = ((120u + i % 5) << 23) | frac(rng); break;  // a narrow block
+        default: u = (biased(rng) << 23) | frac(rng);
+      }
+      u |= sign;
+      std::memcpy(t->data<float>() + i, &u, sizeof u);
+    }
+}
+
+TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int64 path's bits", "[deterministic]") {
+  // One micro-batch per rank: on one machine MPIBackend folds the f32 values inside its
+  // shared-memory reduction (exact_sums_fused counts it); through a user's Backend over it, which
+  // has no fused form, the exact sum takes its int64 path over allreduce. Both give the same
+  // reduced gradients, bit for bit (signs of zero included), and the bits of one process that
+  // accumulates every rank's micro-batch (through the counters), mean and sum, over several
+  // shared-memory slices (2.4 MB) and a tail of 37 elements.
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank(), n = b.size();
+  lstest::ForwardingBackend plain(b);
+  ls::MPIBackend self(MPI_COMM_SELF);
+  const std::int64_t na = 600'013, nb = 37;
+  for (ls::ReduceOp op : {ls::ReduceOp::avg, ls::ReduceOp::sum}) {
+    for (int poison : {0, 1}) {
+      auto grad = [&](int r, Model& g) {
+        bits_gradient_of(r, g);
+        // A NaN and an infinity: their blocks (64 elements) are NaN on every rank, alike.
+        if (poison && r == n - 1) g.a.data<float>()[70] = std::numeric_limits<float>::quiet_NaN();
+        if (poison && r == 0) g.a.data<float>()[300'000] = std::numeric_limits<float>::infinity();
+      };
+      const ls::DistributedOptions o{.op = op, .deterministic = true};
+      // The reduced gradients themselves (an optimizer's update would hide the sign of a zero):
+      // rank micro-batches rs through accumulate(), then the step's exact sum.
+      auto accumulated = [&](ls::Backend& be, const std::vector<int>& rs) {
+        Model g = zeros(na, nb), got = zeros(na, nb);
+        ls::GradientReducer red(be, g, o);
+        const std::vector<ls::Tensor*> ptrs{&g.a, &g.b};
+        for (int r : rs) {
+          grad(r, g);
+          ls::detail::ReducerSteps::bind(red, ptrs);
+          ls::detail::ReducerSteps::accumulate(red);
+        }
+        const auto& out = ls::detail::ReducerSteps::reduce_accumulated(red);
+        std::memcpy(got.a.raw_data(), out[0]->raw_data(), got.a.nbytes());
+        std::memcpy(got.b.raw_data(), out[1]->raw_data(), got.b.nbytes());
+        return got;
+      };
+      const std::uint64_t before = b.exact_sums_fused();
+      // This rank's micro-batch read where it lies (reduce(): the gradients given to the step).
+      Model fused = zeros(na, nb);
+      {
+        ls::GradientReducer red(b, fused, o);
+        grad(rank, fused);
+        red.reduce();
+      }
+      const Model fused_copy = accumulated(b, {rank});  // the copy the first accumulate() keeps
+      const std::uint64_t after = b.exact_sums_fused();
+      const Model int64 = accumulated(plain, {rank});
+      const std::uint64_t later = b.exact_sums_fused();
+      std::vector<int> all;
+      for (int r = 0; r < n; ++r) all.push_back(r);
+      const Model one = accumulated(self, all);  // every rank's micro-batch through the counters
+      INFO("op " << ls::name(op) << " poison " << poison << " rank " << rank << " of " << n);
+      CHECK(all_ranks(after == before + (b.shared_memory() ? 2 : 0) && later == after));
+      CHECK(all_ranks(same_bits(fused, int64)));
+      CHECK(all_ranks(same_bits(fused_copy, int64)));
+      CHECK(all_ranks(same_bits(fused, one)));
+      const float* a = fused.a.data<float>();
+      if (poison) {
+        CHECK(all_ranks(std::isnan(a[64]) && std::isnan(a[127]) && !std::isnan(a[63]) && !std::isnan(a[128]) &&
+                        std::isnan(a[299'968]) && std::isnan(a[300'031]) && !std::isnan(a[300'032])));
+      } else {
+        bool finite = true;
+        for (std::int64_t i = 0; i < na; ++i) finite = finite && !std::isnan(a[i]);
+        CHECK(all_ranks(finite));
+      }
+    }
+  }
+}
+
 TEST_CASE("deterministic: the exact mean is at least as accurate as the f32 sum (f64 reference)", "[deterministic]") {
   ls::MPIBackend& b = backend();
   const int rank = b.rank(), n = b.size();

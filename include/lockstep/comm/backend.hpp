@@ -25,6 +25,8 @@ const char* name(ReduceOp op) noexcept;
 void check_op_for_dtype(ReduceOp op, DType dtype);
 
 namespace detail {
+class ExactSum;         // deterministic mode's exact sum (internal)
+struct ExactSumCall;    // one of its reductions across ranks, as do_exact_sum sees it (internal)
 /// What a backend implements for one nonblocking operation.
 class RequestImpl {
  public:
@@ -221,6 +223,14 @@ class Backend {
   /// `bytes` > 0, the same on every rank (checked by the front end). The default: ordinary
   /// zeroed memory, 64-byte aligned.
   virtual std::shared_ptr<void> do_allocate_reduce_buffer(std::size_t bytes);
+  /// Deterministic mode's exact sum of one value per rank (DistributedOptions::deterministic;
+  /// internal: called by the exact sum only, once every rank agreed that every rank takes this
+  /// form). Collective. A backend that can fold the values into its own reduction does so and
+  /// returns true, having written the result, the same bits as the exact sum's int64 path; it
+  /// returns false, on every rank alike and before anything is written, when it has no such path
+  /// for the call, and the caller then runs the int64 path. The default returns false.
+  virtual bool do_exact_sum(const detail::ExactSumCall& call);
+  friend class detail::ExactSum;
 
   /// What a collective is, for abandon(): the operation's name and what must agree.
   struct CallInfo {

@@ -54,6 +54,10 @@ class MPIBackend final : public Backend {
   /// neither LOCKSTEP_HIERARCHICAL=0 nor LOCKSTEP_SHM=0 is set. Uneven placements and one rank
   /// per machine use the flat MPI path.
   bool hierarchical() const noexcept;
+  /// Exact sums of deterministic mode (DistributedOptions::deterministic) so far that the
+  /// shared-memory path computed itself, fused into its reduction (one micro-batch on every
+  /// rank; docs/training.md, "The exact sum"); 0 without that path.
+  std::uint64_t exact_sums_fused() const noexcept;
 
   std::string name() const override { return "mpi"; }
   int rank() const override;
@@ -86,6 +90,8 @@ class MPIBackend final : public Backend {
   /// Backend::allocate_reduce_buffer); ordinary memory otherwise, or when a segment cannot be
   /// made or mapped on some rank (every rank then falls back alike).
   std::shared_ptr<void> do_allocate_reduce_buffer(std::size_t bytes) override;
+  /// On the shared-memory path, fused (ShmCollectives::exact_sum); false otherwise.
+  bool do_exact_sum(const detail::ExactSumCall& call) override;
   void abandon(const CallInfo& call, const std::exception& error) override;
   void check_usable() const override;
 

@@ -144,9 +144,11 @@ struct DistributedOptions {
   /// and ends the step with apply_accumulated() (or update(), which accumulates its own
   /// gradients first); the mean divides by the total number of micro-batches. f32 gradients
   /// (cuda ones are copied to the host for the integer work, and the result back); not with
-  /// shard_optimizer_state or wire_dtype (an InvalidArgument at setup on every rank). Costs two
-  /// collectives per step over all gradients together (one byte per 64 elements, then 8 bytes
-  /// per element) and 21 bytes of host memory per element.
+  /// shard_optimizer_state or wire_dtype (an InvalidArgument at setup on every rank). Costs, per
+  /// step over all gradients together, a 2-byte agreement and then: with one micro-batch on
+  /// every rank of one machine (MPIBackend's shared-memory path), one pass of the f32 values
+  /// through shared memory with the exact sum folded into it; otherwise two collectives (one
+  /// byte per 64 elements, then 8 bytes per element). 21 bytes of host memory per element.
   bool deterministic = false;
 };
 

@@ -296,6 +296,8 @@ void reduce_any(DType dtype, ReduceOp op, char* out, const void* const* slots, i
 
 // Per-rank flags, each on its own cache line: slices this rank has written into its slot, and
 // slices this rank has finished reading (from every slot).
+void shm_copy_to_slot(void* dst, const void* src, std::size_t bytes) { copy_to_slot(dst, src, bytes); }
+
 struct ShmCollectives::Control {
   alignas(kLine) std::atomic<std::uint64_t> written{0};
   alignas(kLine) std::atomic<std::uint64_t> done{0};
@@ -496,6 +498,11 @@ void ShmCollectives::run(const SliceHeader& mine, std::size_t total, std::size_t
     use(off, m);
     me->done.store(next_ + 1, std::memory_order_release);
   }
+}
+
+void ShmCollectives::run_call(const CallRecord& record, std::size_t total, std::size_t per, const char* what,
+                              const SliceFill& fill, const SliceUse& use) {
+  run(SliceHeader{record}, total, per, what, fill, use);
 }
 
 // A call that goes to MPI: its header alone is exchanged (one slice with no data), so that every

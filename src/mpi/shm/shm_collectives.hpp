@@ -25,11 +25,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "comm/exact_sum_call.hpp"
 #include "lockstep/comm/backend.hpp"
 #include "lockstep/core/tensor.hpp"
 #include "mpi/agreement.hpp"
@@ -37,6 +39,10 @@
 #include "mpi/wait_hook.hpp"
 
 namespace lockstep::detail {
+
+/// Copies into a slot as the collectives here do (streaming stores, then a fence): for the
+/// collectives defined in other files.
+void shm_copy_to_slot(void* dst, const void* src, std::size_t bytes);
 
 class ShmCollectives final : public CollectivePath {
  public:
@@ -107,6 +113,19 @@ class ShmCollectives final : public CollectivePath {
 
   /// A barrier: the agreement's header-only slice (every rank waits for every peer's header).
   void barrier() override;
+  /// Deterministic mode's exact sum of one f32 value per rank (Backend::do_exact_sum,
+  /// comm/exact_sum_call.hpp), fused into this path's reduction (shm_exact.cpp): slice by slice
+  /// (whole blocks), every rank copies its values into its slot as allreduce does, then reduces
+  /// its share of the slice from every rank's slot: each block's top from every rank's values
+  /// (unless call.block_top gives the agreed ones), each value folded at its block's window,
+  /// the folds summed exactly (no order can change it), converted once to f32 and divided as
+  /// the int64 path does, into call.out and after the values in its slot, from which the other
+  /// ranks copy it while the next slice is reduced. The same bits as the int64 path, on every
+  /// rank. Returns false (every rank alike, after agreeing on the call)
+  /// when the caller must run the int64 path: no elements, or slices under one block.
+  bool exact_sum(const ExactSumCall& call);
+  /// Calls of exact_sum that took this path, so far (what the tests check the path by).
+  std::uint64_t exact_sums() const noexcept { return exact_sums_.load(std::memory_order_relaxed); }
 
   /// Memory every rank of this machine maps (MPIBackend::allocate_reduce_buffer): region
   /// `id` is the `id`-th allocation on this communicator (allocations are collective, so the
@@ -159,6 +178,11 @@ class ShmCollectives final : public CollectivePath {
   template <class Fill, class Use>
   void run(const SliceHeader& mine, std::size_t total, std::size_t per, const char* what, Fill&& fill,
            Use&& use);
+  // run() for the collectives defined in other files (shm_exact.cpp): `record` in the header.
+  using SliceFill = std::function<void(char* slot, std::size_t off, std::size_t m)>;
+  using SliceUse = std::function<void(std::size_t off, std::size_t m)>;
+  void run_call(const CallRecord& record, std::size_t total, std::size_t per, const char* what, const SliceFill& fill,
+                const SliceUse& use);
 
   // The registered region holding [p, p + bytes) on this rank (kept alive by the returned
   // pointer), and p's offset in it; null when none does.
@@ -173,6 +197,7 @@ class ShmCollectives final : public CollectivePath {
   std::atomic<bool> any_region_{false};
   std::uint64_t next_region_ = 0;   // regions allocated so far, the same on every rank
   std::atomic<std::uint64_t> in_place_calls_{0};
+  std::atomic<std::uint64_t> exact_sums_{0};
   void* map_ = nullptr;
   std::size_t map_bytes_ = 0;
   int rank_ = 0, size_ = 1;

@@ -1,10 +1,15 @@
 // The vectorised loops of the exact sum (exact_sum_kernels.hpp). Each body is written once and
 // compiled twice, for the build's baseline and for AVX2 (chosen once, at load time).
-#include "train/exact_sum_kernels.hpp"
+#include "core/exact_sum_kernels.hpp"
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+#include <limits>
 
 namespace lockstep::detail::exact {
 
@@ -18,17 +23,21 @@ constexpr int kW = kBinBits;
   return mx;
 }
 
+// One finite value's bits u truncated toward zero at 2^(low - 149), counted in those units.
+[[gnu::always_inline]] inline std::int64_t fold_one(std::uint32_t u, int low) {
+  const std::uint32_t biased = (u >> 23) & 0xffu;
+  const std::uint64_t m = (u & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
+  const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
+  const int d = p - low;
+  const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
+  return (u >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
+}
+
 [[gnu::always_inline]] inline void fold_values_body(const std::uint32_t* __restrict u, std::int64_t n, int low,
                                                      std::int64_t* __restrict out) {
-  for (std::int64_t k = 0; k < n; ++k) {
-    const std::uint32_t biased = (u[k] >> 23) & 0xffu;
-    const std::uint64_t m = (u[k] & 0x7fffffu) | (biased != 0 ? 0x800000u : 0u);
-    const int p = biased != 0 ? static_cast<int>(biased) - 1 : 0;  // |x| = m * 2^(p - 149)
-    const int d = p - low;
-    const std::uint64_t v = d >= 0 ? m << std::min(d, 63) : m >> std::min(-d, 63);
-    out[k] = (u[k] >> 31) != 0 ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
-  }
+  for (std::int64_t k = 0; k < n; ++k) out[k] = fold_one(u[k], low);
 }
+
 
 [[gnu::always_inline]] inline std::int64_t add_common_body(const std::uint32_t* __restrict u, std::int64_t n,
                                                            std::uint8_t* __restrict top, std::int32_t* __restrict c0,
@@ -86,17 +95,110 @@ constexpr int kW = kBinBits;
   }
 }
 
+// double(w) as hi * 2^32 + lo: both parts exact, one rounding in the sum, the same as the
+// conversion of the whole int64 (which has no vector instruction before AVX-512).
+[[gnu::always_inline]] inline double to_double(std::int64_t w) {
+  constexpr double k2p32 = 4294967296.0, k2p52 = 4503599627370496.0;
+  const std::int32_t hi = static_cast<std::int32_t>(w >> 32);
+  const std::uint64_t lo_bits = 0x4330000000000000ull | (static_cast<std::uint64_t>(w) & 0xffffffffull);
+  const double lo = std::bit_cast<double>(lo_bits) - k2p52;
+  return static_cast<double>(hi) * k2p32 + lo;
+}
+
+// Whether dividing by `divisor` is multiplying by its reciprocal, bit for bit: a power of two
+// (1, 2, 4, ...), whose reciprocal is exact; both then scale the product exactly (the products
+// here lie far inside the normal doubles), and the one rounding is to f32.
+bool exact_reciprocal(double divisor) {
+  int e = 0;
+  return divisor > 0.0 && std::frexp(divisor, &e) == 0.5;
+}
+
 [[gnu::always_inline]] inline void to_f32_body(const std::int64_t* __restrict w, std::int64_t n, double scale,
                                                double divisor, float* __restrict out) {
-  // double(w) as hi * 2^32 + lo: both parts exact, one rounding in the sum, the same as the
-  // conversion of the whole int64 (which has no vector instruction before AVX-512).
-  constexpr double k2p32 = 4294967296.0, k2p52 = 4503599627370496.0;
-  for (std::int64_t k = 0; k < n; ++k) {
-    const std::int32_t hi = static_cast<std::int32_t>(w[k] >> 32);
-    const std::uint64_t lo_bits = 0x4330000000000000ull | (static_cast<std::uint64_t>(w[k]) & 0xffffffffull);
-    const double lo = std::bit_cast<double>(lo_bits) - k2p52;
-    const double v = static_cast<double>(hi) * k2p32 + lo;
-    out[k] = static_cast<float>(v * scale / divisor);
+  if (exact_reciprocal(divisor)) {
+    // scale / divisor is a power of two too (2^-188 and up): one multiplication, no division.
+    const double factor = scale / divisor;
+    for (std::int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(to_double(w[k]) * factor);
+    return;
+  }
+  for (std::int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(to_double(w[k]) * scale / divisor);
+}
+
+// 2^e as a double, for e in the normal range (-1022 .. 1023): its bits, no library call.
+[[gnu::always_inline]] inline double pow2(int e) {
+  return std::bit_cast<double>(static_cast<std::uint64_t>(1023 + e) << 52);
+}
+
+// The fused sum in doubles rather than int64 words, the same integers: a value folded at the
+// window is trunc(x * 2^(149 - low)) (x widened to f64 and scaled by a power of two: exact; the
+// truncation toward zero is fold_one's), an integer below 2^48 in magnitude, so the sum of up to
+// kMaxFusedSources of them stays below 2^53, every partial sum exact and the order irrelevant,
+// and the total is the int64 sum's value, which to_f32 turns into the same f32. The sum starts
+// at +0, so folds of -0 give +0 as the int64 0 does.
+static_assert(kMaxFusedSources * (std::int64_t{1} << 48) <= (std::int64_t{1} << 53));
+// acc[k] += the fold of x[k]: trunc(x[k] * up).
+[[gnu::always_inline]] inline void add_folds(const float* __restrict x, std::int64_t n, double up,
+                                             double* __restrict acc) {
+  for (std::int64_t k = 0; k < n; ++k) acc[k] += std::trunc(static_cast<double>(x[k]) * up);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same four at a time (GCC does not vectorise trunc unless told that no floating-point
+// exception can be observed); acc 32-byte aligned.
+[[gnu::target("avx2")]] void add_folds_avx2(const float* __restrict x, std::int64_t n,
+                                                    double up, double* __restrict acc) {
+  const __m256d vup = _mm256_set1_pd(up);
+  std::int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vup);
+    const __m256d t = _mm256_round_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    _mm256_store_pd(acc + k, _mm256_add_pd(_mm256_load_pd(acc + k), t));
+  }
+  add_folds(x + k, n - k, up, acc + k);
+}
+#endif
+template <bool kVector>
+[[gnu::always_inline]] inline void fold_sum_to_f32_body(const std::uint32_t* const* u, int sources, std::int64_t n,
+                                                        const std::uint8_t* block_top, double divisor,
+                                                        float* __restrict out) {
+  alignas(64) double acc[kBlock];  // one block's sums, in cache
+  const bool reciprocal = exact_reciprocal(divisor);
+  for (std::int64_t at = 0; at < n; at += kBlock) {
+    const std::int64_t len = std::min(kBlock, n - at);
+    std::uint8_t bt = 0;
+    if (block_top != nullptr) {
+      bt = block_top[at / kBlock];
+    } else {  // the block's top from every source's values (in cache for the fold below)
+      std::uint32_t mx = 0;
+      for (int p = 0; p < sources; ++p) mx = std::max(mx, max_magnitude_body(u[p] + at, len));
+      bt = top_of_magnitude(mx);
+    }
+    if (bt == 0 || bt == 255) {
+      std::fill(out + at, out + at + len, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const int low = ((bt - 1) - kBins + 1) * kW;
+    const double up = pow2(149 - low);  // 2^-130 .. 2^149
+    for (std::int64_t k = 0; k < len; ++k) acc[k] = 0.0;  // +0: a sum of folds of -0 is +0, as in int64
+    for (int p = 0; p < sources; ++p) {
+      const float* x = reinterpret_cast<const float*>(u[p] + at);
+#if defined(__x86_64__) && defined(__GNUC__)
+      if constexpr (kVector) {
+        add_folds_avx2(x, len, up, acc);
+        continue;
+      }
+#endif
+      add_folds(x, len, up, acc);
+    }
+    // As to_f32 converts the int64 sum: times the scale (over a power-of-two divisor: one factor),
+    // else times the scale, then divided.
+    const double scale = pow2(low - 149);
+    float* o = out + at;
+    if (reciprocal) {
+      const double factor = scale / divisor;
+      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * factor);
+    } else {
+      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * scale / divisor);
+    }
   }
 }
 
@@ -119,6 +221,10 @@ constexpr int kW = kBinBits;
 [[gnu::target("avx2")]] void to_f32_avx2(const std::int64_t* w, std::int64_t n, double scale, double divisor,
                                          float* out) {
   to_f32_body(w, n, scale, divisor, out);
+}
+[[gnu::target("avx2")]] void fold_sum_to_f32_avx2(const std::uint32_t* const* u, int sources, std::int64_t n,
+                                                  const std::uint8_t* block_top, double divisor, float* out) {
+  fold_sum_to_f32_body<true>(u, sources, n, block_top, divisor, out);
 }
 const bool kAvx2 = __builtin_cpu_supports("avx2");
 #endif
@@ -165,6 +271,12 @@ void fold_counters(const std::uint8_t* top, std::int32_t* const c[kBins], std::i
 void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor, float* out) {
   LOCKSTEP_EXACT_PICK(to_f32, w, n, scale, divisor, out);
   to_f32_body(w, n, scale, divisor, out);
+}
+
+void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
+                     double divisor, float* out) {
+  LOCKSTEP_EXACT_PICK(fold_sum_to_f32, u, sources, n, block_top, divisor, out);
+  fold_sum_to_f32_body<false>(u, sources, n, block_top, divisor, out);
 }
 
 }  // namespace lockstep::detail::exact

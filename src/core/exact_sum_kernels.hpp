@@ -1,7 +1,7 @@
 // Internal: the loops of the exact sum (exact_sum.hpp) over many elements, written to vectorise
 // (32- and 64-bit lanes, no branches) and run with AVX2 where the CPU has it. They are integer
-// work, and the one floating-point loop (to_f32) rounds each element alone, so every instruction
-// set gives the same bits.
+// work (the fused sum holds its integers in doubles, below 2^53: exact), and only the conversion
+// to f32 rounds, each element alone, so every instruction set gives the same bits.
 #pragma once
 
 #include <cstdint>
@@ -45,5 +45,18 @@ void fold_counters(const std::uint8_t* top, std::int32_t* const c[kBins], std::i
 
 /// out[k] = f32(double(w[k]) * scale / divisor), each rounding to nearest.
 void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor, float* out);
+
+constexpr int kMaxFusedSources = 32;  // fold_sum_to_f32's sums stay below 2^53
+/// The exact sum of `sources` values per element (at most kMaxFusedSources), each given as the sources' f32
+/// bits (u[p][k]: source p's value of element k), fused: every value folded at its block's
+/// window (fold_values), the folds summed exactly (in any order), and the sum converted once
+/// (to_f32 with the block's scale and divisor): the bits the separate passes give. n elements
+/// from the start of a block of kBlock elements; block_top[b] is block b's agreed top (a block
+/// of top 0 gives zeros, of top 255 NaN), or, with block_top null, the top of the largest
+/// magnitude among the block's values of every source (what agreeing the sources' own tops by
+/// their max gives).
+constexpr std::int64_t kBlock = 64;  // ExactSum::kBlock
+void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
+                     double divisor, float* out);
 
 }  // namespace lockstep::detail::exact
