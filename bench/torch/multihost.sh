@@ -48,7 +48,7 @@ trap '"$CLUSTER" down; exit 130' INT TERM
   echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "2 hosts x 2 ranks, each host's egress shaped to $RATE (tc tbf); model $MODEL, batch $BATCH per rank, $STEPS steps"
 } | tee "$OUT/machine.txt"
-"$CLUSTER" up 2 --rate "$RATE" >/dev/null || { echo "multihost.sh: cluster.sh up failed" >&2; exit 77; }
+"$CLUSTER" up 2 --rate "$RATE" --slots 2 >/dev/null || { echo "multihost.sh: cluster.sh up failed" >&2; exit 77; }
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912
 timeout -k 10 900 "$CLUSTER" run -n 4 --map-by ppr:2:node -x OPENBLAS_NUM_THREADS -x OMP_NUM_THREADS \
   -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ -- "$EXE" --model "$MODEL" --batch "$BATCH" \
