@@ -96,7 +96,7 @@ lockstep_add_mpi_test(NAME collective.small_slices TARGET test_collective RANKS 
 # uneven ({0,1} and {2}) and every call takes the flat path. The collective suite and the
 # training tests run once more at 4 ranks with the setting.
 if(LOCKSTEP_FAULT_INJECTION)
-  lockstep_add_mpi_test(NAME hierarchical TARGET test_hierarchical SOURCES mpi/hierarchical_test.cpp RANKS 4
+  lockstep_add_mpi_test(NAME hierarchical TARGET test_hierarchical SOURCES mpi/hierarchical_test.cpp mpi/hierarchical_reducer_test.cpp RANKS 4
                         ENV LOCKSTEP_TEST_HOST_SIZE=2 TIMEOUT 300)
   # At 3 ranks every call is flat: the f32 and 16-bit allreduces show it is the flat result; the
   # f64 and integer ones (12.6 of this run's 26 s) would show the same thing again.
