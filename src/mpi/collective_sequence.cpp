@@ -113,7 +113,7 @@ bool run_wire16(MPIBackendImpl& impl, CollectiveCall& c) {
 
 }  // namespace
 
-bool run_collective(MPIBackendImpl& impl, CollectiveCall c) try {
+bool run_collective(MPIBackendImpl& impl, CollectiveCall&& c) try {
   if (c.kind == CallKind::allreduce_wire16 || c.kind == CallKind::reduce_scatter_wire16) return run_wire16(impl, c);
   c.op = one_rank_op(c.op, impl.size);
   // 1. The monitor: an injected fault may change `send` (its count, its dtype).

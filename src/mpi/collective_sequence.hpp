@@ -44,8 +44,10 @@ struct CollectiveCall {
 /// Runs `call` through the steps above. True when the call is done; false only for a 16-bit
 /// wire form that no path took (no path, or the path declined the agreed call on every rank):
 /// the caller then runs Backend's three passes, whose allreduce or reduce_scatter is a call of
-/// its own.
-bool run_collective(MPIBackendImpl& impl, CollectiveCall call);
+/// its own. The call is taken by reference and adjusted in place (its op at one rank, recv for
+/// one buffer): a copy of it on the stack, read back in other widths than it was written, stalls
+/// the store forwarding of every small call (30 ns of a 50 ns call at one rank).
+bool run_collective(MPIBackendImpl& impl, CollectiveCall&& call);
 
 // ---- flat_mpi.cpp: the flat MPI form of each collective --------------------------------------
 // Host views (or device views for a CUDA-aware MPI where the call needs no host work); a call
