@@ -3,7 +3,7 @@
 # minutes on a 2-core machine:
 #   - tables on stdout and in $RESULTS_DIR/*.md, JSON in $RESULTS_DIR/*.json;
 #   - $RESULTS_DIR/busbw.png (busbw against message size) when gnuplot is installed;
-#   - the generated section of docs/performance.md (between its GENERATED markers) rewritten
+#   - the generated section of docs/performance/generated.md (between its GENERATED markers) rewritten
 #     from those files, with the target table (needs python3; skipped with a note otherwise).
 #
 # Usage: bench/run.sh [--quick] [--no-docs]
@@ -128,8 +128,8 @@ fi
 # --- docs --------------------------------------------------------------------------------------
 if [ "$docs" = 1 ]; then
   if command -v python3 >/dev/null 2>&1; then
-    python3 "$here/summarize.py" "$results" "$top/docs/performance.md"
+    python3 "$here/summarize.py" "$results" "$top/docs/performance/generated.md"
   else
-    echo "(python3 not found: docs/performance.md not regenerated; tables are in $results)" >&2
+    echo "(python3 not found: docs/performance/generated.md not regenerated; tables are in $results)" >&2
   fi
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Builds the generated section of docs/performance.md from a bench/run.sh results folder.
+"""Builds the generated section of docs/performance/generated.md from a bench/run.sh results folder.
 
 Usage: summarize.py RESULTS_DIR DOC_PATH
        summarize.py --targets RESULTS_DIR     (prints the target table only)
@@ -136,10 +136,10 @@ def main():
     parts.append("")
     m = text(results, "machine")
     if m:
-        parts += ["### Machine and run", "", m, ""]
+        parts += ["## Machine and run", "", m, ""]
     t = targets(results)
     if t:
-        parts += ["### Targets (2 ranks, ratios from one run)", "",
+        parts += ["## Targets (2 ranks, ratios from one run)", "",
                   "| target | measured (ratio of medians; of minima) | limit | met (medians) |", "|---|---|---|---|"]
         for name, measured, limit, met in t:
             parts.append("| %s | %s | %s | %s |" % (name, measured, limit, "yes" if met else "**no**"))
@@ -159,28 +159,29 @@ def main():
         body = text(results, name)
         if body is None:
             continue
-        # The benchmarks' own "## ..." headings become level-4 headings under this section.
+        # The benchmarks' own "# ..." and "## ..." headings become level-3 and level-4 headings
+        # under this section.
         def demote(l):
             if l.startswith("# "):
-                return "####" + l[1:]
+                return "###" + l[1:]
             if l.startswith("## "):
-                return "#####" + l[2:]
+                return "####" + l[2:]
             return l
         body = "\n".join(demote(l) for l in body.splitlines())
-        parts += ["### " + title, "", body, ""]
+        parts += ["## " + title, "", body, ""]
         if name == "collectives" and os.path.exists(os.path.join(results, "busbw.png")):
             rel = os.path.relpath(os.path.join(results, "busbw.png"), os.path.dirname(os.path.abspath(doc)))
             parts += ["![busbw against message size](%s)" % rel, ""]
     parts.append(END)
     section = "\n".join(parts)
 
-    old = open(doc).read() if os.path.exists(doc) else "# Performance\n"
+    old = open(doc).read() if os.path.exists(doc) else "# Generated tables\n"
     if BEGIN in old and END in old:
         head = old[:old.index(BEGIN)]
         tail = old[old.index(END) + len(END):]
         new = head + section + tail
     else:
-        new = old.rstrip("\n") + "\n\n## Generated tables\n\n" + section + "\n"
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
     with open(doc, "w") as f:
         f.write(new)
     print("summarize.py: wrote the generated section of %s (%d targets)" % (doc, len(t)), file=sys.stderr)
