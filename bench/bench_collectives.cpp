@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   const int reps = opt.quick_reps();
   MPI_Comm comm = be.comm();  // the raw calls use the same communicator as Lockstep
   // Which path Lockstep's blocking allreduce takes here (LOCKSTEP_TEST_HOST_SIZE in a build with
-  // fault injection simulates machines; docs/performance.md, "Hierarchical allreduce").
+  // fault injection simulates machines; docs/performance/across-hosts.md, "Hierarchical allreduce").
   if (rank == 0)
     std::fprintf(stderr, "lockstep allreduce path: %s (%d ranks, %d per machine)\n",
                  be.shared_memory() ? "shared memory" : be.hierarchical() ? "hierarchical" : "MPI", n, be.local_size());

@@ -6,7 +6,7 @@
 //   cold-read: rank 1 reads 64 MiB nobody wrote recently (from memory);
 //   streamed:  rank 0 writes with non-temporal stores, so rank 1 reads from memory.
 // On a virtual machine whose vCPUs the host moves between cache domains, "dirty" drops by up to
-// 8x in some periods while the other two do not (docs/performance.md, "Phases").
+// 8x in some periods while the other two do not (docs/performance/where-the-time-goes.md, "Phases").
 //
 // Run: mpiexec -n 2 ./bench_phases [SECONDS]   (default 30; x86-64 only)
 #include <emmintrin.h>

@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   const int reps = opt.quick_reps();
 
   // --watch SECONDS: one line a second, the shared-memory path against MPI on 64 MiB, to see how
-  // both move over time on a shared machine (docs/performance.md, "Phases").
+  // both move over time on a shared machine (docs/performance/where-the-time-goes.md, "Phases").
   if (watch > 0) {
     auto shm_backend = backend_with("1", default_slice);
     const std::int64_t count = std::int64_t{64} << 18;  // 64 MiB of f32

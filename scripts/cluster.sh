@@ -255,7 +255,7 @@ cmd_run() {
   export OMPI_MCA_hwloc_base_binding_policy=${OMPI_MCA_hwloc_base_binding_policy:-none}
   # Every host's slots are this machine's cores, so Open MPI does not see the oversubscription
   # and busy-polls: a rank spinning for its peer's message holds the core the peer needs, and each
-  # exchange can wait a scheduler time slice (docs/performance.md, "Across hosts"). Yielding when
+  # exchange can wait a scheduler time slice (docs/performance/across-hosts.md, "Across hosts"). Yielding when
   # idle lets the peer run; a real cluster, with a core per rank, does not need it.
   export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
   # mpiexec runs in host 0 (its network namespace, and a UTS namespace named after it); the

@@ -118,7 +118,7 @@ echo "== mlp with Adam: C++, $np ranks (replicated, sharded, bf16 wire)" >&2
 echo "== SyncBatchNorm2d against BatchNorm2d: C++, $np ranks" >&2
 # glibc's allocator thresholds fixed for this one: otherwise the interleaved modules' 2 MiB
 # temporaries are mapped and unmapped, page fault by page fault, and which of the two pays for
-# it depends on the other's allocations (docs/performance.md, "SyncBatchNorm: the allocator").
+# it depends on the other's allocations (docs/performance/where-the-time-goes.md, "SyncBatchNorm: the allocator").
 MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=268435456 \
   "$mpiexec" -n "$np" "${mpiflags[@]}" -x MALLOC_MMAP_THRESHOLD_ -x MALLOC_TRIM_THRESHOLD_ "$exe" \
   --json "$results/bn_cpp.json" --model bn --batch "$bnbatch" \

@@ -22,7 +22,7 @@ namespace {
 // bandwidth-bound, small enough that a 16 MiB gradient bucket is four chunks that overlap.
 constexpr std::size_t kDefaultChunkBytes = std::size_t{4} << 20;
 // Smaller calls go flat: below it the three stages' latencies (and the agreement's) cost more
-// than the network time they save (docs/performance.md, "Hierarchical allreduce across machines",
+// than the network time they save (docs/performance/across-hosts.md, "Hierarchical allreduce across machines",
 // has the break-even).
 constexpr std::size_t kHierarchyMinBytes = std::size_t{64} << 10;
 

@@ -365,7 +365,7 @@ class CommMonitor final : public WaitHook {
   // Runs a small allreduce on the fingerprint communicator, with the deadline if there is one.
   // Always the nonblocking form, polled: with nonblocking buckets in flight (as
   // DistributedOptimizer has), a blocking MPI_Allreduce here slows the whole gradient sync down
-  // (docs/performance.md, "Reliability defaults").
+  // (docs/performance/rounds.md, "Reliability defaults").
   // send and recv lie in `owner`, kept for the process if the wait throws with the request pending.
   void run(const void* send, void* recv, int count, MPI_Datatype dt, MPI_Op op, const char* what,
            std::shared_ptr<void> owner);

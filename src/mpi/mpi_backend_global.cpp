@@ -94,7 +94,7 @@ void MPIBackend::initialize_global() {
       // a rendezvous acknowledgement then queues behind the bulk data going the other way in that
       // connection: traffic both ways at once (every allreduce's) got about half the link's rate
       // per direction, on a shaped link as unshaped. Two connections per pair fill it
-      // (docs/performance.md, "Across hosts"). No effect within a machine (shared memory).
+      // (docs/performance/across-hosts.md, "Across hosts"). No effect within a machine (shared memory).
       if (ompi_defaults) ::setenv("OMPI_MCA_btl_tcp_links", "2", /*overwrite=*/0);
       int provided = 0;
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);

@@ -10,7 +10,7 @@ namespace lockstep {
 
 // Across machines (Backend::local_size() < size(): the same verdict on every rank) the host
 // buckets are 16 MiB, and packing a bucket's gradients into its buffer and unpacking them after
-// costs copies that nothing overlaps (docs/performance.md, "Across hosts", measures them). So a bucket of two or more host tensors that holds tensors of
+// costs copies that nothing overlaps (docs/performance/across-hosts.md, "Across hosts", measures them). So a bucket of two or more host tensors that holds tensors of
 // kInPlaceTensorBytes or more reduces each of those where it lies, with calls of its own, and
 // packs only the others, together, into one call. The calls must follow from the tensors' sizes
 // alone, the same on every rank: MPI matches collectives by count, and a rank that reduced a

@@ -49,7 +49,7 @@ class MPIBackend final : public Backend {
   std::uint64_t in_place_allreduces() const noexcept;
   /// Whether blocking host allreduce (f32/f64/i32/i64, bf16/f16 sum and avg, from 64 KiB; and
   /// allreduce_wire16, reduce_scatter, reduce_scatter_wire16, allgather and broadcast) goes
-  /// hierarchically: shared memory within each machine, MPI between machines (docs/architecture.md, "Hierarchical allreduce"). True when the ranks span
+  /// hierarchically: shared memory within each machine, MPI between machines (docs/architecture/hierarchical.md, "Hierarchical allreduce"). True when the ranks span
   /// two or more machines with the same number of ranks, at least two, on each (at most 8), and
   /// neither LOCKSTEP_HIERARCHICAL=0 nor LOCKSTEP_SHM=0 is set. Uneven placements and one rank
   /// per machine use the flat MPI path.

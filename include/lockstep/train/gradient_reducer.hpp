@@ -60,7 +60,7 @@ namespace lockstep {
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{1} << 20;
 /// Default bucket size of host gradients when the ranks span machines (Backend::local_size() <
 /// size()): every collective then crosses a network, where each call pays message round trips
-/// that a shared-memory call does not (docs/performance.md, "Across hosts").
+/// that a shared-memory call does not (docs/performance/across-hosts.md, "Across hosts").
 inline constexpr std::size_t kDefaultNetworkBucketBytes = std::size_t{16} << 20;
 /// Default bucket size of device (cuda) gradients: PyTorch DDP's bucket_cap_mb (25 MiB).
 inline constexpr std::size_t kDefaultDeviceBucketBytes = std::size_t{25} << 20;

@@ -62,7 +62,7 @@ std::size_t stream_blocks(char* d, const char* s, std::size_t i, std::size_t byt
 // Copies into a slot with non-temporal (streaming) stores: the lines go to memory instead of
 // staying modified in this core's cache. The peers then read them from memory at full speed,
 // rather than snooping them out of this core's cache, which on some virtual machines is fast
-// only while the two vCPUs share a last-level cache (docs/performance.md, "Phases", has the
+// only while the two vCPUs share a last-level cache (docs/performance/where-the-time-goes.md, "Phases", has the
 // figures). Ends with a store fence, so the data is visible before the flag that publishes it.
 void copy_to_slot(void* dst, const void* src, std::size_t bytes) {
 #if defined(__SSE2__)
