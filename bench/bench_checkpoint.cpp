@@ -11,7 +11,7 @@
 //   cp         /bin/cp alone (the copy may still be in the page cache only)
 //   load       ls::load_checkpoint(path): header, data straight into new tensors, checksum
 //   restore    ls::restore_from_checkpoint(loaded, model): the copy into the model that the
-//              collective load adds after verifying (verify-then-copy, docs/architecture.md)
+//              collective load adds after verifying (verify-then-copy, docs/architecture/checkpoint-io.md)
 //   buffered   the way through one buffer of the whole file: serialize_checkpoint then
 //              write_file_atomically for a save, reading the file into a buffer then
 //              parse_checkpoint for a load (what 0.1 did, with one copy less on each side)

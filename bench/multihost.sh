@@ -29,7 +29,7 @@
 # Every run has Open MPI's mpi_yield_when_idle=1 (--no-yield: Open MPI's default, 0): the
 # simulated hosts share this machine's cores, with whatever else runs on it, and a rank that
 # busy-polls for its peer's answer holds a core the peer may need to send that answer; each
-# message exchange of a collective then waits for a scheduler time slice (docs/performance.md,
+# message exchange of a collective then waits for a scheduler time slice (docs/performance/across-hosts.md,
 # "Across hosts"). bench_link's per-call table is taken both ways on the unshaped link, so the
 # run shows what the setting changes. A real cluster gives each rank a core of its own.
 #

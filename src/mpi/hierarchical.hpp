@@ -7,7 +7,7 @@
 // pipeline: a shared-memory stage among the ranks of one machine (a ShmCollectives over them)
 // and a nonblocking MPI stage among the ranks with the same local rank (one per machine), so
 // each machine sends its share over its link once, and the network part of slice k overlaps the
-// memory part of slice k+1. docs/architecture.md ("Hierarchical allreduce, broadcast,
+// memory part of slice k+1. docs/architecture/hierarchical.md ("Hierarchical allreduce, broadcast,
 // reduce-scatter and all-gather across machines") gives each collective's stages and sum order.
 //
 // Invariants:

@@ -73,7 +73,7 @@ MPIBackend::MPIBackend(MPI_Comm comm) : impl_(std::make_unique<detail::MPIBacken
   // Every LOCKSTEP_* setting, parsed on each rank and then agreed: a value that is malformed or
   // differs on any rank is the same InvalidArgument on every rank (no rank is left waiting).
   detail::agree_on_settings(impl_->comm);
-  // The hierarchical path (docs/architecture.md): LOCKSTEP_HIERARCHICAL=0 turns it off.
+  // The hierarchical path (docs/architecture/hierarchical.md): LOCKSTEP_HIERARCHICAL=0 turns it off.
   const bool hier_on = agreed_setting(impl_->comm, "LOCKSTEP_HIERARCHICAL", 1, [] {
     auto b = detail::env::get_bool("LOCKSTEP_HIERARCHICAL");
     return b ? std::optional<int>(*b ? 1 : 0) : std::nullopt;

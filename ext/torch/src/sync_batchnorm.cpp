@@ -168,7 +168,7 @@ Backend& live_backend(const BackendRef& ref, const std::string& who, const char*
 // with the global statistics (native_batch_norm), and backward's two sums per channel as an
 // evaluation-mode batch-norm backward (native_batch_norm_backward): one pass each, where the same
 // work composed from elementwise operations and sums takes several passes with a temporary each
-// (8-16x BatchNorm2d's time, docs/performance.md). f16 inputs,
+// (8-16x BatchNorm2d's time, docs/performance/where-the-time-goes.md). f16 inputs,
 // which these CPU kernels do not take in LibTorch 1.13, are computed in f32 and the results
 // rounded back.
 struct SyncBatchNormFunction : public ::torch::autograd::Function<SyncBatchNormFunction> {

@@ -41,7 +41,7 @@ class MPIBackend final : public Backend {
   /// LOCKSTEP_SHM_MIN_BYTES, default 0) and every blocking host broadcast of at least one slice
   /// takes it, deadlines included; the other blocking host allreduces and broadcasts first agree on the call through
   /// it and then go to MPI. allreduce_wire16 and reduce_scatter_wire16 of f32 host data take
-  /// it too, fused (docs/training.md, "Scale"). See docs/architecture.md.
+  /// it too, fused (docs/training.md, "Scale"). See docs/architecture/shared-memory.md.
   bool shared_memory() const noexcept;
   /// In-place allreduces so far whose buffers, from allocate_reduce_buffer on every rank, were
   /// reduced where they lie instead of through the shared-memory path's slots (0 without that

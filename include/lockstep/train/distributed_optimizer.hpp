@@ -541,7 +541,7 @@ void apply_accumulated(DistributedState<R>& state, M& model,
 /// Like flat_zeros_like(x), but the host buffers come from backend.allocate_reduce_buffer: on
 /// one machine MPIBackend's shared-memory path then reduces such gradients where they lie on
 /// every rank, without copying them through its slots (about twice as fast for ResNet-50's
-/// gradients, docs/performance.md). Collective: every rank calls it for the same structure (the
+/// gradients, docs/performance/where-the-time-goes.md). Collective: every rank calls it for the same structure (the
 /// host buffers' number, dtypes and sizes are compared; an InvalidArgument on every rank says
 /// when they differ). Device
 /// tensors get ordinary device buffers.

@@ -35,7 +35,7 @@ constexpr std::size_t kLine = 64;
 // Defaults chosen from bench_collectives / bench_gradsync sweeps (docs/performance.md).
 constexpr std::size_t kDefaultSliceBytes = std::size_t{1} << 20;
 // Every size: a call that goes to MPI instead must first agree on it with the other ranks (one
-// more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance.md).
+// more rendezvous), which costs more than the shared-memory path saves MPI (docs/performance/rounds.md).
 constexpr std::size_t kShmMinBytes = 0;
 // From here up an in-place allreduce of a registered buffer reads the peers' buffers in place:
 // below it the second rendezvous costs more than the copies it saves.

@@ -3,7 +3,7 @@
 // broadcast; everything else goes through MPI.
 //
 // Why: between ranks on one machine, Open MPI's allreduce moves data through its shared-memory
-// transport in a way that leaves most of the memory bandwidth unused (docs/performance.md has the
+// transport in a way that leaves most of the memory bandwidth unused (docs/performance/rounds.md has the
 // figures). Here each rank copies a slice of its buffer into its own slot of a shared segment,
 // waits until every rank has done the same, and computes the reduction of that slice itself,
 // reading every rank's slot in rank order and writing the result straight into its own buffer. The
