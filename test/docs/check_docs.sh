@@ -18,6 +18,8 @@
 #    a missing --oversubscribe fails as it would for a user on a machine with fewer cores.
 # 4. Every ```sh block of getting-started parses (bash -n), and the labels that getting-started's
 #    `ctest -L X` / `-LE X` mention select tests in BUILD_DIR.
+# 5. Every relative link of docs/*.md, docs/*/*.md, README.md and NEWS.md names a file that
+#    exists, and each #anchor a heading of it (test/docs/check_links.py; needs python3).
 #
 # Usage: check_docs.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -uo pipefail
@@ -108,6 +110,18 @@ for label in $(grep -o -E 'ctest -LE? [A-Za-z_]+' "$GS" | awk '{print $3}' | sor
   count=$(ctest --test-dir "$BUILD" -N -L "$label" 2>/dev/null | awk '/^Total Tests:/ {print $3}')
   if [ "${count:-0}" -gt 0 ]; then pass "label '$label' selects $count tests"; else fail "getting-started mentions ctest label '$label', which selects no test"; fi
 done
+
+# --- 5. relative links between the docs ------------------------------------------------------
+if command -v python3 >/dev/null 2>&1; then
+  if python3 "$SRC/test/docs/check_links.py" "$SRC" >"$WORK/links.log" 2>&1; then
+    pass "$(tail -1 "$WORK/links.log")"
+  else
+    fail "broken links in the docs:"
+    cat "$WORK/links.log"
+  fi
+else
+  echo "note: python3 not found: the docs' relative links are not checked"
+fi
 
 [ "$failures" -eq 0 ] || { echo "$failures check(s) failed"; exit 1; }
 
