@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -96,9 +97,9 @@ std::string size_label(std::size_t b) { return bench::human_bytes(static_cast<do
 class DistAverage {
  public:
   // bucket_bytes unset: the reducer's default for the path.
-  // deterministic: DistributedOptions::deterministic, its reduced gradients (the reducer's own
-  // tensors) copied back into the given ones so that the run is checked like the others (the
-  // copy is in the time: the figure is an upper bound).
+  // deterministic: DistributedOptions::deterministic. Its result is in the reducer's own tensors
+  // (which the optimizer rule reads), not in the given gradients: reduced_views() are the views
+  // to check, as a training step leaves them (no copy back in the time).
   DistAverage(ls::Backend& be, std::span<const ls::TensorView> views, std::optional<std::size_t> bucket_bytes,
               bool deterministic = false)
       : deterministic_(deterministic) {
@@ -113,10 +114,11 @@ class DistAverage {
     auto& red = state_->reducer();
     ls::detail::ReducerSteps::bind(red, ptrs_);
     const auto& reduced = ls::detail::ReducerSteps::reduce_bound(red);
-    if (deterministic_)
-      for (std::size_t i = 0; i < reduced.size(); ++i)
-        std::memcpy(grads_[i].raw_data(), reduced[i]->raw_data(), grads_[i].nbytes());
+    if (deterministic_ && reduced_.empty())
+      for (const ls::Tensor* t : reduced) reduced_.push_back(t->view());
   }
+  /// The reduced gradients of deterministic mode (after the first run).
+  std::span<const ls::TensorView> reduced_views() const { return reduced_; }
   std::size_t buckets() const { return state_->reducer().bucket_count(); }
 
  private:
@@ -124,6 +126,7 @@ class DistAverage {
   std::unique_ptr<ls::DistributedState<ls::SGD>> state_;
   std::vector<ls::Tensor*> ptrs_;
   bool deterministic_ = false;
+  std::vector<ls::TensorView> reduced_;
 };
 
 }  // namespace
@@ -131,13 +134,15 @@ class DistAverage {
 int main(int argc, char** argv) {
   bench::Options opt("bench_gradsync", "averaging the gradients of ResNet-50 and GPT-2 small: Lockstep against raw MPI strategies");
   std::vector<std::string> lists = {"resnet50", "gpt2_small"};
-  std::string sweep_list = "resnet50", check_level;
+  std::string sweep_list = "resnet50", check_level, only;
   std::size_t default_chunk = 4 * kMiB;
   auto* lists_flag = opt.app.add_option("--lists", lists, "shape lists to time (resnet50 with --quick)")
                          ->type_name("A,B")->delimiter(',');
   opt.app.add_option("--sweep-list", sweep_list, "shape list of the bucket-size sweep (all: every list)")
       ->type_name("LIST");
   opt.app.add_option("--check-level", check_level, "set LOCKSTEP_CHECK for the run")->type_name("LEVEL");
+  opt.app.add_option("--only", only, "time only the Lockstep rows whose name contains TEXT (and the raw rows); "
+                     "no breakdown or sweep")->type_name("TEXT");
   opt.app.add_option("--chunk-bytes", default_chunk, "chunk size of the chunked MPIBackend variant")
       ->type_name("BYTES")->check(lockstep_cli::at_least(4));
   // Parsed before initialise (every rank gets the same argv, so every rank decides alike), so
@@ -231,7 +236,9 @@ int main(int argc, char** argv) {
       // Deterministic mode (exact sums, issue 42): its cost beside the ordinary averaging.
       {
         auto det = std::make_shared<DistAverage>(be, is_flat ? fv : sep, std::nullopt, true);
-        vs.push_back(sep_or_flat(is_flat, "lockstep: DistributedOptimizer deterministic", [det] { det->run(); }));
+        vs.push_back(bench::Variant{"lockstep: DistributedOptimizer deterministic", [det] { det->run(); },
+                                    [&, is_flat] { fill(is_flat ? fv : sep, rank); },
+                                    [det, n] { return verify(det->reduced_views(), n); }});
       }
       // The flat gradients again, in memory from allocate_reduce_buffer: on the shared-memory
       // path each bucket is reduced where it lies on every rank (no copy through the slots).
@@ -252,6 +259,10 @@ int main(int argc, char** argv) {
           bench::lockstep_chunked(be, one, default_chunk, direct, staging);
         }));
 
+      if (!only.empty())  // the raw rows stay: the ratios need them
+        vs.erase(std::remove_if(vs.begin() + static_cast<std::ptrdiff_t>(n_raw), vs.end(),
+                                [&](const bench::Variant& v) { return v.name.find(only) == std::string::npos; }),
+                 vs.end());
       auto m = bench::interleave(vs, reps, 1, comm);
       double best_raw = 1e300;
       std::string best_name;
@@ -282,7 +293,7 @@ int main(int argc, char** argv) {
     }
 
     // --- Breakdown of pack + one allreduce + unpack (separate tensors) -------------------------
-    {
+    if (only.empty()) {
       std::vector<bench::Variant> vs;
       vs.push_back({"pack (memcpy into one buffer)", [&] {
                       std::int64_t off = 0;
@@ -314,7 +325,7 @@ int main(int argc, char** argv) {
     }
 
     // --- Sweep of the bucket / chunk size ------------------------------------------------------
-    if (list == sweep_list || sweep_list == "all") {
+    if (only.empty() && (list == sweep_list || sweep_list == "all")) {
       std::vector<std::size_t> sizes;
       // Denser where the optimum is expected (a few MiB: cache-sized pieces), then 32 MiB.
       sizes = {256 * kKiB, 512 * kKiB, 1 * kMiB, 2 * kMiB, 4 * kMiB, 8 * kMiB, 32 * kMiB};

@@ -3,6 +3,16 @@
 # (install + find_package, add_subdirectory).
 
 lockstep_add_unit_test(NAME tensor TARGET test_tensor SOURCES core/tensor_test.cpp TIMEOUT 120)
+# Deterministic mode's fused exact sum, one test per instruction-set form (baseline, AVX2,
+# AVX-512), each against the int64 path bit for bit; a form this CPU lacks is reported skipped.
+# It reads the core layer's internal header (the layer's own view of src/, as its sources do).
+add_executable(test_exact_kernels core/exact_kernels_test.cpp)
+target_link_libraries(test_exact_kernels PRIVATE lockstep::core lockstep_build_flags)
+target_include_directories(test_exact_kernels PRIVATE ${PROJECT_BINARY_DIR}/layers/core/src)
+foreach(_isa IN ITEMS baseline avx2 avx512)
+  add_test(NAME exact_kernels.${_isa} COMMAND test_exact_kernels ${_isa})
+  set_tests_properties(exact_kernels.${_isa} PROPERTIES TIMEOUT 120 LABELS unit SKIP_RETURN_CODE 77)
+endforeach()
 # The collectives at 1 to 4 ranks, and once over TCP, the transport a multi-node job takes.
 lockstep_add_mpi_test(NAME collective TARGET test_collective SOURCES mpi/collective_test.cpp RANKS 1 2 3 4
                       TIMEOUT 300)

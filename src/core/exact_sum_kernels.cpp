@@ -1,5 +1,6 @@
 // The vectorised loops of the exact sum (exact_sum_kernels.hpp). Each body is written once and
-// compiled twice, for the build's baseline and for AVX2 (chosen once, at load time).
+// compiled for the build's baseline and for AVX2 (the fused sum's block loop also for AVX-512),
+// the form chosen once, at load time, from what the CPU has.
 #include "core/exact_sum_kernels.hpp"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <stdexcept>
 
 namespace lockstep::detail::exact {
 
@@ -136,32 +138,36 @@ bool exact_reciprocal(double divisor) {
 // and the total is the int64 sum's value, which to_f32 turns into the same f32. The sum starts
 // at +0, so folds of -0 give +0 as the int64 0 does.
 static_assert(kMaxFusedSources * (std::int64_t{1} << 48) <= (std::int64_t{1} << 53));
-// acc[k] += the fold of x[k]: trunc(x[k] * up).
-[[gnu::always_inline]] inline void add_folds(const float* __restrict x, std::int64_t n, double up,
-                                             double* __restrict acc) {
-  for (std::int64_t k = 0; k < n; ++k) acc[k] += std::trunc(static_cast<double>(x[k]) * up);
-}
-#if defined(__x86_64__) && defined(__GNUC__)
-// The same four at a time (GCC does not vectorise trunc unless told that no floating-point
-// exception can be observed); acc 32-byte aligned.
-[[gnu::target("avx2")]] void add_folds_avx2(const float* __restrict x, std::int64_t n,
-                                                    double up, double* __restrict acc) {
-  const __m256d vup = _mm256_set1_pd(up);
-  std::int64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vup);
-    const __m256d t = _mm256_round_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    _mm256_store_pd(acc + k, _mm256_add_pd(_mm256_load_pd(acc + k), t));
+
+// One block's folds summed and converted, element by element: a value's fold is trunc(x * up),
+// the sum (from +0: a sum of folds of -0 is +0, as in int64) is exact in any order, and the
+// result f32(sum * (scale / divisor)) for a power-of-two divisor, else f32(sum * scale /
+// divisor), as to_f32 converts the int64 sum. The vector forms below compute the same
+// operations lane by lane, so every instruction set gives the same bits.
+[[gnu::always_inline]] inline void fold_block_scalar(const float* const* x, int sources, std::int64_t len,
+                                                      double up, double scale, double divisor, bool reciprocal,
+                                                      float* __restrict out) {
+  for (std::int64_t k = 0; k < len; ++k) {
+    double sum = 0.0;
+    for (int p = 0; p < sources; ++p) sum += std::trunc(static_cast<double>(x[p][k]) * up);
+    out[k] = reciprocal ? static_cast<float>(sum * (scale / divisor)) : static_cast<float>(sum * scale / divisor);
   }
-  add_folds(x + k, n - k, up, acc + k);
 }
-#endif
-template <bool kVector>
-[[gnu::always_inline]] inline void fold_sum_to_f32_body(const std::uint32_t* const* u, int sources, std::int64_t n,
-                                                        const std::uint8_t* block_top, double divisor,
-                                                        float* __restrict out) {
-  alignas(64) double acc[kBlock];  // one block's sums, in cache
+
+// The window of a block whose top is bt (stored + 1, finite, not empty): the fold's factor up
+// and the conversion's scale, both powers of two.
+struct Window {
+  double up, scale;
+};
+[[gnu::always_inline]] inline Window window_of(std::uint8_t bt) {
+  const int low = ((bt - 1) - kBins + 1) * kW;
+  return {pow2(149 - low), pow2(low - 149)};  // 2^-130 .. 2^149 and its inverse
+}
+
+void fold_sum_to_f32_scalar(const std::uint32_t* const* u, int sources, std::int64_t n,
+                            const std::uint8_t* block_top, double divisor, float* __restrict out) {
   const bool reciprocal = exact_reciprocal(divisor);
+  const float* x[kMaxFusedSources];
   for (std::int64_t at = 0; at < n; at += kBlock) {
     const std::int64_t len = std::min(kBlock, n - at);
     std::uint8_t bt = 0;
@@ -176,31 +182,130 @@ template <bool kVector>
       std::fill(out + at, out + at + len, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
       continue;
     }
-    const int low = ((bt - 1) - kBins + 1) * kW;
-    const double up = pow2(149 - low);  // 2^-130 .. 2^149
-    for (std::int64_t k = 0; k < len; ++k) acc[k] = 0.0;  // +0: a sum of folds of -0 is +0, as in int64
-    for (int p = 0; p < sources; ++p) {
-      const float* x = reinterpret_cast<const float*>(u[p] + at);
+    const Window w = window_of(bt);
+    for (int p = 0; p < sources; ++p) x[p] = reinterpret_cast<const float*>(u[p] + at);
+    fold_block_scalar(x, sources, len, w.up, w.scale, divisor, reciprocal, out + at);
+  }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
-      if constexpr (kVector) {
-        add_folds_avx2(x, len, up, acc);
-        continue;
-      }
-#endif
-      add_folds(x, len, up, acc);
-    }
-    // As to_f32 converts the int64 sum: times the scale (over a power-of-two divisor: one factor),
-    // else times the scale, then divided.
-    const double scale = pow2(low - 149);
-    float* o = out + at;
-    if (reciprocal) {
-      const double factor = scale / divisor;
-      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * factor);
+// The vector forms: whole blocks only, the sources' count a template argument where it is small
+// (S > 0; 0: the count at run time) so that the loops over the sources unroll, each element's
+// sum held in a register. GCC does not vectorise trunc unless told that no floating-point
+// exception can be observed, so they are written with intrinsics.
+using FullBlocks = void (*)(const std::uint32_t* const* u, int sources, std::int64_t blocks,
+                            const std::uint8_t* block_top, double divisor, bool reciprocal, float* out);
+
+template <int S>
+[[gnu::target("avx2")]] void full_blocks_avx2(const std::uint32_t* const* u, int sources, std::int64_t blocks,
+                                              const std::uint8_t* block_top, double divisor, bool reciprocal,
+                                              float* out) {
+  const int ns = S > 0 ? S : sources;
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256d vdivisor = _mm256_set1_pd(divisor);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t at = b * kBlock;
+    std::uint8_t bt = 0;
+    if (block_top != nullptr) {
+      bt = block_top[b];
     } else {
-      for (std::int64_t k = 0; k < len; ++k) o[k] = static_cast<float>(acc[k] * scale / divisor);
+      __m256i mx = _mm256_setzero_si256();
+      for (int p = 0; p < ns; ++p)
+        for (int j = 0; j < kBlock; j += 8)
+          mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u[p] + at + j)),
+                                                     magnitude));
+      __m128i m = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+      m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+      m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+      bt = top_of_magnitude(static_cast<std::uint32_t>(_mm_cvtsi128_si32(m)));
+    }
+    if (bt == 0 || bt == 255) {
+      std::fill(out + at, out + at + kBlock, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const Window w = window_of(bt);
+    const __m256d vup = _mm256_set1_pd(w.up);
+    const __m256d vfactor = _mm256_set1_pd(reciprocal ? w.scale / divisor : w.scale);
+    for (int j = 0; j < kBlock; j += 4) {
+      __m256d sum = _mm256_setzero_pd();
+      for (int p = 0; p < ns; ++p) {
+        const __m128 v = _mm_loadu_ps(reinterpret_cast<const float*>(u[p] + at + j));
+        const __m256d y = _mm256_mul_pd(_mm256_cvtps_pd(v), vup);
+        sum = _mm256_add_pd(sum, _mm256_round_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+      }
+      __m256d r = _mm256_mul_pd(sum, vfactor);
+      if (!reciprocal) r = _mm256_div_pd(r, vdivisor);
+      _mm_storeu_ps(out + at + j, _mm256_cvtpd_ps(r));
     }
   }
 }
+
+// GCC 12 warns that the unmasked AVX-512 conversions read an "uninitialised" pass-through
+// operand (_mm512_undefined_*), which no lane uses.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+template <int S>
+[[gnu::target("avx512f")]] void full_blocks_avx512(const std::uint32_t* const* u, int sources, std::int64_t blocks,
+                                                   const std::uint8_t* block_top, double divisor, bool reciprocal,
+                                                   float* out) {
+  const int ns = S > 0 ? S : sources;
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  const __m512d vdivisor = _mm512_set1_pd(divisor);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t at = b * kBlock;
+    std::uint8_t bt = 0;
+    if (block_top != nullptr) {
+      bt = block_top[b];
+    } else {
+      __m512i mx = _mm512_setzero_si512();
+      for (int p = 0; p < ns; ++p)
+        for (int j = 0; j < kBlock; j += 16)
+          mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(u[p] + at + j), magnitude));
+      bt = top_of_magnitude(_mm512_reduce_max_epu32(mx));
+    }
+    if (bt == 0 || bt == 255) {
+      std::fill(out + at, out + at + kBlock, bt == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
+    const Window w = window_of(bt);
+    const __m512d vup = _mm512_set1_pd(w.up);
+    const __m512d vfactor = _mm512_set1_pd(reciprocal ? w.scale / divisor : w.scale);
+    for (int j = 0; j < kBlock; j += 8) {
+      __m512d sum = _mm512_setzero_pd();
+      for (int p = 0; p < ns; ++p) {
+        const __m256 v = _mm256_loadu_ps(reinterpret_cast<const float*>(u[p] + at + j));
+        const __m512d y = _mm512_mul_pd(_mm512_cvtps_pd(v), vup);
+        sum = _mm512_add_pd(sum, _mm512_roundscale_pd(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+      }
+      __m512d r = _mm512_mul_pd(sum, vfactor);
+      if (!reciprocal) r = _mm512_div_pd(r, vdivisor);
+      _mm256_storeu_ps(out + at + j, _mm512_cvtpd_ps(r));
+    }
+  }
+}
+#pragma GCC diagnostic pop
+
+constexpr FullBlocks kFullAvx2[] = {&full_blocks_avx2<0>, &full_blocks_avx2<1>, &full_blocks_avx2<2>,
+                                    &full_blocks_avx2<3>, &full_blocks_avx2<4>, &full_blocks_avx2<5>,
+                                    &full_blocks_avx2<6>, &full_blocks_avx2<7>, &full_blocks_avx2<8>};
+constexpr FullBlocks kFullAvx512[] = {&full_blocks_avx512<0>, &full_blocks_avx512<1>, &full_blocks_avx512<2>,
+                                      &full_blocks_avx512<3>, &full_blocks_avx512<4>, &full_blocks_avx512<5>,
+                                      &full_blocks_avx512<6>, &full_blocks_avx512<7>, &full_blocks_avx512<8>};
+
+// The whole blocks in a vector form, the last, shorter block (if any) in the scalar one.
+void fold_sum_to_f32_vector(const FullBlocks* forms, const std::uint32_t* const* u, int sources, std::int64_t n,
+                            const std::uint8_t* block_top, double divisor, float* out) {
+  const std::int64_t full = n / kBlock;
+  const FullBlocks form = sources >= 1 && sources <= 8 ? forms[sources] : forms[0];
+  form(u, sources, full, block_top, divisor, exact_reciprocal(divisor), out);
+  const std::int64_t done = full * kBlock;
+  if (done == n) return;
+  const std::uint32_t* tail[kMaxFusedSources];
+  for (int p = 0; p < sources; ++p) tail[p] = u[p] + done;
+  fold_sum_to_f32_scalar(tail, sources, n - done, block_top != nullptr ? block_top + full : nullptr, divisor,
+                         out + done);
+}
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LOCKSTEP_EXACT_AVX2 1
@@ -222,11 +327,8 @@ template <bool kVector>
                                          float* out) {
   to_f32_body(w, n, scale, divisor, out);
 }
-[[gnu::target("avx2")]] void fold_sum_to_f32_avx2(const std::uint32_t* const* u, int sources, std::int64_t n,
-                                                  const std::uint8_t* block_top, double divisor, float* out) {
-  fold_sum_to_f32_body<true>(u, sources, n, block_top, divisor, out);
-}
 const bool kAvx2 = __builtin_cpu_supports("avx2");
+const bool kAvx512 = __builtin_cpu_supports("avx512f");
 #endif
 
 }  // namespace
@@ -273,10 +375,35 @@ void to_f32(const std::int64_t* w, std::int64_t n, double scale, double divisor,
   to_f32_body(w, n, scale, divisor, out);
 }
 
+bool fused_isa_available(FusedIsa isa) {
+  switch (isa) {
+    case FusedIsa::baseline: return true;
+#ifdef LOCKSTEP_EXACT_AVX2
+    case FusedIsa::avx2: return kAvx2;
+    case FusedIsa::avx512: return kAvx512;
+#endif
+    default: return false;
+  }
+}
+
+void fold_sum_to_f32_on(FusedIsa isa, const std::uint32_t* const* u, int sources, std::int64_t n,
+                        const std::uint8_t* block_top, double divisor, float* out) {
+  if (!fused_isa_available(isa)) throw std::invalid_argument("fold_sum_to_f32_on: this CPU lacks the instruction set");
+  if (sources < 1 || sources > kMaxFusedSources) throw std::invalid_argument("fold_sum_to_f32_on: 1 to 32 sources");
+#ifdef LOCKSTEP_EXACT_AVX2
+  if (isa == FusedIsa::avx512) return fold_sum_to_f32_vector(kFullAvx512, u, sources, n, block_top, divisor, out);
+  if (isa == FusedIsa::avx2) return fold_sum_to_f32_vector(kFullAvx2, u, sources, n, block_top, divisor, out);
+#endif
+  fold_sum_to_f32_scalar(u, sources, n, block_top, divisor, out);
+}
+
 void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
                      double divisor, float* out) {
-  LOCKSTEP_EXACT_PICK(fold_sum_to_f32, u, sources, n, block_top, divisor, out);
-  fold_sum_to_f32_body<false>(u, sources, n, block_top, divisor, out);
+#ifdef LOCKSTEP_EXACT_AVX2
+  if (kAvx512) return fold_sum_to_f32_vector(kFullAvx512, u, sources, n, block_top, divisor, out);
+  if (kAvx2) return fold_sum_to_f32_vector(kFullAvx2, u, sources, n, block_top, divisor, out);
+#endif
+  fold_sum_to_f32_scalar(u, sources, n, block_top, divisor, out);
 }
 
 }  // namespace lockstep::detail::exact

@@ -1,5 +1,5 @@
 // Internal: the loops of the exact sum (exact_sum.hpp) over many elements, written to vectorise
-// (32- and 64-bit lanes, no branches) and run with AVX2 where the CPU has it. They are integer
+// (32- and 64-bit lanes, no branches) and run with AVX2 (the fused sum: AVX-512) where the CPU has it. They are integer
 // work (the fused sum holds its integers in doubles, below 2^53: exact), and only the conversion
 // to f32 rounds, each element alone, so every instruction set gives the same bits.
 #pragma once
@@ -58,5 +58,13 @@ constexpr int kMaxFusedSources = 32;  // fold_sum_to_f32's sums stay below 2^53
 constexpr std::int64_t kBlock = 64;  // ExactSum::kBlock
 void fold_sum_to_f32(const std::uint32_t* const* u, int sources, std::int64_t n, const std::uint8_t* block_top,
                      double divisor, float* out);
+
+/// The instruction sets fold_sum_to_f32 has a form for (it takes the widest the CPU has); for
+/// the test that every form gives the same bits.
+enum class FusedIsa { baseline, avx2, avx512 };
+bool fused_isa_available(FusedIsa isa);
+/// fold_sum_to_f32 in the named form; std::invalid_argument where the CPU lacks it.
+void fold_sum_to_f32_on(FusedIsa isa, const std::uint32_t* const* u, int sources, std::int64_t n,
+                        const std::uint8_t* block_top, double divisor, float* out);
 
 }  // namespace lockstep::detail::exact
