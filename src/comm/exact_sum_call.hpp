@@ -9,7 +9,10 @@
 // once (exact::to_f32 with the block's scale, divided by `divisor`).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace lockstep::detail {
 
@@ -20,9 +23,55 @@ struct ExactSumPart {
   std::int64_t n;
 };
 
+/// Where part of the result goes, in host memory: x[k] receives element at + k, for k < n.
+struct ExactSumOut {
+  float* x;
+  std::int64_t at;
+  std::int64_t n;
+};
+
+/// Writes results into outs (disjoint ranges covering the elements once, in any order): the
+/// pieces of a range of elements, one per out it crosses. Ranges written in increasing order
+/// find their out at once (the last one found is tried first); others by binary search.
+class ExactSumWriter {
+ public:
+  ExactSumWriter(const ExactSumOut* outs, std::int64_t nouts) : outs_(outs, outs + nouts) {
+    std::sort(outs_.begin(), outs_.end(), [](const ExactSumOut& a, const ExactSumOut& b) { return a.at < b.at; });
+  }
+  /// f(dst, offset, len) for each piece of elements [at, at + m): dst receives elements
+  /// [at + offset, at + offset + len).
+  template <typename F>
+  void each(std::int64_t at, std::int64_t m, F&& f) {
+    std::int64_t done = 0;
+    while (done < m) {
+      const ExactSumOut& o = find(at + done);
+      const std::int64_t len = std::min(m - done, o.at + o.n - (at + done));
+      f(o.x + (at + done - o.at), done, len);
+      done += len;
+    }
+  }
+  void write(std::int64_t at, const float* src, std::int64_t m) {
+    each(at, m, [&](float* dst, std::int64_t off, std::int64_t len) {
+      std::memcpy(dst, src + off, static_cast<std::size_t>(len) * sizeof(float));
+    });
+  }
+
+ private:
+  const ExactSumOut& find(std::int64_t i) {
+    for (std::size_t j = hint_; j < outs_.size() && j < hint_ + 2; ++j)
+      if (outs_[j].at <= i && i < outs_[j].at + outs_[j].n) return outs_[hint_ = j];
+    auto it = std::upper_bound(outs_.begin(), outs_.end(), i,
+                               [](std::int64_t v, const ExactSumOut& o) { return v < o.at; });
+    hint_ = static_cast<std::size_t>(it - outs_.begin()) - 1;  // the covering out (the outs cover every element)
+    return outs_[hint_];
+  }
+  std::vector<ExactSumOut> outs_;
+  std::size_t hint_ = 0;
+};
+
 struct ExactSumCall {
   /// This rank's value: parts over disjoint ranges that together cover [0, numel) once. A part
-  /// may lie in out at its own elements (it is read before they are written).
+  /// may lie in the result at its own elements (each element is read before it is written).
   const ExactSumPart* parts = nullptr;
   std::int64_t nparts = 0;
   std::int64_t numel = 0;  // the same on every rank
@@ -31,7 +80,9 @@ struct ExactSumCall {
   /// holds (the max over them is what the ranks' MAX agreement of their own tops gives).
   const std::uint8_t* block_top = nullptr;
   double divisor = 1.0;   // the same on every rank: the count of values for a mean, else 1
-  float* out = nullptr;   // numel elements, host memory
+  /// The result: outs over disjoint ranges that together cover [0, numel) once (ExactSumWriter).
+  const ExactSumOut* outs = nullptr;
+  std::int64_t nouts = 0;
 };
 
 }  // namespace lockstep::detail

@@ -12,7 +12,11 @@ bool MPIBackend::do_exact_sum(const detail::ExactSumCall& call) try {
   // Fingerprinted as the f32 allreduce with sum that the values' bytes make between the ranks;
   // the shared-memory header tells the exact sum apart. An injected fault may change the count:
   // the header carries it, so the ranks see the disagreement.
-  TensorView data{call.out, call.numel, DType::f32, Device::cpu()};
+  // The view's data is the part holding element 0 (an injected NaN lands in the values).
+  float* first = nullptr;
+  for (std::int64_t j = 0; j < call.nparts; ++j)
+    if (call.parts[j].at == 0 && call.parts[j].n > 0) first = const_cast<float*>(call.parts[j].x);
+  TensorView data{first, call.numel, DType::f32, Device::cpu()};
   detail::CollectiveScope guard(impl_->monitor.get(), detail::Coll::allreduce, &data, data.numel,
                                 static_cast<int>(ReduceOp::sum), -1);  // reliability hook
   if (guard.skipped()) return true;

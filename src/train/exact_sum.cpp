@@ -172,7 +172,16 @@ void ExactSum::fold_bins(std::int64_t lo, std::int64_t hi) {
   }
 }
 
-std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean) {
+std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, const std::vector<Out>& outs,
+                             bool mean) {
+  {
+    std::int64_t covered = 0;
+    for (const Out& o : outs) {
+      if (o.at < 0 || o.n < 0 || o.at + o.n > numel()) throw Error("ExactSum::reduce: an out of range");
+      covered += o.n;
+    }
+    if (covered != numel()) throw Error("ExactSum::reduce: the outs do not cover every element");
+  }
   // A rank's only value of the step is folded where it lies (given now, or the copied first
   // value); otherwise every value goes into the counters.
   if (!last.empty() && !covers_all(last)) throw Error("ExactSum::reduce: the parts do not cover every element");
@@ -206,7 +215,8 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
   if (flags[1] == 0) {
     const std::int64_t total = backend.size();  // one value on every rank
     const ExactSumCall call{only.data(), static_cast<std::int64_t>(only.size()), n, nullptr,
-                            mean && total > 0 ? static_cast<double>(total) : 1.0, out};
+                            mean && total > 0 ? static_cast<double>(total) : 1.0, outs.data(),
+                            static_cast<std::int64_t>(outs.size())};
     if (backend.do_exact_sum(call)) {
       discard();
       return total;
@@ -233,6 +243,7 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
   const std::int64_t chunk = std::max<std::int64_t>(kBlock, chunk_elements_ / kBlock * kBlock);
   std::int64_t total = 0;
   double divisor = 1.0;
+  ExactSumWriter out(outs.data(), static_cast<std::int64_t>(outs.size()));
   for (std::int64_t lo = 0; lo == 0 || lo < n; lo += chunk) {
     const std::int64_t hi = std::min(n, lo + chunk);
     if (direct)
@@ -260,12 +271,16 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, f
       const std::uint8_t bt = block_top_[static_cast<std::size_t>(at / kBlock)];
       const std::int64_t end = std::min(hi, at + kBlock);
       if (bt == kNonFinite || bt == kEmpty) {
-        std::fill(out + at, out + end, bt == kEmpty ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+        out.each(at, end - at, [&](float* dst, std::int64_t, std::int64_t len) {
+          std::fill(dst, dst + len, bt == kEmpty ? 0.0f : std::numeric_limits<float>::quiet_NaN());
+        });
         continue;
       }
       const int window_low = (bt - 1) - kK + 1;
       const double scale = std::ldexp(1.0, window_low * kW - kSubnormalExponent);
-      exact::to_f32(wide_.data() + 1 + at, end - at, scale, divisor, out + at);
+      out.each(at, end - at, [&](float* dst, std::int64_t off, std::int64_t len) {
+        exact::to_f32(wide_.data() + 1 + at + off, len, scale, divisor, dst);
+      });
     }
   }
   discard();

@@ -75,9 +75,14 @@ class ExactSum {
   /// (the sums are then discarded).
   std::int64_t reduce(Backend& backend, float* out, bool mean) { return reduce(backend, {}, out, mean); }
   /// reduce() with one more value on this rank, given as parts that together cover every element
-  /// once (none: no value more). The parts are read before anything is written to out, so a part
-  /// may lie in out at its own elements.
-  std::int64_t reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean);
+  /// once (none: no value more). Each element of the parts is read before it is written, so a
+  /// part may lie in the result at its own elements (in place).
+  std::int64_t reduce(Backend& backend, const std::vector<Part>& last, float* out, bool mean) {
+    return reduce(backend, last, std::vector<Out>{Out{out, 0, numel()}}, mean);
+  }
+  /// The result written to outs: disjoint ranges that together cover every element once.
+  using Out = ExactSumOut;
+  std::int64_t reduce(Backend& backend, const std::vector<Part>& last, const std::vector<Out>& out, bool mean);
   /// Every element an empty sum again (what reduce() leaves too).
   void discard() noexcept;
   /// reduce() sums in calls of about this many bytes (8 per element; default 16 MiB); the same

@@ -13,15 +13,26 @@ void GradientReducer::Impl::setup_exact() {
   if (!options.deterministic) return;
   std::int64_t total = 0;
   exact_at.clear();
+  bool any_device = false;
   for (const auto& leaf : leaves) {
     exact_at.push_back(total);
     total += leaf.numel;
+    any_device = any_device || !leaf.device.is_cpu();
   }
   exact.reset(total);
   exact.set_chunk_bytes(host_bucket_bytes(options, *backend));
-  exact_flat = Tensor::zeros({total}, DType::f32);
+  exact_flat = Tensor();
   exact_out.clear();
   exact_ptrs.clear();
+  if (any_device) exact_flat_result();  // the host copies of device gradients live in it
+}
+
+// The flat result on the host and the reduced gradients it gives (views of it; the reducer's
+// own tensors on a device): made on first use, since a step whose gradients are bound on the
+// host writes its result into them (in place) and needs neither.
+void GradientReducer::Impl::exact_flat_result() {
+  if (!exact_ptrs.empty()) return;
+  exact_flat = Tensor::zeros({exact.numel()}, DType::f32);
   for (std::size_t j = 0; j < leaves.size(); ++j) {
     const Shape shape = leaves[j].shape.empty() ? Shape{leaves[j].numel} : leaves[j].shape;
     if (leaves[j].device.is_cpu())  // a view of the flat result
@@ -60,9 +71,26 @@ void GradientReducer::Impl::exact_add() {
 
 const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce(const std::vector<detail::ExactSum::Part>& last) {
   // One exact reduction of every tensor at once, the same calls on every rank (the sizes were
-  // agreed at setup); the mean divides by the total of micro-batches over the ranks.
+  // agreed at setup); the mean divides by the total of micro-batches over the ranks. With bound
+  // gradients (last given), the result goes into them where they are on the host (in place, as
+  // the ordinary path leaves it; each element is read before it is written) and into the flat
+  // result for device ones; with none bound (apply_accumulated), all into the flat result.
+  std::vector<detail::ExactSum::Out> outs;
+  outs.reserve(leaves.size());
+  const bool in_place = !last.empty();
+  if (!in_place || !exact_ptrs.empty()) exact_flat_result();
+  exact_in_place.clear();
+  for (std::size_t j = 0; j < leaves.size(); ++j) {
+    if (in_place && leaves[j].device.is_cpu()) {
+      outs.push_back({bound[j]->data<float>(), exact_at[j], leaves[j].numel});
+      exact_in_place.push_back(bound[j]);
+    } else {
+      outs.push_back({exact_flat.data<float>() + exact_at[j], exact_at[j], leaves[j].numel});
+      exact_in_place.push_back(exact_ptrs[j]);
+    }
+  }
   try {
-    exact.reduce(*backend, last, exact_flat.data<float>(), options.op == ReduceOp::avg);
+    exact.reduce(*backend, last, outs, options.op == ReduceOp::avg);
   } catch (...) {
     exact.discard();  // a failed step starts the next one empty on every rank that survives it
     throw;
@@ -72,7 +100,7 @@ const std::vector<Tensor*>& GradientReducer::Impl::exact_reduce(const std::vecto
       device_runtime("deterministic mode with a cuda gradient")
           .copy(exact_out[j].raw_data(), leaves[j].device, exact_flat.data<float>() + exact_at[j], Device::cpu(),
                 exact_out[j].nbytes());
-  return exact_ptrs;
+  return exact_in_place;
 }
 
 }  // namespace lockstep

@@ -115,14 +115,18 @@ struct GradientReducer::Impl {
   std::vector<Tensor*> accum_ptrs;
   std::vector<Tensor*> result;
   // Deterministic mode (exact_sum.hpp): the exact sum of the micro-batches' gradients, every
-  // trainable tensor back to back (tensor j from exact_at[j]), the flat result on the host, and
-  // the reduced gradients it gives (views of it; the reducer's own tensors on a device).
+  // trainable tensor back to back (tensor j from exact_at[j]); the flat result on the host and
+  // the reduced gradients it gives (views of it; the reducer's own tensors on a device), made
+  // when first needed (exact_flat_result); a step's reduced gradients (exact_in_place: the bound
+  // host gradients themselves, reduced in place, or exact_ptrs').
   detail::ExactSum exact;
   std::vector<std::int64_t> exact_at;
   Tensor exact_flat;
   std::vector<Tensor> exact_out;
   std::vector<Tensor*> exact_ptrs;
+  std::vector<Tensor*> exact_in_place;
   void setup_exact();                          // at construction, in deterministic mode
+  void exact_flat_result();                    // exact_flat, exact_out, exact_ptrs, once
   std::vector<detail::ExactSum::Part> exact_parts();  // the bound gradients, checked, on the host
   void exact_add();                                   // the bound gradients, as one micro-batch
   // Collective; last: the step's last micro-batch on this rank (exact_parts()), or none.

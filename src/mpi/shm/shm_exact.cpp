@@ -51,6 +51,7 @@ bool ShmCollectives::exact_sum(const ExactSumCall& call) {
   // The other ranks' shares of the slice before this one (off, m), from their slots of it: each
   // of them finished that slice before it published this one, and none refills that slot before
   // every rank has finished this one.
+  ExactSumWriter out(call.outs, call.nouts);
   bool held = false;
   std::size_t held_off = 0, held_m = 0;
   auto copy_out_held = [&] {
@@ -59,23 +60,25 @@ bool ShmCollectives::exact_sum(const ExactSumCall& call) {
     for (int p = 0; p < size_; ++p) {
       const std::size_t lo = std::min(held_m, static_cast<std::size_t>(p) * q), hi = std::min(held_m, lo + q);
       if (p == rank_ || lo >= hi) continue;
-      std::memcpy(call.out + held_off + lo, slot(p, next_ - 1) + per * sizeof(float), (hi - lo) * sizeof(float));
+      out.write(static_cast<std::int64_t>(held_off + lo),
+                reinterpret_cast<const float*>(slot(p, next_ - 1) + per * sizeof(float)),
+                static_cast<std::int64_t>(hi - lo));
     }
     held = false;
   };
   auto use = [&](std::size_t off, std::size_t m) {
-    // This rank's share, from every rank's values in the slots (this rank's too: a part may lie
-    // in out, which this slice overwrites), into out and, for the others, after the values in
-    // its slot.
+    // This rank's share, from every rank's values in the slots (this rank's too: its parts may
+    // lie in the result, which this slice overwrites), folded into its slot after the values
+    // (for the others) and copied from there into the result while it is in cache.
     const std::size_t q = share_of(m);
     const std::size_t lo = std::min(m, static_cast<std::size_t>(rank_) * q), hi = std::min(m, lo + q);
     if (lo < hi) {
       const std::uint32_t* from[kMaxRanks];
       for (int p = 0; p < size_; ++p) from[p] = reinterpret_cast<const std::uint32_t*>(slot(p, next_)) + lo;
       const std::uint8_t* tops = call.block_top != nullptr ? call.block_top + (off + lo) / block : nullptr;
-      float* out = call.out + off + lo;
-      exact::fold_sum_to_f32(from, size_, static_cast<std::int64_t>(hi - lo), tops, call.divisor, out);
-      shm_copy_to_slot(slot(rank_, next_) + per * sizeof(float), out, (hi - lo) * sizeof(float));
+      float* result = reinterpret_cast<float*>(slot(rank_, next_) + per * sizeof(float));
+      exact::fold_sum_to_f32(from, size_, static_cast<std::int64_t>(hi - lo), tops, call.divisor, result);
+      out.write(static_cast<std::int64_t>(off + lo), result, static_cast<std::int64_t>(hi - lo));
     }
     copy_out_held();
     held = true;
