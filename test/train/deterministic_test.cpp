@@ -214,7 +214,8 @@ TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int
   // has no fused form, the exact sum takes its int64 path over allreduce. Both give the same
   // reduced gradients, bit for bit (signs of zero included), and the bits of one process that
   // accumulates every rank's micro-batch (through the counters), mean and sum, over several
-  // shared-memory slices (2.4 MB) and a tail of 37 elements.
+  // shared-memory slices (2.4 MB) and a tail of 37 elements. A step's result is written into the
+  // gradients it reads (in place) on both paths; apply_accumulated's into the reducer's tensors.
   ls::MPIBackend& b = backend();
   const int rank = b.rank(), n = b.size();
   lstest::ForwardingBackend plain(b);
@@ -256,6 +257,13 @@ TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int
       const Model fused_copy = accumulated(b, {rank});  // the copy the first accumulate() keeps
       const std::uint64_t after = b.exact_sums_fused();
       const Model int64 = accumulated(plain, {rank});
+      // The int64 path writing into the gradients it reads (in place, block by block).
+      Model int64_in_place = zeros(na, nb);
+      {
+        ls::GradientReducer red(plain, int64_in_place, o);
+        grad(rank, int64_in_place);
+        red.reduce();
+      }
       const std::uint64_t later = b.exact_sums_fused();
       std::vector<int> all;
       for (int r = 0; r < n; ++r) all.push_back(r);
@@ -264,6 +272,7 @@ TEST_CASE("deterministic: the shared-memory path's fused exact sum gives the int
       CHECK(all_ranks(after == before + (b.shared_memory() ? 2 : 0) && later == after));
       CHECK(all_ranks(same_bits(fused, int64)));
       CHECK(all_ranks(same_bits(fused_copy, int64)));
+      CHECK(all_ranks(same_bits(int64_in_place, int64)));
       CHECK(all_ranks(same_bits(fused, one)));
       const float* a = fused.a.data<float>();
       if (poison) {
