@@ -5,6 +5,8 @@
 // subclass would.
 #pragma once
 
+#include <mpi.h>
+
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -30,6 +32,17 @@ inline bool all_ranks(ls::Backend& b, bool ok) {
   std::int32_t v = ok ? 1 : 0;
   b.allreduce(ls::TensorView{&v, 1, ls::DType::i32, ls::Device::cpu()}, ls::ReduceOp::min);
   return v == 1;
+}
+
+/// True on every rank of MPI_COMM_WORLD when the bytes hash alike on every rank (FNV-1a; the
+/// MIN and the MAX of the hashes agreed). Collective.
+inline bool same_on_every_rank(const void* p, std::size_t bytes) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
+  std::uint64_t lo = h, hi = h;
+  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return lo == hi;
 }
 
 /// "TimeoutError", "MismatchError", ... for an exception of Lockstep (the most derived class

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "lockstep/lockstep.hpp"
+#include "test_support.hpp"
 
 namespace hier_test {
 
@@ -30,14 +31,6 @@ inline bool all_ranks(bool ok) {
   return v == 1;
 }
 
-/// True on every rank when the bytes hash alike on every rank.
-inline bool same_on_every_rank(const void* p, std::size_t bytes) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
-  std::uint64_t lo = h, hi = h;
-  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  return lo == hi;
-}
+using lstest::same_on_every_rank;  // test_support.hpp
 
 }  // namespace hier_test

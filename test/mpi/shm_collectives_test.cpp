@@ -83,15 +83,7 @@ float fold(ls::ReduceOp op, int n, std::int64_t i) {
   return acc;
 }
 
-// A hash of a buffer, gathered from every rank: true when all ranks hold the same bits.
-bool same_on_every_rank(const void* p, std::size_t bytes) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
-  std::uint64_t lo = h, hi = h;
-  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  return lo == hi;
-}
+using lstest::same_on_every_rank;  // test_support.hpp
 
 // Rank-combined verdict, so that no rank stops before the others.
 bool all_ranks(bool ok) {

@@ -340,7 +340,12 @@ struct DistributedOptimizer::Impl {
   // zero_grad or accumulate; a parameter without one counts as zero) into the reducer's exact
   // sums, then zeroed, so that the next micro-batch's gradient is computed alone. Local; a failure
   // is kept for the step's agreement, like a hook's.
-  void accumulate_micro_batch() {
+  void accumulate_micro_batch() { take_micro_batch(false); }
+  // The step's last micro-batch, bound to the reducer where it lies (no copy into the exact sums:
+  // step()'s reduce reads it there and writes the result in its place). True once bound; false
+  // after a failure (kept), and step() then reduces what was accumulated (the same collectives).
+  bool bind_last_micro_batch() { return take_micro_batch(true); }
+  bool take_micro_batch(bool last) {
     ::torch::NoGradGuard no_grad;
     const std::size_t n = params.size();
     for (std::size_t j = 0; j < n; ++j) {
@@ -364,6 +369,11 @@ struct DistributedOptimizer::Impl {
           return names;
         });
       lockstep::detail::ReducerSteps::bind(*reducer, slot_ptrs);
+      if (last) {
+        ++micro_batches;
+        std::fill(reports.begin(), reports.end(), 0);
+        return true;
+      }
       lockstep::detail::ReducerSteps::accumulate(*reducer);
       ++micro_batches;
     } catch (...) {
@@ -371,6 +381,7 @@ struct DistributedOptimizer::Impl {
     }
     for (auto& b : buffers) b.zero_();
     std::fill(reports.begin(), reports.end(), 0);
+    return false;
   }
 
   // Deterministic mode: what backward left since the last accumulate() dropped (a joined rank's
@@ -618,6 +629,7 @@ bool DistributedOptimizer::step(std::source_location loc) {
   auto& m = *impl_;
   const std::size_t n = m.params.size();
   ++m.micro;
+  bool last_bound = false;  // deterministic mode: the last micro-batch bound where it lies
   if (m.options.deterministic) {
     // A gradient backward left since the last accumulate() is this rank's last micro-batch (the
     // one-micro-batch loop zero_grad, backward, step works unchanged); none: nothing is added.
@@ -626,6 +638,8 @@ bool DistributedOptimizer::step(std::source_location loc) {
     if (m.pending()) {
       if (internal::joined(m.backend))
         m.drop_micro_batch();
+      else if (m.micro >= m.options.accumulation_steps)
+        last_bound = m.bind_last_micro_batch();
       else
         m.accumulate_micro_batch();
     }
@@ -663,11 +677,16 @@ bool DistributedOptimizer::step(std::source_location loc) {
     // Every rank's micro-batches, summed exactly and divided by their total count (avg): the same
     // bits on every rank at any rank count. Collective whatever this rank saw, so that a rank
     // that failed still makes the same calls; the flags below then tell every rank.
-    const auto& reduced = lockstep::detail::ReducerSteps::reduce_accumulated(*m.reducer);
+    // The last micro-batch bound (one on this rank: the common step) is read where it lies and
+    // the result written in its place; otherwise the result is the reducer's, copied in. The
+    // ranks may differ in this: either reduce makes the same collectives (exact_sum.hpp).
+    const auto& reduced = last_bound ? lockstep::detail::ReducerSteps::reduce_bound(*m.reducer)
+                                     : lockstep::detail::ReducerSteps::reduce_accumulated(*m.reducer);
     for (std::size_t j = 0; j < n; ++j) {
       at::Tensor& g = m.params[j].p.mutable_grad();
       if (!holds(g, m.slots[j])) g = m.slots[j];
-      std::memcpy(m.slots[j].data_ptr(), reduced[j]->raw_data(), reduced[j]->nbytes());
+      if (reduced[j]->raw_data() != m.slots[j].data_ptr())
+        std::memcpy(m.slots[j].data_ptr(), reduced[j]->raw_data(), reduced[j]->nbytes());
     }
     m.check_flags(static_cast<std::int32_t>(m.det_unused));
     return m.finish_step();
