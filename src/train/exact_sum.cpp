@@ -39,11 +39,20 @@ void for_each_block_piece(std::int64_t at, std::int64_t n, F&& f) {
 }  // namespace
 
 void ExactSum::reset(std::int64_t numel) {
-  top_.assign(static_cast<std::size_t>(numel), kEmpty);
+  numel_ = numel;
+  // The tops and counters (17 bytes per element) are made when a value first goes into the bins:
+  // the common step (one micro-batch per rank, folded where it lies) never needs them.
+  std::vector<std::uint8_t>().swap(top_);
+  std::vector<std::int32_t>().swap(bins_);
   binned_ = false;
-  bins_.assign(static_cast<std::size_t>(numel) * kK, 0);
   count_ = 0;
   first_held_ = false;
+}
+
+void ExactSum::ensure_bins() {
+  if (top_.size() == static_cast<std::size_t>(numel_)) return;
+  top_.assign(static_cast<std::size_t>(numel_), kEmpty);
+  bins_.assign(static_cast<std::size_t>(numel_) * kK, 0);
 }
 
 bool ExactSum::covers_all(const std::vector<Part>& parts) const {
@@ -77,6 +86,7 @@ void ExactSum::spill_first() {
 void ExactSum::add_to_bins(const float* xs, std::int64_t at, std::int64_t n) {
   if (n <= 0) return;
   if (at < 0 || at + n > numel()) throw Error("ExactSum::add: elements out of range");
+  ensure_bins();
   binned_ = true;
   const std::uint32_t* us = bits_of(xs);
   const std::size_t stride = static_cast<std::size_t>(numel());
@@ -228,6 +238,7 @@ std::int64_t ExactSum::reduce(Backend& backend, const std::vector<Part>& last, c
   if (direct) {
     tops_of_parts(only);
   } else {
+    ensure_bins();  // a rank with no value of the step reads empty tops and zero counters
     for (std::int64_t block = 0; block < blocks; ++block) {
       const auto first = top_.begin() + block * kBlock;
       block_top_[static_cast<std::size_t>(block)] = *std::max_element(first, first + std::min(kBlock, n - block * kBlock));

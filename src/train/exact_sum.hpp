@@ -56,7 +56,7 @@ class ExactSum {
 
   /// numel elements, each an empty sum.
   void reset(std::int64_t numel);
-  std::int64_t numel() const noexcept { return static_cast<std::int64_t>(top_.size()); }
+  std::int64_t numel() const noexcept { return numel_; }
   /// Values added to each element since reset (the micro-batches of this rank).
   std::int64_t count() const noexcept { return count_; }
 
@@ -96,7 +96,8 @@ class ExactSum {
   // kBins counters, counter k for bin top - k.
   static constexpr std::uint8_t kEmpty = 0;         // tops are stored + 1
   static constexpr std::uint8_t kNonFinite = 255;
-  std::vector<std::uint8_t> top_;
+  std::int64_t numel_ = 0;
+  std::vector<std::uint8_t> top_;  // top_ and bins_: empty until a value goes into the bins
   bool binned_ = false;  // a value went into the counters since the tops were last cleared
   std::vector<std::int32_t> bins_;  // kBins per element
   std::int64_t count_ = 0;
@@ -108,6 +109,7 @@ class ExactSum {
   bool covers_all(const std::vector<Part>& parts) const;
   void add_to_bins(const float* x, std::int64_t at, std::int64_t n);
   void spill_first();                                  // first_ into the bins
+  void ensure_bins();                                  // top_ and bins_ made (empty sums)
   void tops_of_parts(const std::vector<Part>& parts);  // block_top_ from values given in place
   // wide_[1 + i] for the elements i in [lo, hi) (lo a block's first), in the agreed windows:
   void fold_parts(const std::vector<Part>& parts, std::int64_t lo, std::int64_t hi);  // from values

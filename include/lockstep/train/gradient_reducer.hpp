@@ -148,7 +148,11 @@ struct DistributedOptions {
   /// step over all gradients together, a 2-byte agreement and then: with one micro-batch on
   /// every rank of one machine (MPIBackend's shared-memory path), one pass of the f32 values
   /// through shared memory with the exact sum folded into it; otherwise two collectives (one
-  /// byte per 64 elements, then 8 bytes per element). 21 bytes of host memory per element.
+  /// byte per 64 elements, then 8 bytes per element). The result is written into the bound
+  /// host gradients (in place). Host memory per element: none more for that common step (one
+  /// micro-batch per rank, on one machine); 17 bytes once a rank sums several micro-batches
+  /// (the exact counters), 4 for a rank's first micro-batch given to accumulate() (its copy), 4
+  /// for apply_accumulated's or cuda gradients' result, 8 on the int64 path (its words).
   bool deterministic = false;
 };
 
