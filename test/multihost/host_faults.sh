@@ -308,7 +308,7 @@ case $CASE in
     # mpiexec --enable-recovery keeps the survivors running to their deadline (by default it
     # would end the job itself, as in kill-2x2 (a)).
     lost_host_fault 2x2 1 kill_host checkpoint --mpiexec-arg --enable-recovery
-    survivors_name 2 "ranks 2, 3" "$NAME-h1"
+    killed_survivors_name 2 "ranks 2, 3" "$NAME-h1"
     job_ended
     v=$("$BIN/test/lockstep_fault_program" "$WORK/out" 0 verify)
     [[ $v == "OK step="* ]] && pass "the checkpoint is one save, whole ($v)" || fail "the checkpoint: $v"
