@@ -35,7 +35,11 @@ struct ExactSumOut {
 /// find their out at once (the last one found is tried first); others by binary search.
 class ExactSumWriter {
  public:
-  ExactSumWriter(const ExactSumOut* outs, std::int64_t nouts) : outs_(outs, outs + nouts) {
+  ExactSumWriter(const ExactSumOut* outs, std::int64_t nouts) {
+    // Empty outs (a tensor of no elements) hold nothing: left out, so that the out found for an
+    // element is the one that holds it.
+    for (std::int64_t j = 0; j < nouts; ++j)
+      if (outs[j].n > 0) outs_.push_back(outs[j]);
     std::sort(outs_.begin(), outs_.end(), [](const ExactSumOut& a, const ExactSumOut& b) { return a.at < b.at; });
   }
   /// f(dst, offset, len) for each piece of elements [at, at + m): dst receives elements

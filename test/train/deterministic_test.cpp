@@ -320,6 +320,48 @@ TEST_CASE("deterministic: the exact mean is at least as accurate as the f32 sum 
   CHECK(err_exact <= err_naive);
 }
 
+TEST_CASE("deterministic: a tensor of no elements beside others, reduced in place", "[deterministic]") {
+  // The step's result goes into the gradients where they lie, tensor by tensor: an empty one
+  // (here the first, at the same flat offset as the next) holds nothing and must not stop the
+  // others' writes. One micro-batch per rank (the fused path on one machine) and through a
+  // Backend without a fused form (the int64 path); both against one process.
+  ls::MPIBackend& b = backend();
+  const int rank = b.rank(), n = b.size();
+  lstest::ForwardingBackend plain(b);
+  ls::MPIBackend self(MPI_COMM_SELF);
+  struct Three {
+    ls::Tensor e, a, b;
+  };
+  auto make = [] { return Three{ls::Tensor::zeros({0}), ls::Tensor::zeros({300}), ls::Tensor::zeros({5})}; };
+  auto fill = [](int r, Three& t) {
+    Model m{ls::Tensor::borrow(t.a.data<float>(), {300}, ls::DType::f32, ls::Device::cpu()),
+            ls::Tensor::borrow(t.b.data<float>(), {5}, ls::DType::f32, ls::Device::cpu())};
+    gradient_of(r, m);
+  };
+  auto reduced = [&](ls::Backend& be, const std::vector<int>& rs) {
+    Three g = make();
+    const std::vector<ls::Tensor*> ptrs{&g.e, &g.a, &g.b};
+    ls::GradientReducer red(be, ptrs, {"e", "a", "b"}, ls::DistributedOptions{.deterministic = true});
+    for (std::size_t k = 0; k + 1 < rs.size(); ++k) {
+      fill(rs[k], g);
+      ls::detail::ReducerSteps::bind(red, ptrs);
+      ls::detail::ReducerSteps::accumulate(red);
+    }
+    fill(rs.back(), g);
+    red.reduce();
+    return g;
+  };
+  auto same = [](const Three& x, const Three& y) {
+    return std::memcmp(x.a.raw_data(), y.a.raw_data(), x.a.nbytes()) == 0 &&
+           std::memcmp(x.b.raw_data(), y.b.raw_data(), x.b.nbytes()) == 0;
+  };
+  std::vector<int> all;
+  for (int r = 0; r < n; ++r) all.push_back(r);
+  const Three one = reduced(self, all);
+  CHECK(all_ranks(same(reduced(b, {rank}), one)));
+  CHECK(all_ranks(same(reduced(plain, {rank}), one)));
+}
+
 TEST_CASE("deterministic: a rank with no micro-batch, and a non-finite gradient", "[deterministic]") {
   ls::MPIBackend& b = backend();
   const int rank = b.rank();
